@@ -1,0 +1,372 @@
+"""
+Depth-Attention (arXiv 2606.05014) on a Qwen3-style decoder, in one file.
+
+Before layer l attends over the sequence, its query attends over the keys that a few earlier layers stored
+*at the same token position* and mixes their values into its own value (`depth_mix`, SPEC section 3).
+The mixed value is what goes into the V cache, so inference keeps exactly a normal KV cache (`KVCache`).
+
+Imports only torch and the standard library.
+"""
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+DEPTH_MODES = ("vanilla", "uniform", "key", "kv", "value")
+MIXES_KEY = ("key", "kv")                  # modes whose cache K slot holds the depth-mixed key
+MIXES_VALUE = ("value", "uniform", "kv")   # modes whose cache V slot holds the depth-mixed value
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 50304         # tokenizer vocabulary (paper: GPT-NeoX 50304)
+    block_size: int = 1024          # context length in tokens (paper: 2048)
+    n_layer: int = 12               # distinct blocks (paper 3B: 48)
+    n_head: int = 12                # query heads (paper 3B: 32)
+    n_kv_head: int = 4              # key/value heads: = n_head is MHA, 1 is MQA, else GQA (paper 3B: 8)
+    head_dim: int = 64              # per-head width (paper: 64)
+    n_embd: int = 768               # hidden size (paper 3B: 2048)
+    mlp_hidden: int = 2048          # SwiGLU inner width (paper 3B: 6912)
+    rope_theta: float = 10000.0     # RoPE base (paper: 1e4)
+    qk_norm: bool = True            # per-head RMSNorm on q and k before RoPE, as in Qwen3
+    tie_embeddings: bool = False    # share token embedding and lm_head (paper: untied)
+    norm_eps: float = 1e-6          # RMSNorm epsilon (Qwen3 default)
+    init_std: float = 0.02          # std of normal init for every Linear and the embedding (paper 3B: 0.01)
+    depth_mode: str = "value"       # vanilla | uniform | key | kv | value (value = Depth-Attention)
+    depth_stride: Optional[int] = None  # source every `stride`-th layer; None = half the effective depth
+    depth_recent_window: int = 0    # also use the r most recent earlier layers as sources (paper: 0)
+    n_loops: int = 1                # apply the same n_layer blocks this many times (looped Transformer)
+
+    def __post_init__(self):
+        def need(ok, msg):
+            if not ok:
+                raise ValueError(f"ModelConfig: {msg}")
+        for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "head_dim", "n_embd",
+                     "mlp_hidden", "n_loops"):
+            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1,
+                 f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        need(self.n_head % self.n_kv_head == 0,
+             f"n_head ({self.n_head}) must be a multiple of n_kv_head ({self.n_kv_head}); "
+             f"pick n_kv_head from the divisors of n_head")
+        need(self.head_dim % 2 == 0, f"head_dim must be even for RoPE, got {self.head_dim}")
+        need(self.depth_mode in DEPTH_MODES,
+             f"unknown depth_mode {self.depth_mode!r}; choose one of {', '.join(DEPTH_MODES)}")
+        need(self.depth_stride is None or (isinstance(self.depth_stride, int) and self.depth_stride >= 1),
+             f"depth_stride must be an integer >= 1 (1 = every earlier layer, >= n_layer = layer 0 only) "
+             f"or None for half the depth, got {self.depth_stride!r}")
+        need(isinstance(self.depth_recent_window, int) and self.depth_recent_window >= 0,
+             f"depth_recent_window must be an integer >= 0, got {self.depth_recent_window!r}")
+        need(self.init_std > 0 and self.rope_theta > 0 and self.norm_eps > 0,
+             "init_std, rope_theta and norm_eps must be positive")
+
+    @property
+    def n_eff_layer(self) -> int:
+        """Effective depth: the depth index, the source rule and the cache slots all run over it."""
+        return self.n_layer * self.n_loops
+
+    @property
+    def stride(self) -> int:
+        return self.depth_stride if self.depth_stride is not None else max(1, self.n_eff_layer // 2)
+
+    def sources(self, e: int) -> list[int]:
+        """S(e) = {j < e : j % stride == 0} U {e-r, ..., e-1}, ascending (SPEC 3). Layer 0 has none."""
+        if self.depth_mode == "vanilla" or e == 0:
+            return []
+        picked = {j for j in range(e) if j % self.stride == 0}
+        picked |= set(range(max(0, e - self.depth_recent_window), e))
+        return sorted(picked)
+
+
+# ----------------------------------------------------------------------------- the method
+
+def depth_mix(q, k, v, src_k, src_v, mode):
+    """The depth step of layer l at every position t at once (SPEC 3; paper section 2).
+
+    q: (B, n_head, T, D) this layer's queries; k, v: (B, n_kv_head, T, D) its new key and value.
+    src_k, src_v: lists over the sources j in S(l), each (B, n_kv_head, T, D): what source j stored in
+    its own cache slots at the same positions (already mixed, so the mixing is recursive).
+    Candidates are the sources in ascending order, then the layer itself.
+
+      qbar_t  = mean of the g = n_head / n_kv_head query heads sharing a KV head
+      s_c     = <qbar_t, K_c,t> / sqrt(D)
+      alpha   = softmax_c(s) in float32              (uniform: 1 / number of candidates)
+      vt_t    = sum_c alpha_c V_c,t   (value, uniform, kv);   kt_t = sum_c alpha_c K_c,t   (key, kv)
+
+    q and k arrive after RoPE; every candidate carries the same rotation R_t, so the scores equal those of
+    the unrotated vectors and mixing keys commutes with the rotation (SPEC 3, note on RoPE).
+    Returns (k_out, v_out, alpha) with alpha: (B, n_kv_head, T, C), C = len(src_k) + 1.
+    """
+    keys, values = src_k + [k], src_v + [v]
+    B, H, T, D = q.shape
+    if mode == "uniform":
+        alpha = q.new_full((B, k.shape[1], T, len(keys)), 1.0 / len(keys), dtype=torch.float32)
+    else:
+        qbar = q.view(B, k.shape[1], H // k.shape[1], T, D).mean(2)                # (B, n_kv_head, T, D)
+        scores = torch.stack([torch.linalg.vecdot(qbar, kc) for kc in keys], -1)  # (B, n_kv_head, T, C)
+        alpha = (scores.float() / math.sqrt(D)).softmax(-1)
+
+    def mix(xs):
+        w = alpha.to(xs[0].dtype).unsqueeze(-1)                                     # (B, n_kv_head, T, C, 1)
+        return sum(w[..., c, :] * x for c, x in enumerate(xs))
+
+    return (mix(keys) if mode in MIXES_KEY else k), (mix(values) if mode in MIXES_VALUE else v), alpha
+
+
+# ----------------------------------------------------------------------------- the KV cache
+
+class KVCache:
+    """Preallocated K/V for every effective layer: (n_eff_layer, B, n_kv_head, max_len, head_dim) each.
+
+    Holds exactly what each layer stored: the mixed V for value/uniform, the mixed K for key, both for kv,
+    and nothing else, so its size is the same for every mode:
+    2 * n_layer * n_loops * n_kv_head * head_dim * bytes_per_element bytes per token per sequence.
+    """
+
+    def __init__(self, config: ModelConfig, batch_size: int, max_len: int, device=None, dtype=torch.float32):
+        if max_len > config.block_size:
+            raise ValueError(f"KVCache max_len {max_len} exceeds the context length block_size="
+                             f"{config.block_size}; shorten the prompt or the number of new tokens")
+        shape = (config.n_eff_layer, batch_size, config.n_kv_head, max_len, config.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.pos = 0  # tokens written so far; advanced by GPT.forward after all layers ran
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.nbytes // (self.k.shape[1] * self.max_len)
+
+    def update(self, e: int, k, v):
+        """Write layer e's records for the current chunk; return its K, V over positions 0..pos+T-1."""
+        end = self.pos + k.shape[2]
+        self.k[e, :, :, self.pos:end] = k
+        self.v[e, :, :, self.pos:end] = v
+        return self.k[e, :, :, :end], self.v[e, :, :, :end]
+
+
+# ----------------------------------------------------------------------------- the decoder
+
+def rope_tables(config: ModelConfig):
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim)
+    freqs = torch.outer(torch.arange(config.block_size).float(), inv_freq)
+    freqs = torch.cat([freqs, freqs], -1)                                           # (block_size, D)
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate-half RoPE (the Llama/Qwen3 layout); x: (B, heads, T, D), cos/sin: (T, D)."""
+    x1, x2 = x.chunk(2, -1)
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).type_as(x) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        c = config
+        self.n_head, self.n_kv_head, self.head_dim, self.mode = c.n_head, c.n_kv_head, c.head_dim, c.depth_mode
+        self.q_proj = nn.Linear(c.n_embd, c.n_head * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.n_embd, c.n_kv_head * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.n_embd, c.n_kv_head * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.n_head * c.head_dim, c.n_embd, bias=False)
+        self.q_norm = RMSNorm(c.head_dim, c.norm_eps) if c.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(c.head_dim, c.norm_eps) if c.qk_norm else nn.Identity()
+
+    def forward(self, x, cos, sin, src_k, src_v, cache, e):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)                  # (B, T, n_head, D)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim)
+        q = apply_rope(self.q_norm(q).transpose(1, 2), cos, sin)                   # (B, n_head, T, D)
+        k = apply_rope(self.k_norm(k).transpose(1, 2), cos, sin)                   # (B, n_kv_head, T, D)
+        v = v.transpose(1, 2)                                                       # (B, n_kv_head, T, D)
+        alpha = None
+        if self.mode != "vanilla" and e > 0:
+            k, v, alpha = depth_mix(q, k, v, src_k, src_v, self.mode)
+        record = (k, v)  # what this layer stores: later layers' depth steps read exactly this
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            pos = cache.pos
+            k, v = cache.update(e, k, v)                                            # (B, n_kv_head, pos+T, D)
+            # Queries sit at positions pos..pos+T-1, so the causal mask is aligned bottom-right.
+            mask = None if T == 1 else (
+                torch.arange(pos + T, device=x.device) <= torch.arange(pos, pos + T, device=x.device)[:, None])
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)            # (B, T, n_head * D)
+        return self.o_proj(y), record, alpha
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.n_embd, config.mlp_hidden, bias=False)
+        self.up_proj = nn.Linear(config.n_embd, config.mlp_hidden, bias=False)
+        self.down_proj = nn.Linear(config.mlp_hidden, config.n_embd, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.n_embd, config.norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.n_embd, config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, cos, sin, src_k, src_v, cache, e):
+        a, record, alpha = self.self_attn(self.input_layernorm(x), cos, sin, src_k, src_v, cache, e)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x)), record, alpha
+
+
+class GPT(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.n_embd)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.norm = RMSNorm(config.n_embd, config.norm_eps)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        if config.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        cos, sin = rope_tables(config)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        # Source rule per effective layer, and the last layer that reads each source (records are freed then).
+        self.depth_sources = [config.sources(e) for e in range(config.n_eff_layer)]
+        self.last_reader = {j: e for e, src in enumerate(self.depth_sources) for j in src}
+        self._alpha_sink = None
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())  # parameters() yields a tied weight once
+        if non_embedding:
+            n -= self.embed_tokens.weight.numel()
+        return n
+
+    def new_cache(self, batch_size: int, max_len: Optional[int] = None, dtype=None) -> KVCache:
+        p = self.lm_head.weight
+        return KVCache(self.config, batch_size, max_len or self.config.block_size, p.device, dtype or p.dtype)
+
+    @contextmanager
+    def capture_depth_weights(self):
+        """Collect the depth weights of every forward inside the block, for analysis:
+        {effective layer e: (sources S(e), alpha (B, n_kv_head, T, |S(e)| + 1) float32, detached)}.
+        Off by default; when off the forward pays one `is None` check per layer."""
+        sink = {}
+        self._alpha_sink = sink
+        try:
+            yield sink
+        finally:
+            self._alpha_sink = None
+
+    def forward(self, idx, targets=None, cache: Optional[KVCache] = None):
+        """idx: (B, T) token ids. Returns (logits (B, T, vocab), loss or None).
+        With a cache, idx continues the sequence at position cache.pos (prefill, a chunk or one token)."""
+        B, T = idx.shape
+        pos = cache.pos if cache is not None else 0
+        if pos + T > self.config.block_size:
+            raise ValueError(f"sequence of {pos + T} tokens exceeds the context length block_size="
+                             f"{self.config.block_size}")
+        if cache is not None and pos + T > cache.max_len:
+            raise ValueError(f"KV cache holds {cache.max_len} tokens, {pos + T} requested; make a larger cache")
+        cos, sin = self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T]
+        x = self.embed_tokens(idx)                                                  # (B, T, n_embd)
+        records = {}  # effective layer -> (K, V) it stored for these positions, kept until its last reader
+        for e in range(self.config.n_eff_layer):
+            src = self.depth_sources[e]
+            x, record, alpha = self.layers[e % self.config.n_layer](
+                x, cos, sin, [records[j][0] for j in src], [records[j][1] for j in src], cache, e)
+            for j in src:
+                if self.last_reader[j] == e:
+                    del records[j]
+            if e in self.last_reader:
+                records[e] = record
+            if self._alpha_sink is not None and alpha is not None:
+                self._alpha_sink[e] = (src, alpha.detach())
+        if cache is not None:
+            cache.pos += T
+        logits = self.lm_head(self.norm(x))                                         # (B, T, vocab)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        return logits, loss
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None,
+                 generator: Optional[torch.Generator] = None):
+        """Sample max_new_tokens after the prompt idx (B, T) with the KV cache; temperature 0 is greedy."""
+        B, T = idx.shape
+        if T + max_new_tokens > self.config.block_size:
+            raise ValueError(f"prompt ({T} tokens) + max_new_tokens ({max_new_tokens}) = {T + max_new_tokens} "
+                             f"exceeds the context length block_size={self.config.block_size}; shorten the "
+                             f"prompt or ask for fewer tokens")
+        cache = self.new_cache(B, T + max_new_tokens)
+        logits, _ = self(idx, cache=cache)
+        out = [idx]
+        for i in range(max_new_tokens):
+            last = logits[:, -1].float()
+            if temperature == 0:
+                nxt = last.argmax(-1, keepdim=True)
+            else:
+                last = last / temperature
+                if top_k is not None:
+                    kth = torch.topk(last, min(top_k, last.size(-1))).values[:, -1:]
+                    last = last.masked_fill(last < kth, float("-inf"))
+                nxt = torch.multinomial(last.softmax(-1), 1, generator=generator)
+            out.append(nxt)
+            if i + 1 < max_new_tokens:
+                logits, _ = self(nxt, cache=cache)
+        return torch.cat(out, 1)
+
+
+# ----------------------------------------------------------------------------- analytic cost (SPEC 5, Table 2)
+
+def depth_cost(config: ModelConfig, bytes_per_element: int = 2) -> dict:
+    """Per-token extra cost of the depth step over vanilla, from the paper's formulas (Table 2).
+
+    C = number of candidates (sources plus self) summed over the layers that mix, d_kv = n_kv_head * head_dim.
+    value (the paper's row): FLOPs 4 * d_kv * C (2 for the scores, 2 for the mix); activation I/O
+    bytes * (2 * C + L) * d_kv (read K and V of every candidate, write one mixed vector per layer).
+    Other modes scale the same terms: uniform has no scores and reads only V; key/kv mix K (and V).
+    The persistent state (KV cache) is unchanged in every mode.
+    """
+    L, d_kv = config.n_eff_layer, config.n_kv_head * config.head_dim
+    C = sum(len(config.sources(e)) + 1 for e in range(1, L)) if config.depth_mode != "vanilla" else 0
+    mixing_layers = L if C else 0  # the paper counts L written vectors (Table 2 uses L = 48)
+    n_mix = {"vanilla": 0, "uniform": 1, "value": 1, "key": 1, "kv": 2}[config.depth_mode]
+    score_flops = 0 if config.depth_mode in ("vanilla", "uniform") else 2 * d_kv * C
+    reads = {"vanilla": 0, "uniform": C, "value": 2 * C, "key": C, "kv": 2 * C}[config.depth_mode]
+    return {
+        "candidates": C,
+        "flops_per_token": score_flops + 2 * d_kv * C * n_mix,
+        "io_bytes_per_token": bytes_per_element * (reads + n_mix * mixing_layers) * d_kv,
+        "extra_persistent_bytes": 0,
+    }
