@@ -83,6 +83,11 @@ class ModelConfig:
 
 # ----------------------------------------------------------------------------- the method
 
+def fp32_or_wider(x):
+    """Upcast bf16/fp16 to float32 for softmax, norms and the loss; leave float32/float64 as they are."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 def depth_mix(q, k, v, src_k, src_v, mode):
     """The depth step of layer l at every position t at once (SPEC 3; paper section 2).
 
@@ -103,11 +108,11 @@ def depth_mix(q, k, v, src_k, src_v, mode):
     keys, values = src_k + [k], src_v + [v]
     B, H, T, D = q.shape
     if mode == "uniform":
-        alpha = q.new_full((B, k.shape[1], T, len(keys)), 1.0 / len(keys), dtype=torch.float32)
+        alpha = q.new_full((B, k.shape[1], T, len(keys)), 1.0 / len(keys), dtype=fp32_or_wider(q).dtype)
     else:
         qbar = q.view(B, k.shape[1], H // k.shape[1], T, D).mean(2)                # (B, n_kv_head, T, D)
         scores = torch.stack([torch.linalg.vecdot(qbar, kc) for kc in keys], -1)  # (B, n_kv_head, T, C)
-        alpha = (scores.float() / math.sqrt(D)).softmax(-1)
+        alpha = (fp32_or_wider(scores) / math.sqrt(D)).softmax(-1)
 
     def mix(xs):
         w = alpha.to(xs[0].dtype).unsqueeze(-1)                                     # (B, n_kv_head, T, C, 1)
@@ -158,8 +163,9 @@ class KVCache:
 # ----------------------------------------------------------------------------- the decoder
 
 def rope_tables(config: ModelConfig):
-    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim)
-    freqs = torch.outer(torch.arange(config.block_size).float(), inv_freq)
+    """cos, sin of every position, (block_size, D), in float64; the forward casts them to the activations."""
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim)
+    freqs = torch.outer(torch.arange(config.block_size, dtype=torch.float64), inv_freq)
     freqs = torch.cat([freqs, freqs], -1)                                           # (block_size, D)
     return freqs.cos(), freqs.sin()
 
@@ -167,7 +173,7 @@ def rope_tables(config: ModelConfig):
 def apply_rope(x, cos, sin):
     """Rotate-half RoPE (the Llama/Qwen3 layout); x: (B, heads, T, D), cos/sin: (T, D)."""
     x1, x2 = x.chunk(2, -1)
-    return x * cos + torch.cat([-x2, x1], -1) * sin
+    return x * cos.to(x.dtype) + torch.cat([-x2, x1], -1) * sin.to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -177,7 +183,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        return F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).type_as(x) * self.weight
+        # Normalise in at least float32 (bf16 activations under autocast), as Qwen3 does.
+        return F.rms_norm(fp32_or_wider(x), (x.shape[-1],), eps=self.eps).type_as(x) * self.weight
 
 
 class Attention(nn.Module):
@@ -316,7 +323,7 @@ class GPT(nn.Module):
         logits = self.lm_head(self.norm(x))                                         # (B, T, vocab)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+            loss = F.cross_entropy(fp32_or_wider(logits).view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
     @torch.no_grad()

