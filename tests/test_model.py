@@ -68,13 +68,12 @@ def reference_forward(model: GPT, idx):
                 K.append(Kt)
                 V.append(Vt)
             stored[e] = (K, V)
+            Kmat = [torch.stack([K[u][j] for u in range(T)]) for j in range(Hkv)]  # per KV head: (T, D)
+            Vmat = [torch.stack([V[u][j] for u in range(T)]) for j in range(Hkv)]
             out = []
-            for t in range(T):
-                heads = []
-                for i in range(H):
-                    s = torch.stack([(q[t][i] * K[u][i // g]).sum() / math.sqrt(D) for u in range(t + 1)])
-                    p = torch.softmax(s, 0)
-                    heads.append(sum(p[u] * V[u][i // g] for u in range(t + 1)))
+            for t in range(T):  # query head i reads KV head i // g over positions 0..t
+                heads = [torch.softmax(Kmat[i // g][: t + 1] @ q[t][i] / math.sqrt(D), 0) @ Vmat[i // g][: t + 1]
+                         for i in range(H)]
                 out.append(torch.cat(heads))
             x = x + torch.stack(out) @ at.o_proj.weight.T
             h = rms(x, blk.post_attention_layernorm.weight)
