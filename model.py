@@ -162,11 +162,13 @@ class KVCache:
 
 # ----------------------------------------------------------------------------- the decoder
 
-def rope_tables(config: ModelConfig):
-    """cos, sin of every position, (block_size, D), in float64; the forward casts them to the activations."""
-    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2, dtype=torch.float64) / config.head_dim)
-    freqs = torch.outer(torch.arange(config.block_size, dtype=torch.float64), inv_freq)
-    freqs = torch.cat([freqs, freqs], -1)                                           # (block_size, D)
+def rope_tables(config: ModelConfig, start: int, T: int, device, dtype):
+    """cos, sin for positions start .. start+T-1, (T, D). Computed on the fly in the model's parameter
+    precision (float32, or float64 for exact tests), which every backend supports and keeps long positions
+    accurate; apply_rope casts them to the activations."""
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2, device=device, dtype=dtype) / config.head_dim)
+    freqs = torch.outer(torch.arange(start, start + T, device=device, dtype=dtype), inv_freq)
+    freqs = torch.cat([freqs, freqs], -1)                                           # (T, D)
     return freqs.cos(), freqs.sin()
 
 
@@ -259,9 +261,6 @@ class GPT(nn.Module):
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        cos, sin = rope_tables(config)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
         # Source rule per effective layer, and the last layer that reads each source (records are freed then).
         self.depth_sources = [config.sources(e) for e in range(config.n_eff_layer)]
         self.last_reader = {j: e for e, src in enumerate(self.depth_sources) for j in src}
@@ -304,7 +303,8 @@ class GPT(nn.Module):
                              f"{self.config.block_size}")
         if cache is not None and pos + T > cache.max_len:
             raise ValueError(f"KV cache holds {cache.max_len} tokens, {pos + T} requested; make a larger cache")
-        cos, sin = self.rope_cos[pos:pos + T], self.rope_sin[pos:pos + T]
+        w = self.lm_head.weight
+        cos, sin = rope_tables(self.config, pos, T, idx.device, fp32_or_wider(w).dtype)
         x = self.embed_tokens(idx)                                                  # (B, T, n_embd)
         records = {}  # effective layer -> (K, V) it stored for these positions, kept until its last reader
         for e in range(self.config.n_eff_layer):

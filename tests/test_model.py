@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import tiny_config, tiny_model
-from model import DEPTH_MODES, GPT, KVCache, ModelConfig, apply_rope, depth_cost
+from model import DEPTH_MODES, GPT, KVCache, ModelConfig, apply_rope, depth_cost, rope_tables
 
 DEPTH_ONLY = [m for m in DEPTH_MODES if m != "vanilla"]
 
@@ -153,11 +153,12 @@ def test_cache_holds_exactly_the_records(mode):
     hooks = [blk.self_attn.register_forward_pre_hook(
         lambda mod, args, i=i: raw.__setitem__(i, args[0])) for i, blk in enumerate(model.layers)]
     cache = model.new_cache(2, 6)
+    cos, sin = rope_tables(model.config, 0, 6, "cpu", torch.float32)
     with torch.no_grad():
         model(idx, cache=cache)
         for e, blk in enumerate(model.layers):
             at, h = blk.self_attn, raw[e]
-            k = apply_rope(at.k_norm(at.k_proj(h).view(2, 6, 2, 8)).transpose(1, 2), model.rope_cos[:6], model.rope_sin[:6])
+            k = apply_rope(at.k_norm(at.k_proj(h).view(2, 6, 2, 8)).transpose(1, 2), cos, sin)
             v = at.v_proj(h).view(2, 6, 2, 8).transpose(1, 2)
             mixed_k, mixed_v = mode in ("key", "kv") and e > 0, mode in ("value", "uniform", "kv") and e > 0
             assert torch.allclose(cache.k[e], k, atol=1e-6) != mixed_k, f"layer {e} K slot in mode {mode}"

