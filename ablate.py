@@ -80,7 +80,8 @@ def train_one(name, seed, base, extra, out, threads):
                               env=env, cwd=ROOT)
     if proc.returncode != 0:
         raise RuntimeError(f"{name} seed {seed} failed (exit {proc.returncode}); see {run_dir / 'train.out'}")
-    return f"{name} seed {seed}: val_loss {final_val_loss(run_dir):.4f}"
+    loss = final_val_loss(run_dir)
+    return f"{name} seed {seed}: " + (f"val_loss {loss:.4f}" if loss is not None else "stopped before the end")
 
 
 def summarize(out, names, seeds):

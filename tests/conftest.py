@@ -1,3 +1,4 @@
+import random
 import sys
 from pathlib import Path
 
@@ -8,6 +9,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from model import GPT, ModelConfig  # noqa: E402
+import prepare_data  # noqa: E402
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -33,3 +35,17 @@ def tiny_model(seed=0, dtype=torch.float32, **overrides) -> GPT:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)
+
+
+@pytest.fixture(scope="session")
+def data_root(tmp_path_factory):
+    """A tiny corpus from a small grammar, tokenized to bytes by prepare_data's text source: data_root/tiny."""
+    root = tmp_path_factory.mktemp("data")
+    rng = random.Random(0)
+    words = "the a cat dog sat ran on under mat log and then".split()
+    for i in range(10):
+        text = "\n".join(" ".join(rng.choice(words) for _ in range(8)) + "." for _ in range(40))
+        (root / f"doc{i}.txt").write_text(text)
+    prepare_data.prepare("text", name="tiny", tokenizer="bytes", inputs=[str(root / "doc*.txt")],
+                         out_dir=root, num_proc=1)
+    return root

@@ -5,7 +5,6 @@ its checkpoint must all reproduce its losses.
 """
 import json
 import os
-import random
 import runpy
 import subprocess
 import sys
@@ -14,7 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import prepare_data
 from configurator import parse_config
 from model import ModelConfig
 
@@ -45,20 +43,6 @@ def read_log(out_dir):
 def max_diff(a, b):
     assert a.keys() == b.keys(), f"different steps logged: {sorted(a.keys() ^ b.keys())}"
     return max(abs(a[k] - b[k]) for k in a)
-
-
-@pytest.fixture(scope="module")
-def data_root(tmp_path_factory):
-    """A tiny corpus from a small grammar, tokenized to bytes by prepare_data's text source."""
-    root = tmp_path_factory.mktemp("data")
-    rng = random.Random(0)
-    words = "the a cat dog sat ran on under mat log and then".split()
-    for i in range(10):
-        text = "\n".join(" ".join(rng.choice(words) for _ in range(8)) + "." for _ in range(40))
-        (root / f"doc{i}.txt").write_text(text)
-    prepare_data.prepare("text", name="tiny", tokenizer="bytes", inputs=[str(root / "doc*.txt")],
-                         out_dir=root, num_proc=1)
-    return root
 
 
 @pytest.fixture(scope="module")
