@@ -4,7 +4,8 @@ Command-line configuration shared by train.py, bench_cache.py and ablate.py.
     python train.py configs/minipile_value.py --n_layer=8 --depth_mode=vanilla
 
 Positional arguments are config files: plain Python assignments (`n_layer = 12`), applied in order.
-Then `--key=value` overrides. Every key must already exist in the defaults; values are parsed to the
+A file may start from another with `base_config = "other.py"` (a path relative to the file): the other file's
+assignments come first, so a variant states only the lines that differ. Then `--key=value` overrides. Every key must already exist in the defaults; values are parsed to the
 type of the default (an int is accepted where a float is expected; `None` is accepted anywhere, and a
 default of `None` accepts any literal). Anything else is an error that names the fix.
 """
@@ -44,14 +45,18 @@ def _parse_literal(text):
         return text  # a bare word such as --depth_mode=value is a string
 
 
-def read_config_file(path) -> dict:
-    """The assignments of a config file, evaluated with no access to the caller's names."""
+def read_config_file(path, _seen=()) -> dict:
+    """The assignments of a config file (after those of its base_config), evaluated in an empty scope."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} not found; the configs/ folder lists the ones that ship")
+    if path.resolve() in _seen:
+        raise ConfigError(f"config file {path} includes itself through base_config")
     scope = {}
     exec(compile(path.read_text(), str(path), "exec"), {}, scope)
-    return {k: v for k, v in scope.items() if not k.startswith("_")}
+    own = {k: v for k, v in scope.items() if not k.startswith("_")}
+    base = own.pop("base_config", None)
+    return {**read_config_file(path.parent / base, (*_seen, path.resolve())), **own} if base else own
 
 
 def parse_config(defaults: dict, argv: list) -> dict:

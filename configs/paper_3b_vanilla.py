@@ -1,33 +1,4 @@
-# The vanilla baseline of paper_3b_value.py: the same model and recipe without the depth step.
-# Data: python prepare_data.py pile --shards N
-dataset = "pile"
-out_dir = "out/paper_3b_vanilla"
+# The vanilla twin of paper_3b_value.py: the same model and run without the depth step.
+base_config = "paper_3b_value.py"
 depth_mode = "vanilla"
-
-vocab_size = 50304
-block_size = 2048
-n_layer = 48
-n_head = 32
-n_kv_head = 8
-head_dim = 64
-n_embd = 2048
-mlp_hidden = 6912
-rope_theta = 10000.0
-qk_norm = True
-tie_embeddings = False
-init_std = 0.01
-depth_stride = 24
-depth_recent_window = 0
-
-batch_tokens = 1024 * 2048
-micro_batch = 2  # per GPU; weights, grads and AdamW state take ~44 GB per GPU under DDP; lower it if memory runs out
-max_iters = 15259  # 32B tokens / 2,097,152 per step: one pass
-learning_rate = 1e-3
-min_lr_ratio = 0.1
-warmup_frac = 0.02
-weight_decay = 0.1
-grad_clip = 1.0
-eval_interval = 500
-eval_seqs = 1024
-ckpt_interval = 500
-compile = True
+out_dir = "out/paper_3b_vanilla"

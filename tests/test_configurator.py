@@ -1,0 +1,39 @@
+"""The shared command-line config parser: typing, unknown keys, config files and base_config."""
+import pytest
+
+from configurator import ConfigError, parse_config
+
+DEFAULTS = {"n_layer": 12, "lr": 1e-3, "stride": None, "name": "run", "compile": False}
+
+
+def test_overrides_are_typed_like_the_default():
+    cfg = parse_config(DEFAULTS, ["--n_layer=4", "--lr=1", "--stride=3", "--name=123", "--compile=True"])
+    assert cfg == {"n_layer": 4, "lr": 1.0, "stride": 3, "name": "123", "compile": True}
+    assert isinstance(cfg["lr"], float)
+    assert parse_config(DEFAULTS, ["--stride=None"])["stride"] is None
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--n_layers=4"], "unknown config key 'n_layers'; known keys: compile, lr, n_layer, name, stride"),
+    (["--n_layer=1.5"], "--n_layer: expected int"),
+    (["--compile=maybe"], "--compile: expected bool"),
+    (["--n_layer"], "must look like --key=value"),
+    (["missing.py"], "config file missing.py not found"),
+])
+def test_bad_arguments_name_the_fix(argv, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(")):
+        parse_config(DEFAULTS, argv)
+
+
+def test_files_apply_in_order_and_inherit_from_base_config(tmp_path):
+    (tmp_path / "base.py").write_text("n_layer = 8\nname = 'base'\nlr = 3e-4\n")
+    (tmp_path / "child.py").write_text("base_config = 'base.py'\nname = 'child'\n")
+    (tmp_path / "delta.py").write_text("lr = 2e-3\n")
+    cfg = parse_config(DEFAULTS, [str(tmp_path / "child.py"), str(tmp_path / "delta.py"), "--n_layer=2"])
+    assert cfg == {**DEFAULTS, "n_layer": 2, "name": "child", "lr": 2e-3}
+    (tmp_path / "loop.py").write_text("base_config = 'loop.py'\n")
+    with pytest.raises(ConfigError, match="includes itself"):
+        parse_config(DEFAULTS, [str(tmp_path / "loop.py")])
+    (tmp_path / "bad.py").write_text("n_layers = 3\n")
+    with pytest.raises(ConfigError, match="unknown config key 'n_layers'"):
+        parse_config(DEFAULTS, [str(tmp_path / "bad.py")])
