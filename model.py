@@ -212,12 +212,14 @@ class Attention(nn.Module):
         alpha = None
         if self.mode != "vanilla" and e > 0:
             k, v, alpha = depth_mix(q, k, v, src_k, src_v, self.mode)
-        record = (k, v)  # what this layer stores: later layers' depth steps read exactly this
+        # record: what this layer stores; later layers' depth steps read exactly this (SPEC 3)
         if cache is None:
+            record = (k, v)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
             pos = cache.pos
             k, v = cache.update(e, k, v)                                            # (B, n_kv_head, pos+T, D)
+            record = (k[:, :, pos:], v[:, :, pos:])  # views of the slots just written: no second copy
             # Queries sit at positions pos..pos+T-1, so the causal mask is aligned bottom-right.
             mask = None if T == 1 else (
                 torch.arange(pos + T, device=x.device) <= torch.arange(pos, pos + T, device=x.device)[:, None])

@@ -1,0 +1,344 @@
+"""
+What the depth step costs over vanilla: measured on this machine and analytic (SPEC 4-5; paper Tables 2-4).
+
+    python bench_cache.py                                          # CPU default: 153M params, ~7 min on 2 cores
+    python bench_cache.py --modes=vanilla,value --repeats=3 --json=out/bench.json
+    python bench_cache.py --preset=paper_1p5b --batch=4 --prompt_len=1024 --new_tokens=64   # GPU
+
+For every mode: the KV-cache bytes after a prefill (read from the cache) and the peak memory of that prefill
+(measured once, in a fresh process); the prefill time, the decode time per token and a training step
+(forward, backward, AdamW), each the median of interleaved repeats. Every figure has its ratio to vanilla
+measured in the same run.
+`value@3` is the value mode with n_loops=3; its baseline is `vanilla@3`, added when missing.
+Then the analytic per-token cost (model.depth_cost) and the paper's Table 2 for its 3B model.
+"""
+import json
+import math
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, replace
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from configurator import ConfigError, parse_config
+from model import GPT, ModelConfig, depth_cost
+
+# The paper's shapes (SPEC 6). The 3B one also feeds the Table 2 reproduction below.
+PAPER_3B = dict(vocab_size=50304, block_size=2048, n_layer=48, n_head=32, n_kv_head=8, head_dim=64, n_embd=2048,
+                mlp_hidden=6912, init_std=0.01, depth_stride=24)
+PRESETS = {"paper_3b": PAPER_3B,
+           "paper_1p5b": dict(PAPER_3B, n_head=24, n_kv_head=6, n_embd=1536, mlp_hidden=4096)}
+
+# depth_mode is replaced by `modes`: every run compares several modes against vanilla.
+MODEL_KEYS = {k: v for k, v in asdict(ModelConfig()).items() if k != "depth_mode"}
+BENCH_KEYS = dict(
+    preset="",         # paper_1p5b | paper_3b: the paper's shape; --key=value still overrides it
+    device="auto",     # auto = cuda if available, else cpu
+    dtype="auto",      # weights, activations and cache; auto = bfloat16 on cuda (when supported), else float32
+    threads=1,         # CPU threads for torch, 0 = torch's default. One, because on a shared machine a
+                       # descheduled thread stalls every parallel op (measured beside another job on 2 cores:
+                       # 2 threads ran prefill, decode and fwd+bwd 2-20x slower than 1 thread)
+    batch=2,           # sequences per prefill, decode and training step
+    prompt_len=64,     # prefill length; also the training sequence length
+    new_tokens=16,     # decode steps after the prefill (the cache holds prompt_len + new_tokens)
+    warmup=1,          # untimed rounds over every mode
+    repeats=9,         # timed rounds; each timing is the median over them (decode: over all their tokens)
+    modes="vanilla,value,uniform,key,kv,value@3",
+    seed=0,
+    json="",           # write the results here too
+)
+DEFAULTS = {**MODEL_KEYS, **BENCH_KEYS}
+
+METRICS = ("cache_bytes", "prefill_peak_bytes", "prefill_s", "decode_s_per_token", "train_step_s")
+TIMED = METRICS[2:]
+PREFILL_128K = 128 * 1024  # Table 2 quotes extra prefill memory at a 128K-token context
+# Table 2's hidden-state baselines, per token of the 3B model. Memory: extra D-vectors that live through the
+# prefill. FLOPs and I/O: the paper's figures, quoted (their derivations are not given).
+ATTNRES_BLOCK = 12   # AttnRes block size (authors' default): its 2L sublayers pool into 2L/12 = 8 block states
+MHC_STREAMS = 4      # mHC residual streams (authors' default): 3 beyond the usual one
+BASELINES_QUOTED = {"DenseFormer": (5.01e6, 4.97), "AttnRes": (4.26e6, 4.44), "mHC": (4.72e7, 8.63)}
+DEPTH_ATTENTION_QUOTED = (2.40e5, 282)  # FLOPs, KiB
+
+
+def resolve(argv):
+    cfg = parse_config(DEFAULTS, argv)
+    if cfg["preset"]:
+        if cfg["preset"] not in PRESETS:
+            raise ConfigError(f"unknown preset {cfg['preset']!r}; choose one of {', '.join(PRESETS)}")
+        cfg = parse_config({**DEFAULTS, **PRESETS[cfg["preset"]]}, argv)  # the command line wins over the preset
+    for key in ("batch", "prompt_len", "new_tokens", "repeats"):
+        if cfg[key] < 1:
+            raise ConfigError(f"--{key} must be at least 1, got {cfg[key]}")
+    if cfg["device"] == "auto":
+        cfg["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+    if cfg["dtype"] == "auto":
+        cfg["dtype"] = "bfloat16" if cfg["device"] == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+    labels = list(dict.fromkeys(m.strip() for m in cfg["modes"].split(",") if m.strip()))
+    for label in list(labels):
+        if baseline(label) not in labels:
+            labels.insert(labels.index(label), baseline(label))
+    cfg["modes"] = ",".join(labels)
+    return cfg
+
+
+def baseline(label):
+    """value@3 is compared with vanilla@3, value with vanilla."""
+    _, at, loops = label.partition("@")
+    return "vanilla" + at + loops
+
+
+def model_config(cfg, label) -> ModelConfig:
+    mode, _, loops = label.partition("@")
+    if loops and not loops.isdigit():
+        raise ConfigError(f"mode {label!r}: write the loop count as a number, e.g. value@3")
+    base = ModelConfig(**{k: cfg[k] for k in MODEL_KEYS})
+    return replace(base, depth_mode=mode, n_loops=int(loops) if loops else base.n_loops)
+
+
+def build(cfg, label) -> GPT:
+    torch.manual_seed(cfg["seed"])
+    with torch.device(cfg["device"]):
+        return GPT(model_config(cfg, label)).to(getattr(torch, cfg["dtype"]))
+
+
+def share_weights(model, ref):
+    """Point every parameter of `model` at ref's (the architectures match in every mode): one set of
+    weights and one optimizer serve all modes, so a 1.5B model fits once rather than once per mode."""
+    for mod, ref_mod in zip(model.modules(), ref.modules()):
+        for name, p in ref_mod.named_parameters(recurse=False):
+            mod.register_parameter(name, p)
+
+
+def tokens(cfg):
+    g = torch.Generator().manual_seed(cfg["seed"])
+    t = torch.randint(cfg["vocab_size"], (cfg["batch"], cfg["prompt_len"] + cfg["new_tokens"] + 1), generator=g)
+    return t.to(cfg["device"])  # (B, P + G + 1): prompt, decode inputs, and the shifted training targets
+
+
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+# ----------------------------------------------------------------------------- peak memory, in a fresh process
+
+def proc_status_bytes(field):
+    """VmRSS / VmHWM of this process from /proc. Not ru_maxrss: a spawned child inherits its parent's
+    ru_maxrss through exec, so a child smaller than the parent would read the parent's peak."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} missing from /proc/self/status")
+
+
+def prefill_peak_child(cfg, label):
+    """Runs in its own process. Bytes above the built model at the peak of cache allocation + prefill."""
+    if cfg["threads"]:
+        torch.set_num_threads(cfg["threads"])
+    model, idx = build(cfg, label), tokens(cfg)[:, :cfg["prompt_len"]]
+
+    def prefill():
+        with torch.no_grad():
+            cache = model.new_cache(cfg["batch"], cfg["prompt_len"] + cfg["new_tokens"])
+            model(idx, cache=cache)
+    # A first prefill maps in the kernels' code pages (counted in RSS) and any library workspaces, once per
+    # process; the measured one below then sees only what a prefill allocates.
+    prefill()
+    if cfg["device"] == "cuda":
+        sync("cuda")
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+    else:
+        Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS (VmHWM) to the current RSS
+        base = proc_status_bytes("VmRSS")
+    prefill()
+    sync(cfg["device"])
+    peak = torch.cuda.max_memory_allocated() if cfg["device"] == "cuda" else proc_status_bytes("VmHWM")
+    return peak - base
+
+
+def prefill_peak(cfg, label):
+    if cfg["device"] == "cpu":
+        if not Path("/proc/self/clear_refs").exists():
+            raise RuntimeError("peak RSS needs Linux /proc (clear_refs, VmHWM); run on Linux or CUDA")
+        # glibc otherwise keeps freed blocks and moves its mmap threshold, so the child's RSS would follow its
+        # allocation history (+-6% between identical runs); fixed, every block >= 64 KiB goes back when freed
+        # and the peak RSS tracks the live bytes (+-0.3%). Read at process start: it changes only the children.
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)
+    # spawn: a fresh interpreter, so the peak is this prefill's and not left over from the parent or a sibling.
+    with multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(prefill_peak_child, (cfg, label))
+
+
+# ----------------------------------------------------------------------------- timing, in this process
+
+def timed(fn, device):
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return time.perf_counter() - t0
+
+
+def run_train_step(model, opt, cfg, toks):
+    P = cfg["prompt_len"]
+
+    def step():
+        _, loss = model(toks[:, :P], targets=toks[:, 1:P + 1])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return timed(step, cfg["device"])
+
+
+@torch.no_grad()
+def run_round(models, opt, cfg, toks, order, samples):
+    """One timed round: prefill every mode, decode token by token, one training step each, in `order`.
+    Decode alternates modes at every token, so a burst of load from elsewhere lands on all of them alike."""
+    P, G, device = cfg["prompt_len"], cfg["new_tokens"], cfg["device"]
+    caches = {label: models[label].new_cache(cfg["batch"], P + G) for label in order}
+    for label in order:
+        samples[label]["prefill_s"].append(timed(lambda: models[label](toks[:, :P], cache=caches[label]), device))
+        samples[label]["cache_bytes"].append(caches[label].nbytes)
+    for i in range(G):
+        for label in order:
+            samples[label]["decode_s_per_token"].append(
+                timed(lambda: models[label](toks[:, P + i:P + i + 1], cache=caches[label]), device))
+    del caches
+    with torch.enable_grad():
+        for label in order:
+            samples[label]["train_step_s"].append(run_train_step(models[label], opt, cfg, toks))
+
+
+def measure(cfg):
+    labels = cfg["modes"].split(",")
+    if cfg["threads"]:
+        torch.set_num_threads(cfg["threads"])
+    peaks = {label: prefill_peak(cfg, label)
+             for label in tqdm(labels, desc="prefill peak memory (fresh process each)", file=sys.stderr)}
+
+    models = {label: build(cfg, label) for label in labels}
+    ref = models[labels[0]]
+    for model in models.values():
+        share_weights(model, ref)
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-5)  # small: the shared weights barely move between modes
+    toks = tokens(cfg)
+
+    def empty():
+        return {label: {m: [] for m in METRICS} for label in labels}
+    samples = empty()
+    for r in tqdm(range(cfg["warmup"] + cfg["repeats"]), desc="timing rounds (modes interleaved)", file=sys.stderr):
+        # Start one mode later each round, so order effects (a cold cache after another mode) hit all alike.
+        order = labels[r % len(labels):] + labels[:r % len(labels)]
+        run_round(models, opt, cfg, toks, order, samples if r >= cfg["warmup"] else empty())
+    for label in labels:
+        samples[label]["prefill_peak_bytes"].append(peaks[label])
+    return samples, ref.num_params()
+
+
+# ----------------------------------------------------------------------------- analytic cost
+
+def paper_table2():
+    """Table 2 for the paper's 3B model: Depth-Attention from model.depth_cost, the baselines' extra prefill
+    memory from the number of extra D-vectors each keeps per token, their FLOPs and I/O quoted."""
+    cfg = ModelConfig(**PAPER_3B, depth_mode="value")
+    bytes_per, L, D = 2, cfg.n_layer, cfg.n_embd  # fp16, as in the paper
+    cost = depth_cost(cfg, bytes_per)
+    rows = {"Depth-Attention": {
+        "flops_per_token": cost["flops_per_token"], "io_bytes_per_token": cost["io_bytes_per_token"],
+        "extra_prefill_bytes_128k": cost["extra_persistent_bytes"] * PREFILL_128K,
+        "quoted_flops_per_token": DEPTH_ATTENTION_QUOTED[0], "quoted_io_kib_per_token": DEPTH_ATTENTION_QUOTED[1],
+        "quoted_extra_prefill_gib_128k": 0.0, "memory_formula": "KV cache only: 0 extra"}}
+    extra_vectors = {"DenseFormer": (L, "L*D"),                                    # every layer's output
+                     "AttnRes": (2 * L // ATTNRES_BLOCK, f"(2L/{ATTNRES_BLOCK})*D"),
+                     "mHC": (MHC_STREAMS - 1, f"({MHC_STREAMS}-1)*D")}
+    for name, (n_vec, formula) in extra_vectors.items():
+        flops, io_mib = BASELINES_QUOTED[name]
+        rows[name] = {"extra_prefill_bytes_128k": n_vec * D * bytes_per * PREFILL_128K,
+                      "memory_formula": f"{formula} x {bytes_per} B per token",
+                      "quoted_flops_per_token": flops, "quoted_io_mib_per_token": io_mib}
+    return {"shape": PAPER_3B, "candidates": cost["candidates"], "bytes_per_element": bytes_per,
+            "prefill_tokens": PREFILL_128K, "rows": rows}
+
+
+# ----------------------------------------------------------------------------- report
+
+def summarize(cfg, samples, num_params):
+    elem = torch.empty(0, dtype=getattr(torch, cfg["dtype"])).element_size()
+    medians = {label: {m: statistics.median(v) for m, v in s.items()} for label, s in samples.items()}
+    modes = {}
+    for label, med in medians.items():
+        base = medians[baseline(label)]
+        modes[label] = {
+            "baseline": baseline(label), **med,
+            "ratios": {m: med[m] / base[m] if base[m] else math.nan for m in METRICS},
+            # Another machine's load only ever adds time, so the fastest repeats show the intrinsic cost when
+            # that load hits more than half of the repeats (a shared CPU); the medians above are the headline.
+            "ratios_fastest": {m: min(samples[label][m]) / min(samples[baseline(label)][m]) for m in TIMED},
+            "samples": samples[label],
+            "depth_cost": depth_cost(model_config(cfg, label), elem),
+        }
+    return {"config": cfg, "num_params": num_params, "torch": torch.__version__, "modes": modes,
+            "paper_3b_table2": paper_table2()}
+
+
+def table(rows, header):
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in [header] + rows)
+
+
+def report(res):
+    cfg = res["config"]
+    MiB, KiB, GiB = 2 ** 20, 2 ** 10, 2 ** 30
+    print(f"\n{res['num_params'] / 1e6:.1f}M params, {cfg['device']} {cfg['dtype']}, batch {cfg['batch']}, "
+          f"prompt {cfg['prompt_len']}, {cfg['new_tokens']} new tokens; median of {cfg['repeats']} interleaved "
+          f"repeats after {cfg['warmup']} warm-up; (x) = ratio to the baseline mode in this run")
+    fmt = {"cache_bytes": lambda v: f"{v / MiB:.2f}", "prefill_peak_bytes": lambda v: f"{v / MiB:.1f}",
+           "prefill_s": lambda v: f"{v * 1e3:.0f}", "decode_s_per_token": lambda v: f"{v * 1e3:.1f}",
+           "train_step_s": lambda v: f"{v * 1e3:.0f}"}
+    rows = []
+    for label, m in res["modes"].items():
+        cells = [f"{fmt[k](m[k])} ({m['ratios'][k]:.3f}x)" for k in METRICS]
+        cost = m["depth_cost"]
+        rows.append([label, m["baseline"], *cells, f"{cost['flops_per_token']:.3g}",
+                     f"{cost['io_bytes_per_token'] / KiB:.1f}", cost["extra_persistent_bytes"]])
+    print(table(rows, ["mode", "vs", "cache MiB", "prefill peak MiB", "prefill ms", "decode ms/token",
+                       "train step ms", "+FLOPs/token", "+I/O KiB/token", "+persistent B"]))
+    print("ratio of the fastest repeats (less sensitive to other load on the machine): " + "; ".join(
+        f"{label} " + " ".join(f"{m['ratios_fastest'][k]:.3f}" for k in TIMED) for label, m in res["modes"].items()
+        if label != m["baseline"]) + "  (prefill, decode, train step)")
+
+    t2 = res["paper_3b_table2"]
+    print(f"\nPaper Table 2, 3B model (L=48, D=2048, d_kv=512, fp16, {t2['candidates']} candidates), extra "
+          f"per token and extra prefill memory at {t2['prefill_tokens'] // 1024}K tokens. 'paper' = quoted.")
+    da = t2["rows"]["Depth-Attention"]
+    rows = [["Depth-Attention", f"{da['flops_per_token']:.2e} (paper {da['quoted_flops_per_token']:.2e})",
+             f"{da['io_bytes_per_token'] / KiB:.1f} KiB (paper {da['quoted_io_kib_per_token']} KiB)",
+             f"{da['extra_prefill_bytes_128k'] / GiB:.1f} GiB (paper 0)", da["memory_formula"]]]
+    for name in BASELINES_QUOTED:
+        r = t2["rows"][name]
+        rows.append([name, f"{r['quoted_flops_per_token']:.2e} (paper)", f"{r['quoted_io_mib_per_token']} MiB (paper)",
+                     f"{r['extra_prefill_bytes_128k'] / GiB:.1f} GiB", r["memory_formula"]])
+    print(table(rows, ["method", "+FLOPs/token", "+I/O/token", "+prefill memory", "memory formula"]))
+
+
+def main(argv):
+    cfg = resolve(argv)
+    print("config:", json.dumps(cfg))
+    samples, num_params = measure(cfg)
+    res = summarize(cfg, samples, num_params)
+    report(res)
+    if cfg["json"]:
+        Path(cfg["json"]).parent.mkdir(parents=True, exist_ok=True)
+        Path(cfg["json"]).write_text(json.dumps(res, indent=1))
+        print(f"\nwrote {cfg['json']}")
+    return res
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
