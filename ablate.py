@@ -9,7 +9,7 @@ Every run is the base config, then its delta files from configs/ablations/, then
 then --seed and --out_dir: every mode gets the same budget and hyperparameters. A finished run (its log has
 the final evaluation) is skipped and a started one resumed from its checkpoint, so re-running the same
 command completes a partial sweep. Writes <out>/results.{md,json}, <out>/curves.png and
-<out>/depth_weights.png (matplotlib, optional: `pip install matplotlib`).
+<out>/depth_weights*.png (matplotlib, optional: `pip install matplotlib`).
 """
 import json
 import math
@@ -47,6 +47,9 @@ TABLES = [
     ("Stride (Figure 4)", ["vanilla", "stride_first", "value", "stride_quarter", "stride_full"], "vanilla"),
     ("Looped, 3 loops", ["looped_vanilla", "looped_value"], "looped_vanilla"),
 ]
+# runs whose seed-0 depth weights are drawn like the paper's Figure 3
+DEPTH_FIGURES = [("value", "depth_weights.png"), ("stride_full", "depth_weights_full.png"),
+                 ("looped_value", "depth_weights_looped.png")]
 PAPER = {"vanilla": 2.2348, "uniform": 2.2153, "value": 2.2115, "key": 2.2354, "kv": 2.2198,
          "stride_first": 2.2127, "stride_quarter": 2.2140, "stride_full": 2.2139,
          "looped_vanilla": 2.208, "looped_value": 2.194}  # 500M models, validation loss (SPEC 5)
@@ -85,23 +88,29 @@ def train_one(name, seed, base, extra, out, threads):
 
 
 def summarize(out, names, seeds):
-    """Mean and std over seeds, and the difference to the table's baseline in units of its standard error."""
-    losses = {n: [v for s in range(seeds) if (v := final_val_loss(out / n / f"seed{s}")) is not None] for n in names}
-    stats = {n: {"losses": v, "mean": float(np.mean(v)), "std": float(np.std(v, ddof=1)) if len(v) > 1 else None}
+    """Mean and std over seeds, and the difference to the table's baseline, paired by seed.
+
+    Runs with the same seed start from the same weights (every mode has the same parameters, created in the
+    same order) and see the same batches, so the noise that matters is the spread of the per-seed
+    differences: Δ/SE = mean(d) / (std(d) / sqrt(n)), d_s = loss(run, s) - loss(baseline, s)."""
+    losses = {n: {s: v for s in range(seeds) if (v := final_val_loss(out / n / f"seed{s}")) is not None}
+              for n in names}
+    stats = {n: {"losses": list(v.values()), "mean": float(np.mean(list(v.values()))),
+                 "std": float(np.std(list(v.values()), ddof=1)) if len(v) > 1 else None}
              for n, v in losses.items() if v}
     tables = []
     for title, rows, baseline in TABLES:
         rows = [n for n in rows if n in stats]
         if baseline not in stats or len(rows) < 2:
             continue
-        b, lines = stats[baseline], []
+        lines = []
         for n in rows:
-            s, diff = stats[n], stats[n]["mean"] - b["mean"]
-            se = math.sqrt((s["std"] ** 2 / len(s["losses"]) + b["std"] ** 2 / len(b["losses"]))) \
-                if s["std"] is not None and b["std"] is not None else None
-            lines.append({"run": n, "n": len(s["losses"]), "mean": s["mean"], "std": s["std"], "diff": diff,
-                          "diff_in_se": diff / se if se and n != baseline else None, "paper": PAPER.get(n),
-                          "paper_diff": PAPER[n] - PAPER[baseline] if n in PAPER else None})
+            d = [losses[n][s] - losses[baseline][s] for s in losses[n] if s in losses[baseline]]
+            sd = float(np.std(d, ddof=1)) if len(d) > 1 else None
+            lines.append({"run": n, "n": len(stats[n]["losses"]), "mean": stats[n]["mean"], "std": stats[n]["std"],
+                          "diff": float(np.mean(d)), "diff_std": sd,
+                          "diff_in_se": float(np.mean(d)) / (sd / math.sqrt(len(d))) if sd else None,
+                          "paper": PAPER.get(n), "paper_diff": PAPER[n] - PAPER[baseline] if n in PAPER else None})
         tables.append({"title": title, "baseline": baseline, "rows": lines})
     return stats, tables
 
@@ -111,12 +120,13 @@ def markdown(tables):
         return "n/a" if x is None else format(x, fmt)
     out = []
     for t in tables:
-        out += [f"**{t['title']}** (difference to `{t['baseline']}`; SE = standard error of that difference)", "",
+        out += [f"**{t['title']}** (Δ = run − `{t['baseline']}` with the same seed, mean ± std over seeds; "
+                f"SE = std / √seeds)", "",
                 "| run | seeds | val loss (mean ± std) | Δ vs baseline | Δ / SE | paper (500M) | paper Δ |",
                 "| --- | --- | --- | --- | --- | --- | --- |"]
-        out += [f"| {r['run']} | {r['n']} | {r['mean']:.4f} ± {f(r['std'], '.4f')} | {r['diff']:+.4f} | "
-                f"{f(r['diff_in_se'], '+.1f')} | {f(r['paper'], '.4f')} | {f(r['paper_diff'], '+.4f')} |"
-                for r in t["rows"]]
+        out += [f"| {r['run']} | {r['n']} | {r['mean']:.4f} ± {f(r['std'], '.4f')} | "
+                f"{r['diff']:+.4f} ± {f(r['diff_std'], '.4f')} | {f(r['diff_in_se'], '+.1f')} | "
+                f"{f(r['paper'], '.4f')} | {f(r['paper_diff'], '+.4f')} |" for r in t["rows"]]
         out.append("")
     return "\n".join(out)
 
@@ -211,11 +221,12 @@ def main(argv):
     print(markdown(tables))
     try:
         plot_curves(out, names, cfg["seeds"], out / "curves.png")
-        depth_run = "value" if "value" in names else next((n for n in names if "vanilla" not in n), None)
-        if depth_run:
-            plot_depth_weights(out / depth_run / "seed0" / "ckpt.pt", out / "depth_weights.png",
-                               f"Depth weights, {depth_run}, seed 0")
-        print(f"figures: {out / 'curves.png'}, {out / 'depth_weights.png'}")
+        figures = [out / "curves.png"]
+        for run, png in DEPTH_FIGURES:
+            if run in names:
+                plot_depth_weights(out / run / "seed0" / "ckpt.pt", out / png, f"Depth weights, {run}, seed 0")
+                figures.append(out / png)
+        print("figures:", ", ".join(map(str, figures)))
     except ImportError:
         print("matplotlib is not installed: no figures (pip install matplotlib)")
 
