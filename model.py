@@ -83,9 +83,13 @@ class ModelConfig:
 
 # ----------------------------------------------------------------------------- the method
 
+def wide_dtype(dtype):
+    """float32 for bf16/fp16, else the dtype itself: the precision of softmax, norms, RoPE and the loss."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def fp32_or_wider(x):
-    """Upcast bf16/fp16 to float32 for softmax, norms and the loss; leave float32/float64 as they are."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+    return x.to(wide_dtype(x.dtype))
 
 
 def depth_mix(q, k, v, src_k, src_v, mode):
@@ -108,7 +112,7 @@ def depth_mix(q, k, v, src_k, src_v, mode):
     keys, values = src_k + [k], src_v + [v]
     B, H, T, D = q.shape
     if mode == "uniform":
-        alpha = q.new_full((B, k.shape[1], T, len(keys)), 1.0 / len(keys), dtype=fp32_or_wider(q).dtype)
+        alpha = q.new_full((B, k.shape[1], T, len(keys)), 1.0 / len(keys), dtype=wide_dtype(q.dtype))
     else:
         qbar = q.view(B, k.shape[1], H // k.shape[1], T, D).mean(2)                # (B, n_kv_head, T, D)
         scores = torch.stack([torch.linalg.vecdot(qbar, kc) for kc in keys], -1)  # (B, n_kv_head, T, C)
@@ -253,6 +257,13 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), record, alpha
 
 
+def auto_device() -> str:
+    """The device a script uses when told "auto": cuda, then mps, then cpu."""
+    if torch.cuda.is_available():
+        return "cuda"
+    return "mps" if torch.backends.mps.is_available() else "cpu"
+
+
 class GPT(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -305,8 +316,7 @@ class GPT(nn.Module):
                              f"{self.config.block_size}")
         if cache is not None and pos + T > cache.max_len:
             raise ValueError(f"KV cache holds {cache.max_len} tokens, {pos + T} requested; make a larger cache")
-        w = self.lm_head.weight
-        cos, sin = rope_tables(self.config, pos, T, idx.device, fp32_or_wider(w).dtype)
+        cos, sin = rope_tables(self.config, pos, T, idx.device, wide_dtype(self.lm_head.weight.dtype))
         x = self.embed_tokens(idx)                                                  # (B, T, n_embd)
         records = {}  # effective layer -> (K, V) it stored for these positions, kept until its last reader
         for e in range(self.config.n_eff_layer):

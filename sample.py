@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from model import GPT, ModelConfig
+from model import GPT, ModelConfig, auto_device
 from prepare_data import get_tokenizer
 
 
@@ -33,9 +33,7 @@ def main(argv):
     path = Path(args.ckpt) if args.ckpt else Path(args.out_dir) / "ckpt.pt"
     if not path.is_file():
         sys.exit(f"error: no checkpoint at {path}; train one with `python train.py` or pass --out_dir/--ckpt")
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+    device = auto_device() if args.device == "auto" else args.device
     # mmap on the CPU: only the model's tensors are read, never the optimizer state beside them.
     ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     model = GPT(ModelConfig(**ckpt["model_config"]))

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 import prepare_data
 from configurator import ConfigError, parse_config
-from model import GPT, ModelConfig
+from model import GPT, ModelConfig, auto_device
 
 MODEL_KEYS = [f.name for f in fields(ModelConfig)]
 DEFAULTS = {
@@ -111,7 +111,7 @@ def resolve_config(argv):
 
 def pick_device(name, local_rank):
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "mps" if torch.backends.mps.is_available() else "cpu"
+        name = auto_device()
     if name == "cuda" and dist.is_initialized():
         name = f"cuda:{local_rank}"
     return name
