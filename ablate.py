@@ -1,5 +1,5 @@
 """
-The paper's ablations (SPEC 5: Tables 5-6, Figure 4, looped), as a sweep of train.py runs x seeds.
+The paper's ablations (paper section 3.3: Tables 5-6, Figure 4, looped), as a sweep of train.py runs x seeds.
 
     python ablate.py                                     # the CPU sweep on Shakespeare (about an hour, 2 cores)
     python ablate.py --base=configs/ablations/base.py --out=out/ablate_minipile --seeds=2 --jobs=1 \
@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from checkpoint import model_from_checkpoint, read_checkpoint
 from configurator import ConfigError, parse_config
-from model import GPT, ModelConfig
 
 ROOT = Path(__file__).resolve().parent
 DEFAULTS = {
@@ -52,7 +52,7 @@ DEPTH_FIGURES = [("value", "depth_weights.png"), ("stride_full", "depth_weights_
                  ("looped_value", "depth_weights_looped.png")]
 PAPER = {"vanilla": 2.2348, "uniform": 2.2153, "value": 2.2115, "key": 2.2354, "kv": 2.2198,
          "stride_first": 2.2127, "stride_quarter": 2.2140, "stride_full": 2.2139,
-         "looped_vanilla": 2.208, "looped_value": 2.194}  # 500M models, validation loss (SPEC 5)
+         "looped_vanilla": 2.208, "looped_value": 2.194}  # 500M models, validation loss (paper Tables 5-6, Figure 4)
 
 
 def read_log(run_dir):
@@ -158,10 +158,8 @@ def plot_curves(out, names, seeds, path):
 def depth_weight_matrix(ckpt_path, n_windows=16):
     """Average depth weight each effective layer puts on each candidate (its sources, then itself),
     over fixed validation windows, batch rows, KV heads and positions: (L, L), NaN where not a candidate."""
-    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
-    model = GPT(ModelConfig(**ckpt["model_config"]))
-    model.load_state_dict(ckpt["model"])
-    model.eval()
+    ckpt = read_checkpoint(ckpt_path)
+    model = model_from_checkpoint(ckpt).eval()
     T = model.config.block_size
     val = np.memmap(Path(ckpt["data_dir"]) / "val.bin", dtype=np.uint16, mode="r")
     starts = np.linspace(0, len(val) - T - 1, n_windows).astype(np.int64)

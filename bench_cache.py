@@ -1,5 +1,5 @@
 """
-What the depth step costs over vanilla: measured on this machine and analytic (SPEC 4-5; paper Tables 2-4).
+What the depth step costs over vanilla: measured on this machine and analytic (paper section 3.2, Tables 2-4).
 
     python bench_cache.py                                          # CPU default: 153M params, ~7 min on 2 cores
     python bench_cache.py --modes=vanilla,value --repeats=3 --json=out/bench.json
@@ -28,7 +28,7 @@ from tqdm import tqdm
 from configurator import ConfigError, parse_config
 from model import GPT, ModelConfig, depth_cost
 
-# The paper's shapes (SPEC 6). The 3B one also feeds the Table 2 reproduction below.
+# The paper's shapes (section 3). The 3B one also feeds the Table 2 reproduction below.
 PAPER_3B = dict(vocab_size=50304, block_size=2048, n_layer=48, n_head=32, n_kv_head=8, head_dim=64, n_embd=2048,
                 mlp_hidden=6912, init_std=0.01, depth_stride=24)
 PRESETS = {"paper_3b": PAPER_3B,

@@ -2,7 +2,7 @@
 Depth-Attention (arXiv 2606.05014) on a Qwen3-style decoder, in one file.
 
 Before layer l attends over the sequence, its query attends over the keys that a few earlier layers stored
-*at the same token position* and mixes their values into its own value (`depth_mix`, SPEC section 3).
+*at the same token position* and mixes their values into its own value (`depth_mix`, paper section 2).
 The mixed value is what goes into the V cache, so inference keeps exactly a normal KV cache (`KVCache`).
 
 Imports only torch and the standard library.
@@ -73,7 +73,7 @@ class ModelConfig:
         return self.depth_stride if self.depth_stride is not None else max(1, self.n_eff_layer // 2)
 
     def sources(self, e: int) -> list[int]:
-        """S(e) = {j < e : j % stride == 0} U {e-r, ..., e-1}, ascending (SPEC 3). Layer 0 has none."""
+        """S(e) = {j < e : j % stride == 0} U {e-r, ..., e-1}, ascending (paper section 2.3). Layer 0 has none."""
         if self.depth_mode == "vanilla" or e == 0:
             return []
         picked = {j for j in range(e) if j % self.stride == 0}
@@ -93,7 +93,7 @@ def fp32_or_wider(x):
 
 
 def depth_mix(q, k, v, src_k, src_v, mode):
-    """The depth step of layer l at every position t at once (SPEC 3; paper section 2).
+    """The depth step of layer l at every position t at once (paper sections 2.1-2.2).
 
     q: (B, n_head, T, D) this layer's queries; k, v: (B, n_kv_head, T, D) its new key and value.
     src_k, src_v: lists over the sources j in S(l), each (B, n_kv_head, T, D): what source j stored in
@@ -106,7 +106,7 @@ def depth_mix(q, k, v, src_k, src_v, mode):
       vt_t    = sum_c alpha_c V_c,t   (value, uniform, kv);   kt_t = sum_c alpha_c K_c,t   (key, kv)
 
     q and k arrive after RoPE; every candidate carries the same rotation R_t, so the scores equal those of
-    the unrotated vectors and mixing keys commutes with the rotation (SPEC 3, note on RoPE).
+    the unrotated vectors and mixing keys commutes with the rotation (see the README, "Where we deviate").
     Returns (k_out, v_out, alpha) with alpha: (B, n_kv_head, T, C), C = len(src_k) + 1.
     """
     keys, values = src_k + [k], src_v + [v]
@@ -216,7 +216,7 @@ class Attention(nn.Module):
         alpha = None
         if self.mode != "vanilla" and e > 0:
             k, v, alpha = depth_mix(q, k, v, src_k, src_v, self.mode)
-        # record: what this layer stores; later layers' depth steps read exactly this (SPEC 3)
+        # record: what this layer stores; later layers' depth steps read exactly this (paper section 2.4)
         if cache is None:
             record = (k, v)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -366,7 +366,7 @@ class GPT(nn.Module):
         return torch.cat(out, 1)
 
 
-# ----------------------------------------------------------------------------- analytic cost (SPEC 5, Table 2)
+# ----------------------------------------------------------------------------- analytic cost (paper Table 2)
 
 def depth_cost(config: ModelConfig, bytes_per_element: int = 2) -> dict:
     """Per-token extra cost of the depth step over vanilla, from the paper's formulas (Table 2).

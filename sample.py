@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from model import GPT, ModelConfig, auto_device
-from prepare_data import get_tokenizer
+from checkpoint import CheckpointError, load_model
+from model import auto_device
 
 
 def main(argv):
@@ -30,23 +30,19 @@ def main(argv):
     p.add_argument("--device", default="auto", help="auto = cuda, then mps, then cpu")
     args = p.parse_args(argv)
 
-    path = Path(args.ckpt) if args.ckpt else Path(args.out_dir) / "ckpt.pt"
-    if not path.is_file():
-        sys.exit(f"error: no checkpoint at {path}; train one with `python train.py` or pass --out_dir/--ckpt")
     device = auto_device() if args.device == "auto" else args.device
-    # mmap on the CPU: only the model's tensors are read, never the optimizer state beside them.
-    ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-    model = GPT(ModelConfig(**ckpt["model_config"]))
-    model.load_state_dict(ckpt["model"])
-    model.to(device).eval()
-    enc = get_tokenizer(ckpt["tokenizer"])
+    try:
+        loaded = load_model(args.ckpt or args.out_dir, device)
+    except CheckpointError as e:
+        sys.exit(f"error: {e}")
+    model, enc = loaded.model, loaded.tokenizer
 
     prompt = Path(args.prompt_file).read_text() if args.prompt_file else args.prompt
     ids = enc.encode(prompt, allowed_special="all") or [enc.eot_token]
     idx = torch.tensor([ids] * args.num_samples, device=device)  # (num_samples, prompt tokens)
     gen = torch.Generator(device=device).manual_seed(args.seed)
-    print(f"{path}: step {ckpt['step']}, {model.num_params() / 1e6:.2f}M parameters, "
-          f"depth_mode={model.config.depth_mode}, tokenizer {ckpt['tokenizer']}", file=sys.stderr)
+    print(f"{loaded.source}: step {loaded.step}, {model.num_params() / 1e6:.2f}M parameters, "
+          f"depth_mode={model.config.depth_mode}, tokenizer {enc.name}", file=sys.stderr)
     try:
         out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
                              generator=gen)

@@ -28,6 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 import prepare_data
+from checkpoint import CheckpointError, read_checkpoint, save_checkpoint
 from configurator import ConfigError, parse_config
 from model import GPT, ModelConfig, auto_device
 
@@ -45,7 +46,7 @@ DEFAULTS = {
     # batch: gradient accumulation = batch_tokens / (micro_batch * block_size * world_size)
     "batch_tokens": 4096,      # tokens per optimizer step, all ranks together (paper: 1024 x 2048)
     "micro_batch": 16,         # sequences per forward pass on one rank
-    # optimizer and schedule (paper recipe, SPEC 6: AdamW, 2% warmup, cosine to 0.1 x peak, clip 1.0)
+    # optimizer and schedule (the paper's recipe, section 3: AdamW, 2% warmup, cosine to 0.1 x peak, clip 1.0)
     "max_iters": 400,          # optimizer steps; the LR schedule spans exactly these
     "learning_rate": 3e-3,     # peak LR (paper: 1e-3 at 1.5B/3B, 3e-4 at 410M)
     "weight_decay": 0.1,       # on matrices only; norms and other 1-D parameters get none
@@ -92,14 +93,13 @@ def resolve_config(argv):
             path = Path(cfg["out_dir"]) / "ckpt.pt"
             if not path.is_file():
                 fail(f"--resume=True but there is no checkpoint at {path}; check --out_dir or drop --resume")
-            # Only tensors and plain values, so the safe loader suffices; mmap keeps a large checkpoint out of RAM.
-            ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            ckpt = read_checkpoint(path)
             cfg = parse_config({**DEFAULTS, **{k: v for k, v in ckpt["config"].items() if k in DEFAULTS}}, argv)
             changed = {k: (ckpt["model_config"][k], cfg[k]) for k in MODEL_KEYS if cfg[k] != ckpt["model_config"][k]}
             if changed:
                 fail(f"the checkpoint's model differs from the one asked for ({changed}, as (checkpoint, now)); "
                      f"drop those overrides or train into a new --out_dir")
-    except ConfigError as e:
+    except (ConfigError, CheckpointError) as e:
         fail(e)
     for key in ("batch_tokens", "micro_batch", "max_iters", "eval_seqs", "log_interval"):
         if cfg[key] < 1:
@@ -184,22 +184,6 @@ def set_rng_state(state):
     torch.set_rng_state(state["torch"])
     if state["cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def save_checkpoint(obj, path):
-    """Write to a temporary file in the same folder, sync it, then rename: a kill at any moment leaves
-    either the previous checkpoint or the new one, never a torn file."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 # ----------------------------------------------------------------------------- the run

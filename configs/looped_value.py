@@ -1,4 +1,4 @@
-# A looped Transformer with Depth-Attention (SPEC 3, looped option; paper: 500M x 3 loops, 2.208 -> 2.194):
+# A looped Transformer with Depth-Attention (paper section 3.3, looped; paper: 500M x 3 loops, 2.208 -> 2.194):
 # minipile_value.py with 4 shared blocks applied 3 times = 12 effective layers.
 # Data: python prepare_data.py minipile
 base_config = "minipile_value.py"

@@ -1,4 +1,4 @@
-# SPEC 6: the paper's 3B model (2.75B parameters) with Depth-Attention (value-only, stride 24),
+# The paper's recipe (section 3): the paper's 3B model (2.75B parameters) with Depth-Attention (value-only, stride 24),
 # trained with the paper's recipe on the Pile.  Data: python prepare_data.py pile --shards N
 dataset = "pile"
 out_dir = "out/paper_3b_value"

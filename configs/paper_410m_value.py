@@ -1,4 +1,4 @@
-# SPEC 6: the paper's 410M-class companion (464M parameters) with Depth-Attention (value-only, stride 16):
+# The paper's recipe (section 3): the paper's 410M-class companion (464M parameters) with Depth-Attention (value-only, stride 16):
 # the 3B config's recipe and data with 32 layers, width 1024 and lr 3e-4.  Data: python prepare_data.py pile --shards N
 base_config = "paper_3b_value.py"
 out_dir = "out/paper_410m_value"
@@ -8,9 +8,9 @@ n_head = 16
 n_kv_head = 4
 n_embd = 1024
 mlp_hidden = 2816
-init_std = 0.02  # SPEC 6 gives 0.01 for the 1.5B/3B models only
+init_std = 0.02  # the paper gives 0.01 for the 1.5B/3B models only
 depth_stride = 16
 
 micro_batch = 8  # per GPU; lower it if memory runs out, gradient accumulation keeps batch_tokens
-# max_iters stays the larger models' 32B tokens: SPEC 6 gives no 410M budget
+# max_iters stays the larger models' 32B tokens: the paper gives no 410M budget
 learning_rate = 3e-4

@@ -1,4 +1,4 @@
-# The shared base of the SPEC 5 ablations (Tables 5-6, Figure 4; the paper ran them at 500M): an 85M-parameter,
+# The shared base of the paper's ablations (section 3.3: Tables 5-6, Figure 4; the paper ran them at 500M): an 85M-parameter,
 # 12-layer MiniPile model, 2000 steps x 0.26M = 0.5B tokens.  Give it first, then one delta file:
 #   python train.py configs/ablations/base.py configs/ablations/mode_key.py
 dataset = "minipile"

@@ -1,4 +1,4 @@
-"""The battery that makes model.py trustworthy: a naive reference straight from SPEC's equations, cached
+"""The battery that makes model.py trustworthy: a naive reference straight from the paper's equations, cached
 decoding against the full forward, causality, parity across modes, the source rule, the paper's costs."""
 import math
 
@@ -14,7 +14,7 @@ DEPTH_ONLY = [m for m in DEPTH_MODES if m != "vanilla"]
 # ----------------------------------------------------------------------------- naive reference
 
 def reference_forward(model: GPT, idx):
-    """Logits computed with loops over rows, layers, positions and heads, from SPEC sections 2-3 alone.
+    """Logits computed with loops over rows, layers, positions and heads, from the paper's section 2 (and the Qwen3 block) alone.
     It shares only the parameter tensors with the model (so gradients can be compared)."""
     c = model.config
     H, Hkv, D = c.n_head, c.n_kv_head, c.head_dim

@@ -1,0 +1,79 @@
+"""
+Saving and loading trained models: train.py's atomic checkpoints, and `load_model(init_from)`, the one way
+every script that reads a trained model (sample.py, eval.py, train.py --init_from) turns a path into a model
+and its tokenizer.
+
+    init_from = "out/shakespeare"          a train.py out_dir (reads its ckpt.pt)
+              = "out/shakespeare/ckpt.pt"  a checkpoint file
+"""
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from model import GPT, ModelConfig
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, unreadable or inconsistent; the message names the file and the fix."""
+
+
+def save_checkpoint(obj, path):
+    """Write to a temporary file in the same folder, sync it, then rename: a kill at any moment leaves
+    either the previous checkpoint or the new one, never a torn file."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def read_checkpoint(path) -> dict:
+    """torch.load a train.py checkpoint on the CPU. Memory-mapped, so a large optimizer state beside the model
+    is never read unless used; only tensors and plain values, so the safe loader suffices."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"no checkpoint at {path}; train one with `python train.py` or check the path")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception as e:  # truncated, random or foreign bytes
+        raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}); "
+                              f"it may be truncated or corrupt: retrain or restore it") from e
+
+
+def model_from_checkpoint(ckpt: dict) -> GPT:
+    """The model a train.py checkpoint describes (its stored ModelConfig dict), with its weights."""
+    model = GPT(ModelConfig(**ckpt["model_config"]))
+    model.load_state_dict(ckpt["model"])
+    return model
+
+
+@dataclass
+class Loaded:
+    model: GPT            # in eval mode, on the requested device
+    tokenizer: object     # encode(text, allowed_special=...), decode(ids), eot_token
+    source: str           # the file the weights came from
+    step: int             # training steps behind the weights (None when unknown)
+
+
+def checkpoint_path(init_from) -> Path:
+    """An out_dir means its ckpt.pt; a file is itself."""
+    p = Path(init_from)
+    return p / "ckpt.pt" if p.is_dir() else p
+
+
+def load_model(init_from, device="cpu") -> Loaded:
+    """The model and tokenizer behind init_from (see the module docstring), ready for inference."""
+    from prepare_data import get_tokenizer  # tiktoken; model.py stays torch-only
+    path = checkpoint_path(init_from)
+    ckpt = read_checkpoint(path)
+    model = model_from_checkpoint(ckpt).to(device).eval()
+    return Loaded(model, get_tokenizer(ckpt["tokenizer"]), str(path), ckpt.get("step"))
