@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from model import GPT, ModelConfig
+from model import GPT, ModelConfig, build_model
 
 
 class CheckpointError(RuntimeError):
@@ -50,8 +50,9 @@ def read_checkpoint(path) -> dict:
 
 
 def model_from_checkpoint(ckpt: dict) -> GPT:
-    """The model a train.py checkpoint describes (its stored ModelConfig dict), with its weights."""
-    model = GPT(ModelConfig(**ckpt["model_config"]))
+    """The model a train.py checkpoint describes (its stored ModelConfig dict, residual path included), with its
+    weights. A checkpoint from before a ModelConfig field existed gets that field's default."""
+    model = build_model(ModelConfig(**ckpt["model_config"]))
     model.load_state_dict(ckpt["model"])
     return model
 

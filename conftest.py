@@ -8,7 +8,7 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
-from model import GPT, ModelConfig  # noqa: E402
+from model import GPT, ModelConfig, build_model  # noqa: E402
 import prepare_data  # noqa: E402
 
 
@@ -23,7 +23,7 @@ def tiny_config(**overrides) -> ModelConfig:
 
 def tiny_model(seed=0, dtype=torch.float32, **overrides) -> GPT:
     torch.manual_seed(seed)
-    model = GPT(tiny_config(**overrides)).to(dtype)
+    model = build_model(tiny_config(**overrides)).to(dtype)
     # Norm weights start at one; perturb them so a swapped or missing norm cannot pass unnoticed.
     with torch.no_grad():
         for name, p in model.named_parameters():

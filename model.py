@@ -4,6 +4,7 @@ Depth-Attention (arXiv 2606.05014) on a Qwen3-style decoder, in one file.
 Before layer l attends over the sequence, its query attends over the keys that a few earlier layers stored
 *at the same token position* and mixes their values into its own value (`depth_mix`, paper section 2).
 The mixed value is what goes into the V cache, so inference keeps exactly a normal KV cache (`KVCache`).
+The paper's hidden-state baselines (DenseFormer, Block AttnRes, mHC) are in baselines.py, chosen by `residual`.
 
 Imports only torch and the standard library.
 """
@@ -19,6 +20,8 @@ import torch.nn.functional as F
 DEPTH_MODES = ("vanilla", "uniform", "key", "kv", "value")
 MIXES_KEY = ("key", "kv")                  # modes whose cache K slot holds the depth-mixed key
 MIXES_VALUE = ("value", "uniform", "kv")   # modes whose cache V slot holds the depth-mixed value
+# The residual path: the plain stream, or one of the paper's hidden-state baselines (Table 1), in baselines.py.
+RESIDUALS = ("add", "denseformer", "attnres", "mhc")
 
 
 @dataclass
@@ -40,13 +43,23 @@ class ModelConfig:
     depth_stride: Optional[int] = None  # source every `stride`-th layer; None = half the effective depth
     depth_recent_window: int = 0    # also use the r most recent earlier layers as sources (paper: 0)
     n_loops: int = 1                # apply the same n_layer blocks this many times (looped Transformer)
+    # The baselines of the paper's Table 1 (baselines.py); each runs with depth_mode="vanilla".
+    residual: str = "add"           # add (plain residual stream) | denseformer | attnres | mhc
+    denseformer_dwa_dilation: int = 1       # DenseFormer: average every k-th earlier output (authors: 1)
+    denseformer_dwa_period: int = 1         # DenseFormer: average after every p-th block (authors: 1)
+    attnres_block_size: int = 12            # Block AttnRes: sublayers per block, 2 per layer (authors: 12)
+    attnres_recency_bias_init: float = 3.0  # Block AttnRes: initial logit bonus of the running stream (authors: 3.0)
+    mhc_num_streams: int = 4                # mHC: parallel residual streams n (authors: 4)
+    mhc_alpha_init: float = 0.01            # mHC: initial gain of the input-dependent maps (authors: 0.01)
+    mhc_sinkhorn_iters: int = 20            # mHC: Sinkhorn row/column normalisations (authors: 20)
 
     def __post_init__(self):
         def need(ok, msg):
             if not ok:
                 raise ValueError(f"ModelConfig: {msg}")
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "head_dim", "n_embd",
-                     "mlp_hidden", "n_loops"):
+                     "mlp_hidden", "n_loops", "denseformer_dwa_dilation", "denseformer_dwa_period",
+                     "attnres_block_size", "mhc_num_streams", "mhc_sinkhorn_iters"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1,
                  f"{name} must be a positive integer, got {getattr(self, name)!r}")
         need(self.n_head % self.n_kv_head == 0,
@@ -62,6 +75,13 @@ class ModelConfig:
              f"depth_recent_window must be an integer >= 0, got {self.depth_recent_window!r}")
         need(self.init_std > 0 and self.rope_theta > 0 and self.norm_eps > 0,
              "init_std, rope_theta and norm_eps must be positive")
+        need(self.residual in RESIDUALS, f"unknown residual {self.residual!r}; choose one of {', '.join(RESIDUALS)}")
+        if self.residual != "add":  # the paper compares each baseline with vanilla attention, one change at a time
+            need(self.depth_mode == "vanilla", f"residual={self.residual} is a baseline with vanilla attention; "
+                 f"use --depth_mode=vanilla with --residual={self.residual} (not depth_mode={self.depth_mode})")
+            need(self.n_loops == 1, f"residual={self.residual} is defined for one pass over the layers; "
+                 f"use --n_loops=1 with --residual={self.residual}")
+        need(self.mhc_num_streams >= 2, f"mhc_num_streams must be at least 2, got {self.mhc_num_streams}")
 
     @property
     def n_eff_layer(self) -> int:
@@ -306,18 +326,9 @@ class GPT(nn.Module):
         finally:
             self._alpha_sink = None
 
-    def forward(self, idx, targets=None, cache: Optional[KVCache] = None):
-        """idx: (B, T) token ids. Returns (logits (B, T, vocab), loss or None).
-        With a cache, idx continues the sequence at position cache.pos (prefill, a chunk or one token)."""
-        B, T = idx.shape
-        pos = cache.pos if cache is not None else 0
-        if pos + T > self.config.block_size:
-            raise ValueError(f"sequence of {pos + T} tokens exceeds the context length block_size="
-                             f"{self.config.block_size}")
-        if cache is not None and pos + T > cache.max_len:
-            raise ValueError(f"KV cache holds {cache.max_len} tokens, {pos + T} requested; make a larger cache")
-        cos, sin = rope_tables(self.config, pos, T, idx.device, wide_dtype(self.lm_head.weight.dtype))
-        x = self.embed_tokens(idx)                                                  # (B, T, n_embd)
+    def run_layers(self, x, cos, sin, cache):
+        """The residual stream through every effective layer: embeddings (B, T, n_embd) -> final hidden state.
+        The hidden-state baselines (baselines.py) override only this."""
         records = {}  # effective layer -> (K, V) it stored for these positions, kept until its last reader
         for e in range(self.config.n_eff_layer):
             src = self.depth_sources[e]
@@ -330,6 +341,20 @@ class GPT(nn.Module):
                 records[e] = record
             if self._alpha_sink is not None and alpha is not None:
                 self._alpha_sink[e] = (src, alpha.detach())
+        return x
+
+    def forward(self, idx, targets=None, cache: Optional[KVCache] = None):
+        """idx: (B, T) token ids. Returns (logits (B, T, vocab), loss or None).
+        With a cache, idx continues the sequence at position cache.pos (prefill, a chunk or one token)."""
+        B, T = idx.shape
+        pos = cache.pos if cache is not None else 0
+        if pos + T > self.config.block_size:
+            raise ValueError(f"sequence of {pos + T} tokens exceeds the context length block_size="
+                             f"{self.config.block_size}")
+        if cache is not None and pos + T > cache.max_len:
+            raise ValueError(f"KV cache holds {cache.max_len} tokens, {pos + T} requested; make a larger cache")
+        cos, sin = rope_tables(self.config, pos, T, idx.device, wide_dtype(self.lm_head.weight.dtype))
+        x = self.run_layers(self.embed_tokens(idx), cos, sin, cache)               # (B, T, n_embd)
         if cache is not None:
             cache.pos += T
         logits = self.lm_head(self.norm(x))                                         # (B, T, vocab)
@@ -364,6 +389,14 @@ class GPT(nn.Module):
             if i + 1 < max_new_tokens:
                 logits, _ = self(nxt, cache=cache)
         return torch.cat(out, 1)
+
+
+def build_model(config: ModelConfig) -> GPT:
+    """The model a config describes: GPT for the plain residual stream, else that baseline (baselines.py)."""
+    if config.residual == "add":
+        return GPT(config)
+    from baselines import BASELINES  # imported on demand: the method reads in this file alone
+    return BASELINES[config.residual](config)
 
 
 # ----------------------------------------------------------------------------- analytic cost (paper Table 2)

@@ -42,7 +42,7 @@ def main(argv):
     idx = torch.tensor([ids] * args.num_samples, device=device)  # (num_samples, prompt tokens)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     print(f"{loaded.source}: step {loaded.step}, {model.num_params() / 1e6:.2f}M parameters, "
-          f"depth_mode={model.config.depth_mode}, tokenizer {enc.name}", file=sys.stderr)
+          f"depth_mode={model.config.depth_mode}, residual={model.config.residual}, tokenizer {enc.name}", file=sys.stderr)
     try:
         out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
                              generator=gen)

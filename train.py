@@ -1,10 +1,12 @@
 """
-Train a Depth-Attention (or vanilla) decoder on uint16 token files made by prepare_data.py.
+Train a Depth-Attention (or vanilla, or one of the paper's baselines) decoder on uint16 token files made by
+prepare_data.py.
 
     python train.py                                          # the Shakespeare demo, a few minutes on a laptop CPU
     python train.py configs/minipile_value.py --max_iters=100
     torchrun --standalone --nproc_per_node=8 train.py configs/paper_3b_value.py
     python train.py configs/minipile_value.py --resume=True  # continue out_dir/ckpt.pt
+    python train.py --residual=mhc --depth_mode=vanilla      # a baseline: denseformer | attnres | mhc (baselines.py)
 
 Model keys (the ModelConfig fields) and training keys share one flat namespace (DEFAULTS below); config files
 and --key=value overrides go through configurator.parse_config. The run is a deterministic function of the
@@ -30,7 +32,7 @@ from tqdm import tqdm
 import prepare_data
 from checkpoint import CheckpointError, read_checkpoint, save_checkpoint
 from configurator import ConfigError, parse_config
-from model import GPT, ModelConfig, auto_device
+from model import ModelConfig, auto_device, build_model
 
 MODEL_KEYS = [f.name for f in fields(ModelConfig)]
 DEFAULTS = {
@@ -95,7 +97,8 @@ def resolve_config(argv):
                 fail(f"--resume=True but there is no checkpoint at {path}; check --out_dir or drop --resume")
             ckpt = read_checkpoint(path)
             cfg = parse_config({**DEFAULTS, **{k: v for k, v in ckpt["config"].items() if k in DEFAULTS}}, argv)
-            changed = {k: (ckpt["model_config"][k], cfg[k]) for k in MODEL_KEYS if cfg[k] != ckpt["model_config"][k]}
+            stored = asdict(ModelConfig(**ckpt["model_config"]))  # fields added since then take their defaults
+            changed = {k: (stored[k], cfg[k]) for k in MODEL_KEYS if cfg[k] != stored[k]}
             if changed:
                 fail(f"the checkpoint's model differs from the one asked for ({changed}, as (checkpoint, now)); "
                      f"drop those overrides or train into a new --out_dir")
@@ -228,7 +231,7 @@ def main(argv):
     rows = cfg["batch_tokens"] // T  # sequences in the global batch; this rank takes rows [rank*mb*accum, ...)
 
     torch.manual_seed(cfg["seed"])
-    model = GPT(model_config).to(device)  # the unwrapped module: eval, sampling and checkpoints use it
+    model = build_model(model_config).to(device)  # the unwrapped module: eval, sampling and checkpoints use it
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg["weight_decay"]},
