@@ -1,7 +1,9 @@
 """
-The paper's ablations (paper section 3.3: Tables 5-6, Figure 4, looped), as a sweep of train.py runs x seeds.
+The paper's main comparison (section 3.1, Table 1: vanilla, Depth-Attention and the three hidden-state
+baselines) and its ablations (section 3.3: Tables 5-6, Figure 4, looped), as a sweep of train.py runs x seeds.
 
-    python ablate.py                                     # the CPU sweep on Shakespeare (about an hour, 2 cores)
+    python ablate.py --runs=ablations                    # the CPU ablation sweep on Shakespeare (about an hour, 2 cores)
+    python ablate.py --runs=main --out=out/ablate_main   # Table 1 at CPU scale: vanilla, value and the baselines
     python ablate.py --base=configs/ablations/base.py --out=out/ablate_minipile --seeds=2 --jobs=1 \
         --runs=vanilla,value -- --compile=True           # on a GPU: MiniPile, 85M; after `--`: train.py keys
 
@@ -29,7 +31,7 @@ ROOT = Path(__file__).resolve().parent
 DEFAULTS = {
     "base": "configs/ablations/cpu.py",  # the shared base config; GPU: configs/ablations/base.py
     "out": "out/ablate_cpu",              # one folder per run and seed below it, plus the results
-    "runs": "all",                        # comma-separated names from RUNS, or all
+    "runs": "all",                        # comma-separated names from RUNS or RUN_SETS (all, main, ablations)
     "seeds": 3,                           # seeds 0 .. seeds-1 for every run
     "jobs": 2,                            # train.py processes at once (CPU: one per core, one thread each)
 }
@@ -39,9 +41,13 @@ RUNS = {
     "key": ["mode_key"], "kv": ["mode_kv"],
     "stride_first": ["stride_first"], "stride_quarter": ["stride_quarter"], "stride_full": ["stride_full"],
     "looped_vanilla": ["looped", "mode_vanilla"], "looped_value": ["looped", "mode_value"],
+    "denseformer": ["residual_denseformer"], "attnres": ["residual_attnres"], "mhc": ["residual_mhc"],
 }
+MAIN, MAIN_TITLE = ["vanilla", "value", "denseformer", "attnres", "mhc"], "Main comparison (Table 1 at CPU scale)"
+RUN_SETS = {"all": list(RUNS), "main": MAIN, "ablations": [n for n in RUNS if n not in MAIN[2:]]}
 # the paper's tables (`value` is also the stride-half run), each compared with its own baseline
 TABLES = [
+    (MAIN_TITLE, MAIN, "vanilla"),
     ("Mixing rule (Table 5)", ["vanilla", "uniform", "value"], "vanilla"),
     ("Updated state (Table 6)", ["vanilla", "key", "kv", "value"], "vanilla"),
     ("Stride (Figure 4)", ["vanilla", "stride_first", "value", "stride_quarter", "stride_full"], "vanilla"),
@@ -53,6 +59,10 @@ DEPTH_FIGURES = [("value", "depth_weights.png"), ("stride_full", "depth_weights_
 PAPER = {"vanilla": 2.2348, "uniform": 2.2153, "value": 2.2115, "key": 2.2354, "kv": 2.2198,
          "stride_first": 2.2127, "stride_quarter": 2.2140, "stride_full": 2.2139,
          "looped_vanilla": 2.208, "looped_value": 2.194}  # 500M models, validation loss (paper Tables 5-6, Figure 4)
+# The 3B models of Table 1: Pile validation perplexity (given for vanilla and Depth-Attention only) and the
+# zero-shot average over eight tasks.
+PAPER_TABLE1 = {"vanilla": (7.55, 53.76), "value": (7.25, 55.69), "denseformer": (None, 54.70),
+                "attnres": (None, 55.01), "mhc": (None, 54.68)}
 
 
 def read_log(run_dir):
@@ -107,11 +117,15 @@ def summarize(out, names, seeds):
         for n in rows:
             d = [losses[n][s] - losses[baseline][s] for s in losses[n] if s in losses[baseline]]
             sd = float(np.std(d, ddof=1)) if len(d) > 1 else None
+            ppl = np.exp(stats[n]["losses"])  # per seed
             lines.append({"run": n, "n": len(stats[n]["losses"]), "mean": stats[n]["mean"], "std": stats[n]["std"],
                           "diff": float(np.mean(d)), "diff_std": sd,
                           "diff_in_se": float(np.mean(d)) / (sd / math.sqrt(len(d))) if sd else None,
-                          "paper": PAPER.get(n), "paper_diff": PAPER[n] - PAPER[baseline] if n in PAPER else None})
-        tables.append({"title": title, "baseline": baseline, "rows": lines})
+                          "ppl": float(ppl.mean()), "ppl_std": float(ppl.std(ddof=1)) if len(ppl) > 1 else None,
+                          "paper": PAPER.get(n), "paper_diff": PAPER[n] - PAPER[baseline] if n in PAPER else None,
+                          "paper_3b": PAPER_TABLE1.get(n)})
+        tables.append({"title": title, "baseline": baseline, "main": title == MAIN_TITLE,
+                       "rows": lines})
     return stats, tables
 
 
@@ -120,6 +134,17 @@ def markdown(tables):
         return "n/a" if x is None else format(x, fmt)
     out = []
     for t in tables:
+        if t["main"]:
+            out += [f"**{t['title']}** (Δ = run − `{t['baseline']}` with the same seed, mean ± std over seeds; "
+                    f"SE = std / √seeds; perplexity = exp(val loss) per seed)", "",
+                    "| run | seeds | val loss (mean ± std) | Δ vs baseline | Δ / SE | val perplexity | "
+                    "paper 3B: Pile ppl | paper 3B: zero-shot avg |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+            out += [f"| {r['run']} | {r['n']} | {r['mean']:.4f} ± {f(r['std'], '.4f')} | "
+                    f"{r['diff']:+.4f} ± {f(r['diff_std'], '.4f')} | {f(r['diff_in_se'], '+.1f')} | "
+                    f"{r['ppl']:.3f} ± {f(r['ppl_std'], '.3f')} | {f((r['paper_3b'] or (None,))[0], '.2f')} | "
+                    f"{f((r['paper_3b'] or (None, None))[1], '.2f')} |" for r in t["rows"]]
+            out.append("")
+            continue
         out += [f"**{t['title']}** (Δ = run − `{t['baseline']}` with the same seed, mean ± std over seeds; "
                 f"SE = std / √seeds)", "",
                 "| run | seeds | val loss (mean ± std) | Δ vs baseline | Δ / SE | paper (500M) | paper Δ |",
@@ -198,10 +223,11 @@ def main(argv):
     except ConfigError as e:
         raise SystemExit(f"error: {e}")
     extra = argv[split + 1:]
-    names = list(RUNS) if cfg["runs"] == "all" else cfg["runs"].split(",")
+    names = list(dict.fromkeys(n for part in cfg["runs"].split(",") for n in RUN_SETS.get(part, [part])))
     unknown = [n for n in names if n not in RUNS]
     if unknown:
-        raise SystemExit(f"error: unknown runs {unknown}; choose from {', '.join(RUNS)}")
+        raise SystemExit(f"error: unknown runs {unknown}; choose from {', '.join(RUNS)} or a set: "
+                         f"{', '.join(RUN_SETS)}")
     if not Path(cfg["base"]).is_file():
         raise SystemExit(f"error: base config {cfg['base']} not found")
     out = Path(cfg["out"])
