@@ -34,6 +34,7 @@ DEFAULTS = {
     "runs": "all",                        # comma-separated names from RUNS or RUN_SETS (all, main, ablations)
     "seeds": 3,                           # seeds 0 .. seeds-1 for every run
     "jobs": 2,                            # train.py processes at once (CPU: one per core, one thread each)
+    "threads": 0,                         # torch threads per process; 0 = the cores shared out among the jobs
 }
 # run name -> delta files in configs/ablations/, applied after the base
 RUNS = {
@@ -233,7 +234,7 @@ def main(argv):
     out = Path(cfg["out"])
     out.mkdir(parents=True, exist_ok=True)
     jobs = [(n, s) for s in range(cfg["seeds"]) for n in names]  # seed-major: early results cover every run
-    threads = max(1, (os.cpu_count() or 1) // cfg["jobs"])
+    threads = cfg["threads"] or max(1, (os.cpu_count() or 1) // cfg["jobs"])
     with ThreadPoolExecutor(cfg["jobs"]) as pool:
         for msg in pool.map(lambda job: train_one(*job, cfg["base"], extra, out, threads), jobs):
             print(msg, flush=True)

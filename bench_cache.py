@@ -1,16 +1,19 @@
 """
-What the depth step costs over vanilla: measured on this machine and analytic (paper section 3.2, Tables 2-4).
+What the depth step and the hidden-state baselines cost over vanilla: measured on this machine and analytic
+(paper section 3.2, Tables 2-4).
 
     python bench_cache.py                                          # CPU default: 153M params, ~7 min on 2 cores
     python bench_cache.py --modes=vanilla,value --repeats=3 --json=out/bench.json
+    python bench_cache.py --modes=vanilla,value,denseformer,attnres,mhc --prompt_len=1024 ...  # the baselines
     python bench_cache.py --preset=paper_1p5b --batch=4 --prompt_len=1024 --new_tokens=64   # GPU
 
-For every mode: the KV-cache bytes after a prefill (read from the cache) and the peak memory of that prefill
-(measured once, in a fresh process); the prefill time, the decode time per token and a training step
-(forward, backward, AdamW), each the median of interleaved repeats. Every figure has its ratio to vanilla
-measured in the same run.
+A mode is a depth_mode (vanilla, value, uniform, key, kv) or a baseline (denseformer, attnres, mhc: the
+`residual` key, with vanilla attention). For every mode: the KV-cache bytes after a prefill (read from the
+cache), the peak memory of that prefill and of a training step's forward and backward (measured once each,
+in a fresh process); the prefill time, the decode time per token and a training step (forward, backward,
+AdamW), each the median of interleaved repeats. Every figure has its ratio to vanilla measured in the same run.
 `value@3` is the value mode with n_loops=3; its baseline is `vanilla@3`, added when missing.
-Then the analytic per-token cost (model.depth_cost) and the paper's Table 2 for its 3B model.
+Then the analytic per-token cost of the depth step (model.depth_cost) and the paper's Table 2 for its 3B model.
 """
 import json
 import math
@@ -26,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 from configurator import ConfigError, parse_config
-from model import GPT, ModelConfig, depth_cost
+from model import DEPTH_MODES, RESIDUALS, GPT, ModelConfig, build_model, depth_cost
 
 # The paper's shapes (section 3). The 3B one also feeds the Table 2 reproduction below.
 PAPER_3B = dict(vocab_size=50304, block_size=2048, n_layer=48, n_head=32, n_kv_head=8, head_dim=64, n_embd=2048,
@@ -34,8 +37,9 @@ PAPER_3B = dict(vocab_size=50304, block_size=2048, n_layer=48, n_head=32, n_kv_h
 PRESETS = {"paper_3b": PAPER_3B,
            "paper_1p5b": dict(PAPER_3B, n_head=24, n_kv_head=6, n_embd=1536, mlp_hidden=4096)}
 
-# depth_mode is replaced by `modes`: every run compares several modes against vanilla.
-MODEL_KEYS = {k: v for k, v in asdict(ModelConfig()).items() if k != "depth_mode"}
+# depth_mode and residual are replaced by `modes`: every run compares several modes against vanilla.
+MODEL_KEYS = {k: v for k, v in asdict(ModelConfig()).items() if k not in ("depth_mode", "residual")}
+BASELINE_MODES = RESIDUALS[1:]  # denseformer, attnres, mhc: hidden-state baselines with vanilla attention
 BENCH_KEYS = dict(
     preset="",         # paper_1p5b | paper_3b: the paper's shape; --key=value still overrides it
     device="auto",     # auto = cuda if available, else cpu
@@ -54,8 +58,9 @@ BENCH_KEYS = dict(
 )
 DEFAULTS = {**MODEL_KEYS, **BENCH_KEYS}
 
-METRICS = ("cache_bytes", "prefill_peak_bytes", "prefill_s", "decode_s_per_token", "train_step_s")
-TIMED = METRICS[2:]
+METRICS = ("cache_bytes", "prefill_peak_bytes", "train_peak_bytes", "prefill_s", "decode_s_per_token",
+           "train_step_s")
+TIMED = METRICS[3:]
 PREFILL_128K = 128 * 1024  # Table 2 quotes extra prefill memory at a 128K-token context
 # Table 2's hidden-state baselines, per token of the 3B model. Memory: extra D-vectors that live through the
 # prefill. FLOPs and I/O: the paper's figures, quoted (their derivations are not given).
@@ -82,12 +87,14 @@ def resolve(argv):
     for label in list(labels):
         if baseline(label) not in labels:
             labels.insert(labels.index(label), baseline(label))
+    for label in labels:
+        model_config(cfg, label)  # an unknown mode or an impossible combination fails here, not in a child
     cfg["modes"] = ",".join(labels)
     return cfg
 
 
 def baseline(label):
-    """value@3 is compared with vanilla@3, value with vanilla."""
+    """value@3 is compared with vanilla@3, value and the hidden-state baselines with vanilla."""
     _, at, loops = label.partition("@")
     return "vanilla" + at + loops
 
@@ -96,22 +103,32 @@ def model_config(cfg, label) -> ModelConfig:
     mode, _, loops = label.partition("@")
     if loops and not loops.isdigit():
         raise ConfigError(f"mode {label!r}: write the loop count as a number, e.g. value@3")
+    if mode not in DEPTH_MODES + BASELINE_MODES:
+        raise ConfigError(f"unknown mode {mode!r}; choose from {', '.join(DEPTH_MODES + BASELINE_MODES)}")
     base = ModelConfig(**{k: cfg[k] for k in MODEL_KEYS})
-    return replace(base, depth_mode=mode, n_loops=int(loops) if loops else base.n_loops)
+    kind = dict(depth_mode="vanilla", residual=mode) if mode in BASELINE_MODES else dict(depth_mode=mode)
+    return replace(base, **kind, n_loops=int(loops) if loops else base.n_loops)
 
 
 def build(cfg, label) -> GPT:
     torch.manual_seed(cfg["seed"])
     with torch.device(cfg["device"]):
-        return GPT(model_config(cfg, label)).to(getattr(torch, cfg["dtype"]))
+        return build_model(model_config(cfg, label)).to(getattr(torch, cfg["dtype"]))
 
 
 def share_weights(model, ref):
-    """Point every parameter of `model` at ref's (the architectures match in every mode): one set of
-    weights and one optimizer serve all modes, so a 1.5B model fits once rather than once per mode."""
-    for mod, ref_mod in zip(model.modules(), ref.modules()):
-        for name, p in ref_mod.named_parameters(recurse=False):
-            mod.register_parameter(name, p)
+    """Point every parameter of `model` that ref also has (same name) at ref's: one set of weights and one
+    optimizer serve all modes, so a 1.5B model fits once rather than once per mode. A baseline keeps its own
+    extra parameters. Returns those."""
+    shared = dict(ref.named_parameters())
+    own = []
+    for name, p in list(model.named_parameters()):
+        if name in shared:
+            owner, _, attr = name.rpartition(".")
+            model.get_submodule(owner).register_parameter(attr, shared[name])
+        else:
+            own.append(p)
+    return own
 
 
 def tokens(cfg):
@@ -136,33 +153,44 @@ def proc_status_bytes(field):
     raise RuntimeError(f"{field} missing from /proc/self/status")
 
 
-def prefill_peak_child(cfg, label):
-    """Runs in its own process. Bytes above the built model at the peak of cache allocation + prefill."""
+def peak_child(cfg, label):
+    """Runs in its own process. Bytes above the built model at the peak of (1) cache allocation + prefill,
+    (2) a training step's forward and backward (gradients included, optimizer excluded)."""
     if cfg["threads"]:
         torch.set_num_threads(cfg["threads"])
-    model, idx = build(cfg, label), tokens(cfg)[:, :cfg["prompt_len"]]
+    model, toks = build(cfg, label), tokens(cfg)
+    P = cfg["prompt_len"]
 
     def prefill():
         with torch.no_grad():
-            cache = model.new_cache(cfg["batch"], cfg["prompt_len"] + cfg["new_tokens"])
-            model(idx, cache=cache)
-    # A first prefill maps in the kernels' code pages (counted in RSS) and any library workspaces, once per
-    # process; the measured one below then sees only what a prefill allocates.
-    prefill()
-    if cfg["device"] == "cuda":
-        sync("cuda")
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-    else:
-        Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS (VmHWM) to the current RSS
-        base = proc_status_bytes("VmRSS")
-    prefill()
-    sync(cfg["device"])
-    peak = torch.cuda.max_memory_allocated() if cfg["device"] == "cuda" else proc_status_bytes("VmHWM")
-    return peak - base
+            cache = model.new_cache(cfg["batch"], P + cfg["new_tokens"])
+            model(toks[:, :P], cache=cache)
+
+    def forward_backward():
+        model(toks[:, :P], targets=toks[:, 1:P + 1])[1].backward()
+
+    peaks = []
+    for work in (prefill, forward_backward):
+        # A first run maps in the kernels' code pages (counted in RSS) and any library workspaces, once per
+        # process; the measured one below then sees only what the work allocates.
+        work()
+        model.zero_grad(set_to_none=True)
+        if cfg["device"] == "cuda":
+            sync("cuda")
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        else:
+            Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS (VmHWM) to the current RSS
+            base = proc_status_bytes("VmRSS")
+        work()
+        sync(cfg["device"])
+        peaks.append((torch.cuda.max_memory_allocated() if cfg["device"] == "cuda" else proc_status_bytes("VmHWM"))
+                     - base)
+        model.zero_grad(set_to_none=True)
+    return peaks
 
 
-def prefill_peak(cfg, label):
+def peak_memory(cfg, label):
     if cfg["device"] == "cpu":
         if not Path("/proc/self/clear_refs").exists():
             raise RuntimeError("peak RSS needs Linux /proc (clear_refs, VmHWM); run on Linux or CUDA")
@@ -172,7 +200,7 @@ def prefill_peak(cfg, label):
         os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)
     # spawn: a fresh interpreter, so the peak is this prefill's and not left over from the parent or a sibling.
     with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(prefill_peak_child, (cfg, label))
+        return pool.apply(peak_child, (cfg, label))
 
 
 # ----------------------------------------------------------------------------- timing, in this process
@@ -185,19 +213,20 @@ def timed(fn, device):
     return time.perf_counter() - t0
 
 
-def run_train_step(model, opt, cfg, toks):
+def run_train_step(model, opts, cfg, toks):
     P = cfg["prompt_len"]
 
     def step():
         _, loss = model(toks[:, :P], targets=toks[:, 1:P + 1])
         loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        for opt in opts:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
     return timed(step, cfg["device"])
 
 
 @torch.no_grad()
-def run_round(models, opt, cfg, toks, order, samples):
+def run_round(models, opts, cfg, toks, order, samples):
     """One timed round: prefill every mode, decode token by token, one training step each, in `order`.
     Decode alternates modes at every token, so a burst of load from elsewhere lands on all of them alike."""
     P, G, device = cfg["prompt_len"], cfg["new_tokens"], cfg["device"]
@@ -212,21 +241,24 @@ def run_round(models, opt, cfg, toks, order, samples):
     del caches
     with torch.enable_grad():
         for label in order:
-            samples[label]["train_step_s"].append(run_train_step(models[label], opt, cfg, toks))
+            samples[label]["train_step_s"].append(run_train_step(models[label], opts[label], cfg, toks))
 
 
 def measure(cfg):
     labels = cfg["modes"].split(",")
     if cfg["threads"]:
         torch.set_num_threads(cfg["threads"])
-    peaks = {label: prefill_peak(cfg, label)
-             for label in tqdm(labels, desc="prefill peak memory (fresh process each)", file=sys.stderr)}
+    peaks = {label: peak_memory(cfg, label)
+             for label in tqdm(labels, desc="peak memory (fresh process each)", file=sys.stderr)}
 
     models = {label: build(cfg, label) for label in labels}
-    ref = models[labels[0]]
-    for model in models.values():
-        share_weights(model, ref)
+    ref = models[baseline(labels[0])]
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-5)  # small: the shared weights barely move between modes
+    opts = {label: [opt] for label in labels}
+    for label, model in models.items():
+        own = share_weights(model, ref)
+        if own:  # a baseline's extra parameters: updated by its own step only, so it alone pays for them
+            opts[label].append(torch.optim.AdamW(own, lr=1e-5))
     toks = tokens(cfg)
 
     def empty():
@@ -235,9 +267,10 @@ def measure(cfg):
     for r in tqdm(range(cfg["warmup"] + cfg["repeats"]), desc="timing rounds (modes interleaved)", file=sys.stderr):
         # Start one mode later each round, so order effects (a cold cache after another mode) hit all alike.
         order = labels[r % len(labels):] + labels[:r % len(labels)]
-        run_round(models, opt, cfg, toks, order, samples if r >= cfg["warmup"] else empty())
+        run_round(models, opts, cfg, toks, order, samples if r >= cfg["warmup"] else empty())
     for label in labels:
-        samples[label]["prefill_peak_bytes"].append(peaks[label])
+        samples[label]["prefill_peak_bytes"].append(peaks[label][0])
+        samples[label]["train_peak_bytes"].append(peaks[label][1])
     return samples, ref.num_params()
 
 
@@ -281,7 +314,8 @@ def summarize(cfg, samples, num_params):
             # that load hits more than half of the repeats (a shared CPU); the medians above are the headline.
             "ratios_fastest": {m: min(samples[label][m]) / min(samples[baseline(label)][m]) for m in TIMED},
             "samples": samples[label],
-            "depth_cost": depth_cost(model_config(cfg, label), elem),
+            # the depth step's formulas; None for a hidden-state baseline (its cost is not the depth step's)
+            "depth_cost": None if label in BASELINE_MODES else depth_cost(model_config(cfg, label), elem),
         }
     return {"config": cfg, "num_params": num_params, "torch": torch.__version__, "modes": modes,
             "paper_3b_table2": paper_table2()}
@@ -299,16 +333,18 @@ def report(res):
           f"prompt {cfg['prompt_len']}, {cfg['new_tokens']} new tokens; median of {cfg['repeats']} interleaved "
           f"repeats after {cfg['warmup']} warm-up; (x) = ratio to the baseline mode in this run")
     fmt = {"cache_bytes": lambda v: f"{v / MiB:.2f}", "prefill_peak_bytes": lambda v: f"{v / MiB:.1f}",
+           "train_peak_bytes": lambda v: f"{v / MiB:.1f}",
            "prefill_s": lambda v: f"{v * 1e3:.0f}", "decode_s_per_token": lambda v: f"{v * 1e3:.1f}",
            "train_step_s": lambda v: f"{v * 1e3:.0f}"}
     rows = []
     for label, m in res["modes"].items():
         cells = [f"{fmt[k](m[k])} ({m['ratios'][k]:.3f}x)" for k in METRICS]
         cost = m["depth_cost"]
-        rows.append([label, m["baseline"], *cells, f"{cost['flops_per_token']:.3g}",
-                     f"{cost['io_bytes_per_token'] / KiB:.1f}", cost["extra_persistent_bytes"]])
-    print(table(rows, ["mode", "vs", "cache MiB", "prefill peak MiB", "prefill ms", "decode ms/token",
-                       "train step ms", "+FLOPs/token", "+I/O KiB/token", "+persistent B"]))
+        rows.append([label, m["baseline"], *cells] + ([f"{cost['flops_per_token']:.3g}",
+                     f"{cost['io_bytes_per_token'] / KiB:.1f}", cost["extra_persistent_bytes"]] if cost else
+                     ["-", "-", 0]))
+    print(table(rows, ["mode", "vs", "cache MiB", "prefill peak MiB", "train peak MiB", "prefill ms",
+                       "decode ms/token", "train step ms", "+FLOPs/token", "+I/O KiB/token", "+persistent B"]))
     print("ratio of the fastest repeats (less sensitive to other load on the machine): " + "; ".join(
         f"{label} " + " ".join(f"{m['ratios_fastest'][k]:.3f}" for k in TIMED) for label, m in res["modes"].items()
         if label != m["baseline"]) + "  (prefill, decode, train step)")
