@@ -75,3 +75,27 @@ def test_depth_weight_matrix_rows_are_distributions(sweep):
     assert np.isnan(m[0]).all()  # layer 0 only stores
     assert np.allclose(np.nansum(m[1:], 1), 1.0)
     assert not np.isnan(m[3, [0, 2, 3]]).any() and np.isnan(m[3, 1])  # 4 layers, stride 2: layer 3 reads 0, 2
+
+
+def test_main_comparison_table(tmp_path):
+    """Table 1 at CPU scale: the five runs paired by seed, with perplexity = exp(val loss) and the paper's 3B figures."""
+    sys.path.insert(0, str(ROOT))
+    from ablate import MAIN, RUN_SETS, markdown, summarize
+    assert RUN_SETS["main"] == ["vanilla", "value", "denseformer", "attnres", "mhc"]
+    assert set(RUN_SETS["main"]) | set(RUN_SETS["ablations"]) == set(RUN_SETS["all"])
+    losses = {"vanilla": [2.0, 2.2], "value": [1.9, 2.0], "denseformer": [1.95, 2.1], "attnres": [2.0, 2.1],
+              "mhc": [2.05, 2.15]}
+    for run, per_seed in losses.items():
+        for seed, loss in enumerate(per_seed):
+            d = tmp_path / run / f"seed{seed}"
+            d.mkdir(parents=True)
+            (d / "config.json").write_text(json.dumps({"max_iters": 10}))
+            (d / "log.jsonl").write_text(json.dumps({"kind": "eval", "step": 10, "val_loss": loss}) + "\n")
+    _, tables = summarize(tmp_path, MAIN, 2)
+    main = tables[0]
+    assert main["main"] and [r["run"] for r in main["rows"]] == MAIN
+    value = main["rows"][1]
+    assert value["diff"] == pytest.approx(-0.15) and value["ppl"] == pytest.approx((np.exp(1.9) + np.exp(2.0)) / 2)
+    md = markdown(tables)
+    assert "| value | 2 | 1.9500 ± 0.0707 | -0.1500 ± 0.0707 | -3.0 | 7.037 ± 0.497 | 7.25 | 55.69 |" in md
+    assert "| mhc | 2 |" in md and "| n/a | 54.68 |" in md
