@@ -53,7 +53,7 @@ BENCH_KEYS = dict(
     new_tokens=16,     # decode steps after the prefill (the cache holds prompt_len + new_tokens)
     warmup=1,          # untimed rounds over every mode
     repeats=9,         # timed rounds; each timing is the median over them (decode: over all their tokens)
-    modes="vanilla,value,uniform,key,kv,value@3",  # comma-separated; value@3 = 3 loops, against vanilla@3
+    modes="vanilla,value,uniform,key,kv,value@3",  # comma-separated depth modes or baselines (denseformer, attnres, mhc); value@3 = 3 loops, against vanilla@3
     seed=0,            # weights and tokens
     json="",           # write the results here too
 )

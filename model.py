@@ -44,7 +44,7 @@ class ModelConfig:
     depth_recent_window: int = 0    # also use the r most recent earlier layers as sources (paper: 0)
     n_loops: int = 1                # apply the same n_layer blocks this many times (looped Transformer)
     # The baselines of the paper's Table 1 (baselines.py); each runs with depth_mode="vanilla".
-    residual: str = "add"           # add (plain residual stream) | denseformer | attnres | mhc
+    residual: str = "add"           # residual path: add (plain stream) | denseformer | attnres | mhc (with vanilla)
     denseformer_dwa_dilation: int = 1       # DenseFormer: average every k-th earlier output (authors: 1)
     denseformer_dwa_period: int = 1         # DenseFormer: average after every p-th block (authors: 1)
     attnres_block_size: int = 12            # Block AttnRes: sublayers per block, 2 per layer (authors: 12)
