@@ -101,19 +101,22 @@ def train_one(name, seed, base, extra, out, threads):
 def summarize(out, names, seeds):
     """Mean and std over seeds, and the difference to the table's baseline, paired by seed.
 
-    Runs with the same seed start from the same weights (every mode has the same parameters, created in the
-    same order) and see the same batches, so the noise that matters is the spread of the per-seed
-    differences: Δ/SE = mean(d) / (std(d) / sqrt(n)), d_s = loss(run, s) - loss(baseline, s)."""
+    Runs with the same seed start from the same weights (every run creates the shared parameters first and in
+    the same order; a baseline's own come after them) and see the same batches, so the noise that matters is
+    the spread of the per-seed differences: Δ/SE = mean(d) / (std(d) / sqrt(n)), d_s = loss(run, s) -
+    loss(baseline, s). A table is left out when it would only repeat runs shown above it, and the main table
+    when no baseline ran."""
     losses = {n: {s: v for s in range(seeds) if (v := final_val_loss(out / n / f"seed{s}")) is not None}
               for n in names}
     stats = {n: {"losses": list(v.values()), "mean": float(np.mean(list(v.values()))),
                  "std": float(np.std(list(v.values()), ddof=1)) if len(v) > 1 else None}
              for n, v in losses.items() if v}
-    tables = []
+    tables, shown = [], set()
     for title, rows, baseline in TABLES:
         rows = [n for n in rows if n in stats]
-        if baseline not in stats or len(rows) < 2:
+        if baseline not in stats or set(rows) <= shown or (title == MAIN_TITLE and not set(rows) - {"vanilla", "value"}):
             continue
+        shown |= set(rows)
         lines = []
         for n in rows:
             d = [losses[n][s] - losses[baseline][s] for s in losses[n] if s in losses[baseline]]
@@ -172,7 +175,7 @@ def plot_curves(out, names, seeds, path):
         steps = [st for st, _ in curves[0][:k]]
         mean = np.mean([[v for _, v in c[:k]] for c in curves], 0)
         ax.plot(steps[1:], mean[1:], label=n, ls="--" if n.startswith("looped") else "-")  # skip the step-0 eval
-    ax.set(xlabel="step", ylabel="validation loss (mean over seeds)", title="Depth-Attention ablations")
+    ax.set(xlabel="step", ylabel="validation loss (mean over seeds)", title=f"Validation loss, {out.name}")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
