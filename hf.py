@@ -107,8 +107,9 @@ def config_from_hf(cfg: dict, where="config.json") -> ModelConfig:
                   depth_mode="value" if depth else "vanilla",
                   depth_stride=cfg.get("depth_attention_stride") if depth else None,
                   depth_recent_window=cfg.get("depth_attention_recent_window") or 0,
-                  # The authors' Depth-Attention model applies k_norm after RoPE (their SDPA path).
-                  k_norm_after_rope=depth and qk_norm)
+                  # The authors' Depth-Attention model applies k_norm after RoPE (their SDPA path); a
+                  # "k_norm_after_rope" key in config.json overrides this guess.
+                  k_norm_after_rope=bool(cfg.get("k_norm_after_rope", depth and qk_norm)))
     except KeyError as e:
         raise CheckpointError(f"{where} lacks the key {e.args[0]!r}") from e
     mode = cfg.get("baseline_mode")

@@ -126,7 +126,7 @@ out = {}
 for dtype in (None, torch.float32):  # None keeps bf16: views of the file; float32 converts: a real copy
     before = anon_kib()
     model = GPT.from_pretrained(sys.argv[1], dtype=dtype)
-    total = sum(float(p.sum()) for p in model.parameters())  # touch every weight
+    total = sum(float(p.detach().sum()) for p in model.parameters())  # touch every weight
     out[str(dtype)] = anon_kib() - before
     del model
 print(json.dumps(out))
