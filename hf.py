@@ -68,12 +68,18 @@ def resolve(path_or_hub_id, patterns=("*.json", "*.safetensors", "*.txt", "*.mod
     """A local folder as is; a hub id downloaded (or found in the cache) by huggingface_hub."""
     if Path(path_or_hub_id).exists() or not looks_like_hub_id(path_or_hub_id):
         return Path(path_or_hub_id)
-    hub = _require("huggingface_hub")
     try:
-        return Path(hub.snapshot_download(str(path_or_hub_id), allow_patterns=list(patterns)))
+        import huggingface_hub
+    except ImportError as e:
+        raise CheckpointError(f"{path_or_hub_id} is not a local path; to download it as a Hugging Face hub id: "
+                              f"pip install huggingface_hub") from e
+    try:
+        return Path(huggingface_hub.snapshot_download(str(path_or_hub_id), allow_patterns=list(patterns)))
     except Exception as e:
-        raise CheckpointError(f"could not download {path_or_hub_id} from the Hugging Face hub ({type(e).__name__}: "
-                              f"{e}); check the id and the network, or pass a local folder") from e
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise CheckpointError(f"{path_or_hub_id} is not a local path, and downloading it from the Hugging Face hub "
+                              f"failed ({reason}); check the path (a train.py out_dir exists once "
+                              f"`python train.py` has run) or the hub id and the network") from e
 
 
 # ----------------------------------------------------------------------------- config.json <-> ModelConfig
@@ -101,8 +107,8 @@ def config_from_hf(cfg: dict, where="config.json") -> ModelConfig:
         kw = dict(vocab_size=cfg["vocab_size"], block_size=cfg["max_position_embeddings"],
                   n_layer=cfg["num_hidden_layers"], n_head=n_head, n_kv_head=cfg.get("num_key_value_heads") or n_head,
                   head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_head, n_embd=cfg["hidden_size"],
-                  mlp_hidden=cfg["intermediate_size"], rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 1e4))),
-                  qk_norm=qk_norm, tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                  mlp_hidden=cfg["intermediate_size"],
+                  rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 1e4))), qk_norm=qk_norm, tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                   norm_eps=cfg.get("rms_norm_eps", 1e-6), init_std=cfg.get("initializer_range", 0.02),
                   depth_mode="value" if depth else "vanilla",
                   depth_stride=cfg.get("depth_attention_stride") if depth else None,
