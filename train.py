@@ -99,6 +99,8 @@ def resolve_config(argv):
             ckpt = read_checkpoint(path)
             cfg = parse_config({**DEFAULTS, **{k: v for k, v in ckpt["config"].items() if k in DEFAULTS}}, argv)
             saved = {**DEFAULTS, **ckpt["model_config"]}  # a field added since the checkpoint has its default
+            if cfg["vocab_size"] is None:  # a config file's "follow the data" is what the checkpoint already holds
+                cfg["vocab_size"] = saved["vocab_size"]
             changed = {k: (saved[k], cfg[k]) for k in MODEL_KEYS if cfg[k] != saved[k]}
             if changed:
                 fail(f"the checkpoint's model differs from the one asked for ({changed}, as (checkpoint, now)); "

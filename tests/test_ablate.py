@@ -23,8 +23,9 @@ def ablate(*args):
 def sweep(data_root, tmp_path_factory):
     out = tmp_path_factory.mktemp("sweep")
     base = out / "base.py"  # the CPU base, shrunk further
-    base.write_text(f'dataset = "tiny"\ndata_root = "{data_root}"\nn_layer = 4\nn_head = 2\nn_kv_head = 1\n'
-                    f'head_dim = 8\nn_embd = 16\nmlp_hidden = 32\nblock_size = 32\nmicro_batch = 4\n'
+    # vocab_size = None as in the shipped bases: a resumed run must accept it (the data's vocabulary)
+    base.write_text(f'dataset = "tiny"\ndata_root = "{data_root}"\nvocab_size = None\nn_layer = 4\nn_head = 2\n'
+                    f'n_kv_head = 1\nhead_dim = 8\nn_embd = 16\nmlp_hidden = 32\nblock_size = 32\nmicro_batch = 4\n'
                     f'batch_tokens = 128\nmax_iters = 3\neval_interval = 2\neval_seqs = 4\n')
     args = [f"--base={base}", f"--out={out}", "--runs=vanilla,value", "--seeds=1", "--jobs=2"]
     ablate(*args, "--", "--stop_at_step=2")  # an interrupted sweep: every run stops after step 2
