@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from checkpoint import model_from_checkpoint, read_checkpoint
-from configurator import ConfigError, parse_config
+from configurator import ConfigError, check_ranges, parse_config
 
 ROOT = Path(__file__).resolve().parent
 DEFAULTS = {
@@ -195,6 +195,7 @@ def main(argv):
     split = argv.index("--") if "--" in argv else len(argv)
     try:
         cfg = parse_config(DEFAULTS, argv[:split], __doc__, [__file__])
+        check_ranges(cfg, {"seeds": ">= 1", "jobs": ">= 1"})
     except ConfigError as e:
         raise SystemExit(f"error: {e}")
     extra = argv[split + 1:]
@@ -209,8 +210,11 @@ def main(argv):
     jobs = [(n, s) for s in range(cfg["seeds"]) for n in names]  # seed-major: early results cover every run
     threads = max(1, (os.cpu_count() or 1) // cfg["jobs"])
     with ThreadPoolExecutor(cfg["jobs"]) as pool:
-        for msg in pool.map(lambda job: train_one(*job, cfg["base"], extra, out, threads), jobs):
-            print(msg, flush=True)
+        try:
+            for msg in pool.map(lambda job: train_one(*job, cfg["base"], extra, out, threads), jobs):
+                print(msg, flush=True)
+        except RuntimeError as e:  # a train.py run failed; its output names the cause
+            raise SystemExit(f"error: {e}")
 
     stats, tables = summarize(out, names, cfg["seeds"])
     (out / "results.json").write_text(json.dumps({"config": cfg, "train_overrides": extra, "runs": stats,
