@@ -128,7 +128,8 @@ def _read_text(path, errors):
                              f"(e.g. iconv -f latin1 -t utf-8), leave it out, or pass --decode_errors=replace") from e
     text = data.decode("utf-8", errors="surrogateescape")  # each invalid byte becomes one lone surrogate
     invalid = re.compile("[\udc80-\udcff]")
-    tqdm.write(f"warning: {path} is not UTF-8: {len(invalid.findall(text))} invalid bytes read as U+FFFD")
+    tqdm.write(f"warning: {path} is not UTF-8: {len(invalid.findall(text))} invalid bytes read as U+FFFD",
+               file=sys.stderr)
     return invalid.sub("\ufffd", text)
 
 
@@ -268,18 +269,18 @@ def _pid_of_stale(path):
 
 def _clean_stale(data_dir):
     """Remove what killed runs left beside and inside data_dir; a dataset moved aside by a swap that was
-    killed half-way (<name>.old<pid> with no <name>) goes back in place."""
+    killed half-way (<name>.old<pid> with no <name>) goes back in place first."""
+    for old in data_dir.parent.glob(f"{data_dir.name}.old*"):
+        pid = _pid_of_stale(old)
+        if pid is not None and not data_dir.exists():
+            os.rename(old, data_dir)
+            print(f"restored {data_dir} from {old}, left by a killed run (pid {pid})")
     for path in [*data_dir.parent.glob(f"{data_dir.name}.tmp*"), *data_dir.parent.glob(f"{data_dir.name}.old*"),
                  *data_dir.glob("*.tmp*")]:
         pid = _pid_of_stale(path)
-        if pid is None:
-            continue
-        if path.name.startswith(f"{data_dir.name}.old") and not data_dir.exists():
-            os.rename(path, data_dir)
-            print(f"restored {data_dir} from {path}, left by a killed run (pid {pid})")
-            continue
-        shutil.rmtree(path) if path.is_dir() else path.unlink()
-        print(f"removed {path}, left by a killed run (pid {pid})")
+        if pid is not None:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            print(f"removed {path}, left by a killed run (pid {pid})")
 
 
 def _check_replaceable(data_dir):

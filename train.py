@@ -88,7 +88,8 @@ RANGES = {"learning_rate": "> 0", "adam_eps": "> 0", "beta1": "in [0, 1)", "beta
           "seed": ">= 0", "batch_tokens": ">= 1", "micro_batch": ">= 1", "max_iters": ">= 1", "eval_seqs": ">= 1",
           "log_interval": ">= 1", "eval_interval": ">= 0", "ckpt_interval": ">= 0", "stop_at_step": ">= 0",
           "sample_tokens": ">= 0"}
-PER_INVOCATION = ("resume", "overwrite")  # how this command treats out_dir, not part of the run: never inherited
+# Where and how this command runs, not part of the run: never taken from the checkpoint, never a "change".
+PER_INVOCATION = ("out_dir", "resume", "overwrite")
 
 
 def fail(msg):
