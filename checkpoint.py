@@ -54,10 +54,14 @@ def save_checkpoint(obj, path):
     moment leaves either the previous checkpoint or the new one, never a torn file."""
     path = Path(path)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save({**obj, "checksums": checksums(obj)}, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            torch.save({**obj, "checksums": checksums(obj)}, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:  # a full disk, an interrupt: the previous checkpoint stays, the partial file goes
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
     dir_fd = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
     try:

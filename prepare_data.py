@@ -217,8 +217,16 @@ def _documents(source, inputs, shards, tokenizer, val_fraction, decode_errors):
         description = f"hf://datasets/{repo}"
     pattern, read = ("*.parquet", _read_parquet) if source == "minipile" else ("*.jsonl.zst", _read_jsonl_zst)
     splits, files = _split_by_name(_expand(inputs, pattern))
-    docs = ((split, text) for split, f in zip(splits, files) for text in read(f))
+    docs = ((split, text) for split, f in zip(splits, files) for text in _named(read, f))
     return docs, f"{description}: {len(files)} files", "files named val* are val" if splits[0] else None
+
+
+def _named(read, path):
+    """read(path)'s documents; a file that cannot be read or parsed stops the run with its name."""
+    try:
+        yield from read(path)
+    except Exception as e:
+        raise ValueError(f"cannot read {path} ({type(e).__name__}: {e}); fix or remove it") from e
 
 
 def _chunks(docs, every):

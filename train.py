@@ -109,9 +109,14 @@ def resolve_config(argv):
             if not path.is_file():
                 fail(f"--resume=True but there is no checkpoint at {path}; check --out_dir or drop --resume")
             ckpt = read_checkpoint(path)
+            missing = [k for k in ("config", "optimizer", "step", "best_val_loss", "rng") if k not in ckpt]
+            if missing:
+                fail(f"{path} holds a model but not a run to continue (no {', '.join(missing)}); train into a new "
+                     f"--out_dir")
             inherited = {k: v for k, v in ckpt["config"].items() if k in DEFAULTS and k not in PER_INVOCATION}
             cfg = parse_config({**DEFAULTS, **inherited}, argv)
-            changed = {k: (ckpt["model_config"][k], cfg[k]) for k in MODEL_KEYS if cfg[k] != ckpt["model_config"][k]}
+            stored = {**asdict(ModelConfig()), **ckpt["model_config"]}  # a field added since: its default
+            changed = {k: (stored[k], cfg[k]) for k in MODEL_KEYS if cfg[k] != stored[k]}
             if changed:
                 fail(f"the checkpoint's model differs from the one asked for ({changed}, as (checkpoint, now)); "
                      f"drop those overrides or train into a new --out_dir")
@@ -146,8 +151,11 @@ def claim_out_dir(cfg, resumed):
     dies, so a killed run never blocks the next one). A second run into the folder is refused rather than mixed
     with this one, and a fresh start over a checkpoint needs --overwrite=True. Returns the open lock file."""
     out_dir = Path(cfg["out_dir"])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    lock = open(out_dir / "train.lock", "a+")
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(out_dir / "train.lock", "a+")
+    except OSError as e:
+        fail(f"cannot write to --out_dir={out_dir} ({e.strerror}); pick a writable folder")
     if fcntl:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -400,10 +408,16 @@ def main(argv):
         if not torch.stack([p.isfinite().all() for p in model.parameters()]).all():  # never save a diverged model
             diverged(at, "non-finite weights", lr, saved)
         if master:
-            save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": at,
-                             "best_val_loss": best_val, "config": cfg, "model_config": asdict(model_config),
-                             "tokenizer": meta["tokenizer"], "data_dir": str(data_dir), "rng": rng_state(),
-                             "config_history": history}, out_dir / "ckpt.pt")
+            try:
+                save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": at,
+                                 "best_val_loss": best_val, "config": cfg, "model_config": asdict(model_config),
+                                 "tokenizer": meta["tokenizer"], "data_dir": str(data_dir), "rng": rng_state(),
+                                 "config_history": history}, out_dir / "ckpt.pt")
+            except (OSError, RuntimeError) as e:  # a full disk: torch's zip writer raises RuntimeError
+                kept = f"the checkpoint of step {saved} is kept" if saved is not None else "no checkpoint was written"
+                fail(f"could not write {out_dir / 'ckpt.pt'} at step {at} ({str(e).splitlines()[0]}); {kept}: "
+                     f"free space, then "
+                     f"--resume=True")
         saved = at
 
     every_ckpt = cfg["eval_interval"] if cfg["ckpt_interval"] is None else cfg["ckpt_interval"]

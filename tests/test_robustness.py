@@ -146,6 +146,11 @@ CASES = [
          make=lambda w, mp: truncate(copy_run(w))),
     case("train.py", "ckpt.pt is not a readable checkpoint", "--out_dir={tmp}/run", "--resume=True",
          make=lambda w, mp: copy_run(w).write_bytes(os.urandom(5000))),
+    case("train.py", "holds a model but not a run to continue (no config, optimizer, step, best_val_loss, rng)",
+         "--out_dir={tmp}", "--resume=True", make=lambda w, mp: torch.save(
+             {k: v for k, v in torch.load(w["run"] / "ckpt.pt", weights_only=True).items()
+              if k in ("model", "model_config")}, w["tmp"] / "ckpt.pt")),
+    case("train.py", "cannot write to --out_dir=", *TRAIN, "--out_dir={tmp}/file", make=write("file", b"")),
     case("train.py", "bad.py, line 1: SyntaxError", *TRAIN, "{tmp}/bad.py", make=write("bad.py", b"n_layer = = 3\n")),
     # optimizer ranges
     case("train.py", "--learning_rate must be a finite number > 0, got -1.0", *TRAIN, "--learning_rate=-1"),
@@ -196,6 +201,8 @@ CASES = [
          "{tmp}/bad.txt", "--name=tiny", "--out_dir={tmp}/data", "--tokenizer=bytes", "--num_proc=1", "--force",
          make=lambda w, mp: (copy_data(w), write("good.txt", b"fine\n" * 99)(w, mp),
                              write("bad.txt", b"caf\xe9\n")(w, mp))),  # the --force rebuild fails: tiny is kept
+    case("prepare_data.py", "00.jsonl.zst (ZstdError", "pile", "--input", "{tmp}/00.jsonl.zst", "--tokenizer=bytes",
+         "--out_dir={tmp}/out", make=write("00.jsonl.zst", b"not zstd")),
     case("prepare_data.py", "no input files match", "text", "--input", "{tmp}/empty", "--tokenizer=bytes",
          make=lambda w, mp: (w["tmp"] / "empty").mkdir()),
     case("prepare_data.py", "no text to prepare: the 2 input file(s) are empty", "text", "--input", "{tmp}/e1.txt",
@@ -289,6 +296,24 @@ def test_divergence_stops_before_a_bad_checkpoint(world, tmp_path):
     ckpt = read_checkpoint(out / "ckpt.pt")  # verified: intact, and finite
     assert ckpt["step"] == 1 and all(t.isfinite().all() for t in ckpt["model"].values())
     assert all(json.loads(line)["step"] <= 1 for line in (out / "log.jsonl").read_text().splitlines())
+
+
+def test_a_full_disk_keeps_the_previous_checkpoint(world, tmp_path, monkeypatch):
+    save, calls = torch.save, []
+
+    def full_disk(obj, f):
+        calls.append(1)
+        if len(calls) == 2:
+            f.write(b"partial")
+            raise OSError(28, "No space left on device")
+        return save(obj, f)
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    out = tmp_path / "full"
+    code, _, err = cli("train.py", *SHORT, f"--data_root={world['data_root']}", f"--out_dir={out}")
+    assert_one_error_line(code, "", err, "at step 4 ([Errno 28] No space left on device); the checkpoint of step 2 is")
+    monkeypatch.undo()
+    assert read_checkpoint(out / "ckpt.pt")["step"] == 2 and not list(out.glob("ckpt.pt.tmp*"))
 
 
 def test_a_checkpoint_without_checksums_loads_with_a_warning(world, tmp_path):
