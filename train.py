@@ -5,6 +5,7 @@ Train a Depth-Attention (or vanilla) decoder on uint16 token files made by prepa
     python train.py configs/minipile_value.py --max_iters=100
     torchrun --standalone --nproc_per_node=8 train.py configs/paper_3b_value.py
     python train.py configs/minipile_value.py --resume=True  # continue out_dir/ckpt.pt
+    python train.py --init_from=zeng123/Depth-attention-3B --dataset=pile_neox  # continue from released weights
 
 Model keys (the ModelConfig fields) and training keys share one flat namespace (DEFAULTS below); config files
 and --key=value overrides go through configurator.parse_config. The run is a deterministic function of the
@@ -29,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 import prepare_data
-from checkpoint import CheckpointError, read_checkpoint, save_checkpoint
+from checkpoint import CheckpointError, load_model, read_checkpoint, save_checkpoint
 from configurator import ConfigError, check_ranges, parse_config
 from model import GPT, ModelConfig, auto_device, check_device
 
@@ -69,6 +70,7 @@ DEFAULTS = {
     "ckpt_interval": None,     # steps between checkpoints; None = at every evaluation; 0 = only at the end
     "stop_at_step": 0,         # end early after this step with a checkpoint, keeping max_iters' schedule; 0 = off
     "resume": False,           # continue from out_dir/ckpt.pt
+    "init_from": "",           # start from these weights, fresh optimizer: out_dir, ckpt.pt, HF folder or hub id
     "overwrite": False,        # start over in an out_dir that holds a checkpoint, deleting it (else refused)
     "sample_tokens": 200,      # tokens of text sampled at the end of the run; 0 = none
     "sample_prompt": "",       # "" = start from the end-of-text token, like a new document
@@ -115,8 +117,8 @@ def resolve_config(argv):
                      f"--out_dir")
             inherited = {k: v for k, v in ckpt["config"].items() if k in DEFAULTS and k not in PER_INVOCATION}
             cfg = parse_config({**DEFAULTS, **inherited}, argv)
-            stored = {**asdict(ModelConfig()), **ckpt["model_config"]}  # a field added since: its default
-            changed = {k: (stored[k], cfg[k]) for k in MODEL_KEYS if cfg[k] != stored[k]}
+            saved = {**DEFAULTS, **ckpt["model_config"]}  # a field added since the checkpoint has its default
+            changed = {k: (saved[k], cfg[k]) for k in MODEL_KEYS if cfg[k] != saved[k]}
             if changed:
                 fail(f"the checkpoint's model differs from the one asked for ({changed}, as (checkpoint, now)); "
                      f"drop those overrides or train into a new --out_dir")
@@ -176,6 +178,29 @@ def claim_out_dir(cfg, resumed):
         ckpt.unlink()
         print(f"warning: --overwrite=True: deleted {ckpt}, starting over", file=sys.stderr)
     return lock
+
+
+def load_init(cfg, meta):
+    """--init_from: the weights to start from (fine-tuning or continued pretraining, fresh optimizer). They fix
+    the model keys, so a model setting that differs from them is an error, and so is data whose tokenizer is
+    not the model's."""
+    try:
+        init = load_model(cfg["init_from"])
+        data_enc = prepare_data.get_tokenizer(meta["tokenizer"])
+    except (CheckpointError, RuntimeError, ValueError) as e:
+        fail(e)
+    theirs = asdict(init.model.config)
+    clash = {k: (theirs[k], cfg[k]) for k in MODEL_KEYS if cfg[k] not in (DEFAULTS[k], theirs[k])}
+    if clash:
+        fail(f"--init_from={cfg['init_from']} fixes the model, and these settings differ from it: {clash} "
+             f"(as (model, asked)); drop them")
+    probe = "Probe: the quick brown fox, 1234.\n"
+    if meta["vocab_size"] > theirs["vocab_size"] or data_enc.eot_token != init.tokenizer.eot_token \
+            or data_enc.encode(probe) != init.tokenizer.encode(probe):
+        fail(f"the data was tokenized with {meta['tokenizer']}, but {cfg['init_from']} uses {init.tokenizer.name}; "
+             f"prepare the data with the model's tokenizer (prepare_data.py --tokenizer={cfg['init_from']})")
+    cfg.update(theirs)
+    return init.model
 
 
 def batch_layout(cfg, world):
@@ -288,6 +313,16 @@ def diverged(step, what, lr, saved):
     fail(f"training diverged at step {step} ({what}, lr {lr:.3g}); {fix}")
 
 
+def write_checkpoint(state, path, saved):
+    """save_checkpoint; a write that fails (a full disk) is one line, and the previous checkpoint stays."""
+    try:
+        save_checkpoint(state, path)
+    except (OSError, RuntimeError) as e:  # torch's zip writer reports a full disk as a RuntimeError
+        fix = f"the checkpoint of step {saved} is kept: free space, then --resume=True" if saved is not None \
+            else "no checkpoint was written: free space and rerun"
+        fail(f"could not write {path} at step {state['step']} ({str(e).splitlines()[0]}); {fix}")
+
+
 # ----------------------------------------------------------------------------- the run
 
 def main(argv):
@@ -312,6 +347,7 @@ def main(argv):
     autocast = torch.autocast(device_type, dtype=torch.bfloat16) if bf16 else nullcontext()
 
     data_dir, meta, train, val = open_data(cfg, master)
+    init = load_init(cfg, meta) if cfg["init_from"] and ckpt is None else None  # resuming restores everything
     if cfg["vocab_size"] is None:
         cfg["vocab_size"] = meta["vocab_size"]
     try:
@@ -328,6 +364,9 @@ def main(argv):
 
     torch.manual_seed(cfg["seed"])
     model = GPT(model_config).to(device)  # the unwrapped module: eval, sampling and checkpoints use it
+    if init is not None:
+        model.load_state_dict(init.state_dict())  # copied into this model's float32 parameters
+        del init
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg["weight_decay"]},
@@ -408,16 +447,10 @@ def main(argv):
         if not torch.stack([p.isfinite().all() for p in model.parameters()]).all():  # never save a diverged model
             diverged(at, "non-finite weights", lr, saved)
         if master:
-            try:
-                save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": at,
-                                 "best_val_loss": best_val, "config": cfg, "model_config": asdict(model_config),
-                                 "tokenizer": meta["tokenizer"], "data_dir": str(data_dir), "rng": rng_state(),
-                                 "config_history": history}, out_dir / "ckpt.pt")
-            except (OSError, RuntimeError) as e:  # a full disk: torch's zip writer raises RuntimeError
-                kept = f"the checkpoint of step {saved} is kept" if saved is not None else "no checkpoint was written"
-                fail(f"could not write {out_dir / 'ckpt.pt'} at step {at} ({str(e).splitlines()[0]}); {kept}: "
-                     f"free space, then "
-                     f"--resume=True")
+            write_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": at,
+                              "best_val_loss": best_val, "config": cfg, "model_config": asdict(model_config),
+                              "tokenizer": meta["tokenizer"], "data_dir": str(data_dir), "rng": rng_state(),
+                              "config_history": history}, out_dir / "ckpt.pt", saved)
         saved = at
 
     every_ckpt = cfg["eval_interval"] if cfg["ckpt_interval"] is None else cfg["ckpt_interval"]
