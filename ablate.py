@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from checkpoint import model_from_checkpoint, read_checkpoint
-from configurator import ConfigError, parse_config, read_config_file
+from configurator import ConfigError, check_ranges, parse_config, read_config_file
 
 ROOT = Path(__file__).resolve().parent
 DEFAULTS = {
@@ -340,6 +340,7 @@ def main(argv):
     split = argv.index("--") if "--" in argv else len(argv)
     try:
         cfg = parse_config(DEFAULTS, argv[:split], __doc__, [__file__])
+        check_ranges(cfg, {"seeds": ">= 1", "jobs": ">= 1", "lr_seeds": ">= 1", "long_factor": ">= 1"})
         lrs = sorted({float(x) for x in cfg["lrs"].split(",") if x.strip()})
     except ConfigError as e:
         raise SystemExit(f"error: {e}")
@@ -349,9 +350,6 @@ def main(argv):
     protocol = cfg["protocol"]
     if protocol not in PROTOCOLS:
         raise SystemExit(f"error: unknown --protocol={protocol}; choose one of {', '.join(PROTOCOLS)}")
-    for key in ("seeds", "jobs", "lr_seeds", "long_factor"):
-        if cfg[key] < 1:
-            raise SystemExit(f"error: --{key} must be at least 1, got {cfg[key]}")
     if not lrs or min(lrs) <= 0 or not all(map(math.isfinite, lrs)):
         raise SystemExit(f"error: --lrs must list positive, finite peak rates, got {cfg['lrs']!r}")
     runs = cfg["long_runs"] if protocol == "long" else cfg["runs"]
@@ -367,8 +365,11 @@ def main(argv):
 
     def run_all(jobs):  # seed-major lists: early results cover every run
         with ThreadPoolExecutor(cfg["jobs"]) as pool:
-            for msg in pool.map(lambda job: train_one(job, cfg["base"], extra, out, threads), dict.fromkeys(jobs)):
-                print(msg, flush=True)
+            try:
+                for msg in pool.map(lambda job: train_one(job, cfg["base"], extra, out, threads), dict.fromkeys(jobs)):
+                    print(msg, flush=True)
+            except RuntimeError as e:  # a train.py run failed; its train.out names the cause
+                raise SystemExit(f"error: {e}")
 
     seeds = range(cfg["seeds"])
     if protocol == "shared":

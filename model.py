@@ -269,6 +269,23 @@ def auto_device() -> str:
     return "mps" if torch.backends.mps.is_available() else "cpu"
 
 
+def check_device(name: str) -> str:
+    """name, or auto_device() for "auto", if this machine has it; else a ValueError that says what it has."""
+    if name == "auto":
+        return auto_device()
+    kind, _, index = name.partition(":")
+    if kind not in ("cpu", "cuda", "mps") or (index and not (kind == "cuda" and index.isdigit())):
+        raise ValueError(f"unknown device {name!r}; use auto, cpu, cuda, cuda:N or mps")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} but torch sees no CUDA GPU here; use --device=cpu (or auto)")
+    if kind == "cuda" and index and int(index) >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r} but this machine has {torch.cuda.device_count()} CUDA GPU(s), "
+                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device 'mps' but torch.backends.mps is not available here; use --device=cpu (or auto)")
+    return name
+
+
 class GPT(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()

@@ -15,7 +15,20 @@ from pathlib import Path
 import torch
 
 from checkpoint import CheckpointError, load_model
-from model import auto_device
+from configurator import ConfigError, check_ranges
+from model import check_device
+
+RANGES = {"num_samples": ">= 1", "max_new_tokens": ">= 0", "temperature": ">= 0", "top_k": ">= 0", "seed": ">= 0"}
+
+
+def read_prompt(args) -> str:
+    if not args.prompt_file:
+        return args.prompt
+    try:
+        return Path(args.prompt_file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        sys.exit(f"error: --prompt_file {args.prompt_file}: {getattr(e, 'strerror', None) or e}; give a readable "
+                 f"UTF-8 text file")
 
 
 def main(argv):
@@ -33,14 +46,18 @@ def main(argv):
     p.add_argument("--device", default="auto", help="auto = cuda, then mps, then cpu")
     args = p.parse_args(argv)
 
-    device = auto_device() if args.device == "auto" else args.device
+    try:
+        check_ranges(vars(args), RANGES)
+        device = check_device(args.device)
+    except (ConfigError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    prompt = read_prompt(args)
     try:
         loaded = load_model(args.init_from or args.ckpt or args.out_dir, device)
     except CheckpointError as e:
         sys.exit(f"error: {e}")
     model, enc = loaded.model, loaded.tokenizer
 
-    prompt = Path(args.prompt_file).read_text() if args.prompt_file else args.prompt
     ids = enc.encode(prompt, allowed_special="all") or [enc.eot_token]
     idx = torch.tensor([ids] * args.num_samples, device=device)  # (num_samples, prompt tokens)
     gen = torch.Generator(device=device).manual_seed(args.seed)
