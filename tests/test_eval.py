@@ -241,3 +241,18 @@ def test_missing_lm_eval_names_the_install(monkeypatch, trained):
     monkeypatch.setattr(eval_py, "lm_eval", None)
     with pytest.raises(SystemExit, match="error: the downstream tasks need lm-evaluation-harness: pip install lm-eval"):
         eval_py.main([f"--init_from={trained}"])
+
+
+def test_table_gives_both_averages_beside_the_papers(capsys):
+    accs = dict(zip(eval_py.PAPER_TASKS, (0.4, 0.6, 0.5, 0.8, 0.3, 0.55, 0.25, 0.33)))
+    norm = {"piqa": 0.62, "sciq": 0.7, "hellaswag": 0.35, "arc_easy": 0.5, "arc_challenge": 0.28}
+    results = {"results": {t: {"alias": t, "acc,none": a, "acc_stderr,none": 0.01,
+                               **({"acc_norm,none": norm[t]} if t in norm else {})} for t, a in accs.items()}}
+    results["results"]["lambada_openai"]["perplexity,none"] = 20.5
+    eval_py.print_table(results, 5, limited=False)
+    out = capsys.readouterr().out
+    mean_acc = 100 * sum(accs.values()) / 8
+    mean_best = 100 * sum(norm.get(t, a) for t, a in accs.items()) / 8
+    assert f"average, acc{mean_acc:>16.2f}" in out and f"average, acc_norm{mean_best:>21.2f}" in out, out
+    assert "lambada_openai         40.00         -  perplexity 20.5" in out
+    assert "paper, Table 1, 5-shot average: 1.5B vanilla 51.65" in out and "3B Depth-Attention 56.17" in out
