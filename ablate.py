@@ -194,7 +194,7 @@ def plot_depth_weights(ckpt_path, path, title):
 def main(argv):
     split = argv.index("--") if "--" in argv else len(argv)
     try:
-        cfg = parse_config(DEFAULTS, argv[:split])
+        cfg = parse_config(DEFAULTS, argv[:split], __doc__, [__file__])
     except ConfigError as e:
         raise SystemExit(f"error: {e}")
     extra = argv[split + 1:]

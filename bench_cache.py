@@ -12,6 +12,7 @@ measured in the same run.
 `value@3` is the value mode with n_loops=3; its baseline is `vanilla@3`, added when missing.
 Then the analytic per-token cost (model.depth_cost) and the paper's Table 2 for its 3B model.
 """
+import inspect
 import json
 import math
 import multiprocessing
@@ -48,8 +49,8 @@ BENCH_KEYS = dict(
     new_tokens=16,     # decode steps after the prefill (the cache holds prompt_len + new_tokens)
     warmup=1,          # untimed rounds over every mode
     repeats=9,         # timed rounds; each timing is the median over them (decode: over all their tokens)
-    modes="vanilla,value,uniform,key,kv,value@3",
-    seed=0,
+    modes="vanilla,value,uniform,key,kv,value@3",  # comma-separated; value@3 = 3 loops, against vanilla@3
+    seed=0,            # weights and tokens
     json="",           # write the results here too
 )
 DEFAULTS = {**MODEL_KEYS, **BENCH_KEYS}
@@ -66,7 +67,7 @@ DEPTH_ATTENTION_QUOTED = (2.40e5, 282)  # FLOPs, KiB
 
 
 def resolve(argv):
-    cfg = parse_config(DEFAULTS, argv)
+    cfg = parse_config(DEFAULTS, argv, __doc__, [__file__, inspect.getfile(ModelConfig)])
     if cfg["preset"]:
         if cfg["preset"] not in PRESETS:
             raise ConfigError(f"unknown preset {cfg['preset']!r}; choose one of {', '.join(PRESETS)}")
@@ -328,7 +329,10 @@ def report(res):
 
 
 def main(argv):
-    cfg = resolve(argv)
+    try:
+        cfg = resolve(argv)
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}")
     print("config:", json.dumps(cfg))
     samples, num_params = measure(cfg)
     res = summarize(cfg, samples, num_params)

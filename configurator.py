@@ -8,8 +8,12 @@ A file may start from another with `base_config = "other.py"` (a path relative t
 assignments come first, so a variant states only the lines that differ. Then `--key=value` overrides. Every key must already exist in the defaults; values are parsed to the
 type of the default (an int is accepted where a float is expected; `None` is accepted anywhere, and a
 default of `None` accepts any literal). Anything else is an error that names the fix.
+`--help` (or `-h`) prints the script's docstring and every key with its default and the one-line comment
+written beside it in the source, so the help can never drift from the defaults.
 """
 import ast
+import re
+import sys
 from pathlib import Path
 
 
@@ -53,14 +57,54 @@ def read_config_file(path, _seen=()) -> dict:
     if path.resolve() in _seen:
         raise ConfigError(f"config file {path} includes itself through base_config")
     scope = {}
-    exec(compile(path.read_text(), str(path), "exec"), {}, scope)
+    try:
+        exec(compile(path.read_text(), str(path), "exec"), {}, scope)
+    except Exception as e:  # a syntax error or a failing expression in the file
+        line = getattr(e, "lineno", None) or (e.__traceback__.tb_next.tb_lineno if e.__traceback__.tb_next else "?")
+        raise ConfigError(f"config file {path}, line {line}: {type(e).__name__}: {e}; config files hold plain "
+                          f"assignments such as `n_layer = 12`") from e
     own = {k: v for k, v in scope.items() if not k.startswith("_")}
     base = own.pop("base_config", None)
     return {**read_config_file(path.parent / base, (*_seen, path.resolve())), **own} if base else own
 
 
-def parse_config(defaults: dict, argv: list) -> dict:
-    """defaults overridden by the config files, then the --key=value arguments, in argv's order."""
+# `"key": value,  # comment` (a dict literal), `key=value,  # comment` (dict()) or `key: type = value  # comment`
+# (a dataclass field), and the comment-only lines that continue it.
+_KEY_LINE = re.compile(r'^\s*"?(\w+)"?\s*(?::\s*[^=#]+?)?\s*[:=][^#]*#\s?(.*)$')
+_MORE_LINE = re.compile(r"^\s*#\s?(.*)$")
+
+
+def key_comments(sources) -> dict:
+    """{key: the comment beside its first definition} over the source files, in order."""
+    found = {}
+    for src in sources:
+        last = None  # the key whose comment a comment-only line at the same column continues
+        for line in Path(src).read_text().splitlines():
+            m, more = _KEY_LINE.match(line), _MORE_LINE.match(line)
+            if m and m.group(1) not in found:
+                last, column = m.group(1), line.rindex("#", 0, m.start(2))
+                found[last] = m.group(2).strip()
+            elif more and last and line.index("#") == column:
+                found[last] += " " + more.group(1).strip()
+            else:
+                last = None
+    return found
+
+
+def help_text(defaults: dict, doc: str, sources) -> str:
+    """The usage: the script's docstring, then `--key=default  comment` for every key."""
+    comments = key_comments(sources)
+    width = min(36, max(len(f"--{k}={v!r}") for k, v in defaults.items()))
+    keys = "\n".join(f"  {f'--{k}={v!r}':<{width}}  {comments.get(k, '')}".rstrip() for k, v in defaults.items())
+    return f"{doc.strip()}\n\nkeys (--key=value, typed like the default):\n{keys}"
+
+
+def parse_config(defaults: dict, argv: list, doc: str = "", sources=()) -> dict:
+    """defaults overridden by the config files, then the --key=value arguments, in argv's order.
+    With -h/--help anywhere in argv, print help_text(defaults, doc, sources) and exit 0."""
+    if "-h" in argv or "--help" in argv:
+        print(help_text(defaults, doc, sources))
+        sys.exit(0)
     cfg = dict(defaults)
     for arg in argv:
         if arg.startswith("--"):

@@ -11,6 +11,7 @@ and --key=value overrides go through configurator.parse_config. The run is a det
 config: batch `step` is drawn from a generator seeded with (seed, step) over the GLOBAL batch, and each rank
 takes its slice, so the world size, gradient accumulation and resuming all leave the losses unchanged.
 """
+import inspect
 import json
 import math
 import os
@@ -40,19 +41,19 @@ DEFAULTS = {
     "vocab_size": None,        # None = the tokenizer's vocabulary from meta.json; larger values pad it
     # data and output
     "dataset": "shakespeare",  # <data_root>/<dataset>/{train.bin, val.bin, meta.json} from prepare_data.py
-    "data_root": "data",
+    "data_root": "data",       # the folder that holds the prepared datasets
     "out_dir": "out/shakespeare",  # ckpt.pt, config.json, log.jsonl
     "seed": 1337,              # model init and the batch sequence
     # batch: gradient accumulation = batch_tokens / (micro_batch * block_size * world_size)
     "batch_tokens": 4096,      # tokens per optimizer step, all ranks together (paper: 1024 x 2048)
-    "micro_batch": 16,         # sequences per forward pass on one rank
+    "micro_batch": None,       # sequences per forward pass on one rank; None = the rank's whole share of the batch
     # optimizer and schedule (the paper's recipe, section 3: AdamW, 2% warmup, cosine to 0.1 x peak, clip 1.0)
     "max_iters": 400,          # optimizer steps; the LR schedule spans exactly these
     "learning_rate": 3e-3,     # peak LR (paper: 1e-3 at 1.5B/3B, 3e-4 at 410M)
     "weight_decay": 0.1,       # on matrices only; norms and other 1-D parameters get none
-    "beta1": 0.9,
-    "beta2": 0.95,
-    "adam_eps": 1e-8,
+    "beta1": 0.9,              # AdamW first-moment decay, in [0, 1)
+    "beta2": 0.95,             # AdamW second-moment decay, in [0, 1)
+    "adam_eps": 1e-8,          # AdamW epsilon
     "grad_clip": 1.0,          # max global grad norm; 0 = no clipping
     "warmup_frac": 0.02,       # linear warmup over this fraction of max_iters
     "min_lr_ratio": 0.1,       # cosine floor as a fraction of the peak LR
@@ -60,7 +61,7 @@ DEFAULTS = {
     "eval_interval": 100,      # steps between evaluations (also at step 0 and at the end)
     "eval_seqs": 64,           # fixed validation windows, evenly spaced over val.bin
     "log_interval": 25,        # steps between printed train lines (log.jsonl gets every step)
-    "ckpt_interval": 0,        # steps between checkpoints; 0 = only at the end (and at stop_at_step)
+    "ckpt_interval": None,     # steps between checkpoints; None = at every evaluation; 0 = only at the end
     "stop_at_step": 0,         # end early after this step with a checkpoint, keeping max_iters' schedule; 0 = off
     "resume": False,           # continue from out_dir/ckpt.pt
     "sample_tokens": 200,      # tokens of text sampled at the end of the run; 0 = none
@@ -70,8 +71,8 @@ DEFAULTS = {
     "dtype": "auto",           # auto = bfloat16 autocast on CUDA where supported, else float32
     "compile": False,          # torch.compile the training forward (slow to start on CPU)
     # experiment tracking
-    "wandb_log": False,
-    "wandb_project": "depth-attention",
+    "wandb_log": False,        # log to Weights & Biases (pip install wandb)
+    "wandb_project": "depth-attention",  # the wandb project
     "wandb_run_name": "",      # "" = the out_dir's name
 }
 SAMPLE_TEMPERATURE, SAMPLE_TOP_K = 0.8, 200  # the end-of-run preview only; sample.py exposes every knob
@@ -87,7 +88,7 @@ def resolve_config(argv):
     """DEFAULTS <- config files <- --key=value. With resume, the checkpoint's config replaces DEFAULTS, so
     `--out_dir=X --resume=True` alone continues the run, and a repeated command line changes nothing."""
     try:
-        cfg = parse_config(DEFAULTS, argv)
+        cfg = parse_config(DEFAULTS, argv, __doc__, [__file__, inspect.getfile(ModelConfig)])
         ckpt = None
         if cfg["resume"]:
             path = Path(cfg["out_dir"]) / "ckpt.pt"
@@ -102,11 +103,28 @@ def resolve_config(argv):
     except (ConfigError, CheckpointError) as e:
         fail(e)
     for key in ("batch_tokens", "micro_batch", "max_iters", "eval_seqs", "log_interval"):
-        if cfg[key] < 1:
+        if cfg[key] is not None and cfg[key] < 1:
             fail(f"--{key} must be at least 1, got {cfg[key]}")
     if cfg["dtype"] not in ("auto", "float32", "bfloat16"):
         fail(f"--dtype must be auto, float32 or bfloat16, got {cfg['dtype']!r}")
     return cfg, ckpt
+
+
+def batch_layout(cfg, world):
+    """(micro_batch, accumulation steps, rows): the global batch is rows = batch_tokens / block_size sequences,
+    each rank takes rows / world of them in accum passes of micro_batch. Any layout gives the same run."""
+    T, tokens, mb = cfg["block_size"], cfg["batch_tokens"], cfg["micro_batch"]
+    if tokens % (T * world):
+        fail(f"batch_tokens={tokens} must be a multiple of block_size * world_size = {T} * {world}; "
+             f"--batch_tokens={max(1, round(tokens / (T * world))) * T * world} is the nearest (a different run)")
+    rows = tokens // T
+    share = rows // world
+    mb = mb or share
+    if share % mb:
+        fits = max(d for d in range(1, min(mb, share) + 1) if share % d == 0)
+        fail(f"micro_batch={mb} must divide this rank's share of the batch, batch_tokens / block_size / world_size "
+             f"= {tokens} / {T} / {world} = {share} sequences; --micro_batch={fits} keeps the run identical")
+    return mb, share // mb, rows
 
 
 def pick_device(name, local_rank):
@@ -218,14 +236,8 @@ def main(argv):
     if model_config.vocab_size < meta["vocab_size"]:
         fail(f"vocab_size={cfg['vocab_size']} but {data_dir} uses the {meta['tokenizer']} tokenizer with "
              f"{meta['vocab_size']} tokens; set --vocab_size={meta['vocab_size']} or more, or None to follow the data")
-    T, mb = cfg["block_size"], cfg["micro_batch"]
-    per_step = mb * T * world
-    if cfg["batch_tokens"] % per_step:
-        fail(f"batch_tokens={cfg['batch_tokens']} must be a multiple of micro_batch * block_size * world_size "
-             f"= {mb} * {T} * {world} = {per_step}; e.g. --batch_tokens="
-             f"{max(1, round(cfg['batch_tokens'] / per_step)) * per_step}")
-    accum = cfg["batch_tokens"] // per_step
-    rows = cfg["batch_tokens"] // T  # sequences in the global batch; this rank takes rows [rank*mb*accum, ...)
+    T = cfg["block_size"]
+    mb, accum, rows = batch_layout(cfg, world)
 
     torch.manual_seed(cfg["seed"])
     model = GPT(model_config).to(device)  # the unwrapped module: eval, sampling and checkpoints use it
@@ -313,6 +325,7 @@ def main(argv):
                              "tokenizer": meta["tokenizer"], "data_dir": str(data_dir), "rng": rng_state()},
                             out_dir / "ckpt.pt")
 
+    every_ckpt = cfg["eval_interval"] if cfg["ckpt_interval"] is None else cfg["ckpt_interval"]
     if step == 0 and cfg["eval_interval"] > 0:
         eval_and_log(0)
     bar = tqdm(total=cfg["max_iters"], initial=step, unit="step", disable=True if not master else None)
@@ -350,7 +363,7 @@ def main(argv):
         if (cfg["eval_interval"] > 0 and step % cfg["eval_interval"] == 0) or step == cfg["max_iters"]:
             eval_and_log(step)
         stop = step == cfg["stop_at_step"]
-        if (cfg["ckpt_interval"] > 0 and step % cfg["ckpt_interval"] == 0) or step == cfg["max_iters"] or stop:
+        if (every_ckpt and step % every_ckpt == 0) or step == cfg["max_iters"] or stop:
             checkpoint(step)
         if stop:
             if master:

@@ -15,7 +15,6 @@ depth_mode = "value"
 depth_stride = None  # half the depth: layers 1-3 read layer 0, layers 4-5 read layers 0 and 3
 
 batch_tokens = 4096
-micro_batch = 16
 max_iters = 400
 learning_rate = 3e-3  # a tiny model tolerates a higher peak than the paper's 1e-3
 eval_interval = 100

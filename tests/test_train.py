@@ -4,6 +4,7 @@ One reference run (fixture) is the yardstick: two gloo ranks, a resumed run and 
 its checkpoint must all reproduce its losses.
 """
 import json
+import math
 import os
 import runpy
 import subprocess
@@ -99,7 +100,9 @@ runpy.run_path("train.py", run_name="__main__")
 
 
 def test_kill_during_checkpoint_write_keeps_the_previous_one(reference, data_root, tmp_path):
-    args = [*TINY, *SINGLE, f"--data_root={data_root}", f"--out_dir={tmp_path}"]
+    # No --ckpt_interval: by default a checkpoint follows every evaluation (steps 4, 8, ...).
+    args = [*(a for a in TINY if not a.startswith("--ckpt_interval")), *SINGLE, f"--data_root={data_root}",
+            f"--out_dir={tmp_path}"]
     proc = run("-c", KILLED_SAVE, *args, check=False)
     assert proc.returncode == 9, proc.stderr[-3000:]
     torn = list(tmp_path.glob("ckpt.pt.tmp*"))
@@ -125,7 +128,9 @@ def test_sample_generates_the_requested_tokens(reference):
     (["--n_layers=2"], "unknown config key 'n_layers'"),
     (["--vocab_size=100"], "set --vocab_size=257 or more"),
     (["--block_size=100000"], "lower --block_size"),
-    (["--batch_tokens=100"], "must be a multiple of micro_batch * block_size * world_size"),
+    (["--batch_tokens=100"], "must be a multiple of block_size * world_size = 32 * 1; --batch_tokens=96"),
+    (["--micro_batch=3"], "this rank's share of the batch, batch_tokens / block_size / world_size = 256 / 32 / 1 "
+                          "= 8 sequences; --micro_batch=2 keeps the run identical"),
     (["--resume=True"], "no checkpoint at"),
 ])
 def test_train_bad_inputs_fail_clearly(data_root, tmp_path, args, message):
@@ -153,6 +158,10 @@ def test_config_files_resolve():
 
     runs = {p.name: resolve(p.name) for p in configs.glob("*.py")}
     assert runs["shakespeare.py"] == defaults
+    for name, cfg in runs.items():  # torchrun --nproc_per_node=2 of any shipped config runs as it is
+        for world in (1, 2, 8):
+            mb, accum, rows = ns["batch_layout"](cfg, world)
+            assert mb * accum * world == rows == cfg["batch_tokens"] // cfg["block_size"], (name, world)
     for name in [n for n in runs if n.endswith("_vanilla.py")]:
         twin, ours = runs[name.replace("_vanilla", "_value")], runs[name]
         assert {k for k in ours if ours[k] != twin[k]} == {"depth_mode", "out_dir"}, name
@@ -162,3 +171,45 @@ def test_config_files_resolve():
         half, value = runs["stride_half.py"], runs["mode_value.py"]  # the same run: None means n_layer // 2
         assert {k for k in half if half[k] != value[k]} == {"depth_stride", "out_dir"}
         assert value["depth_stride"] is None and half["depth_stride"] == value["n_layer"] // 2
+
+
+def test_micro_batch_follows_the_world_size():
+    """micro_batch=None takes each rank's whole share; an explicit one that cannot divide it names the fix."""
+    layout = runpy.run_path(str(ROOT / "train.py"))["batch_layout"]
+    cfg = {"block_size": 256, "batch_tokens": 4096, "micro_batch": None}
+    assert layout(cfg, 1) == (16, 1, 16) and layout(cfg, 2) == (8, 1, 16) and layout(cfg, 16) == (1, 1, 16)
+    assert layout({**cfg, "micro_batch": 4}, 2) == (4, 2, 16)
+    with pytest.raises(SystemExit, match="--micro_batch=8 keeps the run identical"):
+        layout({**cfg, "micro_batch": 16}, 2)
+    with pytest.raises(SystemExit, match="--batch_tokens=4096 is the nearest"):
+        layout({**cfg, "batch_tokens": 4000}, 2)
+
+
+@pytest.mark.parametrize("script", ["train.py", "sample.py", "prepare_data.py", "bench_cache.py", "ablate.py"])
+def test_every_script_answers_help(script):
+    for flag in ("--help", "-h"):
+        proc = run(script, flag)
+        shown = "usage:" in proc.stdout or "keys (--key=value" in proc.stdout  # argparse's or configurator's
+        assert proc.returncode == 0 and shown and "Traceback" not in proc.stderr, proc.stdout[-2000:] + proc.stderr
+
+
+def test_help_lists_every_key_with_its_comment():
+    ns = runpy.run_path(str(ROOT / "train.py"))
+    text = run("train.py", "--help").stdout
+    for key, value in ns["DEFAULTS"].items():
+        line = next((l for l in text.splitlines() if l.strip().startswith(f"--{key}={value!r}")), None)
+        assert line is not None and len(line.split(None, 1)) == 2, f"--{key} has no line or no comment in --help"
+    assert "None = at every evaluation; 0 = only at the end" in text  # read from the comment in train.py
+    assert "depth_mode='value'" in text and "vanilla | uniform | key | kv | value" in text  # from model.py
+
+
+@pytest.mark.parametrize("extra, tol", [(["--dtype=bfloat16"], 0.05), (["--compile=True"], 1e-4)])
+def test_gpu_paths_run_on_cpu(reference, data_root, tmp_path, extra, tol):
+    """The paths every GPU user takes, on the CPU: bf16 autocast and torch.compile train to finite losses
+    that stay close to the float32 eager reference (bf16 rounds, so its tolerance is looser)."""
+    run("train.py", *TINY, *SINGLE, f"--data_root={data_root}", f"--out_dir={tmp_path}", "--stop_at_step=4",
+        *extra)
+    ours, ref = read_log(tmp_path), read_log(reference[0])
+    assert all(math.isfinite(v) for v in ours.values())
+    diff = max(abs(ours[k] - ref[k]) for k in ours)
+    assert diff < tol, f"{extra}: losses differ from float32 eager by up to {diff:.3e}"

@@ -16,7 +16,6 @@ n_embd = 64
 mlp_hidden = 176
 
 batch_tokens = 2048
-micro_batch = 16
 max_iters = 600
 learning_rate = 3e-3
 eval_interval = 100
