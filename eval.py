@@ -206,21 +206,20 @@ def print_table(results, num_fewshot, limited):
 
 
 def main(argv):
-    p = argparse.ArgumentParser(description=__doc__.strip().split("\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--init_from", required=True, help="a train.py out_dir (its ckpt.pt) or a checkpoint file")
     p.add_argument("--tasks", default=",".join(PAPER_TASKS),
-                   help="comma-separated lm-eval task names or globs (default: the paper's eight); empty = none")
-    p.add_argument("--num_fewshot", type=int, default=0, help="examples in each prompt (the paper: 0 and 5)")
+                   help="comma-separated lm-eval task names or globs; default: the paper's eight; empty: none")
+    p.add_argument("--num_fewshot", type=int, default=0, help="examples in each prompt (the paper: 0 and 5); default 0")
     p.add_argument("--limit", type=float, help="score only this many examples per task (< 1: a fraction) and "
                    "this many --ppl windows; for quick checks, not for reported numbers")
-    p.add_argument("--batch_size", type=int, default=16, help="sequences per forward pass")
-    p.add_argument("--device", default="auto", help="auto = cuda, then mps, then cpu")
+    p.add_argument("--batch_size", type=int, default=16, help="sequences per forward pass; default 16")
+    p.add_argument("--device", default="auto", help="default auto: cuda, then mps, then cpu")
     p.add_argument("--include_path", help="a folder of extra lm-eval task YAML files (lm-eval's own option)")
     p.add_argument("--json", help="write lm-eval's results dictionary here (plus 'ppl' with --ppl)")
     p.add_argument("--ppl", metavar="DATASET", help="also report the perplexity of <data_root>/DATASET/val.bin "
                    "(a prepare_data.py output), e.g. pile")
-    p.add_argument("--data_root", default="data", help="the folder that holds the --ppl dataset")
+    p.add_argument("--data_root", default="data", help="the folder that holds the --ppl dataset; default data")
     args = p.parse_args(argv)
 
     names = [t.strip() for t in args.tasks.split(",") if t.strip()]

@@ -212,7 +212,7 @@ def test_help_documents_every_flag(capsys):
     for name in ("init_from", "tasks", "num_fewshot", "limit", "batch_size", "device", "include_path", "json",
                  "ppl", "data_root"):
         assert f"--{name}" in text
-    assert text.count("default:") >= 5
+    assert "python eval.py --init_from=out/RUN --num_fewshot=5" in text  # the examples of the docstring
 
 
 @pytest.fixture
