@@ -1,6 +1,6 @@
 """eval.py: the lm-eval adapter's scores against direct forward passes of the model, and eval.py end to end on a
 checkpoint in train.py's format with task files written by the test (lm-eval's `dataset_path: json`), offline.
-lm-eval is a test-only dependency (.ci/run installs it)."""
+lm-eval is optional for users; requirements-dev.txt (and so .ci/run) installs it."""
 import json
 import math
 import os
@@ -26,6 +26,7 @@ OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
 WORDS = "the a cat dog sat ran on under mat log and then".split()
 
 
+@torch.no_grad()
 def logprobs(model, ids, n):
     """Direct: log p of each of the last n tokens of ids, from one forward pass of ids[:-1] alone."""
     logits, _ = model(torch.tensor([ids[:-1]]))
