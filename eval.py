@@ -201,8 +201,9 @@ def print_table(results, num_fewshot, limited):
         p = results["ppl"]
         print(f"\nperplexity {p['ppl']:.4f} (mean NLL {p['nll']:.4f} over {p['tokens']:,} tokens of "
               f"{p['dataset']}/val.bin, {p['windows']:,} windows)")
-        print("paper, Table 1, Pile validation perplexity (GPT-NeoX tokens): "
-              + ", ".join(f"{k} {v}" for k, v in PAPER_PPL.items()))
+        if Path(p["dataset"]).name == "pile":  # prepare_data.py's name for The Pile
+            print("paper, Table 1, Pile validation perplexity (GPT-NeoX tokens): "
+                  + ", ".join(f"{k} {v}" for k, v in PAPER_PPL.items()))
 
 
 def main(argv):

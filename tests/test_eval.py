@@ -250,6 +250,7 @@ def test_table_gives_both_averages_beside_the_papers(capsys):
     results = {"results": {t: {"alias": t, "acc,none": a, "acc_stderr,none": 0.01,
                                **({"acc_norm,none": norm[t]} if t in norm else {})} for t, a in accs.items()}}
     results["results"]["lambada_openai"]["perplexity,none"] = 20.5
+    results["ppl"] = {"dataset": "data/pile", "windows": 3, "tokens": 6141, "nll": 2.0, "ppl": math.exp(2.0)}
     eval_py.print_table(results, 5, limited=False)
     out = capsys.readouterr().out
     mean_acc = 100 * sum(accs.values()) / 8
@@ -257,3 +258,5 @@ def test_table_gives_both_averages_beside_the_papers(capsys):
     assert f"average, acc{mean_acc:>16.2f}" in out and f"average, acc_norm{mean_best:>21.2f}" in out, out
     assert "lambada_openai         40.00         -  perplexity 20.5" in out
     assert "paper, Table 1, 5-shot average: 1.5B vanilla 51.65" in out and "3B Depth-Attention 56.17" in out
+    assert "perplexity 7.3891 (mean NLL 2.0000 over 6,141 tokens of data/pile/val.bin" in out
+    assert "Pile validation perplexity (GPT-NeoX tokens): 1.5B vanilla 8.17" in out
