@@ -3,8 +3,10 @@ Saving and loading trained models: train.py's atomic checkpoints, and `load_mode
 every script that reads a trained model (sample.py, eval.py, train.py --init_from) turns a path into a model
 and its tokenizer.
 
-    init_from = "out/shakespeare"          a train.py out_dir (reads its ckpt.pt)
-              = "out/shakespeare/ckpt.pt"  a checkpoint file
+    init_from = "out/shakespeare"             a train.py out_dir (reads its ckpt.pt)
+              = "out/shakespeare/ckpt.pt"     a checkpoint file
+              = "out/shakespeare_hf"          a Hugging Face folder: config.json + *.safetensors (hf.py)
+              = "zeng123/Depth-attention-3B"  a Hugging Face hub id, downloaded by huggingface_hub
 """
 import os
 from dataclasses import dataclass
@@ -59,8 +61,8 @@ def model_from_checkpoint(ckpt: dict) -> GPT:
 @dataclass
 class Loaded:
     model: GPT            # in eval mode, on the requested device
-    tokenizer: object     # encode(text, allowed_special=...), decode(ids), eot_token
-    source: str           # the file the weights came from
+    tokenizer: object     # encode(text, allowed_special=...), decode(ids), eot_token, name
+    source: str           # the file or folder the weights came from
     step: int             # training steps behind the weights (None when unknown)
 
 
@@ -72,6 +74,14 @@ def checkpoint_path(init_from) -> Path:
 
 def load_model(init_from, device="cpu") -> Loaded:
     """The model and tokenizer behind init_from (see the module docstring), ready for inference."""
+    import hf  # the optional packages of Hugging Face folders are imported only when one is used
+    if hf.is_hf_folder(init_from) or hf.looks_like_hub_id(init_from):
+        folder = hf.resolve(init_from)
+        model = GPT.from_pretrained(folder)
+        tokenizer = hf.folder_tokenizer(folder)
+        if tokenizer is None:
+            raise CheckpointError(f"{folder} has no tokenizer.json; copy the model's tokenizer.json into it")
+        return Loaded(model.to(device).eval(), tokenizer, str(folder), None)
     from prepare_data import get_tokenizer  # tiktoken; model.py stays torch-only
     path = checkpoint_path(init_from)
     ckpt = read_checkpoint(path)

@@ -5,6 +5,7 @@ lm-evaluation-harness (`pip install lm-eval`), zero-shot or five-shot, and valid
     python eval.py --init_from=out/RUN                          # the paper's eight tasks, zero-shot
     python eval.py --init_from=out/RUN --num_fewshot=5 --json=out/RUN/eval_5shot.json
     python eval.py --init_from=out/RUN --tasks= --ppl=pile      # perplexity of data/pile/val.bin only
+    python eval.py --init_from=zeng123/Depth-attention-3B       # a Hugging Face folder or hub id
     python eval.py --init_from=out/RUN --include_path=my_tasks --tasks=my_task   # task YAMLs on disk
 
 The model is an lm-eval language model here (`EvalLM`): lm-eval builds the prompts, asks for log-likelihoods
@@ -201,14 +202,14 @@ def print_table(results, num_fewshot, limited):
         p = results["ppl"]
         print(f"\nperplexity {p['ppl']:.4f} (mean NLL {p['nll']:.4f} over {p['tokens']:,} tokens of "
               f"{p['dataset']}/val.bin, {p['windows']:,} windows)")
-        if Path(p["dataset"]).name == "pile":  # prepare_data.py's name for The Pile
+        if Path(p["dataset"]).name.startswith("pile"):  # prepare_data.py's pile source, in any tokens
             print("paper, Table 1, Pile validation perplexity (GPT-NeoX tokens): "
                   + ", ".join(f"{k} {v}" for k, v in PAPER_PPL.items()))
 
 
 def main(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--init_from", required=True, help="a train.py out_dir (its ckpt.pt) or a checkpoint file")
+    p.add_argument("--init_from", required=True, help="a train.py out_dir (its ckpt.pt), a checkpoint file, a Hugging Face folder or hub id")
     p.add_argument("--tasks", default=",".join(PAPER_TASKS),
                    help="comma-separated lm-eval task names or globs; default: the paper's eight; empty: none")
     p.add_argument("--num_fewshot", type=int, default=0, help="examples in each prompt (the paper: 0 and 5); default 0")

@@ -49,7 +49,8 @@ WAVE = 4  # tasks in flight per process; bounds memory because Pool.imap would r
 
 @lru_cache(maxsize=None)
 def get_tokenizer(name):
-    """Return a tiktoken Encoding: "gpt2" (50257 tokens) or "bytes" (256 bytes + EOT = 257). EOT id: enc.eot_token."""
+    """Return a tiktoken Encoding: "gpt2" (50257 tokens) or "bytes" (256 bytes + EOT = 257); any other name is a
+    Hugging Face folder, tokenizer.json or hub id, behind the same interface (hf.HFTokenizer). EOT id: enc.eot_token."""
     if name == "bytes":
         # With no merges the pattern only bounds the piece length; every byte is its own token, so any
         # UTF-8 text round-trips. 256-byte pieces are faster than one piece per character.
@@ -62,7 +63,12 @@ def get_tokenizer(name):
             raise RuntimeError(f"could not load the gpt2 tokenizer ({type(e).__name__}: {e}). tiktoken downloads "
                                "its BPE files on first use: run once with network access (they are cached "
                                "afterwards), or use --tokenizer=bytes") from e
-    raise ValueError(f"unknown tokenizer {name!r}: use 'gpt2' or 'bytes'")
+    from hf import CheckpointError, load_tokenizer  # tokenizers (and huggingface_hub for a hub id)
+    try:
+        return load_tokenizer(name)
+    except CheckpointError as e:
+        raise ValueError(f"unknown tokenizer {name!r}: use 'gpt2', 'bytes' or a Hugging Face folder, "
+                         f"tokenizer.json or hub id ({e})") from e
 
 
 def load_meta(data_dir):
@@ -217,6 +223,7 @@ def prepare(source, name=None, tokenizer=None, inputs=None, out_dir="data", val_
         print(f"{data_dir} is already prepared; pass --force to rebuild it")
         return data_dir
     enc = get_tokenizer(tokenizer)  # fails before any download
+    tokenizer = enc.name  # a hub id's tokenizer is now a local folder: the worker processes load it from there
     if enc.n_vocab > 2**16:
         raise ValueError(f"tokenizer {tokenizer} has {enc.n_vocab} tokens, more than uint16 ids can hold")
     num_proc = num_proc or min(8, os.cpu_count() or 1)
@@ -267,8 +274,8 @@ def main():
                         help="local files, globs or directories (minipile: parquet; pile: .jsonl.zst; text: any "
                              "text file, one document each); minipile and pile download from Hugging Face without it")
     parser.add_argument("--name", help="output directory name under --out_dir (default: the source)")
-    parser.add_argument("--tokenizer", choices=("gpt2", "bytes"),
-                        help="default: bytes for shakespeare (no download), gpt2 otherwise")
+    parser.add_argument("--tokenizer", help="gpt2, bytes, or a Hugging Face folder / tokenizer.json / hub id (a "
+                        "released model's); default: bytes for shakespeare (no download), gpt2 otherwise")
     parser.add_argument("--out_dir", default="data", help="parent of the output directory")
     parser.add_argument("--val_fraction", type=float, default=0.1,
                         help="without val* files, every round(1/val_fraction)th document goes to val")

@@ -5,6 +5,7 @@ Train a Depth-Attention (or vanilla) decoder on uint16 token files made by prepa
     python train.py configs/minipile_value.py --max_iters=100
     torchrun --standalone --nproc_per_node=8 train.py configs/paper_3b_value.py
     python train.py configs/minipile_value.py --resume=True  # continue out_dir/ckpt.pt
+    python train.py --init_from=zeng123/Depth-attention-3B --dataset=pile_neox  # continue from released weights
 
 Model keys (the ModelConfig fields) and training keys share one flat namespace (DEFAULTS below); config files
 and --key=value overrides go through configurator.parse_config. The run is a deterministic function of the
@@ -29,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 import prepare_data
-from checkpoint import CheckpointError, read_checkpoint, save_checkpoint
+from checkpoint import CheckpointError, load_model, read_checkpoint, save_checkpoint
 from configurator import ConfigError, parse_config
 from model import GPT, ModelConfig, auto_device
 
@@ -64,6 +65,7 @@ DEFAULTS = {
     "ckpt_interval": None,     # steps between checkpoints; None = at every evaluation; 0 = only at the end
     "stop_at_step": 0,         # end early after this step with a checkpoint, keeping max_iters' schedule; 0 = off
     "resume": False,           # continue from out_dir/ckpt.pt
+    "init_from": "",           # start from these weights, fresh optimizer: out_dir, ckpt.pt, HF folder or hub id
     "sample_tokens": 200,      # tokens of text sampled at the end of the run; 0 = none
     "sample_prompt": "",       # "" = start from the end-of-text token, like a new document
     # hardware
@@ -96,7 +98,8 @@ def resolve_config(argv):
                 fail(f"--resume=True but there is no checkpoint at {path}; check --out_dir or drop --resume")
             ckpt = read_checkpoint(path)
             cfg = parse_config({**DEFAULTS, **{k: v for k, v in ckpt["config"].items() if k in DEFAULTS}}, argv)
-            changed = {k: (ckpt["model_config"][k], cfg[k]) for k in MODEL_KEYS if cfg[k] != ckpt["model_config"][k]}
+            saved = {**DEFAULTS, **ckpt["model_config"]}  # a field added since the checkpoint has its default
+            changed = {k: (saved[k], cfg[k]) for k in MODEL_KEYS if cfg[k] != saved[k]}
             if changed:
                 fail(f"the checkpoint's model differs from the one asked for ({changed}, as (checkpoint, now)); "
                      f"drop those overrides or train into a new --out_dir")
@@ -108,6 +111,29 @@ def resolve_config(argv):
     if cfg["dtype"] not in ("auto", "float32", "bfloat16"):
         fail(f"--dtype must be auto, float32 or bfloat16, got {cfg['dtype']!r}")
     return cfg, ckpt
+
+
+def load_init(cfg, meta):
+    """--init_from: the weights to start from (fine-tuning or continued pretraining, fresh optimizer). They fix
+    the model keys, so a model setting that differs from them is an error, and so is data whose tokenizer is
+    not the model's."""
+    try:
+        init = load_model(cfg["init_from"])
+        data_enc = prepare_data.get_tokenizer(meta["tokenizer"])
+    except (CheckpointError, RuntimeError, ValueError) as e:
+        fail(e)
+    theirs = asdict(init.model.config)
+    clash = {k: (theirs[k], cfg[k]) for k in MODEL_KEYS if cfg[k] not in (DEFAULTS[k], theirs[k])}
+    if clash:
+        fail(f"--init_from={cfg['init_from']} fixes the model, and these settings differ from it: {clash} "
+             f"(as (model, asked)); drop them")
+    probe = "Probe: the quick brown fox, 1234.\n"
+    if meta["vocab_size"] > theirs["vocab_size"] or data_enc.eot_token != init.tokenizer.eot_token \
+            or data_enc.encode(probe) != init.tokenizer.encode(probe):
+        fail(f"the data was tokenized with {meta['tokenizer']}, but {cfg['init_from']} uses {init.tokenizer.name}; "
+             f"prepare the data with the model's tokenizer (prepare_data.py --tokenizer={cfg['init_from']})")
+    cfg.update(theirs)
+    return init.model
 
 
 def batch_layout(cfg, world):
@@ -226,6 +252,7 @@ def main(argv):
     autocast = torch.autocast(device_type, dtype=torch.bfloat16) if bf16 else nullcontext()
 
     data_dir, meta, train, val = open_data(cfg, master)
+    init = load_init(cfg, meta) if cfg["init_from"] and ckpt is None else None  # resuming restores everything
     if cfg["vocab_size"] is None:
         cfg["vocab_size"] = meta["vocab_size"]
     try:
@@ -241,6 +268,9 @@ def main(argv):
 
     torch.manual_seed(cfg["seed"])
     model = GPT(model_config).to(device)  # the unwrapped module: eval, sampling and checkpoints use it
+    if init is not None:
+        model.load_state_dict(init.state_dict())  # copied into this model's float32 parameters
+        del init
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg["weight_decay"]},
