@@ -2,7 +2,7 @@
 The paper's main comparison (section 3.1, Table 1: vanilla, Depth-Attention and the three hidden-state
 baselines) and its ablations (section 3.3: Tables 5-6, Figure 4, looped), as a sweep of train.py runs x seeds.
 
-    python ablate.py --runs=ablations                    # the CPU ablation sweep on Shakespeare (about an hour, 2 cores)
+    python ablate.py --runs=ablations                    # the CPU ablation sweep on Shakespeare (~1 h, 2 cores)
     python ablate.py --runs=main --out=out/ablate_main   # Table 1 at CPU scale: vanilla, value and the baselines
     python ablate.py --base=configs/ablations/base.py --out=out/ablate_minipile --seeds=2 --jobs=1 \
         --runs=vanilla,value -- --compile=True           # on a GPU: MiniPile, 85M; after `--`: train.py keys
@@ -12,7 +12,15 @@ then --seed and --out_dir: every mode gets the same budget and hyperparameters. 
 the final evaluation) is skipped and a started one resumed from its checkpoint, so re-running the same
 command completes a partial sweep. Writes <out>/results.{md,json}, <out>/curves.png and
 <out>/depth_weights*.png (matplotlib, optional: `pip install matplotlib`).
+
+A peak learning rate that suits one method can handicap another, so three more protocols compare each method
+at its own best rate and follow the gap as training lengthens (one command each, in this order):
+
+    python ablate.py --protocol=lr_sweep --runs=vanilla,value   # every run at each of --lrs, --lr_seeds seeds
+    python ablate.py --protocol=best_lr --runs=vanilla,value    # paired seeds at the shared and the best rates
+    python ablate.py --protocol=long --long_runs=vanilla,value  # --long_factor x the steps, at the best rates
 """
+import ast
 import json
 import math
 import os
@@ -25,7 +33,7 @@ import numpy as np
 import torch
 
 from checkpoint import model_from_checkpoint, read_checkpoint
-from configurator import ConfigError, parse_config
+from configurator import ConfigError, check_ranges, parse_config, read_config_file
 
 ROOT = Path(__file__).resolve().parent
 DEFAULTS = {
@@ -35,7 +43,13 @@ DEFAULTS = {
     "seeds": 3,                           # seeds 0 .. seeds-1 for every run
     "jobs": 2,                            # train.py processes at once (CPU: one per core, one thread each)
     "threads": 0,                         # torch threads per process; 0 = the cores shared out among the jobs
+    "protocol": "shared",                 # shared | lr_sweep | best_lr | long (see the docstring)
+    "lrs": "3e-4,1e-3,2e-3,3e-3,6e-3",    # lr_sweep: the peak learning rates tried for every run
+    "lr_seeds": 1,                        # lr_sweep: seeds per rate; best_lr reuses its runs where seed and rate match
+    "long_runs": "vanilla,value",         # long: the runs trained longer; the first is the baseline of the gap
+    "long_factor": 5,                     # long: this many times the base's max_iters (and tokens)
 }
+PROTOCOLS = ("shared", "lr_sweep", "best_lr", "long")
 # run name -> delta files in configs/ablations/, applied after the base
 RUNS = {
     "vanilla": ["mode_vanilla"], "uniform": ["mode_uniform"], "value": ["mode_value"],
@@ -79,42 +93,80 @@ def final_val_loss(run_dir):
     return evals[-1]["val_loss"]
 
 
-def train_one(name, seed, base, extra, out, threads):
-    run_dir = out / name / f"seed{seed}"
-    if final_val_loss(run_dir) is not None:
-        return f"{name} seed {seed}: done already"
-    files = [base] + [str(ROOT / "configs" / "ablations" / f"{d}.py") for d in RUNS[name]]
-    args = files + extra + [f"--seed={seed}", f"--out_dir={run_dir}", "--sample_tokens=0"]
-    if (run_dir / "ckpt.pt").exists():
+def run_dir(out, name, seed, lr=None, factor=1):
+    """out/<run>/seed<s> at the base's own rate (the shared protocol); out/<run>/lr<rate>/seed<s> at an
+    explicit peak rate; out/<run>/long<f>x_lr<rate>/seed<s> for f times the steps."""
+    d = out / name
+    if lr is not None:
+        d = d / (f"long{factor}x_lr{lr:g}" if factor > 1 else f"lr{lr:g}")
+    return d / f"seed{seed}"
+
+
+def run_files(base, name):
+    return [base] + [str(ROOT / "configs" / "ablations" / f"{d}.py") for d in RUNS[name]]
+
+
+def planned(key, files, extra):
+    """A train.py key as the config files, then the `--key=value` overrides, set it (None if they don't)."""
+    value = None
+    for f in files:
+        value = read_config_file(f).get(key, value)
+    for arg in extra:
+        k, _, text = arg[2:].partition("=")
+        if arg.startswith("--") and k == key:
+            value = ast.literal_eval(text)
+    return value
+
+
+def train_one(job, base, extra, out, threads):
+    """Train (or resume, or skip when finished) one (run, seed, peak rate or None, step factor)."""
+    name, seed, lr, factor = job
+    label = f"{name} seed {seed}" + (f" lr {lr:g}" if lr is not None else "") + (f" x{factor}" if factor > 1 else "")
+    where = run_dir(out, name, seed, lr, factor)
+    if final_val_loss(where) is not None:
+        return f"{label}: done already"
+    files = run_files(base, name)
+    schedule = [f"--learning_rate={lr!r}"] if lr is not None else []
+    if factor > 1:
+        schedule.append(f"--max_iters={planned('max_iters', files, extra) * factor}")
+    args = files + extra + schedule + [f"--seed={seed}", f"--out_dir={where}", "--sample_tokens=0"]
+    if (where / "ckpt.pt").exists():
         args.append("--resume=True")
-    run_dir.mkdir(parents=True, exist_ok=True)
+    where.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    with open(run_dir / "train.out", "w") as log:
+    with open(where / "train.out", "w") as log:
         proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], stdout=log, stderr=subprocess.STDOUT,
                               env=env, cwd=ROOT)
     if proc.returncode != 0:
-        raise RuntimeError(f"{name} seed {seed} failed (exit {proc.returncode}); see {run_dir / 'train.out'}")
-    loss = final_val_loss(run_dir)
-    return f"{name} seed {seed}: " + (f"val_loss {loss:.4f}" if loss is not None else "stopped before the end")
+        raise RuntimeError(f"{label} failed (exit {proc.returncode}); see {where / 'train.out'}")
+    loss = final_val_loss(where)
+    return f"{label}: " + (f"val_loss {loss:.4f}" if loss is not None else "stopped before the end")
 
 
-def summarize(out, names, seeds):
+def collect(out, names, seeds, rates=None, factor=1):
+    """{run: {seed: final val loss}} over the finished runs; rates: {run: peak rate}, None = the base's."""
+    rates = rates or dict.fromkeys(names)
+    return {n: {s: v for s in range(seeds) if (v := final_val_loss(run_dir(out, n, s, rates[n], factor))) is not None}
+            for n in names}
+
+
+def summarize(losses, title_suffix=""):
     """Mean and std over seeds, and the difference to the table's baseline, paired by seed.
+    losses: {run: {seed: final val loss}} (see collect).
 
     Runs with the same seed start from the same weights (every run creates the shared parameters first and in
     the same order; a baseline's own come after them) and see the same batches, so the noise that matters is
     the spread of the per-seed differences: Δ/SE = mean(d) / (std(d) / sqrt(n)), d_s = loss(run, s) -
     loss(baseline, s). A table is left out when it would only repeat runs shown above it, and the main table
     when no baseline ran."""
-    losses = {n: {s: v for s in range(seeds) if (v := final_val_loss(out / n / f"seed{s}")) is not None}
-              for n in names}
     stats = {n: {"losses": list(v.values()), "mean": float(np.mean(list(v.values()))),
                  "std": float(np.std(list(v.values()), ddof=1)) if len(v) > 1 else None}
              for n, v in losses.items() if v}
     tables, shown = [], set()
     for title, rows, baseline in TABLES:
         rows = [n for n in rows if n in stats]
-        if baseline not in stats or set(rows) <= shown or (title == MAIN_TITLE and not set(rows) - {"vanilla", "value"}):
+        no_baseline = title == MAIN_TITLE and not set(rows) - {"vanilla", "value"}
+        if baseline not in stats or set(rows) <= shown or no_baseline:
             continue
         shown |= set(rows)
         lines = []
@@ -128,7 +180,7 @@ def summarize(out, names, seeds):
                           "ppl": float(ppl.mean()), "ppl_std": float(ppl.std(ddof=1)) if len(ppl) > 1 else None,
                           "paper": PAPER.get(n), "paper_diff": PAPER[n] - PAPER[baseline] if n in PAPER else None,
                           "paper_3b": PAPER_TABLE1.get(n)})
-        tables.append({"title": title, "baseline": baseline, "main": title == MAIN_TITLE,
+        tables.append({"title": title + title_suffix, "baseline": baseline, "main": title == MAIN_TITLE,
                        "rows": lines})
     return stats, tables
 
@@ -142,7 +194,7 @@ def markdown(tables):
             out += [f"**{t['title']}** (Δ = run − `{t['baseline']}` with the same seed, mean ± std over seeds; "
                     f"SE = std / √seeds; perplexity = exp(val loss) per seed)", "",
                     "| run | seeds | val loss (mean ± std) | Δ vs baseline | Δ / SE | val perplexity | "
-                    "paper 3B: Pile ppl | paper 3B: zero-shot avg |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+                    "paper 3B: Pile ppl | paper 3B: zero-shot avg |", "|" + " --- |" * 8]
             out += [f"| {r['run']} | {r['n']} | {r['mean']:.4f} ± {f(r['std'], '.4f')} | "
                     f"{r['diff']:+.4f} ± {f(r['diff_std'], '.4f')} | {f(r['diff_in_se'], '+.1f')} | "
                     f"{r['ppl']:.3f} ± {f(r['ppl_std'], '.3f')} | {f((r['paper_3b'] or (None,))[0], '.2f')} | "
@@ -220,33 +272,88 @@ def plot_depth_weights(ckpt_path, path, title):
     return m
 
 
-def main(argv):
-    split = argv.index("--") if "--" in argv else len(argv)
-    try:
-        cfg = parse_config(DEFAULTS, argv[:split], __doc__, [__file__])
-    except ConfigError as e:
-        raise SystemExit(f"error: {e}")
-    extra = argv[split + 1:]
-    names = list(dict.fromkeys(n for part in cfg["runs"].split(",") for n in RUN_SETS.get(part, [part])))
-    unknown = [n for n in names if n not in RUNS]
-    if unknown:
-        raise SystemExit(f"error: unknown runs {unknown}; choose from {', '.join(RUNS)} or a set: "
-                         f"{', '.join(RUN_SETS)}")
-    if not Path(cfg["base"]).is_file():
-        raise SystemExit(f"error: base config {cfg['base']} not found")
-    out = Path(cfg["out"])
-    out.mkdir(parents=True, exist_ok=True)
-    jobs = [(n, s) for s in range(cfg["seeds"]) for n in names]  # seed-major: early results cover every run
-    threads = cfg["threads"] or max(1, (os.cpu_count() or 1) // cfg["jobs"])
-    with ThreadPoolExecutor(cfg["jobs"]) as pool:
-        for msg in pool.map(lambda job: train_one(*job, cfg["base"], extra, out, threads), jobs):
-            print(msg, flush=True)
+def best_rates(out, names, lrs, lr_seeds):
+    """({run: the peak rate with the lowest mean final val loss in the lr_sweep}, {run: {rate: mean loss}})."""
+    means = {n: {lr: float(np.mean(list(v.values()))) for lr in lrs
+                 if (v := collect(out, [n], lr_seeds, {n: lr})[n])} for n in names}
+    missing = [f"{n} at {lr:g}" for n in names for lr in lrs if lr not in means[n]]
+    if missing:
+        raise SystemExit(f"error: the learning-rate sweep has no finished run for {', '.join(missing)}; run "
+                         f"`python ablate.py --protocol=lr_sweep` with the same --out, --runs, --lrs and --base first")
+    return {n: min(means[n], key=means[n].get) for n in names}, means
 
-    stats, tables = summarize(out, names, cfg["seeds"])
-    (out / "results.json").write_text(json.dumps({"config": cfg, "train_overrides": extra, "runs": stats,
-                                                  "tables": tables}, indent=1) + "\n")
-    (out / "results.md").write_text(markdown(tables))
-    print(markdown(tables))
+
+def sweep_markdown(means, lrs, best):
+    edge = {min(lrs), max(lrs)}
+    out = ["**Learning-rate sweep** (final validation loss, mean over the sweep's seeds; bold = best; a best "
+           "rate at the edge of the grid means the grid should widen)", "",
+           "| run | " + " | ".join(f"{lr:g}" for lr in lrs) + " | best |", "|" + " --- |" * (len(lrs) + 2)]
+    for n, m in means.items():
+        cells = [f"**{m[lr]:.4f}**" if lr == best[n] else f"{m[lr]:.4f}" for lr in lrs]
+        out.append(f"| {n} | " + " | ".join(cells) + f" | {best[n]:g}{' (edge)' if best[n] in edge else ''} |")
+    return "\n".join(out) + "\n"
+
+
+def gap_curves(out, names, seeds, rates, factor, batch_tokens):
+    """The paired gap of every run to names[0] at each evaluation, over the seeds both finished logging:
+    {run: [(tokens seen, mean gap, SE or None, seeds)]}."""
+    def evals(n, s):
+        return {r["step"]: r["val_loss"] for r in read_log(run_dir(out, n, s, rates[n], factor)) if r["kind"] == "eval"}
+    curves = {}
+    for n in names[1:]:
+        pairs = [(evals(n, s), evals(names[0], s)) for s in range(seeds)]
+        pairs = [(a, b) for a, b in pairs if a and b]
+        steps = sorted(set.intersection(*(set(a) & set(b) for a, b in pairs))) if pairs else []
+        curves[n] = []
+        for st in steps:
+            d = [a[st] - b[st] for a, b in pairs]
+            se = float(np.std(d, ddof=1) / math.sqrt(len(d))) if len(d) > 1 else None
+            curves[n].append((st * batch_tokens, float(np.mean(d)), se, len(d)))
+    return curves
+
+
+def gap_markdown(curves, baseline, short_tokens):
+    out = [f"**Gap against training length** (Δ = run − `{baseline}` with the same seed, each at its best rate; "
+           f"mean ± SE over seeds; the short runs end at {short_tokens / 1e6:.2f}M tokens)", "",
+           "| run | tokens (M) | Δ val loss | SE | seeds |", "| --- | --- | --- | --- | --- |"]
+    for n, pts in curves.items():
+        # the first evaluation after step 0, every multiple of the short runs' length, and the last
+        rows = dict.fromkeys(pts[1:2] + [p for p in pts if p[0] and p[0] % short_tokens == 0] + pts[-1:])
+        for tok, gap, se, k in rows:
+            out.append(f"| {n} | {tok / 1e6:.2f} | {gap:+.4f} | {'n/a' if se is None else f'{se:.4f}'} | {k} |")
+    return "\n".join(out) + "\n"
+
+
+def plot_gaps(curves, baseline, short_tokens, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for n, pts in curves.items():
+        tok, gap, se = (np.array([p[i] if p[i] is not None else np.nan for p in pts[1:]]) for i in range(3))
+        ax.plot(tok / 1e6, gap, label=f"{n} − {baseline}")
+        ax.fill_between(tok / 1e6, gap - se, gap + se, alpha=0.25)
+    ax.axhline(0, color="k", lw=0.8)
+    ax.axvline(short_tokens / 1e6, color="grey", ls=":", label="end of the short runs")
+    ax.set(xlabel="tokens seen (M)", ylabel="paired Δ validation loss (± SE over seeds)",
+           title="The gap as training lengthens, each method at its best rate")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_results(out, stem, payload, text):
+    (out / f"{stem}.json").write_text(json.dumps(payload, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(text)
+    print(text)
+
+
+def report_shared(out, names, cfg, extra):
+    stats, tables = summarize(collect(out, names, cfg["seeds"]))
+    write_results(out, "results", {"config": cfg, "train_overrides": extra, "runs": stats, "tables": tables},
+                  markdown(tables))
     try:
         plot_curves(out, names, cfg["seeds"], out / "curves.png")
         figures = [out / "curves.png"]
@@ -257,6 +364,80 @@ def main(argv):
         print("figures:", ", ".join(map(str, figures)))
     except ImportError:
         print("matplotlib is not installed: no figures (pip install matplotlib)")
+
+
+def main(argv):
+    split = argv.index("--") if "--" in argv else len(argv)
+    try:
+        cfg = parse_config(DEFAULTS, argv[:split], __doc__, [__file__])
+        check_ranges(cfg, {"seeds": ">= 1", "jobs": ">= 1", "threads": ">= 0", "lr_seeds": ">= 1",
+                           "long_factor": ">= 1"})
+        lrs = sorted({float(x) for x in cfg["lrs"].split(",") if x.strip()})
+    except ConfigError as e:
+        raise SystemExit(f"error: {e}")
+    except ValueError:
+        raise SystemExit(f"error: --lrs must be comma-separated numbers, got {cfg['lrs']!r}")
+    extra = argv[split + 1:]
+    protocol = cfg["protocol"]
+    if protocol not in PROTOCOLS:
+        raise SystemExit(f"error: unknown --protocol={protocol}; choose one of {', '.join(PROTOCOLS)}")
+    if not lrs or min(lrs) <= 0 or not all(map(math.isfinite, lrs)):
+        raise SystemExit(f"error: --lrs must list positive, finite peak rates, got {cfg['lrs']!r}")
+    runs = cfg["long_runs"] if protocol == "long" else cfg["runs"]
+    names = list(dict.fromkeys(n for part in runs.split(",") for n in RUN_SETS.get(part, [part])))
+    unknown = [n for n in names if n not in RUNS]
+    if unknown:
+        raise SystemExit(f"error: unknown runs {unknown}; choose from {', '.join(RUNS)} or a set: "
+                         f"{', '.join(RUN_SETS)}")
+    if not Path(cfg["base"]).is_file():
+        raise SystemExit(f"error: base config {cfg['base']} not found")
+    out = Path(cfg["out"])
+    out.mkdir(parents=True, exist_ok=True)
+    threads = cfg["threads"] or max(1, (os.cpu_count() or 1) // cfg["jobs"])
+
+    def run_all(jobs):  # seed-major lists: early results cover every run
+        with ThreadPoolExecutor(cfg["jobs"]) as pool:
+            try:
+                for msg in pool.map(lambda job: train_one(job, cfg["base"], extra, out, threads), dict.fromkeys(jobs)):
+                    print(msg, flush=True)
+            except RuntimeError as e:  # a train.py run failed; its train.out names the cause
+                raise SystemExit(f"error: {e}")
+
+    seeds = range(cfg["seeds"])
+    if protocol == "shared":
+        run_all([(n, s, None, 1) for s in seeds for n in names])
+        return report_shared(out, names, cfg, extra)
+    if protocol == "lr_sweep":
+        run_all([(n, s, lr, 1) for s in range(cfg["lr_seeds"]) for lr in lrs for n in names])
+        best, means = best_rates(out, names, lrs, cfg["lr_seeds"])
+        return write_results(out, "results_lr_sweep", {"config": cfg, "train_overrides": extra, "best": best,
+                             "means": {n: {f"{lr:g}": v for lr, v in m.items()} for n, m in means.items()}},
+                             sweep_markdown(means, lrs, best))
+    best, _ = best_rates(out, names, lrs, cfg["lr_seeds"])
+    if protocol == "best_lr":
+        shared = planned("learning_rate", [cfg["base"]], extra)
+        if not isinstance(shared, (int, float)):
+            raise SystemExit(f"error: {cfg['base']} sets no learning_rate, the shared rate to compare with")
+        run_all([(n, s, lr, 1) for s in seeds for n in names for lr in (float(shared), best[n])])
+        at_shared = summarize(collect(out, names, cfg["seeds"], dict.fromkeys(names, float(shared))),
+                              f", all at the shared peak rate {shared:g}")
+        at_best = summarize(collect(out, names, cfg["seeds"], best), ", each at its best peak rate")
+        rates = "Best peak rates: " + ", ".join(f"{n} {lr:g}" for n, lr in best.items()) + "\n\n"
+        return write_results(out, "results_best_lr", {"config": cfg, "train_overrides": extra, "best": best,
+                             "shared_rate": shared, "tables_shared": at_shared[1], "tables_best": at_best[1]},
+                             rates + markdown(at_shared[1]) + "\n" + markdown(at_best[1]))
+    factor = cfg["long_factor"]
+    run_all([(n, s, best[n], factor) for s in seeds for n in names])
+    batch_tokens = planned("batch_tokens", [cfg["base"]], extra)
+    short_tokens = planned("max_iters", [cfg["base"]], extra) * batch_tokens
+    curves = gap_curves(out, names, cfg["seeds"], best, factor, batch_tokens)
+    write_results(out, "results_long", {"config": cfg, "train_overrides": extra, "best": best, "gaps": curves},
+                  gap_markdown(curves, names[0], short_tokens))
+    try:
+        plot_gaps(curves, names[0], short_tokens, out / "gap_vs_tokens.png")
+        print("figure:", out / "gap_vs_tokens.png")
+    except ImportError:
+        print("matplotlib is not installed: no figure (pip install matplotlib)")
 
 
 if __name__ == "__main__":

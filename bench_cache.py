@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from configurator import ConfigError, parse_config
-from model import DEPTH_MODES, RESIDUALS, GPT, ModelConfig, build_model, depth_cost
+from configurator import ConfigError, check_ranges, parse_config
+from model import DEPTH_MODES, RESIDUALS, GPT, ModelConfig, build_model, check_device, depth_cost
 
 # The paper's shapes (section 3). The 3B one also feeds the Table 2 reproduction below.
 PAPER_3B = dict(vocab_size=50304, block_size=2048, n_layer=48, n_head=32, n_kv_head=8, head_dim=64, n_embd=2048,
@@ -53,11 +53,14 @@ BENCH_KEYS = dict(
     new_tokens=16,     # decode steps after the prefill (the cache holds prompt_len + new_tokens)
     warmup=1,          # untimed rounds over every mode
     repeats=9,         # timed rounds; each timing is the median over them (decode: over all their tokens)
-    modes="vanilla,value,uniform,key,kv,value@3",  # comma-separated depth modes or baselines (denseformer, attnres, mhc); value@3 = 3 loops, against vanilla@3
+    modes="vanilla,value,uniform,key,kv,value@3",  # depth modes or baselines (denseformer, attnres, mhc); X@3 = 3 loops
     seed=0,            # weights and tokens
     json="",           # write the results here too
 )
 DEFAULTS = {**MODEL_KEYS, **BENCH_KEYS}
+RANGES = {"threads": ">= 0", "batch": ">= 1", "prompt_len": ">= 1", "new_tokens": ">= 1", "warmup": ">= 0",
+          "repeats": ">= 1", "seed": ">= 0"}
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 METRICS = ("cache_bytes", "prefill_peak_bytes", "train_peak_bytes", "prefill_s", "decode_s_per_token",
            "train_step_s")
@@ -77,19 +80,30 @@ def resolve(argv):
         if cfg["preset"] not in PRESETS:
             raise ConfigError(f"unknown preset {cfg['preset']!r}; choose one of {', '.join(PRESETS)}")
         cfg = parse_config({**DEFAULTS, **PRESETS[cfg["preset"]]}, argv)  # the command line wins over the preset
-    for key in ("batch", "prompt_len", "new_tokens", "repeats"):
-        if cfg[key] < 1:
-            raise ConfigError(f"--{key} must be at least 1, got {cfg[key]}")
+    check_ranges(cfg, RANGES)
+    if cfg["dtype"] not in DTYPES:
+        raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {cfg['dtype']!r}")
     if cfg["device"] == "auto":
         cfg["device"] = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        check_device(cfg["device"])
+    except ValueError as e:
+        raise ConfigError(e) from e
+    if cfg["device"] not in ("cpu", "cuda"):
+        raise ConfigError(f"bench_cache.py measures on cpu or cuda (the current GPU), not {cfg['device']!r}")
     if cfg["dtype"] == "auto":
         cfg["dtype"] = "bfloat16" if cfg["device"] == "cuda" and torch.cuda.is_bf16_supported() else "float32"
     labels = list(dict.fromkeys(m.strip() for m in cfg["modes"].split(",") if m.strip()))
     for label in list(labels):
         if baseline(label) not in labels:
             labels.insert(labels.index(label), baseline(label))
-    for label in labels:
-        model_config(cfg, label)  # an unknown mode or an impossible combination fails here, not in a child
+    if not labels:
+        raise ConfigError("--modes is empty; give comma-separated modes such as vanilla,value")
+    for label in labels:  # every mode and the model keys are checked by ModelConfig before anything is built
+        try:
+            model_config(cfg, label)
+        except ValueError as e:
+            raise ConfigError(f"mode {label}: {e}") from e
     cfg["modes"] = ",".join(labels)
     return cfg
 

@@ -12,6 +12,7 @@ default of `None` accepts any literal). Anything else is an error that names the
 written beside it in the source, so the help can never drift from the defaults.
 """
 import ast
+import math
 import re
 import sys
 from pathlib import Path
@@ -19,6 +20,26 @@ from pathlib import Path
 
 class ConfigError(ValueError):
     pass
+
+
+# The ranges check_ranges knows, each a predicate on a number; every one also requires a finite value.
+RANGES = {
+    "> 0": lambda v: v > 0,
+    ">= 0": lambda v: v >= 0,
+    ">= 1": lambda v: v >= 1,
+    "in [0, 1)": lambda v: 0 <= v < 1,
+    "in [0, 1]": lambda v: 0 <= v <= 1,
+}
+
+
+def check_ranges(cfg: dict, rules: dict):
+    """Raise ConfigError for the first key whose value is outside its range, e.g. rules = {"beta1": "in [0, 1)"}.
+    None (where a default allows it) passes: it means "derive this"."""
+    for key, rule in rules.items():
+        value = cfg[key]
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if value is not None and not (number and math.isfinite(value) and RANGES[rule](value)):
+            raise ConfigError(f"--{key} must be a finite number {rule}, got {value!r}")
 
 
 def _coerce(key, value, default):

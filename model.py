@@ -36,6 +36,7 @@ class ModelConfig:
     mlp_hidden: int = 2048          # SwiGLU inner width (paper 3B: 6912)
     rope_theta: float = 10000.0     # RoPE base (paper: 1e4)
     qk_norm: bool = True            # per-head RMSNorm on q and k before RoPE, as in Qwen3
+    k_norm_after_rope: bool = False  # apply k_norm after RoPE (q_norm stays before): the authors' released model
     tie_embeddings: bool = False    # share token embedding and lm_head (paper: untied)
     norm_eps: float = 1e-6          # RMSNorm epsilon (Qwen3 default)
     init_std: float = 0.02          # std of normal init for every Linear and the embedding (paper 3B: 0.01)
@@ -218,6 +219,7 @@ class Attention(nn.Module):
         super().__init__()
         c = config
         self.n_head, self.n_kv_head, self.head_dim, self.mode = c.n_head, c.n_kv_head, c.head_dim, c.depth_mode
+        self.k_norm_after_rope = c.k_norm_after_rope
         self.q_proj = nn.Linear(c.n_embd, c.n_head * c.head_dim, bias=False)
         self.k_proj = nn.Linear(c.n_embd, c.n_kv_head * c.head_dim, bias=False)
         self.v_proj = nn.Linear(c.n_embd, c.n_kv_head * c.head_dim, bias=False)
@@ -231,7 +233,10 @@ class Attention(nn.Module):
         k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim)
         q = apply_rope(self.q_norm(q).transpose(1, 2), cos, sin)                   # (B, n_head, T, D)
-        k = apply_rope(self.k_norm(k).transpose(1, 2), cos, sin)                   # (B, n_kv_head, T, D)
+        if self.k_norm_after_rope:  # RoPE keeps the RMS, so the orders differ only through k_norm's weight
+            k = self.k_norm(apply_rope(k.transpose(1, 2), cos, sin))               # (B, n_kv_head, T, D)
+        else:
+            k = apply_rope(self.k_norm(k).transpose(1, 2), cos, sin)               # (B, n_kv_head, T, D)
         v = v.transpose(1, 2)                                                       # (B, n_kv_head, T, D)
         alpha = None
         if self.mode != "vanilla" and e > 0:
@@ -284,6 +289,23 @@ def auto_device() -> str:
     return "mps" if torch.backends.mps.is_available() else "cpu"
 
 
+def check_device(name: str) -> str:
+    """name, or auto_device() for "auto", if this machine has it; else a ValueError that says what it has."""
+    if name == "auto":
+        return auto_device()
+    kind, _, index = name.partition(":")
+    if kind not in ("cpu", "cuda", "mps") or (index and not (kind == "cuda" and index.isdigit())):
+        raise ValueError(f"unknown device {name!r}; use auto, cpu, cuda, cuda:N or mps")
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} but torch sees no CUDA GPU here; use --device=cpu (or auto)")
+    if kind == "cuda" and index and int(index) >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r} but this machine has {torch.cuda.device_count()} CUDA GPU(s), "
+                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device 'mps' but torch.backends.mps is not available here; use --device=cpu (or auto)")
+    return name
+
+
 class GPT(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -299,6 +321,20 @@ class GPT(nn.Module):
         self.last_reader = {j: e for e, src in enumerate(self.depth_sources) for j in src}
         self._alpha_sink = None
         self.apply(self._init_weights)
+
+    @classmethod
+    def from_pretrained(cls, path_or_hub_id, dtype=None) -> "GPT":
+        """A model from a Hugging Face folder or hub id: the authors' released checkpoints (Llama layout) or a
+        save_pretrained export. Built on the meta device, then given the memory-mapped safetensors weights, so
+        a model is never held twice; bf16 stays bf16 unless `dtype` says otherwise. See hf.py."""
+        import hf  # safetensors / huggingface_hub, imported only here
+        return hf.load_pretrained(build_model, path_or_hub_id, dtype)  # a baseline's folder builds the baseline
+
+    def save_pretrained(self, out_dir):
+        """Write config.json and model.safetensors: the authors' Llama layout, or Qwen3's for a vanilla
+        model that transformers can load. GPT.from_pretrained reads it back exactly. See hf.py."""
+        import hf
+        hf.save_pretrained(self, out_dir)
 
     def _init_weights(self, module):
         if isinstance(module, (nn.Linear, nn.Embedding)):

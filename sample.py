@@ -1,10 +1,12 @@
 """
-Sample text from a checkpoint written by train.py.
+Sample text from a checkpoint written by train.py, or from a Hugging Face folder or hub id.
 
-    python sample.py --out_dir=out/shakespeare --prompt="ROMEO:" --num_samples=3 --max_new_tokens=200
+    python sample.py --init_from=out/shakespeare --prompt="ROMEO:" --num_samples=3 --max_new_tokens=200
+    python sample.py --init_from=zeng123/Depth-attention-3B --prompt="The capital of France is"
 
-The model is rebuilt from the ModelConfig dict stored in the checkpoint and decodes with the tokenizer the
-training data used (also stored there). Generation runs through model.generate and its KV cache.
+A train.py checkpoint is rebuilt from its stored ModelConfig dict and decodes with the tokenizer its training
+data used; a Hugging Face folder brings config.json and tokenizer.json (checkpoint.load_model). Generation runs
+through model.generate and its KV cache.
 """
 import argparse
 import sys
@@ -13,13 +15,27 @@ from pathlib import Path
 import torch
 
 from checkpoint import CheckpointError, load_model
-from model import auto_device
+from configurator import ConfigError, check_ranges
+from model import check_device
+
+RANGES = {"num_samples": ">= 1", "max_new_tokens": ">= 0", "temperature": ">= 0", "top_k": ">= 0", "seed": ">= 0"}
+
+
+def read_prompt(args) -> str:
+    if not args.prompt_file:
+        return args.prompt
+    try:
+        return Path(args.prompt_file).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        sys.exit(f"error: --prompt_file {args.prompt_file}: {getattr(e, 'strerror', None) or e}; give a readable "
+                 f"UTF-8 text file")
 
 
 def main(argv):
     p = argparse.ArgumentParser(description=__doc__.strip().split("\n")[0])
-    p.add_argument("--out_dir", default="out/shakespeare", help="a training run's folder (reads its ckpt.pt)")
-    p.add_argument("--ckpt", help="a checkpoint file; overrides --out_dir")
+    p.add_argument("--init_from", help="a train.py out_dir or ckpt.pt, a Hugging Face folder or hub id")
+    p.add_argument("--out_dir", default="out/shakespeare", help="a training run's folder (when no --init_from)")
+    p.add_argument("--ckpt", help="a checkpoint file (when no --init_from); overrides --out_dir")
     p.add_argument("--prompt", default="", help="text to continue; empty = start a new document (end-of-text)")
     p.add_argument("--prompt_file", help="read the prompt from this file instead")
     p.add_argument("--num_samples", type=int, default=1)
@@ -30,19 +46,25 @@ def main(argv):
     p.add_argument("--device", default="auto", help="auto = cuda, then mps, then cpu")
     args = p.parse_args(argv)
 
-    device = auto_device() if args.device == "auto" else args.device
     try:
-        loaded = load_model(args.ckpt or args.out_dir, device)
+        check_ranges(vars(args), RANGES)
+        device = check_device(args.device)
+    except (ConfigError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    prompt = read_prompt(args)
+    try:
+        loaded = load_model(args.init_from or args.ckpt or args.out_dir, device)
     except CheckpointError as e:
         sys.exit(f"error: {e}")
     model, enc = loaded.model, loaded.tokenizer
 
-    prompt = Path(args.prompt_file).read_text() if args.prompt_file else args.prompt
     ids = enc.encode(prompt, allowed_special="all") or [enc.eot_token]
     idx = torch.tensor([ids] * args.num_samples, device=device)  # (num_samples, prompt tokens)
     gen = torch.Generator(device=device).manual_seed(args.seed)
-    print(f"{loaded.source}: step {loaded.step}, {model.num_params() / 1e6:.2f}M parameters, "
-          f"depth_mode={model.config.depth_mode}, residual={model.config.residual}, tokenizer {enc.name}", file=sys.stderr)
+    step = "" if loaded.step is None else f"step {loaded.step}, "
+    print(f"{loaded.source}: {step}{model.num_params() / 1e6:.2f}M parameters, "
+          f"depth_mode={model.config.depth_mode}, residual={model.config.residual}, tokenizer {enc.name}",
+          file=sys.stderr)
     try:
         out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
                              generator=gen)

@@ -13,10 +13,13 @@ DEPTH_ONLY = [m for m in DEPTH_MODES if m != "vanilla"]
 
 # ----------------------------------------------------------------------------- naive reference
 
-def reference_forward(model: GPT, idx):
+def reference_forward(model: GPT, idx, k_norm_after_rope=None):
     """Logits computed with loops over rows, layers, positions and heads, from the paper's section 2 (and the Qwen3 block) alone.
-    It shares only the parameter tensors with the model (so gradients can be compared)."""
+    It shares only the parameter tensors with the model (so gradients can be compared). k_norm_after_rope: the
+    order of k_norm and RoPE (default: the model's config), so a caller can state the order independently."""
     c = model.config
+    if k_norm_after_rope is None:
+        k_norm_after_rope = c.k_norm_after_rope
     H, Hkv, D = c.n_head, c.n_kv_head, c.head_dim
     g, L = H // Hkv, c.n_layer * c.n_loops
     stride = c.depth_stride if c.depth_stride is not None else max(1, L // 2)
@@ -43,9 +46,13 @@ def reference_forward(model: GPT, idx):
             k = (h @ at.k_proj.weight.T).view(T, Hkv, D)
             v = (h @ at.v_proj.weight.T).view(T, Hkv, D)
             if c.qk_norm:
-                q, k = rms(q, at.q_norm.weight), rms(k, at.k_norm.weight)
+                q = rms(q, at.q_norm.weight)
+            kn = (lambda x: rms(x, at.k_norm.weight)) if c.qk_norm else (lambda x: x)
             q = [[rope(q[t, i], t) for i in range(H)] for t in range(T)]
-            k = [[rope(k[t, j], t) for j in range(Hkv)] for t in range(T)]
+            if k_norm_after_rope:  # the authors' released Depth-Attention model
+                k = [[kn(rope(k[t, j], t)) for j in range(Hkv)] for t in range(T)]
+            else:                  # Qwen3: both norms before RoPE
+                k = [[rope(kn(k[t, j]), t) for j in range(Hkv)] for t in range(T)]
             v = [[v[t, j] for j in range(Hkv)] for t in range(T)]
             src = [] if (c.depth_mode == "vanilla" or e == 0) else sorted(
                 {j for j in range(e) if j % stride == 0} | set(range(max(0, e - c.depth_recent_window), e)))
@@ -89,6 +96,8 @@ REFERENCE_CASES = (
     + [dict(depth_mode=m, depth_stride=3, depth_recent_window=2, n_layer=5) for m in DEPTH_ONLY]
     + [dict(depth_mode=m, n_layer=2, n_loops=2, depth_stride=None) for m in DEPTH_MODES]
     + [dict(depth_mode="value", qk_norm=False, tie_embeddings=True)]
+    + [dict(depth_mode=m, k_norm_after_rope=True) for m in DEPTH_MODES]                 # the released model's order
+    + [dict(depth_mode="value", k_norm_after_rope=True, n_layer=2, n_loops=2, n_kv_head=1)]
 )
 
 
@@ -110,6 +119,19 @@ def test_matches_naive_reference_logits_and_gradients(overrides):
         assert gdiff < 1e-10, f"grad of {n} differs from the reference by {gdiff:.3e}"
 
 
+def test_k_norm_order_matters():
+    """The two orders differ only through k_norm's weight (RoPE keeps the RMS): with trained-like weights the
+    difference is large, so loading the released model in the wrong order cannot pass the reference test."""
+    idx = torch.randint(0, 50, (2, 9))
+    before = tiny_model(dtype=torch.float64)
+    after = tiny_model(dtype=torch.float64, k_norm_after_rope=True)
+    after.load_state_dict(before.state_dict())
+    diff = (before(idx)[0] - after(idx)[0]).abs().max().item()
+    assert diff > 1e-2, f"k_norm before and after RoPE give nearly the same logits ({diff:.3e})"
+    wrong = (reference_forward(after, idx, k_norm_after_rope=False) - after(idx)[0]).abs().max().item()
+    assert wrong > 1e-2, f"the reference cannot tell the orders apart ({wrong:.3e})"
+
+
 def test_depth_modes_change_the_output():
     """The reference tests would pass trivially if the depth step did nothing: check that it does."""
     idx = torch.randint(0, 50, (2, 9))
@@ -123,7 +145,8 @@ def test_depth_modes_change_the_output():
 
 CACHE_CASES = [dict(depth_mode=m) for m in DEPTH_MODES] + [
     dict(depth_mode="value", n_loops=2, depth_stride=None), dict(depth_mode="kv", n_loops=3, n_layer=2),
-    dict(depth_mode="value", depth_stride=1, depth_recent_window=1, n_kv_head=1)]
+    dict(depth_mode="value", depth_stride=1, depth_recent_window=1, n_kv_head=1),
+    dict(depth_mode="value", k_norm_after_rope=True)]
 
 
 @pytest.mark.parametrize("overrides", CACHE_CASES, ids=str)

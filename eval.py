@@ -1,0 +1,272 @@
+"""
+Score a trained model the way the paper does (Table 1, section 3.1): accuracy on eight downstream tasks through
+lm-evaluation-harness (`pip install lm-eval`), zero-shot or five-shot, and validation perplexity.
+
+    python eval.py --init_from=out/RUN                          # the paper's eight tasks, zero-shot
+    python eval.py --init_from=out/RUN --num_fewshot=5 --json=out/RUN/eval_5shot.json
+    python eval.py --init_from=out/RUN --tasks= --ppl=pile      # perplexity of data/pile/val.bin only
+    python eval.py --init_from=zeng123/Depth-attention-3B       # a Hugging Face folder or hub id
+    python eval.py --init_from=out/RUN --include_path=my_tasks --tasks=my_task   # task YAMLs on disk
+
+The model is an lm-eval language model here (`EvalLM`): lm-eval builds the prompts, asks for log-likelihoods
+or generations and computes the metrics; this file only turns text into token scores. Inputs longer than the
+context are left-truncated, as lm-eval's Hugging Face models do. Task data downloads from the Hugging Face Hub
+on first use (then cached); tasks defined by local files (--include_path) need no network.
+"""
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from checkpoint import CheckpointError, load_model
+from model import auto_device, fp32_or_wider
+
+try:  # optional: only the downstream tasks need it; --ppl works without
+    import lm_eval
+    from lm_eval.api.model import TemplateLM
+    from lm_eval.utils import get_rolling_token_windows, handle_non_serializable, make_disjoint_window
+except ImportError:
+    lm_eval, TemplateLM = None, object
+
+# lm-evaluation-harness names of the paper's tasks: LAMBADA, PIQA, WinoGrande, SciQ, HellaSwag, ARC-Easy,
+# ARC-Challenge, RACE (Table 1).
+PAPER_TASKS = ("lambada_openai", "piqa", "winogrande", "sciq", "hellaswag", "arc_easy", "arc_challenge", "race")
+# Table 1, Qwen3-style models trained on 32B Pile tokens: the average accuracy (%) over those eight tasks by
+# number of shots, and Pile validation perplexity. Only these summary columns are quoted here.
+PAPER_AVG = {0: {"1.5B vanilla": 51.26, "1.5B Depth-Attention": 53.60, "3B vanilla": 53.76, "3B mHC": 54.68,
+                 "3B AttnRes": 55.01, "3B DenseFormer": 54.70, "3B Depth-Attention": 55.69},
+             5: {"1.5B vanilla": 51.65, "1.5B Depth-Attention": 53.72, "3B vanilla": 54.16, "3B mHC": 55.65,
+                 "3B AttnRes": 55.92, "3B DenseFormer": 55.59, "3B Depth-Attention": 56.17}}
+PAPER_PPL = {"1.5B vanilla": 8.17, "1.5B Depth-Attention": 7.77, "3B vanilla": 7.55, "3B Depth-Attention": 7.25}
+
+
+def fail(msg):
+    sys.exit(f"error: {msg}")
+
+
+@torch.no_grad()
+def token_logprobs(model, rows, batch_size, pad_id, progress=False):
+    """Score token lists of 2 .. block_size + 1 ids: for each row, (log p(row[t] | row[:t]), row[t] is the
+    argmax) for t = 1 .. len - 1, as two 1-D CPU tensors, in the order given.
+
+    Rows are sorted longest first and batched by right-padding: the model has no padding mask, but attention is
+    causal, so the padding after a row's last real token changes none of its logits; only real positions are read.
+    """
+    device = model.lm_head.weight.device
+    order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
+    out = [None] * len(rows)
+    for start in tqdm(range(0, len(order), batch_size), disable=not progress, desc="scoring"):
+        batch = order[start:start + batch_size]
+        x = torch.full((len(batch), len(rows[batch[0]]) - 1), pad_id, dtype=torch.long)  # (B, longest input)
+        for b, i in enumerate(batch):
+            x[b, :len(rows[i]) - 1] = torch.tensor(rows[i][:-1])
+        logits, _ = model(x.to(device))                                           # (B, T, vocab)
+        for b, i in enumerate(batch):
+            y = torch.tensor(rows[i][1:], device=device)
+            row_logits = fp32_or_wider(logits[b, :len(y)])                       # (len(y), vocab)
+            out[i] = (-F.cross_entropy(row_logits, y, reduction="none").cpu(), (row_logits.argmax(-1) == y).cpu())
+    return out
+
+
+class EvalLM(TemplateLM):
+    """Our model as an lm-eval language model. lm-eval's TemplateLM tokenizes (context, continuation) pairs
+    and hands us token ids; every score comes from `token_logprobs`."""
+
+    def __init__(self, model, tokenizer, batch_size):
+        super().__init__()
+        self.model, self.enc, self.batch_size = model, tokenizer, batch_size
+        self.max_length = model.config.block_size
+
+    # The tokenizer's one interface here: encode(text, allowed_special=...), decode(ids), eot_token.
+    @property
+    def eot_token_id(self):
+        return self.enc.eot_token
+
+    def tok_encode(self, string, add_special_tokens=None, **kwargs):
+        return self.enc.encode(string, allowed_special="all")
+
+    def tok_decode(self, ids):
+        return self.enc.decode(ids)
+
+    def _loglikelihood_tokens(self, requests, disable_tqdm=False):
+        """requests: (strings, context ids, continuation ids). Returns (log p(continuation | context), whether
+        greedy decoding gives the continuation) per request. Context + continuation is cut to its last
+        block_size + 1 tokens, exactly lm-eval's Hugging Face rule; the continuation must fit whole."""
+        rows = []
+        for _, context, continuation in requests:
+            if len(continuation) > self.max_length:
+                raise ValueError(f"a continuation of {len(continuation)} tokens does not fit the model's context "
+                                 f"of {self.max_length} tokens")
+            rows.append((context + continuation)[-(self.max_length + 1):])
+        scored = token_logprobs(self.model, rows, self.batch_size, self.eot_token_id, progress=not disable_tqdm)
+        return [(logp[-len(cont):].sum().item(), bool(greedy[-len(cont):].all()))
+                for (_, _, cont), (logp, greedy) in zip(requests, scored)]
+
+    def loglikelihood_rolling(self, requests, disable_tqdm=False):
+        """The log-likelihood of each whole document (perplexity tasks), in lm-eval's rolling windows of
+        block_size tokens: every token is predicted once, the first one after the end-of-text token."""
+        windows, owner = [], []
+        for i, req in enumerate(requests):
+            tokens = self.tok_encode(req.args[0])
+            for context, continuation in map(make_disjoint_window, get_rolling_token_windows(
+                    tokens, self.prefix_token_id, self.max_length, context_len=1)):
+                windows.append((None, context, continuation))
+                owner.append(i)
+        totals = [0.0] * len(requests)
+        for i, (logp, _) in zip(owner, self._loglikelihood_tokens(windows, disable_tqdm)):
+            totals[i] += logp
+        return totals
+
+    def generate_until(self, requests, disable_tqdm=False):
+        """Greedy (or, with do_sample, sampled) continuations through model.generate and its KV cache, cut at
+        the first stop string or end-of-text. The prompt is left-truncated to leave room for max_gen_toks."""
+        out = []
+        for req in tqdm(requests, disable=disable_tqdm, desc="generate_until"):
+            context, kwargs = req.args
+            until = kwargs.get("until") or []
+            until = ([until] if isinstance(until, str) else list(until)) + [self.tok_decode([self.eot_token_id])]
+            new = min(int(kwargs.get("max_gen_toks", 256)), self.max_length - 1)
+            temperature = float(kwargs.get("temperature", 1.0)) if kwargs.get("do_sample") else 0.0
+            ids = self.tok_encode(context)[-(self.max_length - new):] or [self.prefix_token_id]
+            idx = torch.tensor([ids], device=self.model.lm_head.weight.device)     # (1, prompt tokens)
+            text = self.tok_decode(self.model.generate(idx, new, temperature=temperature)[0, len(ids):].tolist())
+            for stop in until:
+                text = text.split(stop)[0]
+            out.append(text)
+        return out
+
+
+def task_manager(names, include_path):
+    """lm-eval's TaskManager, after checking that it knows every name. Indexing lm-eval's ~15,000 built-in task
+    files takes ~15 s, so when --include_path defines all the names, only that folder is indexed."""
+    from lm_eval.tasks import TaskManager
+    if include_path:
+        local = TaskManager(include_path=include_path, include_defaults=False)
+        if set(local.match_tasks(names)) >= set(names):
+            return local
+    manager = TaskManager(include_path=include_path)
+    missing = [n for n in names if not manager.match_tasks([n])]
+    if missing:
+        fail(f"unknown task(s) {', '.join(missing)}: list lm-eval's tasks with `lm-eval ls tasks`, or give a "
+             f"folder of task YAML files with --include_path")
+    return manager
+
+
+def perplexity(model, data_dir, batch_size, pad_id, limit=None):
+    """exp(mean NLL) over val.bin in non-overlapping windows of block_size predicted tokens: every token after
+    the first is predicted once, window w from the tokens of window w alone (its first input is the previous
+    window's last target). The paper's Pile validation perplexity when the data is the Pile (Table 1)."""
+    tokens = np.memmap(data_dir / "val.bin", dtype=np.uint16, mode="r")
+    T = model.config.block_size
+    starts = range(0, len(tokens) - 1, T)
+    if limit is not None:
+        starts = starts[:int(limit) if limit >= 1 else math.ceil(limit * len(starts))]
+    nll, count = 0.0, 0
+    for s in tqdm(range(0, len(starts), batch_size), desc=f"perplexity of {data_dir / 'val.bin'}"):
+        rows = [tokens[i:i + T + 1].astype(np.int64).tolist() for i in starts[s:s + batch_size]]
+        for logp, _ in token_logprobs(model, rows, batch_size, pad_id):
+            nll, count = nll - logp.double().sum().item(), count + len(logp)
+    return {"dataset": str(data_dir), "windows": len(starts), "tokens": count, "nll": nll / count,
+            "ppl": math.exp(nll / count)}
+
+
+def print_table(results, num_fewshot, limited):
+    """acc and acc_norm per task (x100, as in the paper), two averages, and the paper's Table 1 beside them."""
+    rows = {t: m for t, m in results.get("results", {}).items() if t not in results.get("groups", {})}
+    if rows:
+        print(f"\n{'task':<20}{'acc':>8}{'acc_norm':>10}  other metrics ({num_fewshot}-shot)")
+    accs, best = [], []
+    for task, m in rows.items():
+        acc, norm = m.get("acc,none"), m.get("acc_norm,none")
+        other = ", ".join(f"{k.split(',')[0]} {v:.4g}" for k, v in m.items() if k.endswith(",none")
+                          and "stderr" not in k and k.split(",")[0] not in ("acc", "acc_norm"))
+        print(f"{task:<20}{'-' if acc is None else f'{100 * acc:.2f}':>8}"
+              f"{'-' if norm is None else f'{100 * norm:.2f}':>10}  {other}")
+        if acc is not None:
+            accs.append(100 * acc)
+            best.append(100 * (norm if norm is not None else acc))
+    if accs:
+        print(f"{'average, acc':<20}{sum(accs) / len(accs):>8.2f}{'':>10}  over {len(accs)} tasks")
+        print(f"{'average, acc_norm':<20}{'':>8}{sum(best) / len(best):>10.2f}  acc_norm where a task has it, "
+              f"else acc (the paper does not say which it averages)")
+        if sorted(rows) == sorted(PAPER_TASKS) and num_fewshot in PAPER_AVG:
+            print(f"paper, Table 1, {num_fewshot}-shot average{' (this run: --limit, a subset)' if limited else ''}: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in PAPER_AVG[num_fewshot].items()))
+    if "ppl" in results:
+        p = results["ppl"]
+        print(f"\nperplexity {p['ppl']:.4f} (mean NLL {p['nll']:.4f} over {p['tokens']:,} tokens of "
+              f"{p['dataset']}/val.bin, {p['windows']:,} windows)")
+        if Path(p["dataset"]).name.startswith("pile"):  # prepare_data.py's pile source, in any tokens
+            print("paper, Table 1, Pile validation perplexity (GPT-NeoX tokens): "
+                  + ", ".join(f"{k} {v}" for k, v in PAPER_PPL.items()))
+
+
+def main(argv):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--init_from", required=True, help="a train.py out_dir (its ckpt.pt), a checkpoint file, a Hugging Face folder or hub id")
+    p.add_argument("--tasks", default=",".join(PAPER_TASKS),
+                   help="comma-separated lm-eval task names or globs; default: the paper's eight; empty: none")
+    p.add_argument("--num_fewshot", type=int, default=0, help="examples in each prompt (the paper: 0 and 5); default 0")
+    p.add_argument("--limit", type=float, help="score only this many examples per task (< 1: a fraction) and "
+                   "this many --ppl windows; for quick checks, not for reported numbers")
+    p.add_argument("--batch_size", type=int, default=16, help="sequences per forward pass; default 16")
+    p.add_argument("--device", default="auto", help="default auto: cuda, then mps, then cpu")
+    p.add_argument("--include_path", help="a folder of extra lm-eval task YAML files (lm-eval's own option)")
+    p.add_argument("--json", help="write lm-eval's results dictionary here (plus 'ppl' with --ppl)")
+    p.add_argument("--ppl", metavar="DATASET", help="also report the perplexity of <data_root>/DATASET/val.bin "
+                   "(a prepare_data.py output), e.g. pile")
+    p.add_argument("--data_root", default="data", help="the folder that holds the --ppl dataset; default data")
+    args = p.parse_args(argv)
+
+    names = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    if not names and not args.ppl:
+        fail("nothing to evaluate: give --tasks, --ppl=DATASET, or both")
+    if args.batch_size < 1:
+        fail(f"--batch_size must be at least 1, got {args.batch_size}")
+    if names and lm_eval is None:
+        fail("the downstream tasks need lm-evaluation-harness: pip install lm-eval (or --tasks= with --ppl only)")
+    if args.include_path and not Path(args.include_path).is_dir():
+        fail(f"--include_path {args.include_path} is not a folder of task YAML files")
+    data_dir = Path(args.data_root) / (args.ppl or "")
+    if args.ppl and not (data_dir / "val.bin").is_file():
+        fail(f"{data_dir / 'val.bin'} not found: run `python prepare_data.py {args.ppl}` (or `prepare_data.py text "
+             f"--input FILES --name {args.ppl}`) first, or set --data_root")
+    manager = task_manager(names, args.include_path) if names else None
+
+    device = auto_device() if args.device == "auto" else args.device
+    try:
+        loaded = load_model(args.init_from, device)
+    except CheckpointError as e:
+        fail(e)
+    model, enc = loaded.model, loaded.tokenizer
+    print(f"{loaded.source}: step {loaded.step}, {model.num_params() / 1e6:.2f}M parameters, "
+          f"depth_mode={model.config.depth_mode}, block_size {model.config.block_size}, {device}", file=sys.stderr)
+
+    results = {}
+    if names:
+        limit = None if args.limit is None else int(args.limit) if args.limit >= 1 else args.limit
+        try:
+            results = lm_eval.simple_evaluate(EvalLM(model, enc, args.batch_size), tasks=names,
+                                              num_fewshot=args.num_fewshot, limit=limit, task_manager=manager,
+                                              log_samples=False)
+        except ConnectionError as e:  # datasets raises this when the Hub is out of reach
+            fail(f"could not download the task data ({e}); run once with network access (it is cached), "
+                 f"or use local task files with --include_path")
+    if args.ppl:
+        results["ppl"] = perplexity(model, data_dir, args.batch_size, enc.eot_token, args.limit)
+    print_table(results, args.num_fewshot, args.limit is not None)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(results, indent=2, default=str if lm_eval is None
+                                              else handle_non_serializable))
+        print(f"wrote {args.json}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
