@@ -216,7 +216,7 @@ CASES = [
                              write("a.txt", b"text")(w, mp))),
     # bench_cache.py and ablate.py
     case("bench_cache.py", "unknown preset 'foo'; choose one of paper_3b, paper_1p5b", "--preset=foo"),
-    case("bench_cache.py", "unknown depth_mode 'foo'", "--modes=foo"),
+    case("bench_cache.py", "unknown mode 'foo'; choose from vanilla", "--modes=foo"),
     case("bench_cache.py", "unknown device 'foo'", "--device=foo"),
     case("ablate.py", "--seeds must be a finite number >= 1, got 0", "--seeds=0"),
     case("ablate.py", "--jobs must be a finite number >= 1, got 0", "--jobs=0"),
