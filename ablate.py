@@ -1,4 +1,4 @@
-"""
+r"""
 The paper's main comparison (section 3.1, Table 1: vanilla, Depth-Attention and the three hidden-state
 baselines) and its ablations (section 3.3: Tables 5-6, Figure 4, looped), as a sweep of train.py runs x seeds.
 

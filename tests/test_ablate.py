@@ -88,10 +88,9 @@ def protocols(data_root, tmp_path_factory):
                     f'max_iters = 4\neval_interval = 2\neval_seqs = 4\nlearning_rate = 1e-2\n')
     common = [f"--base={base}", f"--out={out}", "--runs=vanilla,value", "--lrs=1e-3,1e-2", "--jobs=2"]
     ablate(*common, "--protocol=lr_sweep")
-    rerun = ablate(*common, "--protocol=lr_sweep")
-    ablate(*common, "--protocol=best_lr", "--seeds=2")
+    best_lr = ablate(*common, "--protocol=best_lr", "--seeds=2")
     ablate(*common, "--protocol=long", "--long_runs=vanilla,value", "--long_factor=2", "--seeds=2")
-    return out, rerun
+    return out, best_lr
 
 
 def final(out, run, lr, seed, sub="lr"):
@@ -100,13 +99,15 @@ def final(out, run, lr, seed, sub="lr"):
 
 
 def test_lr_sweep_picks_each_runs_best_rate(protocols):
-    out, rerun = protocols
+    out, best_lr = protocols
     sweep = json.loads((out / "results_lr_sweep.json").read_text())
     for run in ("vanilla", "value"):
         losses = {lr: final(out, run, lr, 0)[-1]["val_loss"] for lr in (1e-3, 1e-2)}
         assert sweep["means"][run] == {f"{lr:g}": v for lr, v in losses.items()}
         assert sweep["best"][run] == min(losses, key=losses.get)
-    assert rerun.count("done already") == 4  # a finished sweep is not trained again
+    # best_lr reuses the sweep's seed-0 runs at the shared rate (1e-2) and at each best rate
+    reused = {(run, lr) for run in ("vanilla", "value") for lr in (1e-2, sweep["best"][run])}
+    assert best_lr.count("seed 0 lr") == best_lr.count("done already") == len(reused)
 
 
 def test_best_lr_reports_both_protocols_paired(protocols):
