@@ -44,7 +44,7 @@ DEFAULTS = {
     "jobs": 2,                            # train.py processes at once (CPU: one per core, one thread each)
     "threads": 0,                         # torch threads per process; 0 = the cores shared out among the jobs
     "protocol": "shared",                 # shared | lr_sweep | best_lr | long (see the docstring)
-    "lrs": "3e-4,1e-3,2e-3,3e-3,6e-3",    # lr_sweep: the peak learning rates tried for every run
+    "lrs": "1e-3,2e-3,3e-3,6e-3",         # lr_sweep: the peak learning rates tried for every run
     "lr_seeds": 1,                        # lr_sweep: seeds per rate; best_lr reuses its runs where seed and rate match
     "long_runs": "vanilla,value",         # long: the runs trained longer; the first is the baseline of the gap
     "long_factor": 5,                     # long: this many times the base's max_iters (and tokens)
@@ -312,27 +312,34 @@ def gap_curves(out, names, seeds, rates, factor, batch_tokens):
     return curves
 
 
-def gap_markdown(curves, baseline, short_tokens):
+def gap_markdown(curves, short, baseline, short_tokens):
     out = [f"**Gap against training length** (Δ = run − `{baseline}` with the same seed, each at its best rate; "
-           f"mean ± SE over seeds; the short runs end at {short_tokens / 1e6:.2f}M tokens)", "",
-           "| run | tokens (M) | Δ val loss | SE | seeds |", "| --- | --- | --- | --- | --- |"]
+           f"mean ± SE over seeds; the short runs end at {short_tokens / 1e6:.2f}M tokens; a long run's rows "
+           f"before its end are mid-schedule, at a higher learning rate than a finished run)", "",
+           "| run | length | tokens (M) | Δ val loss | SE | seeds |", "| --- | --- | --- | --- | --- | --- |"]
     for n, pts in curves.items():
-        # the first evaluation after step 0, every multiple of the short runs' length, and the last
-        rows = dict.fromkeys(pts[1:2] + [p for p in pts if p[0] and p[0] % short_tokens == 0] + pts[-1:])
-        for tok, gap, se, k in rows:
-            out.append(f"| {n} | {tok / 1e6:.2f} | {gap:+.4f} | {'n/a' if se is None else f'{se:.4f}'} | {k} |")
+        # the short runs' end, then the long runs' first evaluation after step 0, every multiple of the short
+        # runs' length, and the last
+        rows = [("short", p) for p in short.get(n, [])[-1:]]
+        rows += [("long", p) for p in dict.fromkeys(pts[1:2] + [p for p in pts if p[0] and p[0] % short_tokens == 0]
+                                                    + pts[-1:])]
+        for length, (tok, gap, se, k) in rows:
+            out.append(f"| {n} | {length} | {tok / 1e6:.2f} | {gap:+.4f} | {'n/a' if se is None else f'{se:.4f}'} | "
+                       f"{k} |")
     return "\n".join(out) + "\n"
 
 
-def plot_gaps(curves, baseline, short_tokens, path):
+def plot_gaps(curves, short, baseline, short_tokens, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8, 5))
     for n, pts in curves.items():
-        tok, gap, se = (np.array([p[i] if p[i] is not None else np.nan for p in pts[1:]]) for i in range(3))
-        ax.plot(tok / 1e6, gap, label=f"{n} − {baseline}")
-        ax.fill_between(tok / 1e6, gap - se, gap + se, alpha=0.25)
+        for length, ls, run in (("long runs", "-", pts), ("short runs", "--", short.get(n, []))):
+            tok, gap, se = (np.array([p[i] if p[i] is not None else np.nan for p in run[1:]]) for i in range(3))
+            if len(tok):
+                line, = ax.plot(tok / 1e6, gap, ls=ls, label=f"{n} − {baseline}, {length}")
+                ax.fill_between(tok / 1e6, gap - se, gap + se, alpha=0.2, color=line.get_color())
     ax.axhline(0, color="k", lw=0.8)
     ax.axvline(short_tokens / 1e6, color="grey", ls=":", label="end of the short runs")
     ax.set(xlabel="tokens seen (M)", ylabel="paired Δ validation loss (± SE over seeds)",
@@ -431,10 +438,11 @@ def main(argv):
     batch_tokens = planned("batch_tokens", [cfg["base"]], extra)
     short_tokens = planned("max_iters", [cfg["base"]], extra) * batch_tokens
     curves = gap_curves(out, names, cfg["seeds"], best, factor, batch_tokens)
-    write_results(out, "results_long", {"config": cfg, "train_overrides": extra, "best": best, "gaps": curves},
-                  gap_markdown(curves, names[0], short_tokens))
+    short = gap_curves(out, names, cfg["seeds"], best, 1, batch_tokens)  # best_lr's runs, where they exist
+    write_results(out, "results_long", {"config": cfg, "train_overrides": extra, "best": best, "gaps": curves,
+                                        "gaps_short": short}, gap_markdown(curves, short, names[0], short_tokens))
     try:
-        plot_gaps(curves, names[0], short_tokens, out / "gap_vs_tokens.png")
+        plot_gaps(curves, short, names[0], short_tokens, out / "gap_vs_tokens.png")
         print("figure:", out / "gap_vs_tokens.png")
     except ImportError:
         print("matplotlib is not installed: no figure (pip install matplotlib)")
