@@ -320,7 +320,7 @@ def gap_markdown(curves, short, baseline, short_tokens):
     for n, pts in curves.items():
         # the short runs' end, then the long runs' first evaluation after step 0, every multiple of the short
         # runs' length, and the last
-        rows = [("short", p) for p in short.get(n, [])[-1:]]
+        rows = [("short", p) for p in short.get(n, []) if p[0] == short_tokens]  # only a finished pair's end
         rows += [("long", p) for p in dict.fromkeys(pts[1:2] + [p for p in pts if p[0] and p[0] % short_tokens == 0]
                                                     + pts[-1:])]
         for length, (tok, gap, se, k) in rows:
