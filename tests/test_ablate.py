@@ -142,6 +142,18 @@ def test_long_runs_give_the_gap_against_tokens(protocols):
     assert img.ndim == 3 and np.ptp(img) > 0
 
 
+def test_gap_table_shows_the_short_runs_only_at_their_end():
+    """An unfinished short pair's last evaluation is mid-schedule: it must not be labelled as the short runs' end."""
+    sys.path.insert(0, str(ROOT))
+    from ablate import gap_markdown
+    long = {"value": [(0, 0.0, None, 2), (256, -0.02, 0.01, 2), (512, -0.01, 0.005, 2)]}
+    unfinished = {"value": [(0, 0.0, None, 2), (256, -0.05, 0.02, 2)]}
+    finished = {"value": unfinished["value"] + [(512, -0.04, 0.01, 2)]}
+    assert "| short |" not in gap_markdown(long, unfinished, "vanilla", 512)
+    md = gap_markdown(long, finished, "vanilla", 512)
+    assert md.count("| short |") == 1 and "| value | short | 0.00 | -0.0400 | 0.0100 | 2 |" in md
+
+
 def test_best_lr_without_a_sweep_fails_clearly(tmp_path):
     proc = subprocess.run([sys.executable, "ablate.py", f"--out={tmp_path}", "--runs=vanilla", "--protocol=best_lr"],
                           cwd=ROOT, capture_output=True, text=True, timeout=60)
