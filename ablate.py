@@ -20,7 +20,6 @@ at its own best rate and follow the gap as training lengthens (one command each,
     python ablate.py --protocol=best_lr --runs=vanilla,value    # paired seeds at the shared and the best rates
     python ablate.py --protocol=long --long_runs=vanilla,value  # --long_factor x the steps, at the best rates
 """
-import ast
 import json
 import math
 import os
@@ -32,8 +31,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import paper
 from checkpoint import model_from_checkpoint, read_checkpoint
-from configurator import ConfigError, check_ranges, parse_config, read_config_file
+from configurator import ConfigError, arg_updates, check_ranges, fail, parse_config, require
 
 ROOT = Path(__file__).resolve().parent
 DEFAULTS = {
@@ -71,13 +71,10 @@ TABLES = [
 # runs whose seed-0 depth weights are drawn like the paper's Figure 3
 DEPTH_FIGURES = [("value", "depth_weights.png"), ("stride_full", "depth_weights_full.png"),
                  ("looped_value", "depth_weights_looped.png")]
-PAPER = {"vanilla": 2.2348, "uniform": 2.2153, "value": 2.2115, "key": 2.2354, "kv": 2.2198,
-         "stride_first": 2.2127, "stride_quarter": 2.2140, "stride_full": 2.2139,
-         "looped_vanilla": 2.208, "looped_value": 2.194}  # 500M models, validation loss (paper Tables 5-6, Figure 4)
-# The 3B models of Table 1: Pile validation perplexity (given for vanilla and Depth-Attention only) and the
-# zero-shot average over eight tasks.
-PAPER_TABLE1 = {"vanilla": (7.55, 53.76), "value": (7.25, 55.69), "denseformer": (None, 54.70),
-                "attnres": (None, 55.01), "mhc": (None, 54.68)}
+PAPER = paper.ABLATION_LOSS  # 500M models, validation loss (paper Tables 5-6, Figure 4)
+# The 3B models of Table 1: (Pile validation perplexity or None, zero-shot average over the eight tasks).
+PAPER_TABLE1 = {run: (paper.TABLE1_PPL.get(row), paper.TABLE1_AVG[0][row]) for run, row in paper.TABLE1_3B_RUNS.items()}
+KEY_RANGES = {"seeds": ">= 1", "jobs": ">= 1", "threads": ">= 0", "lr_seeds": ">= 1", "long_factor": ">= 1"}
 
 
 def read_log(run_dir):
@@ -109,12 +106,8 @@ def run_files(base, name):
 def planned(key, files, extra):
     """A train.py key as the config files, then the `--key=value` overrides, set it (None if they don't)."""
     value = None
-    for f in files:
-        value = read_config_file(f).get(key, value)
-    for arg in extra:
-        k, _, text = arg[2:].partition("=")
-        if arg.startswith("--") and k == key:
-            value = ast.literal_eval(text)
+    for arg in files + extra:
+        value = arg_updates(arg).get(key, value)
     return value
 
 
@@ -212,10 +205,14 @@ def markdown(tables):
     return "\n".join(out)
 
 
+def _pyplot():
+    """matplotlib's pyplot drawing to files (no display); an ImportError with the pip line without it."""
+    require("matplotlib", "the figures").use("Agg")
+    return require("matplotlib.pyplot", "the figures", pip="matplotlib")
+
+
 def plot_curves(out, names, seeds, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
     for n in names:
         curves = [[(r["step"], r["val_loss"]) for r in read_log(out / n / f"seed{s}") if r["kind"] == "eval"]
@@ -255,9 +252,7 @@ def depth_weight_matrix(ckpt_path, n_windows=16):
 
 
 def plot_depth_weights(ckpt_path, path, title):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
     m = depth_weight_matrix(ckpt_path)
     fig, ax = plt.subplots(figsize=(6, 5))
     im = ax.imshow(m, cmap="viridis", vmin=0, vmax=1, origin="upper")
@@ -278,8 +273,8 @@ def best_rates(out, names, lrs, lr_seeds):
                  if (v := collect(out, [n], lr_seeds, {n: lr})[n])} for n in names}
     missing = [f"{n} at {lr:g}" for n in names for lr in lrs if lr not in means[n]]
     if missing:
-        raise SystemExit(f"error: the learning-rate sweep has no finished run for {', '.join(missing)}; run "
-                         f"`python ablate.py --protocol=lr_sweep` with the same --out, --runs, --lrs and --base first")
+        fail(f"the learning-rate sweep has no finished run for {', '.join(missing)}; run "
+             f"`python ablate.py --protocol=lr_sweep` with the same --out, --runs, --lrs and --base first")
     return {n: min(means[n], key=means[n].get) for n in names}, means
 
 
@@ -330,9 +325,7 @@ def gap_markdown(curves, short, baseline, short_tokens):
 
 
 def plot_gaps(curves, short, baseline, short_tokens, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 5))
     for n, pts in curves.items():
         for length, ls, run in (("long runs", "-", pts), ("short runs", "--", short.get(n, []))):
@@ -377,27 +370,25 @@ def main(argv):
     split = argv.index("--") if "--" in argv else len(argv)
     try:
         cfg = parse_config(DEFAULTS, argv[:split], __doc__, [__file__])
-        check_ranges(cfg, {"seeds": ">= 1", "jobs": ">= 1", "threads": ">= 0", "lr_seeds": ">= 1",
-                           "long_factor": ">= 1"})
+        check_ranges(cfg, KEY_RANGES)
         lrs = sorted({float(x) for x in cfg["lrs"].split(",") if x.strip()})
     except ConfigError as e:
-        raise SystemExit(f"error: {e}")
+        fail(e)
     except ValueError:
-        raise SystemExit(f"error: --lrs must be comma-separated numbers, got {cfg['lrs']!r}")
+        fail(f"--lrs must be comma-separated numbers, got {cfg['lrs']!r}")
     extra = argv[split + 1:]
     protocol = cfg["protocol"]
     if protocol not in PROTOCOLS:
-        raise SystemExit(f"error: unknown --protocol={protocol}; choose one of {', '.join(PROTOCOLS)}")
+        fail(f"unknown --protocol={protocol}; choose one of {', '.join(PROTOCOLS)}")
     if not lrs or min(lrs) <= 0 or not all(map(math.isfinite, lrs)):
-        raise SystemExit(f"error: --lrs must list positive, finite peak rates, got {cfg['lrs']!r}")
+        fail(f"--lrs must list positive, finite peak rates, got {cfg['lrs']!r}")
     runs = cfg["long_runs"] if protocol == "long" else cfg["runs"]
     names = list(dict.fromkeys(n for part in runs.split(",") for n in RUN_SETS.get(part, [part])))
     unknown = [n for n in names if n not in RUNS]
     if unknown:
-        raise SystemExit(f"error: unknown runs {unknown}; choose from {', '.join(RUNS)} or a set: "
-                         f"{', '.join(RUN_SETS)}")
+        fail(f"unknown runs {unknown}; choose from {', '.join(RUNS)} or a set: {', '.join(RUN_SETS)}")
     if not Path(cfg["base"]).is_file():
-        raise SystemExit(f"error: base config {cfg['base']} not found")
+        fail(f"base config {cfg['base']} not found")
     out = Path(cfg["out"])
     out.mkdir(parents=True, exist_ok=True)
     threads = cfg["threads"] or max(1, (os.cpu_count() or 1) // cfg["jobs"])
@@ -408,7 +399,7 @@ def main(argv):
                 for msg in pool.map(lambda job: train_one(job, cfg["base"], extra, out, threads), dict.fromkeys(jobs)):
                     print(msg, flush=True)
             except RuntimeError as e:  # a train.py run failed; its train.out names the cause
-                raise SystemExit(f"error: {e}")
+                fail(e)
 
     seeds = range(cfg["seeds"])
     if protocol == "shared":
@@ -424,7 +415,7 @@ def main(argv):
     if protocol == "best_lr":
         shared = planned("learning_rate", [cfg["base"]], extra)
         if not isinstance(shared, (int, float)):
-            raise SystemExit(f"error: {cfg['base']} sets no learning_rate, the shared rate to compare with")
+            fail(f"{cfg['base']} sets no learning_rate, the shared rate to compare with")
         run_all([(n, s, lr, 1) for s in seeds for n in names for lr in (float(shared), best[n])])
         at_shared = summarize(collect(out, names, cfg["seeds"], dict.fromkeys(names, float(shared))),
                               f", all at the shared peak rate {shared:g}")

@@ -16,15 +16,62 @@ cache stays exactly vanilla's. What they hold while a prompt is processed is the
 the whole history (DenseFormer), the block snapshots (AttnRes), n streams (mHC).
 
 Module and parameter names follow the authors' released checkpoints (their names are ours with a `model.`
-prefix, see `from_authors_state_dict`). Select one with `ModelConfig(residual=..., depth_mode="vanilla")`
-and build it with `model.build_model`.
+prefix, hf.py). Their switches extend model.ModelConfig in `BaselineConfig`; `make_config` turns any flat dict
+of keys into the right config and `build_model` into the right model:
+
+    model = build_model(make_config(residual="mhc", depth_mode="vanilla", n_layer=12))
 """
 import math
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
 
-from model import GPT, ModelConfig, RMSNorm, fp32_or_wider
+from model import GPT, ModelConfig, RMSNorm, config_check, fp32_or_wider
+
+RESIDUALS = ("add", "denseformer", "attnres", "mhc")
+
+
+@dataclass
+class BaselineConfig(ModelConfig):
+    # The baselines of the paper's Table 1; each runs with depth_mode="vanilla".
+    residual: str = "add"           # residual path: add (plain stream) | denseformer | attnres | mhc (with vanilla)
+    denseformer_dwa_dilation: int = 1       # DenseFormer: average every k-th earlier output (authors: 1)
+    denseformer_dwa_period: int = 1         # DenseFormer: average after every p-th block (authors: 1)
+    attnres_block_size: int = 12            # Block AttnRes: sublayers per block, 2 per layer (authors: 12)
+    attnres_recency_bias_init: float = 3.0  # Block AttnRes: initial logit bonus of the running stream (authors: 3.0)
+    mhc_num_streams: int = 4                # mHC: parallel residual streams n (authors: 4)
+    mhc_alpha_init: float = 0.01            # mHC: initial gain of the input-dependent maps (authors: 0.01)
+    mhc_sinkhorn_iters: int = 20            # mHC: Sinkhorn row/column normalisations (authors: 20)
+
+    def __post_init__(self):
+        super().__post_init__()
+        need = config_check(type(self).__name__)
+        for name in ("denseformer_dwa_dilation", "denseformer_dwa_period", "attnres_block_size", "mhc_num_streams",
+                     "mhc_sinkhorn_iters"):
+            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1,
+                 f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        need(self.residual in RESIDUALS, f"unknown residual {self.residual!r}; choose one of {', '.join(RESIDUALS)}")
+        if self.residual != "add":  # the paper compares each baseline with vanilla attention, one change at a time
+            need(self.depth_mode == "vanilla", f"residual={self.residual} is a baseline with vanilla attention; "
+                 f"use --depth_mode=vanilla with --residual={self.residual} (not depth_mode={self.depth_mode})")
+            need(self.n_loops == 1, f"residual={self.residual} is defined for one pass over the layers; "
+                 f"use --n_loops=1 with --residual={self.residual}")
+        need(self.mhc_num_streams >= 2, f"mhc_num_streams must be at least 2, got {self.mhc_num_streams}")
+
+
+# The baselines' own keys, beyond ModelConfig's.
+BASELINE_KEYS = tuple(f.name for f in fields(BaselineConfig) if f.name not in {g.name for g in fields(ModelConfig)})
+
+
+def make_config(**keys) -> ModelConfig:
+    """The config a flat dict of keys describes (train.py's namespace, a checkpoint's stored dict of any version,
+    a Hugging Face record): a BaselineConfig for a baseline, else a ModelConfig, whose dict then carries no
+    baseline keys. Every key is checked either way."""
+    config = BaselineConfig(**keys)
+    if config.residual == "add":
+        return ModelConfig(**{k: v for k, v in keys.items() if k not in BASELINE_KEYS})
+    return config
 
 
 # ----------------------------------------------------------------------------- DenseFormer
@@ -56,7 +103,7 @@ class DepthWeightedAverage(nn.Module):
 
 
 class DenseFormer(GPT):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: BaselineConfig):
         super().__init__(config)
         self.densetransformer_dwa = DepthWeightedAverage(config.n_layer, config.denseformer_dwa_dilation,
                                                          config.denseformer_dwa_period)
@@ -81,7 +128,7 @@ class AttnResAggregator(nn.Module):
     pseudo_query starts at 0 and recency_bias at 3.0, so p gets most of the weight at init (~95% beside one
     snapshot). rms(s) = sqrt(mean(s^2) + eps) is the RMSNorm denominator; the norm's weight is folded into w."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: BaselineConfig):
         super().__init__()
         self.pseudo_query = nn.Parameter(torch.zeros(config.n_embd))
         self.norm = RMSNorm(config.n_embd, config.norm_eps)
@@ -102,7 +149,7 @@ class BlockAttnRes(GPT):
     output to the stream as usual. After every attnres_block_size sublayers (checked at the end of a layer)
     a snapshot of the stream joins the snapshots; the embedding is the first one."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: BaselineConfig):
         super().__init__(config)  # the backbone first, so a seed gives it vanilla's weights
         for block in self.layers:
             block.attnres_attn_aggregator = AttnResAggregator(config)
@@ -112,10 +159,8 @@ class BlockAttnRes(GPT):
     def run_layers(self, x, cos, sin, cache):
         blocks, p, n = [x], x, 0  # snapshots (B, T, D) each, the running stream, sublayers since a snapshot
         for i, block in enumerate(self.layers):
-            h = block.attnres_attn_aggregator(blocks, p)
-            p = p + block.self_attn(block.input_layernorm(h), cos, sin, [], [], cache, i)[0]
-            h = block.attnres_mlp_aggregator(blocks, p)
-            p = p + block.mlp(block.post_attention_layernorm(h))
+            p = p + block.attend(block.attnres_attn_aggregator(blocks, p), cos, sin, [], [], cache, i)[0]
+            p = p + block.feed_forward(block.attnres_mlp_aggregator(blocks, p))
             n += 2
             if n >= self.config.attnres_block_size:
                 blocks, n = blocks + [p], 0
@@ -148,7 +193,7 @@ class MHCConnector(nn.Module):
         X' = H_res X + h_post f(sum_j h_pre_j X_j)
     At init h_pre = 1/n (the read is the mean stream), h_post = 1 and H_res is nearly the identity."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: BaselineConfig):
         super().__init__()
         n, D = config.mhc_num_streams, config.n_embd
         self.n, self.iters = n, config.mhc_sinkhorn_iters
@@ -184,7 +229,7 @@ class StreamReduce(nn.Module):
 
 
 class MHC(GPT):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: BaselineConfig):
         super().__init__(config)  # the backbone first, so a seed gives it vanilla's weights
         for block in self.layers:
             block.attn_residual_connector = MHCConnector(config)
@@ -196,38 +241,15 @@ class MHC(GPT):
     def run_layers(self, x, cos, sin, cache):
         X = x.unsqueeze(2).expand(-1, -1, self.config.mhc_num_streams, -1)  # (B, T, n, D): the embedding n times
         for i, block in enumerate(self.layers):
-            X = block.attn_residual_connector(
-                X, lambda h: block.self_attn(block.input_layernorm(h), cos, sin, [], [], cache, i)[0])
-            X = block.mlp_residual_connector(X, lambda h: block.mlp(block.post_attention_layernorm(h)))
+            X = block.attn_residual_connector(X, lambda h: block.attend(h, cos, sin, [], [], cache, i)[0])
+            X = block.mlp_residual_connector(X, block.feed_forward)
         return self.residual_stream_projector(X)
 
 
 BASELINES = {"denseformer": DenseFormer, "attnres": BlockAttnRes, "mhc": MHC}
 
 
-# ----------------------------------------------------------------------------- the authors' checkpoints
-
-# The authors' `baseline_mode` values (their code accepts these spellings) -> our `residual`.
-AUTHORS_BASELINE_MODES = {"denseformer": "denseformer", "densetransformer": "denseformer", "attnres": "attnres",
-                          "block_attnres": "attnres", "block-attnres": "attnres", "attention_residual": "attnres",
-                          "attention-residual": "attnres", "mhc": "mhc"}
-# Config keys that carry the same name in the authors' config.json and in ModelConfig.
-SHARED_KEYS = ("denseformer_dwa_dilation", "denseformer_dwa_period", "attnres_block_size",
-               "attnres_recency_bias_init", "mhc_num_streams", "mhc_alpha_init", "mhc_sinkhorn_iters")
-
-
-def residual_config_from_authors(hf_config: dict) -> dict:
-    """The ModelConfig keys of a baseline from the authors' config.json (the Llama shape keys are mapped by
-    the general loader): residual, depth_mode="vanilla" and the method's knobs where given."""
-    mode = str(hf_config.get("baseline_mode") or "").strip().lower()
-    if mode not in AUTHORS_BASELINE_MODES:
-        raise ValueError(f"baseline_mode={hf_config.get('baseline_mode')!r} is not one of the paper's baselines "
-                         f"({', '.join(sorted(AUTHORS_BASELINE_MODES))})")
-    return {"residual": AUTHORS_BASELINE_MODES[mode], "depth_mode": "vanilla",
-            **{k: hf_config[k] for k in SHARED_KEYS if k in hf_config}}
-
-
-def from_authors_state_dict(state_dict: dict) -> dict:
-    """The authors' parameter names -> ours: `model.` dropped (lm_head.weight keeps its name), and their
-    `lm_head_layernorm.weight`, which their forward never uses, left out. No tensor is reshaped."""
-    return {k.removeprefix("model."): v for k, v in state_dict.items() if not k.startswith("lm_head_layernorm.")}
+def build_model(config: ModelConfig) -> GPT:
+    """The model a config describes: GPT for the plain residual stream, else that baseline."""
+    residual = getattr(config, "residual", "add")
+    return GPT(config) if residual == "add" else BASELINES[residual](config)

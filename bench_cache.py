@@ -23,31 +23,29 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from configurator import ConfigError, check_ranges, parse_config
-from model import DEPTH_MODES, RESIDUALS, GPT, ModelConfig, build_model, check_device, depth_cost
+import paper
+from baselines import BASELINES, BaselineConfig, build_model, make_config
+from configurator import ConfigError, check_ranges, fail, parse_config, read_config_file, resolve_device
+from model import DEPTH_MODES, GPT, depth_cost
 
-# The paper's shapes (section 3). The 3B one also feeds the Table 2 reproduction below.
-PAPER_3B = dict(vocab_size=50304, block_size=2048, n_layer=48, n_head=32, n_kv_head=8, head_dim=64, n_embd=2048,
-                mlp_hidden=6912, init_std=0.01, depth_stride=24)
-PRESETS = {"paper_3b": PAPER_3B,
-           "paper_1p5b": dict(PAPER_3B, n_head=24, n_kv_head=6, n_embd=1536, mlp_hidden=4096)}
+ROOT = Path(__file__).resolve().parent
+# The paper's shapes (section 3), read from their training configs. The 3B one also feeds Table 2 below.
+PRESETS = {"paper_3b": ROOT / "configs" / "paper_3b_value.py", "paper_1p5b": ROOT / "configs" / "paper_1p5b_value.py"}
 
 # depth_mode and residual are replaced by `modes`: every run compares several modes against vanilla.
-MODEL_KEYS = {k: v for k, v in asdict(ModelConfig()).items() if k not in ("depth_mode", "residual")}
-BASELINE_MODES = RESIDUALS[1:]  # denseformer, attnres, mhc: hidden-state baselines with vanilla attention
+MODEL_KEYS = {k: v for k, v in asdict(BaselineConfig()).items() if k not in ("depth_mode", "residual")}
+BASELINE_MODES = tuple(BASELINES)  # denseformer, attnres, mhc: hidden-state baselines with vanilla attention
 BENCH_KEYS = dict(
     preset="",         # paper_1p5b | paper_3b: the paper's shape; --key=value still overrides it
     device="auto",     # auto = cuda if available, else cpu
     dtype="auto",      # weights, activations and cache; auto = bfloat16 on cuda (when supported), else float32
-    threads=1,         # CPU threads for torch, 0 = torch's default. One, because on a shared machine a
-                       # descheduled thread stalls every parallel op (measured beside another job on 2 cores:
-                       # 2 threads ran prefill, decode and fwd+bwd 2-20x slower than 1 thread)
+    threads=1,         # CPU threads for torch, 0 = torch's default; one, as a descheduled thread stalls every op
     batch=2,           # sequences per prefill, decode and training step
     prompt_len=64,     # prefill length; also the training sequence length
     new_tokens=16,     # decode steps after the prefill (the cache holds prompt_len + new_tokens)
@@ -58,39 +56,33 @@ BENCH_KEYS = dict(
     json="",           # write the results here too
 )
 DEFAULTS = {**MODEL_KEYS, **BENCH_KEYS}
-RANGES = {"threads": ">= 0", "batch": ">= 1", "prompt_len": ">= 1", "new_tokens": ">= 1", "warmup": ">= 0",
+KEY_RANGES = {"threads": ">= 0", "batch": ">= 1", "prompt_len": ">= 1", "new_tokens": ">= 1", "warmup": ">= 0",
           "repeats": ">= 1", "seed": ">= 0"}
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 METRICS = ("cache_bytes", "prefill_peak_bytes", "train_peak_bytes", "prefill_s", "decode_s_per_token",
            "train_step_s")
 TIMED = METRICS[3:]
-PREFILL_128K = 128 * 1024  # Table 2 quotes extra prefill memory at a 128K-token context
-# Table 2's hidden-state baselines, per token of the 3B model. Memory: extra D-vectors that live through the
-# prefill. FLOPs and I/O: the paper's figures, quoted (their derivations are not given).
-ATTNRES_BLOCK = 12   # AttnRes block size (authors' default): its 2L sublayers pool into 2L/12 = 8 block states
-MHC_STREAMS = 4      # mHC residual streams (authors' default): 3 beyond the usual one
-BASELINES_QUOTED = {"DenseFormer": (5.01e6, 4.97), "AttnRes": (4.26e6, 4.44), "mHC": (4.72e7, 8.63)}
-DEPTH_ATTENTION_QUOTED = (2.40e5, 282)  # FLOPs, KiB
+
+
+def preset(name) -> dict:
+    """The model keys of a paper config (its training keys are train.py's)."""
+    return {k: v for k, v in read_config_file(PRESETS[name]).items() if k in MODEL_KEYS}
 
 
 def resolve(argv):
-    cfg = parse_config(DEFAULTS, argv, __doc__, [__file__, inspect.getfile(ModelConfig)])
+    cfg = parse_config(DEFAULTS, argv, __doc__, [__file__] + [inspect.getfile(c) for c in BaselineConfig.__mro__[:2]])
     if cfg["preset"]:
         if cfg["preset"] not in PRESETS:
             raise ConfigError(f"unknown preset {cfg['preset']!r}; choose one of {', '.join(PRESETS)}")
-        cfg = parse_config({**DEFAULTS, **PRESETS[cfg["preset"]]}, argv)  # the command line wins over the preset
-    check_ranges(cfg, RANGES)
+        cfg = parse_config({**DEFAULTS, **preset(cfg["preset"])}, argv)  # the command line wins over the preset
+    check_ranges(cfg, KEY_RANGES)
     if cfg["dtype"] not in DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {cfg['dtype']!r}")
-    if cfg["device"] == "auto":
-        cfg["device"] = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        check_device(cfg["device"])
+    try:  # "cuda" is the current GPU; mps has no timer that the medians could trust
+        cfg["device"] = resolve_device(cfg["device"], allowed=("cpu", "cuda"))
     except ValueError as e:
         raise ConfigError(e) from e
-    if cfg["device"] not in ("cpu", "cuda"):
-        raise ConfigError(f"bench_cache.py measures on cpu or cuda (the current GPU), not {cfg['device']!r}")
     if cfg["dtype"] == "auto":
         cfg["dtype"] = "bfloat16" if cfg["device"] == "cuda" and torch.cuda.is_bf16_supported() else "float32"
     labels = list(dict.fromkeys(m.strip() for m in cfg["modes"].split(",") if m.strip()))
@@ -114,15 +106,14 @@ def baseline(label):
     return "vanilla" + at + loops
 
 
-def model_config(cfg, label) -> ModelConfig:
+def model_config(cfg, label):
     mode, _, loops = label.partition("@")
     if loops and not loops.isdigit():
         raise ConfigError(f"mode {label!r}: write the loop count as a number, e.g. value@3")
     if mode not in DEPTH_MODES + BASELINE_MODES:
         raise ConfigError(f"unknown mode {mode!r}; choose from {', '.join(DEPTH_MODES + BASELINE_MODES)}")
-    base = ModelConfig(**{k: cfg[k] for k in MODEL_KEYS})
     kind = dict(depth_mode="vanilla", residual=mode) if mode in BASELINE_MODES else dict(depth_mode=mode)
-    return replace(base, **kind, n_loops=int(loops) if loops else base.n_loops)
+    return make_config(**{**{k: cfg[k] for k in MODEL_KEYS}, **kind, "n_loops": int(loops or cfg["n_loops"])})
 
 
 def build(cfg, label) -> GPT:
@@ -293,25 +284,30 @@ def measure(cfg):
 
 def paper_table2():
     """Table 2 for the paper's 3B model: Depth-Attention from model.depth_cost, the baselines' extra prefill
-    memory from the number of extra D-vectors each keeps per token, their FLOPs and I/O quoted."""
-    cfg = ModelConfig(**PAPER_3B, depth_mode="value")
-    bytes_per, L, D = 2, cfg.n_layer, cfg.n_embd  # fp16, as in the paper
+    memory from the number of extra D-vectors each keeps per token (at the authors' default knobs), their
+    FLOPs and I/O quoted."""
+    shape = preset("paper_3b")
+    cfg = make_config(**shape, depth_mode="value")
+    knobs = BaselineConfig()  # the authors' defaults: AttnRes pools 2L sublayers per 12, mHC keeps 4 streams
+    bytes_per, L, D, tokens = 2, cfg.n_layer, cfg.n_embd, paper.TABLE2_PREFILL_TOKENS  # fp16, as in the paper
     cost = depth_cost(cfg, bytes_per)
+    quoted = paper.TABLE2_DEPTH_ATTENTION
     rows = {"Depth-Attention": {
         "flops_per_token": cost["flops_per_token"], "io_bytes_per_token": cost["io_bytes_per_token"],
-        "extra_prefill_bytes_128k": cost["extra_persistent_bytes"] * PREFILL_128K,
-        "quoted_flops_per_token": DEPTH_ATTENTION_QUOTED[0], "quoted_io_kib_per_token": DEPTH_ATTENTION_QUOTED[1],
-        "quoted_extra_prefill_gib_128k": 0.0, "memory_formula": "KV cache only: 0 extra"}}
+        "extra_prefill_bytes_128k": cost["extra_persistent_bytes"] * tokens,
+        "quoted_flops_per_token": quoted["flops_per_token"], "quoted_io_kib_per_token": quoted["io_kib_per_token"],
+        "quoted_extra_prefill_gib_128k": quoted["extra_prefill_gib_128k"], "memory_formula": "KV cache only: 0 extra"}}
+    block, streams = knobs.attnres_block_size, knobs.mhc_num_streams
     extra_vectors = {"DenseFormer": (L, "L*D"),                                    # every layer's output
-                     "AttnRes": (2 * L // ATTNRES_BLOCK, f"(2L/{ATTNRES_BLOCK})*D"),
-                     "mHC": (MHC_STREAMS - 1, f"({MHC_STREAMS}-1)*D")}
+                     "AttnRes": (2 * L // block, f"(2L/{block})*D"),
+                     "mHC": (streams - 1, f"({streams}-1)*D")}
     for name, (n_vec, formula) in extra_vectors.items():
-        flops, io_mib = BASELINES_QUOTED[name]
-        rows[name] = {"extra_prefill_bytes_128k": n_vec * D * bytes_per * PREFILL_128K,
+        rows[name] = {"extra_prefill_bytes_128k": n_vec * D * bytes_per * tokens,
                       "memory_formula": f"{formula} x {bytes_per} B per token",
-                      "quoted_flops_per_token": flops, "quoted_io_mib_per_token": io_mib}
-    return {"shape": PAPER_3B, "candidates": cost["candidates"], "bytes_per_element": bytes_per,
-            "prefill_tokens": PREFILL_128K, "rows": rows}
+                      "quoted_flops_per_token": paper.TABLE2_BASELINES[name]["flops_per_token"],
+                      "quoted_io_mib_per_token": paper.TABLE2_BASELINES[name]["io_mib_per_token"]}
+    return {"shape": shape, "candidates": cost["candidates"], "bytes_per_element": bytes_per,
+            "prefill_tokens": tokens, "rows": rows}
 
 
 # ----------------------------------------------------------------------------- report
@@ -371,7 +367,7 @@ def report(res):
     rows = [["Depth-Attention", f"{da['flops_per_token']:.2e} (paper {da['quoted_flops_per_token']:.2e})",
              f"{da['io_bytes_per_token'] / KiB:.1f} KiB (paper {da['quoted_io_kib_per_token']} KiB)",
              f"{da['extra_prefill_bytes_128k'] / GiB:.1f} GiB (paper 0)", da["memory_formula"]]]
-    for name in BASELINES_QUOTED:
+    for name in paper.TABLE2_BASELINES:
         r = t2["rows"][name]
         rows.append([name, f"{r['quoted_flops_per_token']:.2e} (paper)", f"{r['quoted_io_mib_per_token']} MiB (paper)",
                      f"{r['extra_prefill_bytes_128k'] / GiB:.1f} GiB", r["memory_formula"]])
@@ -382,7 +378,7 @@ def main(argv):
     try:
         cfg = resolve(argv)
     except ConfigError as e:
-        raise SystemExit(f"error: {e}")
+        fail(e)
     print("config:", json.dumps(cfg))
     samples, num_params = measure(cfg)
     res = summarize(cfg, samples, num_params)

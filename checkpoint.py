@@ -1,22 +1,39 @@
 """
 Saving and loading trained models: train.py's atomic checkpoints, and `load_model(init_from)`, the one way
 every script that reads a trained model (sample.py, eval.py, train.py --init_from) turns a path into a model
-and its tokenizer.
+and its tokenizer. Errors from below (hf.py, tokenizer.py) become one CheckpointError here.
 
     init_from = "out/shakespeare"             a train.py out_dir (reads its ckpt.pt)
               = "out/shakespeare/ckpt.pt"     a checkpoint file
               = "out/shakespeare_hf"          a Hugging Face folder: config.json + *.safetensors (hf.py)
               = "zeng123/Depth-attention-3B"  a Hugging Face hub id, downloaded by huggingface_hub
+
+Any of them becomes a Hugging Face folder (config.json, model.safetensors and the tokenizer):
+
+    python checkpoint.py export out/shakespeare out/shakespeare_hf [--dtype=bfloat16]
 """
+import argparse
 import hashlib
+import json
 import os
+import random
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
-from model import GPT, ModelConfig, build_model
+import hf
+from baselines import build_model, make_config
+from configurator import fail
+from model import GPT
+from tokenizer import folder_tokenizer, get_tokenizer, looks_like_hub_id, snapshot
+
+try:
+    import fcntl  # the out_dir lock; absent on Windows, where runs go unlocked
+except ImportError:
+    fcntl = None
 
 
 class CheckpointError(RuntimeError):
@@ -72,6 +89,54 @@ def save_checkpoint(obj, path):
         os.close(dir_fd)
 
 
+def rng_state():
+    """Every generator a run draws from (Python, numpy, torch, CUDA), as plain tensors and values."""
+    kind, key, pos, has_gauss, gauss = np.random.get_state()
+    return {"python": random.getstate(), "numpy": [kind, torch.from_numpy(key.astype(np.int64)), pos, has_gauss, gauss],
+            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    kind, key, *rest = state["numpy"]
+    np.random.set_state((kind, key.numpy().astype(np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def claim_out_dir(out_dir, resuming, overwrite):
+    """Create out_dir and lock it for the life of this process (flock: the kernel releases it when the process
+    dies, so a killed run never blocks the next one). A second run into the folder is refused rather than mixed
+    with this one, and a fresh start over a checkpoint needs overwrite. Returns the open lock file."""
+    out_dir = Path(out_dir)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(out_dir / "train.lock", "a+")
+    except OSError as e:
+        raise CheckpointError(f"cannot write to --out_dir={out_dir} ({e.strerror}); pick a writable folder") from e
+    if fcntl:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            raise CheckpointError(f"another train.py ({lock.read().strip() or 'pid unknown'}) is writing to "
+                                  f"{out_dir}; wait for it to finish or pick another --out_dir") from None
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()}\n")
+    lock.flush()
+    for torn in out_dir.glob("ckpt.pt.tmp*"):  # a write cut short by a kill; no other writer holds the lock
+        torn.unlink()
+    ckpt = out_dir / "ckpt.pt"
+    if ckpt.exists() and not resuming:
+        if not overwrite:
+            raise CheckpointError(f"{out_dir} already holds a checkpoint; continue it with --resume=True, or start "
+                                  f"over with --overwrite=True (which deletes it)")
+        ckpt.unlink()
+        print(f"warning: --overwrite=True: deleted {ckpt}, starting over", file=sys.stderr)
+    return lock
+
+
 def read_checkpoint(path, verify=None) -> dict:
     """torch.load a train.py checkpoint on the CPU and check the stored checksums of the entries in verify
     (None = all). Memory-mapped, so a large optimizer state beside the model is never read unless verified or
@@ -99,9 +164,9 @@ def read_checkpoint(path, verify=None) -> dict:
 
 
 def model_from_checkpoint(ckpt: dict) -> GPT:
-    """The model a train.py checkpoint describes (its stored ModelConfig dict, residual path included), with its
-    weights. A checkpoint from before a ModelConfig field existed gets that field's default."""
-    model = build_model(ModelConfig(**ckpt["model_config"]))
+    """The model a train.py checkpoint describes (its stored config dict, a baseline's keys included), with its
+    weights. A checkpoint from before a config field existed gets that field's default."""
+    model = build_model(make_config(**ckpt["model_config"]))
     model.load_state_dict(ckpt["model"])
     return model
 
@@ -121,17 +186,45 @@ def checkpoint_path(init_from) -> Path:
 
 
 def load_model(init_from, device="cpu") -> Loaded:
-    """The model and tokenizer behind init_from (see the module docstring), ready for inference."""
-    import hf  # the optional packages of Hugging Face folders are imported only when one is used
-    if hf.is_hf_folder(init_from) or hf.looks_like_hub_id(init_from):
-        folder = hf.resolve(init_from)
-        model = GPT.from_pretrained(folder)
-        tokenizer = hf.folder_tokenizer(folder)
-        if tokenizer is None:
-            raise CheckpointError(f"{folder} has no tokenizer.json; copy the model's tokenizer.json into it")
-        return Loaded(model.to(device).eval(), tokenizer, str(folder), None)
-    from prepare_data import get_tokenizer  # tiktoken; model.py stays torch-only
-    path = checkpoint_path(init_from)
-    ckpt = read_checkpoint(path, verify=("model", "model_config", "tokenizer"))  # the optimizer stays unread
-    model = model_from_checkpoint(ckpt).to(device).eval()
-    return Loaded(model, get_tokenizer(ckpt["tokenizer"]), str(path), ckpt.get("step"))
+    """The model and tokenizer behind init_from (see the module docstring), ready for inference. Every failure
+    is a CheckpointError whose message names the file and the fix."""
+    try:
+        if hf.is_hf_folder(init_from) or looks_like_hub_id(init_from):
+            folder = snapshot(init_from)
+            model = hf.from_pretrained(folder)
+            tokenizer = folder_tokenizer(folder)
+            if tokenizer is None:
+                raise CheckpointError(f"{folder} has no tokenizer.json; copy the model's tokenizer.json into it")
+            return Loaded(model.to(device).eval(), tokenizer, str(folder), None)
+        path = checkpoint_path(init_from)
+        ckpt = read_checkpoint(path, verify=("model", "model_config", "tokenizer"))  # the optimizer stays unread
+        model = model_from_checkpoint(ckpt).to(device).eval()
+        return Loaded(model, get_tokenizer(ckpt["tokenizer"]), str(path), ckpt.get("step"))
+    except (ValueError, ImportError, OSError) as e:  # from hf.py and tokenizer.py: bad folders, missing packages
+        raise CheckpointError(str(e)) from e
+
+
+# ----------------------------------------------------------------------------- python checkpoint.py export
+
+def main(argv):
+    p = argparse.ArgumentParser(description="Export a model to a Hugging Face folder (config.json + safetensors).")
+    sub = p.add_subparsers(dest="command", required=True)
+    ex = sub.add_parser("export", help="python checkpoint.py export SRC OUT_DIR")
+    ex.add_argument("src", help="a train.py out_dir, a ckpt.pt, or a Hugging Face folder / hub id")
+    ex.add_argument("out_dir", help="the folder to write (not a train.py out_dir: its config.json differs)")
+    ex.add_argument("--dtype", choices=("float32", "bfloat16"), help="convert the weights (default: unchanged)")
+    args = p.parse_args(argv)
+    if (Path(args.out_dir) / "ckpt.pt").exists():
+        fail(f"{args.out_dir} holds a train.py checkpoint; export into another folder")
+    try:
+        loaded = load_model(args.src)
+        model = loaded.model.to(getattr(torch, args.dtype)) if args.dtype else loaded.model
+        hf.save_pretrained(model, args.out_dir, loaded.tokenizer)
+    except (CheckpointError, ImportError) as e:
+        fail(e)
+    print(f"{loaded.source} -> {args.out_dir}: {model.num_params() / 1e6:.2f}M parameters, "
+          f"{json.loads((Path(args.out_dir) / 'config.json').read_text())['architectures'][0]}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

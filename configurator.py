@@ -1,5 +1,6 @@
 """
-Command-line configuration shared by train.py, bench_cache.py and ablate.py.
+Command-line configuration shared by train.py, bench_cache.py and ablate.py, and the few helpers every script
+uses: `fail` (the one-line `error:` exit), `require` (an optional package or its pip line), `resolve_device`.
 
     python train.py configs/minipile_value.py --n_layer=8 --depth_mode=vanilla
 
@@ -12,6 +13,7 @@ default of `None` accepts any literal). Anything else is an error that names the
 written beside it in the source, so the help can never drift from the defaults.
 """
 import ast
+import importlib
 import math
 import re
 import sys
@@ -22,8 +24,44 @@ class ConfigError(ValueError):
     pass
 
 
-# The ranges check_ranges knows, each a predicate on a number; every one also requires a finite value.
-RANGES = {
+def fail(msg):
+    """Stop a script on bad input: one `error: ...` line naming the fix, exit status 1, no traceback."""
+    raise SystemExit(f"error: {msg}")
+
+
+def require(module, purpose, pip=None):
+    """import module, or an ImportError that names the pip line: optional packages are imported where used."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(f"{purpose} needs {module}: pip install {pip or module.split('.')[0]}") from e
+
+
+def resolve_device(name, local_rank=None, allowed=("cpu", "cuda", "mps")) -> str:
+    """The device a script runs on: "auto" is the first of cuda, mps, cpu that this machine has and `allowed`
+    lists; a named device must exist here. Under torchrun (local_rank given), "cuda" is this process's GPU.
+    A ValueError says what the machine has."""
+    import torch  # this module stays importable without torch
+    have = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available(), "cpu": True}
+    if name == "auto":
+        name = next(d for d in ("cuda", "mps", "cpu") if d in allowed and have[d])
+    kind, _, index = name.partition(":")
+    if kind not in ("cpu", "cuda", "mps") or (index and not (kind == "cuda" and index.isdigit())):
+        raise ValueError(f"unknown device {name!r}; use auto, {', '.join(allowed)}"
+                         f"{' or cuda:N' if 'cuda' in allowed else ''}")
+    if kind not in allowed:
+        raise ValueError(f"this script runs on {' or '.join(allowed)}, not {name!r}")
+    if not have[kind]:
+        missing = "torch sees no CUDA GPU" if kind == "cuda" else "torch.backends.mps is not available"
+        raise ValueError(f"device {name!r} but {missing} here; use --device=cpu (or auto)")
+    if index and int(index) >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r} but this machine has {torch.cuda.device_count()} CUDA GPU(s), "
+                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    return f"cuda:{local_rank}" if name == "cuda" and local_rank is not None else name
+
+
+# The rules check_ranges knows, each a predicate on a number; every one also requires a finite value.
+RULES = {
     "> 0": lambda v: v > 0,
     ">= 0": lambda v: v >= 0,
     ">= 1": lambda v: v >= 1,
@@ -38,7 +76,7 @@ def check_ranges(cfg: dict, rules: dict):
     for key, rule in rules.items():
         value = cfg[key]
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if value is not None and not (number and math.isfinite(value) and RANGES[rule](value)):
+        if value is not None and not (number and math.isfinite(value) and RULES[rule](value)):
             raise ConfigError(f"--{key} must be a finite number {rule}, got {value!r}")
 
 
@@ -128,16 +166,19 @@ def parse_config(defaults: dict, argv: list, doc: str = "", sources=()) -> dict:
         sys.exit(0)
     cfg = dict(defaults)
     for arg in argv:
-        if arg.startswith("--"):
-            key, eq, text = arg[2:].partition("=")
-            if not eq:
-                raise ConfigError(f"argument {arg!r} must look like --key=value")
-            # A string default keeps the text as typed (--name=123 is the name "123").
-            updates = {key: text if isinstance(defaults.get(key), str) else _parse_literal(text)}
-        else:
-            updates = read_config_file(arg)
-        for key, value in updates.items():
+        for key, value in arg_updates(arg, defaults).items():
             if key not in defaults:
                 raise _unknown(key, defaults)
             cfg[key] = _coerce(key, value, defaults[key])
     return cfg
+
+
+def arg_updates(arg, defaults=None) -> dict:
+    """The keys one argument sets, uncoerced: a config file's assignments, or `--key=value`'s literal (the text
+    as typed where the default is a string: --name=123 is the name "123")."""
+    if not arg.startswith("--"):
+        return read_config_file(arg)
+    key, eq, text = arg[2:].partition("=")
+    if not eq:
+        raise ConfigError(f"argument {arg!r} must look like --key=value")
+    return {key: text if isinstance((defaults or {}).get(key), str) else _parse_literal(text)}

@@ -8,7 +8,8 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
-from model import GPT, ModelConfig, build_model  # noqa: E402
+from baselines import build_model, make_config  # noqa: E402
+from model import GPT, ModelConfig  # noqa: E402
 import prepare_data  # noqa: E402
 
 
@@ -18,7 +19,7 @@ def tiny_config(**overrides) -> ModelConfig:
     base = dict(vocab_size=50, block_size=32, n_layer=4, n_head=4, n_kv_head=2, head_dim=8, n_embd=24,
                 mlp_hidden=40, init_std=0.3, depth_mode="value", depth_stride=2)
     base.update(overrides)
-    return ModelConfig(**base)
+    return make_config(**base)
 
 
 def tiny_model(seed=0, dtype=torch.float32, **overrides) -> GPT:

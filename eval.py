@@ -24,8 +24,10 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+import paper
 from checkpoint import CheckpointError, load_model
-from model import auto_device, fp32_or_wider
+from configurator import ConfigError, check_ranges, fail, resolve_device
+from model import fp32_or_wider
 
 try:  # optional: only the downstream tasks need it; --ppl works without
     import lm_eval
@@ -37,17 +39,7 @@ except ImportError:
 # lm-evaluation-harness names of the paper's tasks: LAMBADA, PIQA, WinoGrande, SciQ, HellaSwag, ARC-Easy,
 # ARC-Challenge, RACE (Table 1).
 PAPER_TASKS = ("lambada_openai", "piqa", "winogrande", "sciq", "hellaswag", "arc_easy", "arc_challenge", "race")
-# Table 1, Qwen3-style models trained on 32B Pile tokens: the average accuracy (%) over those eight tasks by
-# number of shots, and Pile validation perplexity. Only these summary columns are quoted here.
-PAPER_AVG = {0: {"1.5B vanilla": 51.26, "1.5B Depth-Attention": 53.60, "3B vanilla": 53.76, "3B mHC": 54.68,
-                 "3B AttnRes": 55.01, "3B DenseFormer": 54.70, "3B Depth-Attention": 55.69},
-             5: {"1.5B vanilla": 51.65, "1.5B Depth-Attention": 53.72, "3B vanilla": 54.16, "3B mHC": 55.65,
-                 "3B AttnRes": 55.92, "3B DenseFormer": 55.59, "3B Depth-Attention": 56.17}}
-PAPER_PPL = {"1.5B vanilla": 8.17, "1.5B Depth-Attention": 7.77, "3B vanilla": 7.55, "3B Depth-Attention": 7.25}
-
-
-def fail(msg):
-    sys.exit(f"error: {msg}")
+KEY_RANGES = {"batch_size": ">= 1"}
 
 
 @torch.no_grad()
@@ -181,7 +173,7 @@ def print_table(results, num_fewshot, limited):
     rows = {t: m for t, m in results.get("results", {}).items() if t not in results.get("groups", {})}
     if rows:
         print(f"\n{'task':<20}{'acc':>8}{'acc_norm':>10}  other metrics ({num_fewshot}-shot)")
-    accs, best = [], []
+    accs, norm_or_acc = [], []
     for task, m in rows.items():
         acc, norm = m.get("acc,none"), m.get("acc_norm,none")
         other = ", ".join(f"{k.split(',')[0]} {v:.4g}" for k, v in m.items() if k.endswith(",none")
@@ -190,21 +182,21 @@ def print_table(results, num_fewshot, limited):
               f"{'-' if norm is None else f'{100 * norm:.2f}':>10}  {other}")
         if acc is not None:
             accs.append(100 * acc)
-            best.append(100 * (norm if norm is not None else acc))
+            norm_or_acc.append(100 * (norm if norm is not None else acc))
     if accs:
         print(f"{'average, acc':<20}{sum(accs) / len(accs):>8.2f}{'':>10}  over {len(accs)} tasks")
-        print(f"{'average, acc_norm':<20}{'':>8}{sum(best) / len(best):>10.2f}  acc_norm where a task has it, "
+        print(f"{'average, acc_norm':<20}{'':>8}{sum(norm_or_acc) / len(norm_or_acc):>10.2f}  acc_norm where a task has it, "
               f"else acc (the paper does not say which it averages)")
-        if sorted(rows) == sorted(PAPER_TASKS) and num_fewshot in PAPER_AVG:
+        if sorted(rows) == sorted(PAPER_TASKS) and num_fewshot in paper.TABLE1_AVG:
             print(f"paper, Table 1, {num_fewshot}-shot average{' (this run: --limit, a subset)' if limited else ''}: "
-                  + ", ".join(f"{k} {v:.2f}" for k, v in PAPER_AVG[num_fewshot].items()))
+                  + ", ".join(f"{k} {v:.2f}" for k, v in paper.TABLE1_AVG[num_fewshot].items()))
     if "ppl" in results:
         p = results["ppl"]
         print(f"\nperplexity {p['ppl']:.4f} (mean NLL {p['nll']:.4f} over {p['tokens']:,} tokens of "
               f"{p['dataset']}/val.bin, {p['windows']:,} windows)")
         if Path(p["dataset"]).name.startswith("pile"):  # prepare_data.py's pile source, in any tokens
             print("paper, Table 1, Pile validation perplexity (GPT-NeoX tokens): "
-                  + ", ".join(f"{k} {v}" for k, v in PAPER_PPL.items()))
+                  + ", ".join(f"{k} {v}" for k, v in paper.TABLE1_PPL.items()))
 
 
 def main(argv):
@@ -227,8 +219,11 @@ def main(argv):
     names = [t.strip() for t in args.tasks.split(",") if t.strip()]
     if not names and not args.ppl:
         fail("nothing to evaluate: give --tasks, --ppl=DATASET, or both")
-    if args.batch_size < 1:
-        fail(f"--batch_size must be at least 1, got {args.batch_size}")
+    try:
+        check_ranges(vars(args), KEY_RANGES)
+        device = resolve_device(args.device)
+    except (ConfigError, ValueError) as e:
+        fail(e)
     if names and lm_eval is None:
         fail("the downstream tasks need lm-evaluation-harness: pip install lm-eval (or --tasks= with --ppl only)")
     if args.include_path and not Path(args.include_path).is_dir():
@@ -239,7 +234,6 @@ def main(argv):
              f"--input FILES --name {args.ppl}`) first, or set --data_root")
     manager = task_manager(names, args.include_path) if names else None
 
-    device = auto_device() if args.device == "auto" else args.device
     try:
         loaded = load_model(args.init_from, device)
     except CheckpointError as e:

@@ -4,9 +4,10 @@ Depth-Attention (arXiv 2606.05014) on a Qwen3-style decoder, in one file.
 Before layer l attends over the sequence, its query attends over the keys that a few earlier layers stored
 *at the same token position* and mixes their values into its own value (`depth_mix`, paper section 2).
 The mixed value is what goes into the V cache, so inference keeps exactly a normal KV cache (`KVCache`).
-The paper's hidden-state baselines (DenseFormer, Block AttnRes, mHC) are in baselines.py, chosen by `residual`.
 
-Imports only torch and the standard library.
+Reading order: ModelConfig and the source rule, `depth_mix` (the method), `KVCache`, then the decoder (RoPE,
+RMSNorm, Attention, MLP, Block, GPT) and `depth_cost` (paper Table 2). This file imports only torch and the
+standard library; the paper's hidden-state baselines build on it in baselines.py, Hugging Face folders in hf.py.
 """
 import math
 from contextlib import contextmanager
@@ -20,8 +21,6 @@ import torch.nn.functional as F
 DEPTH_MODES = ("vanilla", "uniform", "key", "kv", "value")
 MIXES_KEY = ("key", "kv")                  # modes whose cache K slot holds the depth-mixed key
 MIXES_VALUE = ("value", "uniform", "kv")   # modes whose cache V slot holds the depth-mixed value
-# The residual path: the plain stream, or one of the paper's hidden-state baselines (Table 1), in baselines.py.
-RESIDUALS = ("add", "denseformer", "attnres", "mhc")
 
 
 @dataclass
@@ -44,23 +43,11 @@ class ModelConfig:
     depth_stride: Optional[int] = None  # source every `stride`-th layer; None = half the effective depth
     depth_recent_window: int = 0    # also use the r most recent earlier layers as sources (paper: 0)
     n_loops: int = 1                # apply the same n_layer blocks this many times (looped Transformer)
-    # The baselines of the paper's Table 1 (baselines.py); each runs with depth_mode="vanilla".
-    residual: str = "add"           # residual path: add (plain stream) | denseformer | attnres | mhc (with vanilla)
-    denseformer_dwa_dilation: int = 1       # DenseFormer: average every k-th earlier output (authors: 1)
-    denseformer_dwa_period: int = 1         # DenseFormer: average after every p-th block (authors: 1)
-    attnres_block_size: int = 12            # Block AttnRes: sublayers per block, 2 per layer (authors: 12)
-    attnres_recency_bias_init: float = 3.0  # Block AttnRes: initial logit bonus of the running stream (authors: 3.0)
-    mhc_num_streams: int = 4                # mHC: parallel residual streams n (authors: 4)
-    mhc_alpha_init: float = 0.01            # mHC: initial gain of the input-dependent maps (authors: 0.01)
-    mhc_sinkhorn_iters: int = 20            # mHC: Sinkhorn row/column normalisations (authors: 20)
 
     def __post_init__(self):
-        def need(ok, msg):
-            if not ok:
-                raise ValueError(f"ModelConfig: {msg}")
+        need = config_check(type(self).__name__)
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "head_dim", "n_embd",
-                     "mlp_hidden", "n_loops", "denseformer_dwa_dilation", "denseformer_dwa_period",
-                     "attnres_block_size", "mhc_num_streams", "mhc_sinkhorn_iters"):
+                     "mlp_hidden", "n_loops"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1,
                  f"{name} must be a positive integer, got {getattr(self, name)!r}")
         need(self.n_head % self.n_kv_head == 0,
@@ -76,13 +63,6 @@ class ModelConfig:
              f"depth_recent_window must be an integer >= 0, got {self.depth_recent_window!r}")
         need(self.init_std > 0 and self.rope_theta > 0 and self.norm_eps > 0,
              "init_std, rope_theta and norm_eps must be positive")
-        need(self.residual in RESIDUALS, f"unknown residual {self.residual!r}; choose one of {', '.join(RESIDUALS)}")
-        if self.residual != "add":  # the paper compares each baseline with vanilla attention, one change at a time
-            need(self.depth_mode == "vanilla", f"residual={self.residual} is a baseline with vanilla attention; "
-                 f"use --depth_mode=vanilla with --residual={self.residual} (not depth_mode={self.depth_mode})")
-            need(self.n_loops == 1, f"residual={self.residual} is defined for one pass over the layers; "
-                 f"use --n_loops=1 with --residual={self.residual}")
-        need(self.mhc_num_streams >= 2, f"mhc_num_streams must be at least 2, got {self.mhc_num_streams}")
 
     @property
     def n_eff_layer(self) -> int:
@@ -102,15 +82,19 @@ class ModelConfig:
         return sorted(picked)
 
 
+def config_check(name):
+    """need(ok, msg): a ValueError "name: msg" unless ok. A config's checks read as a list of rules."""
+    def need(ok, msg):
+        if not ok:
+            raise ValueError(f"{name}: {msg}")
+    return need
+
+
 # ----------------------------------------------------------------------------- the method
 
-def wide_dtype(dtype):
-    """float32 for bf16/fp16, else the dtype itself: the precision of softmax, norms, RoPE and the loss."""
-    return torch.promote_types(dtype, torch.float32)
-
-
 def fp32_or_wider(x):
-    return x.to(wide_dtype(x.dtype))
+    """x in float32 for bf16/fp16, else as it is: the precision of softmax, norms, RoPE and the loss."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def depth_mix(q, k, v, src_k, src_v, mode):
@@ -132,10 +116,12 @@ def depth_mix(q, k, v, src_k, src_v, mode):
     """
     keys, values = src_k + [k], src_v + [v]
     B, H, T, D = q.shape
+    n_kv = k.shape[1]
     if mode == "uniform":
-        alpha = q.new_full((B, k.shape[1], T, len(keys)), 1.0 / len(keys), dtype=wide_dtype(q.dtype))
+        wide = torch.promote_types(q.dtype, torch.float32)
+        alpha = q.new_full((B, n_kv, T, len(keys)), 1.0 / len(keys), dtype=wide)  # (B, n_kv_head, T, C)
     else:
-        qbar = q.view(B, k.shape[1], H // k.shape[1], T, D).mean(2)                # (B, n_kv_head, T, D)
+        qbar = q.view(B, n_kv, H // n_kv, T, D).mean(2)                            # (B, n_kv_head, T, D)
         scores = torch.stack([torch.linalg.vecdot(qbar, kc) for kc in keys], -1)  # (B, n_kv_head, T, C)
         alpha = (fp32_or_wider(scores) / math.sqrt(D)).softmax(-1)
 
@@ -175,6 +161,7 @@ class KVCache:
 
     @property
     def bytes_per_token(self) -> int:
+        """Per token of one sequence: vanilla's, in every mode (paper section 2.4)."""
         return self.nbytes // (self.k.shape[1] * self.max_len)
 
     def update(self, e: int, k, v):
@@ -239,7 +226,7 @@ class Attention(nn.Module):
             k = apply_rope(self.k_norm(k).transpose(1, 2), cos, sin)               # (B, n_kv_head, T, D)
         v = v.transpose(1, 2)                                                       # (B, n_kv_head, T, D)
         alpha = None
-        if self.mode != "vanilla" and e > 0:
+        if src_k:  # the sources S(e) (ModelConfig.sources): none in vanilla and at layer 0
             k, v, alpha = depth_mix(q, k, v, src_k, src_v, self.mode)
         # record: what this layer stores; later layers' depth steps read exactly this (paper section 2.4)
         if cache is None:
@@ -276,34 +263,18 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.n_embd, config.norm_eps)
         self.mlp = MLP(config)
 
+    # The two pre-norm sublayers, each returning what is added to the stream; the baselines (baselines.py)
+    # call them with their own inputs, so a change here reaches them too.
+    def attend(self, x, cos, sin, src_k, src_v, cache, e):
+        return self.self_attn(self.input_layernorm(x), cos, sin, src_k, src_v, cache, e)
+
+    def feed_forward(self, x):
+        return self.mlp(self.post_attention_layernorm(x))
+
     def forward(self, x, cos, sin, src_k, src_v, cache, e):
-        a, record, alpha = self.self_attn(self.input_layernorm(x), cos, sin, src_k, src_v, cache, e)
+        a, record, alpha = self.attend(x, cos, sin, src_k, src_v, cache, e)
         x = x + a
-        return x + self.mlp(self.post_attention_layernorm(x)), record, alpha
-
-
-def auto_device() -> str:
-    """The device a script uses when told "auto": cuda, then mps, then cpu."""
-    if torch.cuda.is_available():
-        return "cuda"
-    return "mps" if torch.backends.mps.is_available() else "cpu"
-
-
-def check_device(name: str) -> str:
-    """name, or auto_device() for "auto", if this machine has it; else a ValueError that says what it has."""
-    if name == "auto":
-        return auto_device()
-    kind, _, index = name.partition(":")
-    if kind not in ("cpu", "cuda", "mps") or (index and not (kind == "cuda" and index.isdigit())):
-        raise ValueError(f"unknown device {name!r}; use auto, cpu, cuda, cuda:N or mps")
-    if kind == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} but torch sees no CUDA GPU here; use --device=cpu (or auto)")
-    if kind == "cuda" and index and int(index) >= torch.cuda.device_count():
-        raise ValueError(f"device {name!r} but this machine has {torch.cuda.device_count()} CUDA GPU(s), "
-                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
-    if kind == "mps" and not torch.backends.mps.is_available():
-        raise ValueError(f"device 'mps' but torch.backends.mps is not available here; use --device=cpu (or auto)")
-    return name
+        return x + self.feed_forward(x), record, alpha
 
 
 class GPT(nn.Module):
@@ -321,46 +292,6 @@ class GPT(nn.Module):
         self.last_reader = {j: e for e, src in enumerate(self.depth_sources) for j in src}
         self._alpha_sink = None
         self.apply(self._init_weights)
-
-    @classmethod
-    def from_pretrained(cls, path_or_hub_id, dtype=None) -> "GPT":
-        """A model from a Hugging Face folder or hub id: the authors' released checkpoints (Llama layout) or a
-        save_pretrained export. Built on the meta device, then given the memory-mapped safetensors weights, so
-        a model is never held twice; bf16 stays bf16 unless `dtype` says otherwise. See hf.py."""
-        import hf  # safetensors / huggingface_hub, imported only here
-        return hf.load_pretrained(build_model, path_or_hub_id, dtype)  # a baseline's folder builds the baseline
-
-    def save_pretrained(self, out_dir):
-        """Write config.json and model.safetensors: the authors' Llama layout, or Qwen3's for a vanilla
-        model that transformers can load. GPT.from_pretrained reads it back exactly. See hf.py."""
-        import hf
-        hf.save_pretrained(self, out_dir)
-
-    def _init_weights(self, module):
-        if isinstance(module, (nn.Linear, nn.Embedding)):
-            nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
-
-    def num_params(self, non_embedding: bool = False) -> int:
-        n = sum(p.numel() for p in self.parameters())  # parameters() yields a tied weight once
-        if non_embedding:
-            n -= self.embed_tokens.weight.numel()
-        return n
-
-    def new_cache(self, batch_size: int, max_len: Optional[int] = None, dtype=None) -> KVCache:
-        p = self.lm_head.weight
-        return KVCache(self.config, batch_size, max_len or self.config.block_size, p.device, dtype or p.dtype)
-
-    @contextmanager
-    def capture_depth_weights(self):
-        """Collect the depth weights of every forward inside the block, for analysis:
-        {effective layer e: (sources S(e), alpha (B, n_kv_head, T, |S(e)| + 1) float32, detached)}.
-        Off by default; when off the forward pays one `is None` check per layer."""
-        sink = {}
-        self._alpha_sink = sink
-        try:
-            yield sink
-        finally:
-            self._alpha_sink = None
 
     def run_layers(self, x, cos, sin, cache):
         """The residual stream through every effective layer: embeddings (B, T, n_embd) -> final hidden state.
@@ -389,7 +320,8 @@ class GPT(nn.Module):
                              f"{self.config.block_size}")
         if cache is not None and pos + T > cache.max_len:
             raise ValueError(f"KV cache holds {cache.max_len} tokens, {pos + T} requested; make a larger cache")
-        cos, sin = rope_tables(self.config, pos, T, idx.device, wide_dtype(self.lm_head.weight.dtype))
+        wide = torch.promote_types(self.lm_head.weight.dtype, torch.float32)
+        cos, sin = rope_tables(self.config, pos, T, idx.device, wide)
         x = self.run_layers(self.embed_tokens(idx), cos, sin, cache)               # (B, T, n_embd)
         if cache is not None:
             cache.pos += T
@@ -426,13 +358,28 @@ class GPT(nn.Module):
                 logits, _ = self(nxt, cache=cache)
         return torch.cat(out, 1)
 
+    def new_cache(self, batch_size: int, max_len: Optional[int] = None, dtype=None) -> KVCache:
+        p = self.lm_head.weight
+        return KVCache(self.config, batch_size, max_len or self.config.block_size, p.device, dtype or p.dtype)
 
-def build_model(config: ModelConfig) -> GPT:
-    """The model a config describes: GPT for the plain residual stream, else that baseline (baselines.py)."""
-    if config.residual == "add":
-        return GPT(config)
-    from baselines import BASELINES  # imported on demand: the method reads in this file alone
-    return BASELINES[config.residual](config)
+    @contextmanager
+    def capture_depth_weights(self):
+        """Collect the depth weights of every forward inside the block, for analysis:
+        {effective layer e: (sources S(e), alpha (B, n_kv_head, T, |S(e)| + 1) float32, detached)}.
+        Off by default; when off the forward pays one `is None` check per layer."""
+        sink = {}
+        self._alpha_sink = sink
+        try:
+            yield sink
+        finally:
+            self._alpha_sink = None
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())  # parameters() yields a tied weight once
+
+    def _init_weights(self, module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
 
 
 # ----------------------------------------------------------------------------- analytic cost (paper Table 2)
@@ -446,12 +393,13 @@ def depth_cost(config: ModelConfig, bytes_per_element: int = 2) -> dict:
     Other modes scale the same terms: uniform has no scores and reads only V; key/kv mix K (and V).
     The persistent state (KV cache) is unchanged in every mode.
     """
-    L, d_kv = config.n_eff_layer, config.n_kv_head * config.head_dim
-    C = sum(len(config.sources(e)) + 1 for e in range(1, L)) if config.depth_mode != "vanilla" else 0
+    L, d_kv, mode = config.n_eff_layer, config.n_kv_head * config.head_dim, config.depth_mode
+    C = sum(len(config.sources(e)) + 1 for e in range(1, L)) if mode != "vanilla" else 0
     mixing_layers = L if C else 0  # the paper counts L written vectors (Table 2 uses L = 48)
-    n_mix = {"vanilla": 0, "uniform": 1, "value": 1, "key": 1, "kv": 2}[config.depth_mode]
-    score_flops = 0 if config.depth_mode in ("vanilla", "uniform") else 2 * d_kv * C
-    reads = {"vanilla": 0, "uniform": C, "value": 2 * C, "key": C, "kv": 2 * C}[config.depth_mode]
+    n_mix = (mode in MIXES_KEY) + (mode in MIXES_VALUE)  # vectors mixed per layer: K, V or both
+    scored = mode not in ("vanilla", "uniform")          # uniform has fixed weights: no scores
+    score_flops = 2 * d_kv * C if scored else 0
+    reads = C * ((scored or mode in MIXES_KEY) + (mode in MIXES_VALUE))  # each candidate's K and/or V, once
     return {
         "candidates": C,
         "flops_per_token": score_flops + 2 * d_kv * C * n_mix,

@@ -24,7 +24,6 @@ it was, and the next run removes the temporaries of dead runs.
 """
 import argparse
 import glob
-import importlib
 import importlib.metadata
 import importlib.util
 import io
@@ -35,46 +34,22 @@ import shutil
 import sys
 import time
 from contextlib import nullcontext
-from functools import lru_cache
 from itertools import islice
 from multiprocessing import Pool
 from pathlib import Path
 
 import numpy as np
-import tiktoken
 from tqdm import tqdm
+
+from configurator import fail, require
+from tokenizer import get_tokenizer
 
 SOURCES = ("shakespeare", "minipile", "pile", "text")
 DEFAULT_TOKENIZER = {"shakespeare": "bytes", "minipile": "gpt2", "pile": "gpt2", "text": "gpt2"}
 MINIPILE_REPO = "JeanKaddour/minipile"
 PILE_REPO = "monology/pile-uncopyrighted"
-EOT = "<|endoftext|>"
 CHUNK_CHARS = 1 << 20  # characters per tokenizer task: large enough to amortize the pickling, small in memory
 WAVE = 4  # tasks in flight per process; bounds memory because Pool.imap would read its whole input ahead
-
-
-@lru_cache(maxsize=None)
-def get_tokenizer(name):
-    """Return a tiktoken Encoding: "gpt2" (50257 tokens) or "bytes" (256 bytes + EOT = 257); any other name is a
-    Hugging Face folder, tokenizer.json or hub id, behind the same interface (hf.HFTokenizer). EOT id: enc.eot_token."""
-    if name == "bytes":
-        # With no merges the pattern only bounds the piece length; every byte is its own token, so any
-        # UTF-8 text round-trips. 256-byte pieces are faster than one piece per character.
-        return tiktoken.Encoding(name="bytes", pat_str=r"[\s\S]{1,256}",
-                                 mergeable_ranks={bytes([i]): i for i in range(256)}, special_tokens={EOT: 256})
-    if name == "gpt2":
-        try:
-            return tiktoken.get_encoding("gpt2")
-        except Exception as e:
-            raise RuntimeError(f"could not load the gpt2 tokenizer ({type(e).__name__}): tiktoken downloads its "
-                               "BPE files on first use, so run once with network access (they are cached "
-                               "afterwards), or use --tokenizer=bytes") from e
-    from hf import CheckpointError, load_tokenizer  # tokenizers (and huggingface_hub for a hub id)
-    try:
-        return load_tokenizer(name)
-    except CheckpointError as e:
-        raise ValueError(f"unknown tokenizer {name!r}: use 'gpt2', 'bytes' or a Hugging Face folder, "
-                         f"tokenizer.json or hub id ({e})") from e
 
 
 def load_meta(data_dir):
@@ -87,7 +62,9 @@ def load_meta(data_dir):
     try:
         meta = json.loads(path.read_text())
         sizes = {split: (n, (data_dir / f"{split}.bin").stat().st_size) for split, n in meta["tokens"].items()}
-        meta["tokenizer"], meta["vocab_size"]
+        missing = [k for k in ("tokenizer", "vocab_size") if k not in meta]
+        if missing:
+            raise KeyError(missing[0])
     except (ValueError, KeyError, TypeError, OSError) as e:  # bad JSON, a missing key or .bin file
         raise RuntimeError(f"{path} is not a valid prepare_data.py output ({type(e).__name__}: {e}): rerun "
                            f"prepare_data.py with --force to rebuild it") from e
@@ -96,13 +73,6 @@ def load_meta(data_dir):
             raise RuntimeError(f"{data_dir / split}.bin has {size} bytes but meta.json promises {n} uint16 tokens: "
                                f"rerun prepare_data.py with --force")
     return meta
-
-
-def _require(module, source):
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        raise ImportError(f"the {source} source needs {module}: pip install {module.split('.')[0]}") from e
 
 
 def _expand(inputs, pattern):
@@ -210,10 +180,10 @@ def _documents(source, inputs, shards, tokenizer, val_fraction, decode_errors):
         if not inputs:
             raise ValueError("the text source needs --input FILE [FILE ...] (files, globs or directories)")
         return _text_documents(inputs, val_fraction, decode_errors)
-    _require({"minipile": "pyarrow.parquet", "pile": "zstandard"}[source], source)  # fail before any download
+    require({"minipile": "pyarrow.parquet", "pile": "zstandard"}[source], f"the {source} source")  # fail before any download
     description = " ".join(inputs)
     if not inputs:
-        hub = _require("huggingface_hub", source)
+        hub = require("huggingface_hub", f"the {source} source")
         get_tokenizer(tokenizer)  # fails before any download
         if source == "minipile":
             repo, patterns = MINIPILE_REPO, ["*train-*.parquet", "*validation-*.parquet"]
@@ -405,7 +375,7 @@ def main():
     try:
         prepare(**vars(args))
     except (ValueError, OSError, ImportError, RuntimeError) as e:  # bad input, a missing package, no network
-        sys.exit(f"error: {e}")
+        fail(e)
 
 
 if __name__ == "__main__":

@@ -15,10 +15,9 @@ from pathlib import Path
 import torch
 
 from checkpoint import CheckpointError, load_model
-from configurator import ConfigError, check_ranges
-from model import check_device
+from configurator import ConfigError, check_ranges, fail, resolve_device
 
-RANGES = {"num_samples": ">= 1", "max_new_tokens": ">= 0", "temperature": ">= 0", "top_k": ">= 0", "seed": ">= 0"}
+KEY_RANGES = {"num_samples": ">= 1", "max_new_tokens": ">= 0", "temperature": ">= 0", "top_k": ">= 0", "seed": ">= 0"}
 
 
 def read_prompt(args) -> str:
@@ -27,8 +26,7 @@ def read_prompt(args) -> str:
     try:
         return Path(args.prompt_file).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        sys.exit(f"error: --prompt_file {args.prompt_file}: {getattr(e, 'strerror', None) or e}; give a readable "
-                 f"UTF-8 text file")
+        fail(f"--prompt_file {args.prompt_file}: {getattr(e, 'strerror', None) or e}; give a readable UTF-8 text file")
 
 
 def main(argv):
@@ -47,15 +45,15 @@ def main(argv):
     args = p.parse_args(argv)
 
     try:
-        check_ranges(vars(args), RANGES)
-        device = check_device(args.device)
+        check_ranges(vars(args), KEY_RANGES)
+        device = resolve_device(args.device)
     except (ConfigError, ValueError) as e:
-        sys.exit(f"error: {e}")
+        fail(e)
     prompt = read_prompt(args)
     try:
         loaded = load_model(args.init_from or args.ckpt or args.out_dir, device)
     except CheckpointError as e:
-        sys.exit(f"error: {e}")
+        fail(e)
     model, enc = loaded.model, loaded.tokenizer
 
     ids = enc.encode(prompt, allowed_special="all") or [enc.eot_token]
@@ -63,13 +61,13 @@ def main(argv):
     gen = torch.Generator(device=device).manual_seed(args.seed)
     step = "" if loaded.step is None else f"step {loaded.step}, "
     print(f"{loaded.source}: {step}{model.num_params() / 1e6:.2f}M parameters, "
-          f"depth_mode={model.config.depth_mode}, residual={model.config.residual}, tokenizer {enc.name}",
+          f"depth_mode={model.config.depth_mode}, residual={getattr(model.config, 'residual', 'add')}, tokenizer {enc.name}",
           file=sys.stderr)
     try:
         out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
                              generator=gen)
     except ValueError as e:  # e.g. the prompt plus the new tokens exceed the context length
-        sys.exit(f"error: {e}")
+        fail(e)
     for i, row in enumerate(out.tolist()):
         print(f"--- sample {i + 1}/{args.num_samples}: {len(ids)} prompt + {len(row) - len(ids)} new tokens")
         print(enc.decode(row))

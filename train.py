@@ -18,11 +18,10 @@ import inspect
 import json
 import math
 import os
-import random
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import numpy as np
@@ -32,20 +31,18 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 import prepare_data
-from checkpoint import CheckpointError, load_model, read_checkpoint, save_checkpoint
-from configurator import ConfigError, check_ranges, parse_config
-from model import ModelConfig, auto_device, build_model, check_device
+from baselines import BaselineConfig, build_model, make_config
+from checkpoint import (CheckpointError, claim_out_dir, load_model, read_checkpoint, rng_state, save_checkpoint,
+                        set_rng_state)
+from configurator import ConfigError, check_ranges, fail, parse_config, require, resolve_device
+from model import GPT
+from tokenizer import get_tokenizer
 
-try:
-    import fcntl  # the out_dir lock; absent on Windows, where runs go unlocked
-except ImportError:
-    fcntl = None
-
-MODEL_KEYS = [f.name for f in fields(ModelConfig)]
+MODEL_KEYS = [f.name for f in fields(BaselineConfig)]  # the decoder's, Depth-Attention's and the baselines' keys
 DEFAULTS = {
-    # The model: ModelConfig's fields, sized for the Shakespeare demo (1.25M parameters).
-    **asdict(ModelConfig(block_size=256, n_layer=6, n_head=4, n_kv_head=2, head_dim=32, n_embd=128,
-                         mlp_hidden=384, depth_mode="value")),
+    # The model: the config's fields (model.py, baselines.py), sized for the Shakespeare demo (1.25M parameters).
+    **asdict(BaselineConfig(block_size=256, n_layer=6, n_head=4, n_kv_head=2, head_dim=32, n_embd=128,
+                            mlp_hidden=384, depth_mode="value")),
     "vocab_size": None,        # None = the tokenizer's vocabulary from meta.json; larger values pad it
     # data and output
     "dataset": "shakespeare",  # <data_root>/<dataset>/{train.bin, val.bin, meta.json} from prepare_data.py
@@ -86,18 +83,15 @@ DEFAULTS = {
     "wandb_run_name": "",      # "" = the out_dir's name
 }
 SAMPLE_TEMPERATURE, SAMPLE_TOP_K = 0.8, 200  # the end-of-run preview only; sample.py exposes every knob
-# Valid values of the training keys, checked before anything runs; ModelConfig checks the model keys.
-RANGES = {"learning_rate": "> 0", "adam_eps": "> 0", "beta1": "in [0, 1)", "beta2": "in [0, 1)",
+# Valid values of the training keys, checked before anything runs; the configs check the model keys.
+KEY_RANGES = {"learning_rate": "> 0", "adam_eps": "> 0", "beta1": "in [0, 1)", "beta2": "in [0, 1)",
           "weight_decay": ">= 0", "grad_clip": ">= 0", "warmup_frac": "in [0, 1]", "min_lr_ratio": "in [0, 1]",
           "seed": ">= 0", "batch_tokens": ">= 1", "micro_batch": ">= 1", "max_iters": ">= 1", "eval_seqs": ">= 1",
           "log_interval": ">= 1", "eval_interval": ">= 0", "ckpt_interval": ">= 0", "stop_at_step": ">= 0",
           "sample_tokens": ">= 0"}
 # Where and how this command runs, not part of the run: never taken from the checkpoint, never a "change".
 PER_INVOCATION = ("out_dir", "resume", "overwrite")
-
-
-def fail(msg):
-    raise SystemExit(f"error: {msg}")
+CONFIG_SOURCES = [__file__, inspect.getfile(BaselineConfig), inspect.getfile(GPT)]  # the keys' comments: --help
 
 
 # ----------------------------------------------------------------------------- configuration
@@ -106,7 +100,7 @@ def resolve_config(argv):
     """DEFAULTS <- config files <- --key=value. With resume, the checkpoint's config replaces DEFAULTS, so
     `--out_dir=X --resume=True` alone continues the run, and a repeated command line changes nothing."""
     try:
-        cfg = parse_config(DEFAULTS, argv, __doc__, [__file__, inspect.getfile(ModelConfig)])
+        cfg = parse_config(DEFAULTS, argv, __doc__, CONFIG_SOURCES)
         ckpt = None
         if cfg["resume"]:
             path = Path(cfg["out_dir"]) / "ckpt.pt"
@@ -126,8 +120,8 @@ def resolve_config(argv):
             if changed:
                 fail(f"the checkpoint's model differs from the one asked for ({changed}, as (checkpoint, now)); "
                      f"drop those overrides or train into a new --out_dir")
-        check_ranges(cfg, RANGES)
-        check_device(cfg["device"])
+        check_ranges(cfg, KEY_RANGES)
+        resolve_device(cfg["device"])
     except (ConfigError, CheckpointError, ValueError) as e:
         fail(e)
     if cfg["dtype"] not in ("auto", "float32", "bfloat16"):
@@ -135,6 +129,15 @@ def resolve_config(argv):
     if cfg["resume"] and cfg["overwrite"]:
         fail("--resume=True continues the checkpoint and --overwrite=True deletes it; pass one of them")
     return cfg, ckpt
+
+
+def claim_run(cfg, ckpt, master):
+    """(the out_dir lock or None, the config history): the master claims out_dir for this run (checkpoint.py)."""
+    try:
+        lock = claim_out_dir(cfg["out_dir"], ckpt is not None, cfg["overwrite"]) if master else None
+    except CheckpointError as e:
+        fail(e)
+    return lock, config_history(cfg, ckpt, master)
 
 
 def config_history(cfg, ckpt, master):
@@ -152,48 +155,16 @@ def config_history(cfg, ckpt, master):
     return [*ckpt.get("config_history", []), {"step": ckpt["step"], "changed": changed}]
 
 
-def claim_out_dir(cfg, resumed):
-    """Create out_dir and lock it for the life of this process (flock: the kernel releases it when the process
-    dies, so a killed run never blocks the next one). A second run into the folder is refused rather than mixed
-    with this one, and a fresh start over a checkpoint needs --overwrite=True. Returns the open lock file."""
-    out_dir = Path(cfg["out_dir"])
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        lock = open(out_dir / "train.lock", "a+")
-    except OSError as e:
-        fail(f"cannot write to --out_dir={out_dir} ({e.strerror}); pick a writable folder")
-    if fcntl:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            lock.seek(0)
-            fail(f"another train.py ({lock.read().strip() or 'pid unknown'}) is writing to {out_dir}; wait for it "
-                 f"to finish or pick another --out_dir")
-    lock.truncate(0)
-    lock.write(f"pid {os.getpid()}\n")
-    lock.flush()
-    for torn in out_dir.glob("ckpt.pt.tmp*"):  # a write cut short by a kill; no other writer holds the lock
-        torn.unlink()
-    ckpt = out_dir / "ckpt.pt"
-    if ckpt.exists() and not resumed:
-        if not cfg["overwrite"]:
-            fail(f"{out_dir} already holds a checkpoint; continue it with --resume=True, or start over with "
-                 f"--overwrite=True (which deletes it)")
-        ckpt.unlink()
-        print(f"warning: --overwrite=True: deleted {ckpt}, starting over", file=sys.stderr)
-    return lock
-
-
 def load_init(cfg, meta):
     """--init_from: the weights to start from (fine-tuning or continued pretraining, fresh optimizer). They fix
     the model keys, so a model setting that differs from them is an error, and so is data whose tokenizer is
     not the model's."""
     try:
         init = load_model(cfg["init_from"])
-        data_enc = prepare_data.get_tokenizer(meta["tokenizer"])
+        data_enc = get_tokenizer(meta["tokenizer"])
     except (CheckpointError, RuntimeError, ValueError) as e:
         fail(e)
-    theirs = asdict(init.model.config)
+    theirs = {**asdict(BaselineConfig()), **asdict(init.model.config)}  # a plain model's baseline keys: defaults
     clash = {k: (theirs[k], cfg[k]) for k in MODEL_KEYS if cfg[k] not in (DEFAULTS[k], theirs[k])}
     if clash:
         fail(f"--init_from={cfg['init_from']} fixes the model, and these settings differ from it: {clash} "
@@ -222,14 +193,6 @@ def batch_layout(cfg, world):
         fail(f"micro_batch={mb} must divide this rank's share of the batch, batch_tokens / block_size / world_size "
              f"= {tokens} / {T} / {world} = {share} sequences; --micro_batch={fits} keeps the run identical")
     return mb, share // mb, rows
-
-
-def pick_device(name, local_rank):
-    if name == "auto":
-        name = auto_device()
-    if name == "cuda" and dist.is_initialized():
-        name = f"cuda:{local_rank}"
-    return name
 
 
 # ----------------------------------------------------------------------------- data
@@ -295,21 +258,6 @@ def lr_at(step, cfg):
 
 # ----------------------------------------------------------------------------- checkpoints
 
-def rng_state():
-    kind, key, pos, has_gauss, gauss = np.random.get_state()
-    return {"python": random.getstate(), "numpy": [kind, torch.from_numpy(key.astype(np.int64)), pos, has_gauss, gauss],
-            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-
-
-def set_rng_state(state):
-    random.setstate(state["python"])
-    kind, key, *rest = state["numpy"]
-    np.random.set_state((kind, key.numpy().astype(np.uint32), *rest))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def diverged(step, what, lr, saved):
     """Stop a run whose loss, gradients or weights stopped being finite, before any of it is saved."""
     fix = (f"its last checkpoint (step {saved}) is kept: lower --learning_rate and continue it with --resume=True, or "
@@ -327,178 +275,231 @@ def write_checkpoint(state, path, saved):
         fail(f"could not write {path} at step {state['step']} ({str(e).splitlines()[0]}); {fix}")
 
 
-# ----------------------------------------------------------------------------- the run
+# ----------------------------------------------------------------------------- the run's pieces
 
-def main(argv):
-    cfg, ckpt = resolve_config(argv)
+@dataclass
+class Process:
+    """Where this process runs: its rank among `world` processes (torchrun) and its device, with bf16 or not."""
+    rank: int
+    world: int
+    device: str
+    bf16: bool
+    distributed: bool
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+    def autocast(self):
+        return torch.autocast(self.device.split(":")[0], dtype=torch.bfloat16) if self.bf16 else nullcontext()
+
+
+def setup_process(cfg) -> Process:
+    """Join torchrun's process group when RANK is set; pick this process's device and precision."""
     distributed = "RANK" in os.environ  # set by torchrun
-    if distributed:
-        use_cuda = pick_device(cfg["device"], 0).startswith("cuda")
-        dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    master = rank == 0
-    lock = claim_out_dir(cfg, ckpt is not None) if master else None  # held until the process exits
-    history = config_history(cfg, ckpt, master)
-    device = pick_device(cfg["device"], int(os.environ.get("LOCAL_RANK", 0)))
+    device = resolve_device(cfg["device"], int(os.environ.get("LOCAL_RANK", 0)) if distributed else None)
     if distributed and device == "mps":
         fail("multi-process training on mps is not supported; use --device=cpu or a single process")
+    if distributed:
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast may use TF32
-    device_type = device.split(":")[0]
-    bf16 = cfg["dtype"] == "bfloat16" or (cfg["dtype"] == "auto" and device_type == "cuda"
+    bf16 = cfg["dtype"] == "bfloat16" or (cfg["dtype"] == "auto" and device.startswith("cuda")
                                           and torch.cuda.is_bf16_supported())
-    autocast = torch.autocast(device_type, dtype=torch.bfloat16) if bf16 else nullcontext()
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    return Process(rank, world, device, bf16, distributed)
 
-    data_dir, meta, train, val = open_data(cfg, master)
+
+def build(cfg, meta, data_dir, ckpt, master):
+    """The model (unwrapped: eval, sampling and checkpoints use it) from the seed, --init_from or the checkpoint,
+    its config, and the tokenizer of the end-of-run sample (None when there is none)."""
     init = load_init(cfg, meta) if cfg["init_from"] and ckpt is None else None  # resuming restores everything
     if cfg["vocab_size"] is None:
         cfg["vocab_size"] = meta["vocab_size"]
     try:
-        model_config = ModelConfig(**{k: cfg[k] for k in MODEL_KEYS})
-        enc = prepare_data.get_tokenizer(meta["tokenizer"]) if cfg["sample_tokens"] and master else None
+        model_config = make_config(**{k: cfg[k] for k in MODEL_KEYS})
+        enc = get_tokenizer(meta["tokenizer"]) if cfg["sample_tokens"] and master else None
     except (ValueError, RuntimeError) as e:  # a bad model shape; a tokenizer that cannot be loaded offline
         fail(e)
     needed = max(meta["vocab_size"], meta.get("max_token_id", -1) + 1)  # older datasets lack max_token_id
     if model_config.vocab_size < needed:
         fail(f"vocab_size={cfg['vocab_size']} but {data_dir} uses the {meta['tokenizer']} tokenizer with "
              f"ids up to {needed - 1}; set --vocab_size={needed} or more, or None to follow the data")
-    T = cfg["block_size"]
-    mb, accum, rows = batch_layout(cfg, world)
-
     torch.manual_seed(cfg["seed"])
-    model = build_model(model_config).to(device)  # the unwrapped module: eval, sampling and checkpoints use it
+    model = build_model(model_config)
     if init is not None:
         model.load_state_dict(init.state_dict())  # copied into this model's float32 parameters
-        del init
+    return model, model_config, enc
+
+
+def make_optimizer(model, cfg, device):
+    """AdamW with weight decay on matrices only; norms and other 1-D parameters get none."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": cfg["weight_decay"]},
-                                   {"params": no_decay, "weight_decay": 0.0}], lr=cfg["learning_rate"],
-                                  betas=(cfg["beta1"], cfg["beta2"]), eps=cfg["adam_eps"],
-                                  fused=device_type == "cuda")
-    step, best_val, resumed, saved = 0, float("inf"), ckpt is not None, None  # saved: the last checkpoint's step
-    if resumed:  # the data position is the step: batch `step` depends on (seed, step) only
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg["weight_decay"]},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg["learning_rate"],
+                             betas=(cfg["beta1"], cfg["beta2"]), eps=cfg["adam_eps"], fused=device.startswith("cuda"))
+
+
+def start_log(cfg, history, out_dir, step):
+    """config.json, and log.jsonl cut back to the steps done: lines a killed run wrote after its checkpoint go.
+    Returns wandb when --wandb_log, else None."""
+    print(json.dumps(cfg, indent=1))
+    (out_dir / "config.json").write_text(json.dumps({**cfg, "resumes": history}, indent=1) + "\n")
+    log_path = out_dir / "log.jsonl"
+    kept = [line for line in log_path.read_text().splitlines() if json.loads(line)["step"] <= step] \
+        if step and log_path.exists() else []
+    log_path.write_text("".join(line + "\n" for line in kept))
+    if not cfg["wandb_log"]:
+        return None
+    try:
+        wandb = require("wandb", "--wandb_log=True")
+    except ImportError as e:
+        fail(f"{e} (or leave wandb_log off)")
+    wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"] or out_dir.name, config=cfg)
+    return wandb
+
+
+def log(record, out_dir, wandb):
+    """One line of log.jsonl (and wandb); the master process writes them."""
+    with open(out_dir / "log.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+    if wandb:
+        wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+
+def eval_and_log(model, val, offsets, mb, T, proc, step, out_dir, wandb):
+    val_loss = evaluate(model, val, offsets, mb, T, proc)
+    if proc.master:
+        log({"kind": "eval", "step": step, "val_loss": val_loss}, out_dir, wandb)
+        tqdm.write(f"eval step {step} | val_loss {val_loss:.4f}")
+    return val_loss
+
+
+@torch.no_grad()
+def evaluate(model, val, offsets, mb, T, proc):
+    """Mean validation loss over the fixed windows at `offsets` (each rank scores its slice), summed in float64."""
+    model.eval()
+    sums = [0.0, 0]  # (sum of token losses, tokens)
+    for i in range(0, len(offsets), mb):
+        x, y = get_batch(val, offsets[i:i + mb], T, proc.device, model.config.vocab_size)
+        with proc.autocast():
+            _, loss = model(x, y)
+        sums = [sums[0] + loss.item() * y.numel(), sums[1] + y.numel()]
+    if proc.distributed:
+        total = torch.tensor(sums, dtype=torch.float64, device=proc.device)
+        dist.all_reduce(total)
+        sums = total.tolist()
+    model.train()
+    return sums[0] / sums[1]
+
+
+def train_step(fwd, ddp_model, model, batches, accum, grad_clip, proc):
+    """Forward and backward over the micro-batches, gradients all-reduced once (on the last); the clipped global
+    grad norm. Returns (mean train loss over all ranks, grad norm) for the optimizer step to follow."""
+    loss_sum = torch.zeros((), device=proc.device)
+    for micro, (x, y) in enumerate(batches):
+        sync = ddp_model is None or micro == accum - 1
+        with nullcontext() if sync else ddp_model.no_sync():
+            with proc.autocast():
+                _, loss = fwd(x, y)
+            (loss / accum).backward()
+        loss_sum += loss.detach()
+    if proc.distributed:
+        dist.all_reduce(loss_sum)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf")).item()
+    return loss_sum.item() / (accum * proc.world), grad_norm
+
+
+def save(model, optimizer, step, best_val, lr, run, path, last_ckpt, master):
+    """The checkpoint of `step` (never of a diverged model); run: the entries that describe the whole run."""
+    if not torch.stack([p.isfinite().all() for p in model.parameters()]).all():
+        diverged(step, "non-finite weights", lr, last_ckpt)
+    if master:
+        write_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                          "best_val_loss": best_val, **run, "rng": rng_state()}, path, last_ckpt)
+
+
+def sample_preview(model, enc, cfg, device):
+    """A few tokens of text at the end of the run, from the prompt or from end-of-text like a new document."""
+    prompt = enc.encode(cfg["sample_prompt"], allowed_special="all") or [enc.eot_token]
+    n_new = min(cfg["sample_tokens"], cfg["block_size"] - len(prompt))
+    if n_new > 0:
+        gen = torch.Generator(device=device).manual_seed(cfg["seed"])
+        out = model.generate(torch.tensor([prompt], device=device), n_new, temperature=SAMPLE_TEMPERATURE,
+                             top_k=SAMPLE_TOP_K, generator=gen)
+        print(f"sample ({n_new} tokens):\n{enc.decode(out[0].tolist())}")
+
+
+# ----------------------------------------------------------------------------- the run
+
+def main(argv):
+    cfg, ckpt = resolve_config(argv)
+    proc = setup_process(cfg)
+    master, device = proc.master, proc.device
+    lock, history = claim_run(cfg, ckpt, master)  # the lock is held until the process exits
+    data_dir, meta, train, val = open_data(cfg, master)
+    model, model_config, enc = build(cfg, meta, data_dir, ckpt, master)  # --init_from sets the model keys
+    model.to(device)
+    T = cfg["block_size"]
+    mb, accum, rows = batch_layout(cfg, proc.world)
+    optimizer = make_optimizer(model, cfg, device)
+    step, best_val, last_ckpt = 0, float("inf"), None  # last_ckpt: the step of the last checkpoint
+    if ckpt is not None:  # the data position is the step: batch `step` depends on (seed, step) only
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
-        step, best_val = ckpt["step"], ckpt["best_val_loss"]
-        saved = step
+        step, best_val, last_ckpt = ckpt["step"], ckpt["best_val_loss"], ckpt["step"]
         set_rng_state(ckpt["rng"])
         del ckpt
-    ddp_model = DDP(model, device_ids=[torch.cuda.current_device()] if device_type == "cuda" else None) \
-        if distributed else None
-    fwd = ddp_model or model
-    if cfg["compile"]:
-        fwd = torch.compile(fwd)
+    ddp_model = DDP(model, device_ids=[torch.cuda.current_device()] if device.startswith("cuda") else None) \
+        if proc.distributed else None
+    fwd = torch.compile(ddp_model or model) if cfg["compile"] else (ddp_model or model)
 
     out_dir = Path(cfg["out_dir"])
-    log_path = out_dir / "log.jsonl"
-    wandb = None
+    run = {"config": cfg, "model_config": asdict(model_config), "tokenizer": meta["tokenizer"],
+           "data_dir": str(data_dir), "config_history": history}  # saved with every checkpoint
+    wandb = start_log(cfg, history, out_dir, step) if master else None
     if master:
-        print(json.dumps(cfg, indent=1))
-        (out_dir / "config.json").write_text(json.dumps({**cfg, "resumes": history}, indent=1) + "\n")
-        print(f"{model.num_params() / 1e6:.2f}M parameters | {device} {'bf16' if bf16 else 'fp32'} | world {world} "
-              f"| {accum} micro-steps of {mb} x {T} tokens per rank per step | data {data_dir} "
+        print(f"{model.num_params() / 1e6:.2f}M parameters | {device} {'bf16' if proc.bf16 else 'fp32'} | world "
+              f"{proc.world} | {accum} micro-steps of {mb} x {T} tokens per rank per step | data {data_dir} "
               f"({len(train)} train / {len(val)} val tokens)")
-        # The log holds the steps done; lines written after the checkpoint by a killed run are dropped.
-        kept = [line for line in log_path.read_text().splitlines() if json.loads(line)["step"] <= step] \
-            if resumed and log_path.exists() else []
-        log_path.write_text("".join(line + "\n" for line in kept))
-        if cfg["wandb_log"]:
-            try:
-                import wandb
-            except ImportError:
-                fail("--wandb_log=True needs wandb: pip install wandb (or leave wandb_log off)")
-            wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"] or out_dir.name, config=cfg)
-
-    def log(record):
-        if master:
-            with open(log_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-            if wandb:
-                wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
-
     # Fixed validation windows: the same for every eval, run and world size; each rank scores a slice.
     val_offsets = np.linspace(0, len(val) - T - 1, cfg["eval_seqs"]).round().astype(np.int64)
-    my_val = np.array_split(val_offsets, world)[rank]
-
-    @torch.no_grad()
-    def evaluate():
-        model.eval()
-        sums = [0.0, 0]  # (sum of token losses, tokens), in float64 on the host
-        for i in range(0, len(my_val), mb):
-            x, y = get_batch(val, my_val[i:i + mb], T, device, model_config.vocab_size)
-            with autocast:
-                _, loss = model(x, y)
-            sums = [sums[0] + loss.item() * y.numel(), sums[1] + y.numel()]
-        if distributed:
-            total = torch.tensor(sums, dtype=torch.float64, device=device)
-            dist.all_reduce(total)
-            sums = total.tolist()
-        model.train()
-        return sums[0] / sums[1]
-
-    def eval_and_log(at):
-        nonlocal best_val
-        val_loss = evaluate()
-        best_val = min(best_val, val_loss)
-        log({"kind": "eval", "step": at, "val_loss": val_loss})
-        if master:
-            tqdm.write(f"eval step {at} | val_loss {val_loss:.4f}")
-
-    def checkpoint(at):
-        nonlocal saved
-        if not torch.stack([p.isfinite().all() for p in model.parameters()]).all():  # never save a diverged model
-            diverged(at, "non-finite weights", lr, saved)
-        if master:
-            write_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": at,
-                              "best_val_loss": best_val, "config": cfg, "model_config": asdict(model_config),
-                              "tokenizer": meta["tokenizer"], "data_dir": str(data_dir), "rng": rng_state(),
-                              "config_history": history}, out_dir / "ckpt.pt", saved)
-        saved = at
-
+    my_val = np.array_split(val_offsets, proc.world)[proc.rank]
+    my_rows = slice(proc.rank * mb * accum, (proc.rank + 1) * mb * accum)
     every_ckpt = cfg["eval_interval"] if cfg["ckpt_interval"] is None else cfg["ckpt_interval"]
     if step == 0 and cfg["eval_interval"] > 0:
-        eval_and_log(0)
+        best_val = min(best_val, eval_and_log(model, val, my_val, mb, T, proc, 0, out_dir, wandb))
     bar = tqdm(total=cfg["max_iters"], initial=step, unit="step", disable=True if not master else None)
-    my_rows = slice(rank * mb * accum, (rank + 1) * mb * accum)
     while step < cfg["max_iters"]:
         t0 = time.perf_counter()
         lr = lr_at(step, cfg)
         for group in optimizer.param_groups:
             group["lr"] = lr
         offsets = train_offsets(cfg["seed"], step, rows, len(train), T)[my_rows]
-        loss_sum = torch.zeros((), device=device)
-        for micro in range(accum):
-            x, y = get_batch(train, offsets[micro * mb:(micro + 1) * mb], T, device, model_config.vocab_size)
-            # Gradients are all-reduced once per step, on the last micro-batch.
-            sync = ddp_model is None or micro == accum - 1
-            with nullcontext() if sync else ddp_model.no_sync():
-                with autocast:
-                    _, loss = fwd(x, y)
-                (loss / accum).backward()
-            loss_sum += loss.detach()
-        if distributed:
-            dist.all_reduce(loss_sum)
-        train_loss = loss_sum.item() / (accum * world)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg["grad_clip"] or float("inf")).item()
+        batches = (get_batch(train, offsets[m * mb:(m + 1) * mb], T, device, model_config.vocab_size)
+                   for m in range(accum))
+        train_loss, grad_norm = train_step(fwd, ddp_model, model, batches, accum, cfg["grad_clip"], proc)
         if not math.isfinite(train_loss + grad_norm):  # checked before the update reaches the weights
-            diverged(step + 1, f"train_loss {train_loss}, grad_norm {grad_norm}", lr, saved)
+            diverged(step + 1, f"train_loss {train_loss}, grad_norm {grad_norm}", lr, last_ckpt)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         step += 1
         dt = time.perf_counter() - t0
-        log({"kind": "train", "step": step, "train_loss": train_loss, "lr": lr, "grad_norm": grad_norm,
-             "tok_per_s": cfg["batch_tokens"] / dt})
         bar.update()
-        if master and (step % cfg["log_interval"] == 0 or step == cfg["max_iters"]):
-            tqdm.write(f"step {step} | train_loss {train_loss:.4f} | lr {lr:.2e} | grad_norm {grad_norm:.3f} "
-                       f"| tok/s {cfg['batch_tokens'] / dt:.0f}")
+        if master:
+            log({"kind": "train", "step": step, "train_loss": train_loss, "lr": lr, "grad_norm": grad_norm,
+                 "tok_per_s": cfg["batch_tokens"] / dt}, out_dir, wandb)
+            if step % cfg["log_interval"] == 0 or step == cfg["max_iters"]:
+                tqdm.write(f"step {step} | train_loss {train_loss:.4f} | lr {lr:.2e} | grad_norm {grad_norm:.3f} "
+                           f"| tok/s {cfg['batch_tokens'] / dt:.0f}")
         if (cfg["eval_interval"] > 0 and step % cfg["eval_interval"] == 0) or step == cfg["max_iters"]:
-            eval_and_log(step)
+            best_val = min(best_val, eval_and_log(model, val, my_val, mb, T, proc, step, out_dir, wandb))
         stop = step == cfg["stop_at_step"]
         if (every_ckpt and step % every_ckpt == 0) or step == cfg["max_iters"] or stop:
-            checkpoint(step)
+            save(model, optimizer, step, best_val, lr, run, out_dir / "ckpt.pt", last_ckpt, master)
+            last_ckpt = step
         if stop:
             if master:
                 tqdm.write(f"stopping at step {step} (stop_at_step); continue with --resume=True")
@@ -506,18 +507,12 @@ def main(argv):
     bar.close()
 
     if master and enc is not None and step == cfg["max_iters"]:
-        prompt = enc.encode(cfg["sample_prompt"], allowed_special="all") or [enc.eot_token]
-        n_new = min(cfg["sample_tokens"], T - len(prompt))
-        if n_new > 0:
-            gen = torch.Generator(device=device).manual_seed(cfg["seed"])
-            out = model.generate(torch.tensor([prompt], device=device), n_new, temperature=SAMPLE_TEMPERATURE,
-                                 top_k=SAMPLE_TOP_K, generator=gen)
-            print(f"sample ({n_new} tokens):\n{enc.decode(out[0].tolist())}")
+        sample_preview(model, enc, cfg, device)
     if master:
         print(f"done: step {step} | best val_loss {best_val:.4f} | checkpoint {out_dir / 'ckpt.pt'}")
     if wandb:
         wandb.finish()
-    if distributed:
+    if proc.distributed:
         dist.barrier()  # under gloo, a rank that leaves first can abort the others
         dist.destroy_process_group()
 

@@ -13,9 +13,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from baselines import from_authors_state_dict, residual_config_from_authors
+import hf
+from baselines import build_model, make_config
 from conftest import tiny_config, tiny_model
-from model import GPT, KVCache, ModelConfig, build_model
+from model import GPT, KVCache, ModelConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 BASELINES = ["denseformer", "attnres", "mhc"]
@@ -23,7 +24,7 @@ BASELINES = ["denseformer", "attnres", "mhc"]
 
 def vanilla_names(config: ModelConfig) -> set:
     with torch.device("meta"):
-        return {n for n, _ in GPT(ModelConfig(**{**config.__dict__, "residual": "add"})).named_parameters()}
+        return {n for n, _ in GPT(make_config(**{**config.__dict__, "residual": "add"})).named_parameters()}
 
 
 def baseline_model(residual, seed=0, dtype=torch.float64, **overrides):
@@ -283,7 +284,7 @@ PAPER_3B = dict(vocab_size=50304, n_embd=2048, mlp_hidden=6912, n_layer=48, n_he
 def test_extra_parameters_at_the_paper_3b_shape(residual, extra):
     with torch.device("meta"):  # shapes only: nothing of the 3B model is allocated
         vanilla = GPT(ModelConfig(**PAPER_3B))
-        model = build_model(ModelConfig(**PAPER_3B, residual=residual))
+        model = build_model(make_config(**PAPER_3B, residual=residual))
     assert all(p.is_meta for p in model.parameters())
     assert model.num_params() - vanilla.num_params() == extra
     assert {n for n, _ in vanilla.named_parameters()} < {n for n, _ in model.named_parameters()}
@@ -319,18 +320,19 @@ def test_authors_checkpoint_loads_with_the_name_map(residual):
     shapes.update({"lm_head.weight": (c.vocab_size, c.n_embd), "lm_head_layernorm.weight": (c.n_embd,)})
     shapes.update(authors_names(residual, c.n_layer, c.n_embd))
     theirs = {k: torch.randn(s, dtype=torch.float64) for k, s in shapes.items()}  # a synthetic release
-    model.load_state_dict(from_authors_state_dict(theirs), strict=True)  # no reshaping, nothing missing or left
-    for k, v in from_authors_state_dict(theirs).items():
+    ours = {hf.our_name(k): v for k, v in theirs.items() if not hf.IGNORED.search(k)}  # the loader's name map
+    model.load_state_dict(ours, strict=True)  # no reshaping, nothing missing or left
+    for k, v in ours.items():
         assert torch.equal(model.state_dict()[k], v.float()), k
 
 
 def test_authors_config_keys():
-    got = residual_config_from_authors({"baseline_mode": "densetransformer", "denseformer_dwa_period": 2,
-                                        "hidden_size": 2048})
+    got = hf._authors_baseline({"baseline_mode": "densetransformer", "denseformer_dwa_period": 2,
+                                "hidden_size": 2048}, "config.json")
     assert got == {"residual": "denseformer", "depth_mode": "vanilla", "denseformer_dwa_period": 2}
-    assert residual_config_from_authors({"baseline_mode": "MHC", "mhc_num_streams": 4})["residual"] == "mhc"
+    assert hf._authors_baseline({"baseline_mode": "MHC", "mhc_num_streams": 4}, "config.json")["residual"] == "mhc"
     with pytest.raises(ValueError, match="not one of the paper's baselines"):
-        residual_config_from_authors({"baseline_mode": "densenet"})
+        hf._authors_baseline({"baseline_mode": "densenet"}, "config.json")
 
 
 # ----------------------------------------------------------------------------- errors and the scripts

@@ -19,7 +19,7 @@ from lm_eval.api.instance import Instance
 import eval as eval_py
 from checkpoint import load_model, save_checkpoint
 from conftest import tiny_model
-from prepare_data import get_tokenizer
+from tokenizer import get_tokenizer
 from test_train import ROOT
 
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}

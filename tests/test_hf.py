@@ -18,11 +18,13 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+import checkpoint
 import hf
 import sample
+import tokenizer
 from checkpoint import CheckpointError, load_model
 from conftest import tiny_model
-from model import DEPTH_MODES, GPT
+from model import DEPTH_MODES
 from test_model import reference_forward
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,7 +77,7 @@ def max_diff(a, b):
 def test_released_depth_attention_layout_gives_the_reference_with_k_norm_after_rope(tmp_path):
     source = tiny_model(dtype=torch.float64, depth_mode="value", depth_stride=2)
     folder = write_authors_folder(tmp_path, source)
-    model = GPT.from_pretrained(folder)
+    model = hf.from_pretrained(folder)
     c = model.config
     assert (c.depth_mode, c.depth_stride, c.k_norm_after_rope, c.norm_eps, c.tie_embeddings, c.qk_norm) == \
         ("value", 2, True, 1e-5, False, True)
@@ -91,7 +93,7 @@ def test_released_depth_attention_layout_gives_the_reference_with_k_norm_after_r
 
 def test_released_vanilla_layout_keeps_qwen3_order(tmp_path):
     source = tiny_model(dtype=torch.float64, depth_mode="vanilla")
-    model = GPT.from_pretrained(write_authors_folder(tmp_path, source, depth=False))
+    model = hf.from_pretrained(write_authors_folder(tmp_path, source, depth=False))
     assert (model.config.depth_mode, model.config.k_norm_after_rope) == ("vanilla", False)
     idx = torch.randint(0, 50, (2, 9))
     with torch.no_grad():
@@ -101,7 +103,7 @@ def test_released_vanilla_layout_keeps_qwen3_order(tmp_path):
 
 def test_sharded_bf16_folder_loads_as_bf16(tmp_path):
     source = tiny_model(depth_mode="value", depth_stride=2)
-    model = GPT.from_pretrained(write_authors_folder(tmp_path, source, shards=3, dtype=torch.bfloat16))
+    model = hf.from_pretrained(write_authors_folder(tmp_path, source, shards=3, dtype=torch.bfloat16))
     assert len(list(tmp_path.glob("*.safetensors"))) == 3
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     for name, p in model.named_parameters():
@@ -112,20 +114,20 @@ def test_sharded_bf16_folder_loads_as_bf16(tmp_path):
         ref = reference_forward(copy.deepcopy(model).double(), idx, k_norm_after_rope=True)
     assert logits.dtype == torch.bfloat16
     assert max_diff(logits.double(), ref) < 0.05 * ref.abs().max().item(), "bf16 logits far from the reference"
-    f32 = GPT.from_pretrained(tmp_path, dtype=torch.float32)
+    f32 = hf.from_pretrained(tmp_path, dtype=torch.float32)
     assert {p.dtype for p in f32.parameters()} == {torch.float32}
 
 
 MEMORY_PROBE = """
 import json, sys, torch
-from model import GPT
+import hf
 def anon_kib():
     return int(next(l for l in open("/proc/self/status") if l.startswith("RssAnon")).split()[1])
-GPT.from_pretrained(sys.argv[1])  # warm-up: the first meta-device build imports torch's meta kernels (~70 MB)
+hf.from_pretrained(sys.argv[1])  # warm-up: the first meta-device build imports torch's meta kernels (~70 MB)
 out = {}
 for dtype in (None, torch.float32):  # None keeps bf16: views of the file; float32 converts: a real copy
     before = anon_kib()
-    model = GPT.from_pretrained(sys.argv[1], dtype=dtype)
+    model = hf.from_pretrained(sys.argv[1], dtype=dtype)
     total = sum(float(p.detach().sum()) for p in model.parameters())  # touch every weight
     out[str(dtype)] = anon_kib() - before
     del model
@@ -163,8 +165,8 @@ def test_loading_maps_the_file_instead_of_copying_it(tmp_path):
         "bad-config"])
 def test_bad_folders_fail_with_a_clear_error(tmp_path, drop, extra, changes, fragment):
     folder = write_authors_folder(tmp_path, tiny_model(), drop=drop, extra=extra, **changes)
-    with pytest.raises(CheckpointError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
-        GPT.from_pretrained(folder)
+    with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        hf.from_pretrained(folder)
 
 
 @pytest.mark.parametrize("mode, residual", [("densetransformer", "denseformer"), ("attnres", "attnres"),
@@ -176,7 +178,7 @@ def test_released_baseline_layout_builds_the_baseline(tmp_path, mode, residual):
              "mhc": {"mhc_num_streams": 2, "mhc_sinkhorn_iters": 5}}[residual]
     source = tiny_model(depth_mode="vanilla", residual=residual, norm_eps=1e-5, depth_stride=None, **knobs).eval()
     folder = write_authors_folder(tmp_path, source, depth=False, baseline_mode=mode, initializer_range=0.3, **knobs)
-    model = GPT.from_pretrained(folder).eval()
+    model = hf.from_pretrained(folder).eval()
     assert type(model) is type(source) and asdict(model.config) == asdict(source.config)
     idx = torch.randint(0, 50, (2, 9))
     with torch.no_grad():
@@ -196,8 +198,8 @@ ROUND_TRIPS = [dict(depth_mode=m) for m in DEPTH_MODES] + [
 @pytest.mark.parametrize("overrides", ROUND_TRIPS, ids=str)
 def test_save_pretrained_round_trips(tmp_path, overrides):
     model = tiny_model(**overrides).eval()
-    model.save_pretrained(tmp_path)
-    back = GPT.from_pretrained(tmp_path).eval()
+    hf.save_pretrained(model, tmp_path)
+    back = hf.from_pretrained(tmp_path).eval()
     assert asdict(back.config) == asdict(model.config)
     assert back.num_params() == model.num_params()  # a tied head is shared again, not duplicated
     idx = torch.randint(0, 50, (2, 11))
@@ -210,9 +212,9 @@ def test_save_pretrained_round_trips(tmp_path, overrides):
 
 def test_bf16_export_round_trips(tmp_path):
     model = tiny_model(dtype=torch.bfloat16).eval()
-    model.save_pretrained(tmp_path)
+    hf.save_pretrained(model, tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    back = GPT.from_pretrained(tmp_path).eval()
+    back = hf.from_pretrained(tmp_path).eval()
     idx = torch.randint(0, 50, (2, 7))
     with torch.no_grad():
         assert torch.equal(back(idx)[0], model(idx)[0])
@@ -221,7 +223,7 @@ def test_bf16_export_round_trips(tmp_path):
 def test_depth_export_is_in_the_authors_layout(tmp_path):
     """Without our own record, the authors' keys alone rebuild a model that uses their k_norm order."""
     model = tiny_model(depth_mode="value", depth_stride=2, k_norm_after_rope=True, norm_eps=1e-5)
-    model.save_pretrained(tmp_path)
+    hf.save_pretrained(model, tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["use_depth_attention"] is True
     assert (cfg["depth_attention_stride"], cfg["depth_attention_recent_window"]) == (2, 0)
@@ -240,7 +242,7 @@ def test_depth_export_is_in_the_authors_layout(tmp_path):
 def test_transformers_loads_a_vanilla_export(tmp_path, overrides, arch):
     from transformers import AutoModelForCausalLM
     model = tiny_model(depth_mode="vanilla", rope_theta=500.0, block_size=64, **overrides).eval()
-    model.save_pretrained(tmp_path)
+    hf.save_pretrained(model, tmp_path)
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(theirs).__name__ == arch
     idx = torch.randint(0, 50, (2, 40))
@@ -266,7 +268,7 @@ def make_tokenizer_json(path):
 
 def test_tokenizer_json_behind_the_tiktoken_interface(tmp_path):
     make_tokenizer_json(tmp_path / "tokenizer.json")
-    enc = hf.load_tokenizer(tmp_path / "tokenizer.json")
+    enc = tokenizer.load_tokenizer(tmp_path / "tokenizer.json")
     text = "the cat sat on the log, then ran. ÷ é"
     assert enc.decode(enc.encode(text)) == text and enc.eot_token == 0
     with pytest.raises(ValueError, match="special tokens"):
@@ -290,12 +292,12 @@ def released(tmp_path):
 
 def test_load_model_reads_a_folder_and_a_hub_id(released, monkeypatch):
     loaded = load_model(released)
-    assert isinstance(loaded.tokenizer, hf.HFTokenizer) and loaded.tokenizer.eot_token == 0
+    assert isinstance(loaded.tokenizer, tokenizer.HFTokenizer) and loaded.tokenizer.eot_token == 0
     assert not loaded.model.training and loaded.model.config.k_norm_after_rope
     calls = []
     hub = pytest.importorskip("huggingface_hub")
     monkeypatch.setattr(hub, "snapshot_download", lambda repo_id, **kw: calls.append(repo_id) or str(released))
-    assert hf.looks_like_hub_id("zeng123/Depth-attention-3B") and not hf.looks_like_hub_id("tests/nothing")
+    assert tokenizer.looks_like_hub_id("zeng123/Depth-attention-3B") and not tokenizer.looks_like_hub_id("tests/nothing")
     loaded = load_model("zeng123/Depth-attention-3B")
     assert calls == ["zeng123/Depth-attention-3B"] and loaded.model.config.depth_mode == "value"
     with pytest.raises(CheckpointError, match="no checkpoint at tests/nothing"):
@@ -336,7 +338,7 @@ def test_export_then_init_from_continues_from_the_same_weights(data_root, tmp_pa
     src, exported, tuned = tmp_path / "src", tmp_path / "src_hf", tmp_path / "tuned"
     assert train(monkeypatch, *TINY, f"--data_root={data_root}", f"--out_dir={src}", "--max_iters=6",
                  "--eval_interval=0") is None
-    hf.main(["export", str(src), str(exported)])
+    checkpoint.main(["export", str(src), str(exported)])
     assert "LlamaForCausalLM" in capsys.readouterr().out and (exported / "model.safetensors").is_file()
     assert json.loads((exported / "config.json").read_text())["tokenizer"] == "bytes"
     sample.main([f"--init_from={exported}", "--prompt=the cat", "--max_new_tokens=5"])

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 import prepare_data
-from prepare_data import get_tokenizer, load_meta, prepare
+from prepare_data import load_meta, prepare
+from tokenizer import get_tokenizer
 
 EOT = 256  # the bytes tokenizer's end-of-text id
 DOCS = ["First document.\n", "Ünïcödé: 日本語, emoji 🎉, and a literal <|endoftext|> that stays text.",
@@ -155,7 +156,7 @@ def test_gpt2_download_failure_suggests_bytes(monkeypatch):
     def offline(name):
         raise ConnectionError("no network")
 
-    monkeypatch.setattr(prepare_data.tiktoken, "get_encoding", offline)
+    monkeypatch.setattr("tokenizer.tiktoken.get_encoding", offline)
     with pytest.raises(RuntimeError, match="--tokenizer=bytes"):
         get_tokenizer.__wrapped__("gpt2")  # bypass the cache so no earlier success can hide the failure
 

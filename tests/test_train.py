@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from baselines import make_config
 from configurator import parse_config
-from model import ModelConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # two ranks share two cores; same threads in every run
@@ -153,7 +153,7 @@ def test_config_files_resolve():
 
     def resolve(*names):
         cfg = parse_config(defaults, [str(configs / n) for n in names])
-        ModelConfig(**{k: cfg[k] for k in ns["MODEL_KEYS"]} | {"vocab_size": cfg["vocab_size"] or 257})
+        make_config(**{k: cfg[k] for k in ns["MODEL_KEYS"]} | {"vocab_size": cfg["vocab_size"] or 257})
         return cfg
 
     runs = {p.name: resolve(p.name) for p in configs.glob("*.py")}

@@ -1,0 +1,123 @@
+"""
+Tokenizers, behind tiktoken's interface: encode(text, allowed_special=...), encode_ordinary(text), decode(ids),
+eot_token, n_vocab, name.
+
+    get_tokenizer("bytes")                         256 bytes + end-of-text (the Shakespeare demo; no download)
+    get_tokenizer("gpt2")                          tiktoken's GPT-2 BPE (MiniPile, the Pile)
+    get_tokenizer("zeng123/Depth-attention-3B")    a Hugging Face folder, tokenizer.json or hub id (HFTokenizer)
+
+Also where a Hugging Face hub id becomes a local folder (`snapshot`), for the tokenizer and the weights alike.
+No torch here: prepare_data.py's tokenizer processes import only this. tokenizers and huggingface_hub are
+optional, imported where used. Errors are ValueError (or ImportError with the pip line).
+"""
+import json
+import re
+from functools import lru_cache
+from pathlib import Path
+
+import tiktoken
+
+from configurator import require
+
+EOT = "<|endoftext|>"
+
+
+@lru_cache(maxsize=None)
+def get_tokenizer(name):
+    """A tiktoken Encoding: "gpt2" (50257 tokens) or "bytes" (256 bytes + EOT = 257); any other name is a Hugging
+    Face folder, tokenizer.json or hub id, behind the same interface (HFTokenizer). EOT id: enc.eot_token."""
+    if name == "bytes":
+        # With no merges the pattern only bounds the piece length; every byte is its own token, so any
+        # UTF-8 text round-trips. 256-byte pieces are faster than one piece per character.
+        return tiktoken.Encoding(name="bytes", pat_str=r"[\s\S]{1,256}",
+                                 mergeable_ranks={bytes([i]): i for i in range(256)}, special_tokens={EOT: 256})
+    if name == "gpt2":
+        try:
+            return tiktoken.get_encoding("gpt2")
+        except Exception as e:
+            raise RuntimeError(f"could not load the gpt2 tokenizer ({type(e).__name__}): tiktoken downloads its "
+                               "BPE files on first use, so run once with network access (they are cached "
+                               "afterwards), or use --tokenizer=bytes") from e
+    try:
+        return load_tokenizer(name)
+    except (ValueError, ImportError, OSError) as e:
+        raise ValueError(f"unknown tokenizer {name!r}: use 'gpt2', 'bytes' or a Hugging Face folder, "
+                         f"tokenizer.json or hub id ({e})") from e
+
+
+class HFTokenizer:
+    """A tokenizer.json (the `tokenizers` package) behind the interface of the tiktoken encodings above."""
+
+    def __init__(self, path, eot_token=None, name=None):
+        tokenizers = require("tokenizers", "a Hugging Face tokenizer.json")
+        self.path = Path(path)
+        self._tok = tokenizers.Tokenizer.from_file(str(self.path))
+        self._plain = tokenizers.Tokenizer.from_file(str(self.path))
+        self._plain.encode_special_tokens = True  # special-token text is encoded as plain text
+        self.name = name or str(self.path)
+        self.n_vocab = self._tok.get_vocab_size(with_added_tokens=True)
+        self.special = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
+        self.eot_token = eot_token if eot_token is not None else self._tok.token_to_id(EOT)
+        if self.eot_token is None:
+            raise ValueError(f"{path}: no end-of-text token (no eos_token_id in config.json and no {EOT} in the "
+                             f"tokenizer)")
+
+    def encode(self, text, allowed_special=()):
+        """Like tiktoken: special-token text is an error unless allowed ("all" or a set of them)."""
+        if allowed_special != "all":
+            banned = [s for s in self.special if s in text and s not in allowed_special]
+            if banned:
+                raise ValueError(f"text contains special tokens {banned}; pass allowed_special or use encode_ordinary")
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def encode_ordinary(self, text):
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids):
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+
+def load_tokenizer(name_or_path):
+    """The tokenizer of a Hugging Face folder, a tokenizer.json file or a hub id; the end-of-text id comes from
+    the folder's config.json (eos_token_id) when it has one."""
+    p = Path(name_or_path)
+    if p.is_file():
+        return HFTokenizer(p)
+    folder = snapshot(name_or_path, patterns=("tokenizer*", "config.json", "special_tokens_map.json"))
+    tok = folder_tokenizer(folder) if folder.is_dir() else None
+    if tok is None:
+        raise ValueError(f"no tokenizer.json in {folder}")
+    return tok
+
+
+def folder_tokenizer(folder):
+    """A folder's tokenizer: its tokenizer.json, or the tiktoken encoding our export recorded; None if neither."""
+    folder = Path(folder)
+    cfg = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
+    if (folder / "tokenizer.json").is_file():
+        return HFTokenizer(folder / "tokenizer.json", cfg.get("eos_token_id"), name=str(folder))
+    if "tokenizer" in cfg:
+        return get_tokenizer(cfg["tokenizer"])
+    return None
+
+
+# ----------------------------------------------------------------------------- the Hugging Face hub
+
+def looks_like_hub_id(name) -> bool:
+    """owner/name that is not a local path: no such file and no local folder called `owner`."""
+    return bool(re.fullmatch(r"[\w.-]+/[\w.-]+", str(name))) and not Path(name).exists() \
+        and not Path(str(name).split("/")[0]).is_dir()
+
+
+def snapshot(path_or_hub_id, patterns=("*.json", "*.safetensors", "*.txt", "*.model")) -> Path:
+    """A local folder as is; a hub id downloaded (or found in the cache) by huggingface_hub."""
+    if Path(path_or_hub_id).exists() or not looks_like_hub_id(path_or_hub_id):
+        return Path(path_or_hub_id)
+    hub = require("huggingface_hub", f"downloading {path_or_hub_id} from the Hugging Face hub (it is not a local path)")
+    try:
+        return Path(hub.snapshot_download(str(path_or_hub_id), allow_patterns=list(patterns)))
+    except Exception as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(f"{path_or_hub_id} is not a local path, and downloading it from the Hugging Face hub "
+                         f"failed ({reason}); check the path (a train.py out_dir exists once `python train.py` "
+                         f"has run) or the hub id and the network") from e
