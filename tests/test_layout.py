@@ -1,0 +1,95 @@
+"""The repository's shape and what it must keep reading: the import graph of the top-level modules is layered
+(no cycle, model.py imports nothing of the repository, not even inside a function), and checkpoints and
+Hugging Face folders written before the baselines' keys left ModelConfig still load and sample exactly."""
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import hf
+import sample
+from checkpoint import load_model, model_from_checkpoint, save_checkpoint
+from conftest import tiny_model
+from tokenizer import get_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+MODULES = {p.stem: p for p in ROOT.glob("*.py") if not p.stem.startswith("test_") and p.stem != "conftest"}
+
+# ModelConfig's fields as checkpoints and exports stored them until the baselines got their own config:
+# the decoder's and Depth-Attention's keys, then `residual` and the baselines' seven knobs at their defaults.
+OLD_BASELINE_KEYS = {"residual": "add", "denseformer_dwa_dilation": 1, "denseformer_dwa_period": 1,
+                     "attnres_block_size": 12, "attnres_recency_bias_init": 3.0, "mhc_num_streams": 4,
+                     "mhc_alpha_init": 0.01, "mhc_sinkhorn_iters": 20}
+
+
+def imports(path):
+    """The repository modules a file imports anywhere: at the top, inside functions, in `if` blocks."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+    return found & MODULES.keys() - {path.stem}
+
+
+def test_the_import_graph_is_layered():
+    graph = {name: imports(path) for name, path in MODULES.items()}
+    assert graph["model"] == set(), f"model.py imports {graph['model']}"
+    assert graph["configurator"] == set() and graph["paper"] == set()
+
+    def reaches(a, b, seen=()):
+        return any(d == b or (d not in seen and reaches(d, b, (*seen, d))) for d in graph[a])
+    cycles = sorted(name for name in graph if reaches(name, name))
+    assert not cycles, f"modules on an import cycle: {cycles} ({ {n: sorted(graph[n]) for n in cycles} })"
+    scripts = {"train", "sample", "eval", "bench_cache", "ablate"}
+    assert not {name for name, deps in graph.items() if deps & scripts}, "a module imports a script"
+
+
+@pytest.mark.parametrize("overrides", [dict(depth_mode="value"), dict(depth_mode="kv", n_loops=2),
+                                       dict(depth_mode="vanilla", residual="mhc", mhc_num_streams=2)], ids=str)
+def test_a_checkpoint_in_the_old_format_loads_and_samples_as_before(tmp_path, overrides, capsys):
+    """A train.py checkpoint whose model_config is the old flat dict (every ModelConfig field of the time, the
+    baselines' keys included) rebuilds the same model: the same class, weights, logits and greedy sample."""
+    source = tiny_model(vocab_size=257, **overrides).eval()
+    stored = {**OLD_BASELINE_KEYS, **{k: v for k, v in vars(source.config).items()}}
+    assert len(stored) == 26  # the old ModelConfig's field count
+    save_checkpoint({"model": source.state_dict(), "model_config": stored, "tokenizer": "bytes", "step": 7,
+                     "best_val_loss": 2.0, "config": {}}, tmp_path / "ckpt.pt")
+    idx = torch.randint(0, 257, (2, 9))
+    rebuilt = model_from_checkpoint({"model_config": stored, "model": source.state_dict()}).eval()
+    loaded = load_model(tmp_path)
+    with torch.no_grad():
+        for model in (rebuilt, loaded.model):
+            assert type(model) is type(source) and torch.equal(model(idx)[0], source(idx)[0])
+    assert loaded.step == 7
+    sample.main([f"--out_dir={tmp_path}", "--prompt=ab", "--max_new_tokens=6", "--temperature=0", "--device=cpu"])
+    expected = source.generate(torch.tensor([[97, 98]]), 6, temperature=0)[0].tolist()
+    assert capsys.readouterr().out.endswith("\n" + get_tokenizer("bytes").decode(expected) + "\n")
+
+
+@pytest.mark.parametrize("overrides", [dict(depth_mode="value"), dict(depth_mode="vanilla")], ids=str)
+def test_an_export_in_the_old_format_loads_as_before(tmp_path, overrides):
+    """An export whose config.json recorded the old flat ModelConfig dict (baseline keys at their defaults)."""
+    source = tiny_model(**overrides).eval()
+    hf.save_pretrained(source, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg[hf.OUR_CONFIG] = {**OLD_BASELINE_KEYS, **cfg[hf.OUR_CONFIG]}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    back = hf.from_pretrained(tmp_path).eval()
+    idx = torch.randint(0, 50, (2, 9))
+    with torch.no_grad():
+        assert type(back.config) is type(source.config) and torch.equal(back(idx)[0], source(idx)[0])
+
+
+def test_the_old_export_command_names_the_new_one(tmp_path):
+    proc = subprocess.run([sys.executable, "hf.py", "export", str(tmp_path / "a"), str(tmp_path / "b")], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip() == ("error: the export command is now `python checkpoint.py export SRC OUT_DIR "
+                                   "[--dtype=...]` (same arguments)")
+    assert not (tmp_path / "b").exists()
