@@ -136,6 +136,16 @@ def train_one(job, base, extra, out, threads):
     return f"{label}: " + (f"val_loss {loss:.4f}" if loss is not None else "stopped before the end")
 
 
+def run_all(cfg, extra, out, threads, jobs):
+    """Train the jobs, cfg["jobs"] at a time, in the order given (seed-major lists: early results cover every run)."""
+    with ThreadPoolExecutor(cfg["jobs"]) as pool:
+        try:
+            for msg in pool.map(lambda job: train_one(job, cfg["base"], extra, out, threads), dict.fromkeys(jobs)):
+                print(msg, flush=True)
+        except RuntimeError as e:  # a train.py run failed; its train.out names the cause
+            fail(e)
+
+
 def collect(out, names, seeds, rates=None, factor=1):
     """{run: {seed: final val loss}} over the finished runs; rates: {run: peak rate}, None = the base's."""
     rates = rates or dict.fromkeys(names)
@@ -362,8 +372,8 @@ def report_shared(out, names, cfg, extra):
                 plot_depth_weights(out / run / "seed0" / "ckpt.pt", out / png, f"Depth weights, {run}, seed 0")
                 figures.append(out / png)
         print("figures:", ", ".join(map(str, figures)))
-    except ImportError:
-        print("matplotlib is not installed: no figures (pip install matplotlib)")
+    except ImportError as e:
+        print(f"no figures: {e}")
 
 
 def main(argv):
@@ -393,20 +403,13 @@ def main(argv):
     out.mkdir(parents=True, exist_ok=True)
     threads = cfg["threads"] or max(1, (os.cpu_count() or 1) // cfg["jobs"])
 
-    def run_all(jobs):  # seed-major lists: early results cover every run
-        with ThreadPoolExecutor(cfg["jobs"]) as pool:
-            try:
-                for msg in pool.map(lambda job: train_one(job, cfg["base"], extra, out, threads), dict.fromkeys(jobs)):
-                    print(msg, flush=True)
-            except RuntimeError as e:  # a train.py run failed; its train.out names the cause
-                fail(e)
-
     seeds = range(cfg["seeds"])
     if protocol == "shared":
-        run_all([(n, s, None, 1) for s in seeds for n in names])
+        run_all(cfg, extra, out, threads, [(n, s, None, 1) for s in seeds for n in names])
         return report_shared(out, names, cfg, extra)
     if protocol == "lr_sweep":
-        run_all([(n, s, lr, 1) for s in range(cfg["lr_seeds"]) for lr in lrs for n in names])
+        run_all(cfg, extra, out, threads,
+                [(n, s, lr, 1) for s in range(cfg["lr_seeds"]) for lr in lrs for n in names])
         best, means = best_rates(out, names, lrs, cfg["lr_seeds"])
         return write_results(out, "results_lr_sweep", {"config": cfg, "train_overrides": extra, "best": best,
                              "means": {n: {f"{lr:g}": v for lr, v in m.items()} for n, m in means.items()}},
@@ -416,7 +419,8 @@ def main(argv):
         shared = planned("learning_rate", [cfg["base"]], extra)
         if not isinstance(shared, (int, float)):
             fail(f"{cfg['base']} sets no learning_rate, the shared rate to compare with")
-        run_all([(n, s, lr, 1) for s in seeds for n in names for lr in (float(shared), best[n])])
+        run_all(cfg, extra, out, threads,
+                [(n, s, lr, 1) for s in seeds for n in names for lr in (float(shared), best[n])])
         at_shared = summarize(collect(out, names, cfg["seeds"], dict.fromkeys(names, float(shared))),
                               f", all at the shared peak rate {shared:g}")
         at_best = summarize(collect(out, names, cfg["seeds"], best), ", each at its best peak rate")
@@ -425,7 +429,7 @@ def main(argv):
                              "shared_rate": shared, "tables_shared": at_shared[1], "tables_best": at_best[1]},
                              rates + markdown(at_shared[1]) + "\n" + markdown(at_best[1]))
     factor = cfg["long_factor"]
-    run_all([(n, s, best[n], factor) for s in seeds for n in names])
+    run_all(cfg, extra, out, threads, [(n, s, best[n], factor) for s in seeds for n in names])
     batch_tokens = planned("batch_tokens", [cfg["base"]], extra)
     short_tokens = planned("max_iters", [cfg["base"]], extra) * batch_tokens
     curves = gap_curves(out, names, cfg["seeds"], best, factor, batch_tokens)
@@ -435,8 +439,8 @@ def main(argv):
     try:
         plot_gaps(curves, short, names[0], short_tokens, out / "gap_vs_tokens.png")
         print("figure:", out / "gap_vs_tokens.png")
-    except ImportError:
-        print("matplotlib is not installed: no figure (pip install matplotlib)")
+    except ImportError as e:
+        print(f"no figure: {e}")
 
 
 if __name__ == "__main__":

@@ -220,7 +220,7 @@ def main(argv):
         loaded = load_model(args.src)
         model = loaded.model.to(getattr(torch, args.dtype)) if args.dtype else loaded.model
         hf.save_pretrained(model, args.out_dir, loaded.tokenizer)
-    except (CheckpointError, ImportError) as e:
+    except (CheckpointError, ImportError, OSError) as e:  # OSError: an out_dir that cannot be written
         fail(e)
     print(f"{loaded.source} -> {args.out_dir}: {model.num_params() / 1e6:.2f}M parameters, "
           f"{json.loads((Path(args.out_dir) / 'config.json').read_text())['architectures'][0]}")

@@ -6,9 +6,10 @@ uses: `fail` (the one-line `error:` exit), `require` (an optional package or its
 
 Positional arguments are config files: plain Python assignments (`n_layer = 12`), applied in order.
 A file may start from another with `base_config = "other.py"` (a path relative to the file): the other file's
-assignments come first, so a variant states only the lines that differ. Then `--key=value` overrides. Every key must already exist in the defaults; values are parsed to the
-type of the default (an int is accepted where a float is expected; `None` is accepted anywhere, and a
-default of `None` accepts any literal). Anything else is an error that names the fix.
+assignments come first, so a variant states only the lines that differ. Then `--key=value` overrides. Every key
+must already exist in the defaults; values are parsed to the type of the default (an int is accepted where a
+float is expected; `None` is accepted anywhere, and a default of `None` accepts any literal). Anything else is
+an error that names the fix.
 `--help` (or `-h`) prints the script's docstring and every key with its default and the one-line comment
 written beside it in the source, so the help can never drift from the defaults.
 """

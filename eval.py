@@ -185,7 +185,8 @@ def print_table(results, num_fewshot, limited):
             norm_or_acc.append(100 * (norm if norm is not None else acc))
     if accs:
         print(f"{'average, acc':<20}{sum(accs) / len(accs):>8.2f}{'':>10}  over {len(accs)} tasks")
-        print(f"{'average, acc_norm':<20}{'':>8}{sum(norm_or_acc) / len(norm_or_acc):>10.2f}  acc_norm where a task has it, "
+        mean = sum(norm_or_acc) / len(norm_or_acc)
+        print(f"{'average, acc_norm':<20}{'':>8}{mean:>10.2f}  acc_norm where a task has it, "
               f"else acc (the paper does not say which it averages)")
         if sorted(rows) == sorted(PAPER_TASKS) and num_fewshot in paper.TABLE1_AVG:
             print(f"paper, Table 1, {num_fewshot}-shot average{' (this run: --limit, a subset)' if limited else ''}: "
@@ -201,7 +202,8 @@ def print_table(results, num_fewshot, limited):
 
 def main(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--init_from", required=True, help="a train.py out_dir (its ckpt.pt), a checkpoint file, a Hugging Face folder or hub id")
+    p.add_argument("--init_from", required=True,
+                   help="a train.py out_dir (its ckpt.pt), a checkpoint file, a Hugging Face folder or hub id")
     p.add_argument("--tasks", default=",".join(PAPER_TASKS),
                    help="comma-separated lm-eval task names or globs; default: the paper's eight; empty: none")
     p.add_argument("--num_fewshot", type=int, default=0, help="examples in each prompt (the paper: 0 and 5); default 0")

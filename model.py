@@ -178,7 +178,8 @@ def rope_tables(config: ModelConfig, start: int, T: int, device, dtype):
     """cos, sin for positions start .. start+T-1, (T, D). Computed on the fly in the model's parameter
     precision (float32, or float64 for exact tests), which every backend supports and keeps long positions
     accurate; apply_rope casts them to the activations."""
-    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2, device=device, dtype=dtype) / config.head_dim)
+    dims = torch.arange(0, config.head_dim, 2, device=device, dtype=dtype)
+    inv_freq = 1.0 / config.rope_theta ** (dims / config.head_dim)                 # (D/2,)
     freqs = torch.outer(torch.arange(start, start + T, device=device, dtype=dtype), inv_freq)
     freqs = torch.cat([freqs, freqs], -1)                                           # (T, D)
     return freqs.cos(), freqs.sin()
@@ -328,7 +329,8 @@ class GPT(nn.Module):
         logits = self.lm_head(self.norm(x))                                         # (B, T, vocab)
         loss = None
         if targets is not None:
-            loss = F.cross_entropy(fp32_or_wider(logits).view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+            loss = F.cross_entropy(fp32_or_wider(logits).view(-1, logits.size(-1)), targets.reshape(-1),
+                                   ignore_index=-1)
         return logits, loss
 
     @torch.no_grad()

@@ -180,7 +180,8 @@ def _documents(source, inputs, shards, tokenizer, val_fraction, decode_errors):
         if not inputs:
             raise ValueError("the text source needs --input FILE [FILE ...] (files, globs or directories)")
         return _text_documents(inputs, val_fraction, decode_errors)
-    require({"minipile": "pyarrow.parquet", "pile": "zstandard"}[source], f"the {source} source")  # fail before any download
+    # fail before any download
+    require({"minipile": "pyarrow.parquet", "pile": "zstandard"}[source], f"the {source} source")
     description = " ".join(inputs)
     if not inputs:
         hub = require("huggingface_hub", f"the {source} source")

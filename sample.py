@@ -60,8 +60,9 @@ def main(argv):
     idx = torch.tensor([ids] * args.num_samples, device=device)  # (num_samples, prompt tokens)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     step = "" if loaded.step is None else f"step {loaded.step}, "
+    residual = getattr(model.config, "residual", "add")  # a baseline's config has the key
     print(f"{loaded.source}: {step}{model.num_params() / 1e6:.2f}M parameters, "
-          f"depth_mode={model.config.depth_mode}, residual={getattr(model.config, 'residual', 'add')}, tokenizer {enc.name}",
+          f"depth_mode={model.config.depth_mode}, residual={residual}, tokenizer {enc.name}",
           file=sys.stderr)
     try:
         out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
