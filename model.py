@@ -23,6 +23,14 @@ MIXES_KEY = ("key", "kv")                  # modes whose cache K slot holds the 
 MIXES_VALUE = ("value", "uniform", "kv")   # modes whose cache V slot holds the depth-mixed value
 
 
+def config_check(name):
+    """need(ok, msg): a ValueError "name: msg" unless ok. A config's checks read as a list of rules."""
+    def need(ok, msg):
+        if not ok:
+            raise ValueError(f"{name}: {msg}")
+    return need
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int = 50304         # tokenizer vocabulary (paper: GPT-NeoX 50304)
@@ -80,14 +88,6 @@ class ModelConfig:
         picked = {j for j in range(e) if j % self.stride == 0}
         picked |= set(range(max(0, e - self.depth_recent_window), e))
         return sorted(picked)
-
-
-def config_check(name):
-    """need(ok, msg): a ValueError "name: msg" unless ok. A config's checks read as a list of rules."""
-    def need(ok, msg):
-        if not ok:
-            raise ValueError(f"{name}: {msg}")
-    return need
 
 
 # ----------------------------------------------------------------------------- the method
