@@ -7,8 +7,8 @@ eot_token, n_vocab, name.
     get_tokenizer("zeng123/Depth-attention-3B")    a Hugging Face folder, tokenizer.json or hub id (HFTokenizer)
 
 Also where a Hugging Face hub id becomes a local folder (`snapshot`), for the tokenizer and the weights alike.
-No torch here: prepare_data.py's tokenizer processes import only this. tokenizers and huggingface_hub are
-optional, imported where used. Errors are ValueError (or ImportError with the pip line).
+No torch here, so prepare_data.py and its tokenizer processes never import it. tokenizers and huggingface_hub
+are optional, imported where used. Errors are ValueError (or ImportError with the pip line).
 """
 import json
 import re
