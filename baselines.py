@@ -46,7 +46,7 @@ class BaselineConfig(ModelConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        need = config_check(type(self).__name__)
+        need = config_check("BaselineConfig")
         for name in ("denseformer_dwa_dilation", "denseformer_dwa_period", "attnres_block_size", "mhc_num_streams",
                      "mhc_sinkhorn_iters"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1,
@@ -249,7 +249,12 @@ class MHC(GPT):
 BASELINES = {"denseformer": DenseFormer, "attnres": BlockAttnRes, "mhc": MHC}
 
 
+def residual_of(config: ModelConfig) -> str:
+    """A config's residual path: "add" (the plain stream) for a ModelConfig, else the baseline's name."""
+    return getattr(config, "residual", "add")
+
+
 def build_model(config: ModelConfig) -> GPT:
     """The model a config describes: GPT for the plain residual stream, else that baseline."""
-    residual = getattr(config, "residual", "add")
+    residual = residual_of(config)
     return GPT(config) if residual == "add" else BASELINES[residual](config)

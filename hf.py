@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from baselines import BASELINE_KEYS, BaselineConfig, build_model, make_config
+from baselines import BASELINE_KEYS, build_model, make_config, residual_of
 from configurator import fail, require
 from model import GPT, ModelConfig
 from tokenizer import HFTokenizer, snapshot
@@ -104,7 +104,8 @@ def _authors_baseline(cfg: dict, where) -> dict:
     if mode not in AUTHORS_BASELINE_MODES:
         raise ValueError(f"{where}: baseline_mode={cfg.get('baseline_mode')!r} is not one of the paper's baselines "
                          f"({', '.join(sorted(AUTHORS_BASELINE_MODES))})")
-    return {"residual": AUTHORS_BASELINE_MODES[mode], "depth_mode": "vanilla", **{k: cfg[k] for k in KNOBS if k in cfg}}
+    knobs = {k: cfg[k] for k in KNOBS if k in cfg}
+    return {"residual": AUTHORS_BASELINE_MODES[mode], "depth_mode": "vanilla", **knobs}
 
 
 def _config(kw: dict, where) -> ModelConfig:
@@ -117,8 +118,8 @@ def _config(kw: dict, where) -> ModelConfig:
 def hf_config(c: ModelConfig, dtype: torch.dtype, eos_token_id=None) -> dict:
     """config.json for a model: Qwen3's when transformers can load it as one (vanilla, q/k-norm before RoPE, no
     loops), else the authors' Llama layout. Either way asdict(c) is recorded too, so nothing is lost."""
-    plain = type(c) is ModelConfig  # a baseline's config extends it
-    qwen3 = plain and c.depth_mode == "vanilla" and c.qk_norm and not c.k_norm_after_rope and c.n_loops == 1
+    baseline = residual_of(c) != "add"
+    qwen3 = not baseline and c.depth_mode == "vanilla" and c.qk_norm and not c.k_norm_after_rope and c.n_loops == 1
     arch = "Qwen3ForCausalLM" if qwen3 else "LlamaForCausalLM"
     return {
         "architectures": [arch], "model_type": ARCHITECTURES[arch], "vocab_size": c.vocab_size,
@@ -131,7 +132,7 @@ def hf_config(c: ModelConfig, dtype: torch.dtype, eos_token_id=None) -> dict:
         "depth_attention_recent_window": c.depth_recent_window, "use_qk_norm": c.qk_norm,
         "torch_dtype": str(dtype).removeprefix("torch."), OUR_CONFIG: asdict(c),
         # a baseline's keys as the authors' config.json spells them: their baseline_mode, same-named knobs
-        **({"baseline_mode": c.residual, **{k: getattr(c, k) for k in KNOBS}} if isinstance(c, BaselineConfig) else {}),
+        **({"baseline_mode": c.residual, **{k: getattr(c, k) for k in KNOBS}} if baseline else {}),
     }
 
 

@@ -53,7 +53,7 @@ class ModelConfig:
     n_loops: int = 1                # apply the same n_layer blocks this many times (looped Transformer)
 
     def __post_init__(self):
-        need = config_check(type(self).__name__)
+        need = config_check("ModelConfig")
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "head_dim", "n_embd",
                      "mlp_hidden", "n_loops"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1,

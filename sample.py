@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from checkpoint import CheckpointError, load_model
+from baselines import residual_of
 from configurator import ConfigError, check_ranges, fail, resolve_device
 
 KEY_RANGES = {"num_samples": ">= 1", "max_new_tokens": ">= 0", "temperature": ">= 0", "top_k": ">= 0", "seed": ">= 0"}
@@ -60,9 +61,8 @@ def main(argv):
     idx = torch.tensor([ids] * args.num_samples, device=device)  # (num_samples, prompt tokens)
     gen = torch.Generator(device=device).manual_seed(args.seed)
     step = "" if loaded.step is None else f"step {loaded.step}, "
-    residual = getattr(model.config, "residual", "add")  # a baseline's config has the key
     print(f"{loaded.source}: {step}{model.num_params() / 1e6:.2f}M parameters, "
-          f"depth_mode={model.config.depth_mode}, residual={residual}, tokenizer {enc.name}",
+          f"depth_mode={model.config.depth_mode}, residual={residual_of(model.config)}, tokenizer {enc.name}",
           file=sys.stderr)
     try:
         out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
