@@ -217,8 +217,8 @@ def markdown(tables):
 
 def _pyplot():
     """matplotlib's pyplot drawing to files (no display); an ImportError with the pip line without it."""
-    require("matplotlib", "the figures").use("Agg")
-    return require("matplotlib.pyplot", "the figures", pip="matplotlib")
+    require("matplotlib", "drawing figures").use("Agg")
+    return require("matplotlib.pyplot", "drawing figures", pip="matplotlib")
 
 
 def plot_curves(out, names, seeds, path):
@@ -378,15 +378,17 @@ def report_shared(out, names, cfg, extra):
 
 def main(argv):
     split = argv.index("--") if "--" in argv else len(argv)
+    extra = argv[split + 1:]
     try:
         cfg = parse_config(DEFAULTS, argv[:split], __doc__, [__file__])
         check_ranges(cfg, KEY_RANGES)
+        for arg in extra:  # train.py's arguments: read now, so a malformed one stops the sweep before it starts
+            arg_updates(arg)
         lrs = sorted({float(x) for x in cfg["lrs"].split(",") if x.strip()})
     except ConfigError as e:
         fail(e)
     except ValueError:
         fail(f"--lrs must be comma-separated numbers, got {cfg['lrs']!r}")
-    extra = argv[split + 1:]
     protocol = cfg["protocol"]
     if protocol not in PROTOCOLS:
         fail(f"unknown --protocol={protocol}; choose one of {', '.join(PROTOCOLS)}")

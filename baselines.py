@@ -60,14 +60,21 @@ class BaselineConfig(ModelConfig):
         need(self.mhc_num_streams >= 2, f"mhc_num_streams must be at least 2, got {self.mhc_num_streams}")
 
 
-# The baselines' own keys, beyond ModelConfig's.
+# The baselines' own keys beyond ModelConfig's: `residual` and the methods' knobs, which a plain model
+# (residual "add") has no use for.
 BASELINE_KEYS = tuple(f.name for f in fields(BaselineConfig) if f.name not in {g.name for g in fields(ModelConfig)})
+KNOBS = tuple(k for k in BASELINE_KEYS if k != "residual")
 
 
 def make_config(**keys) -> ModelConfig:
     """The config a flat dict of keys describes (train.py's namespace, a checkpoint's stored dict of any version,
     a Hugging Face record): a BaselineConfig for a baseline, else a ModelConfig, whose dict then carries no
-    baseline keys. Every key is checked either way."""
+    baseline keys. Every key is checked either way; an unknown one is a ValueError."""
+    known = [f.name for f in fields(BaselineConfig)]
+    unknown = sorted(keys.keys() - set(known))
+    if unknown:
+        raise ValueError(f"unknown model keys {unknown} (from a newer version of this code?); this version knows "
+                         f"{', '.join(known)}")
     config = BaselineConfig(**keys)
     if config.residual == "add":
         return ModelConfig(**{k: v for k, v in keys.items() if k not in BASELINE_KEYS})

@@ -43,7 +43,7 @@ MODEL_KEYS = {k: v for k, v in asdict(BaselineConfig()).items() if k not in ("de
 BASELINE_MODES = tuple(BASELINES)  # denseformer, attnres, mhc: hidden-state baselines with vanilla attention
 BENCH_KEYS = dict(
     preset="",         # paper_1p5b | paper_3b: the paper's shape; --key=value still overrides it
-    device="auto",     # auto = cuda if available, else cpu
+    device="auto",     # auto = cuda if available, else cpu; cuda is the current GPU
     dtype="auto",      # weights, activations and cache; auto = bfloat16 on cuda (when supported), else float32
     threads=1,         # CPU threads for torch, 0 = torch's default; one, as a descheduled thread stalls every op
     batch=2,           # sequences per prefill, decode and training step
@@ -79,7 +79,7 @@ def resolve(argv):
     check_ranges(cfg, KEY_RANGES)
     if cfg["dtype"] not in DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {cfg['dtype']!r}")
-    try:  # "cuda" is the current GPU; mps has no timer that the medians could trust
+    try:  # "cuda" is the current GPU (CUDA_VISIBLE_DEVICES picks another); mps is not measured
         cfg["device"] = resolve_device(cfg["device"], allowed=("cpu", "cuda"))
     except ValueError as e:
         raise ConfigError(e) from e

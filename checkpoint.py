@@ -220,8 +220,10 @@ def main(argv):
         loaded = load_model(args.src)
         model = loaded.model.to(getattr(torch, args.dtype)) if args.dtype else loaded.model
         hf.save_pretrained(model, args.out_dir, loaded.tokenizer)
-    except (CheckpointError, ImportError, OSError) as e:  # OSError: an out_dir that cannot be written
+    except (CheckpointError, ImportError) as e:
         fail(e)
+    except OSError as e:
+        fail(f"cannot write {args.out_dir} ({e.strerror or e}); pick a folder you can write to")
     print(f"{loaded.source} -> {args.out_dir}: {model.num_params() / 1e6:.2f}M parameters, "
           f"{json.loads((Path(args.out_dir) / 'config.json').read_text())['architectures'][0]}")
 

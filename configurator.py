@@ -38,7 +38,7 @@ def require(module, purpose, pip=None):
         raise ImportError(f"{purpose} needs {module}: pip install {pip or module.split('.')[0]}") from e
 
 
-def resolve_device(name, local_rank=None, allowed=("cpu", "cuda", "mps")) -> str:
+def resolve_device(name, local_rank=None, allowed=("cpu", "cuda", "cuda:N", "mps")) -> str:
     """The device a script runs on: "auto" is the first of cuda, mps, cpu that this machine has and `allowed`
     lists; a named device must exist here. Under torchrun (local_rank given), "cuda" is this process's GPU.
     A ValueError says what the machine has."""
@@ -48,10 +48,9 @@ def resolve_device(name, local_rank=None, allowed=("cpu", "cuda", "mps")) -> str
         name = next(d for d in ("cuda", "mps", "cpu") if d in allowed and have[d])
     kind, _, index = name.partition(":")
     if kind not in ("cpu", "cuda", "mps") or (index and not (kind == "cuda" and index.isdigit())):
-        raise ValueError(f"unknown device {name!r}; use auto, {', '.join(allowed)}"
-                         f"{' or cuda:N' if 'cuda' in allowed else ''}")
-    if kind not in allowed:
-        raise ValueError(f"this script runs on {' or '.join(allowed)}, not {name!r}")
+        raise ValueError(f"unknown device {name!r}; use auto or one of {', '.join(allowed)}")
+    if (kind + ":N" if index else kind) not in allowed:
+        raise ValueError(f"this script runs on {', '.join(allowed)} (or auto), not {name!r}")
     if not have[kind]:
         missing = "torch sees no CUDA GPU" if kind == "cuda" else "torch.backends.mps is not available"
         raise ValueError(f"device {name!r} but {missing} here; use --device=cpu (or auto)")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from baselines import BASELINE_KEYS, build_model, make_config, residual_of
+from baselines import KNOBS, build_model, make_config, residual_of
 from configurator import fail, require
 from model import GPT, ModelConfig
 from tokenizer import HFTokenizer, snapshot
@@ -29,11 +29,10 @@ OUR_CONFIG = "model_config"  # our exports also record asdict(config) under this
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
 IGNORED = re.compile(r"(^|\.)lm_head_layernorm\.weight$|rotary_emb\.inv_freq$")  # unused / recomputed on the fly
 # The authors' `baseline_mode` values (their code accepts these spellings) -> our `residual`. Their baseline
-# knobs carry our names (BASELINE_KEYS beyond `residual`).
+# knobs carry our names (KNOBS).
 AUTHORS_BASELINE_MODES = {"denseformer": "denseformer", "densetransformer": "denseformer", "attnres": "attnres",
                           "block_attnres": "attnres", "block-attnres": "attnres", "attention_residual": "attnres",
                           "attention-residual": "attnres", "mhc": "mhc"}
-KNOBS = tuple(k for k in BASELINE_KEYS if k != "residual")
 
 
 def _safetensors(module="safetensors"):
@@ -111,7 +110,7 @@ def _authors_baseline(cfg: dict, where) -> dict:
 def _config(kw: dict, where) -> ModelConfig:
     try:
         return make_config(**kw)
-    except (TypeError, ValueError) as e:  # a field this model.py lacks, or a bad value
+    except ValueError as e:  # a key this code does not know, or a bad value
         raise ValueError(f"{where}: {e}") from e
 
 

@@ -4,7 +4,7 @@ Sample text from a checkpoint written by train.py, or from a Hugging Face folder
     python sample.py --init_from=out/shakespeare --prompt="ROMEO:" --num_samples=3 --max_new_tokens=200
     python sample.py --init_from=zeng123/Depth-attention-3B --prompt="The capital of France is"
 
-A train.py checkpoint is rebuilt from its stored ModelConfig dict and decodes with the tokenizer its training
+A train.py checkpoint is rebuilt from its stored config dict and decodes with the tokenizer its training
 data used; a Hugging Face folder brings config.json and tokenizer.json (checkpoint.load_model). Generation runs
 through model.generate and its KV cache.
 """

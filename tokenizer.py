@@ -8,7 +8,8 @@ eot_token, n_vocab, name.
 
 Also where a Hugging Face hub id becomes a local folder (`snapshot`), for the tokenizer and the weights alike.
 No torch here, so prepare_data.py and its tokenizer processes never import it. tokenizers and huggingface_hub
-are optional, imported where used. Errors are ValueError (or ImportError with the pip line).
+are optional, imported where used. Errors are ValueError (ImportError with the pip line for a missing package;
+RuntimeError when the gpt2 files cannot be downloaded).
 """
 import json
 import re

@@ -9,10 +9,11 @@ prepare_data.py.
     python train.py --residual=mhc --depth_mode=vanilla      # a baseline: denseformer | attnres | mhc (baselines.py)
     python train.py --init_from=zeng123/Depth-attention-3B --dataset=pile_neox  # continue from released weights
 
-Model keys (the ModelConfig fields) and training keys share one flat namespace (DEFAULTS below); config files
-and --key=value overrides go through configurator.parse_config. The run is a deterministic function of the
-config: batch `step` is drawn from a generator seeded with (seed, step) over the GLOBAL batch, and each rank
-takes its slice, so the world size, gradient accumulation and resuming all leave the losses unchanged.
+Model keys (the fields of model.ModelConfig and baselines.BaselineConfig) and training keys share one flat
+namespace (DEFAULTS below); config files and --key=value overrides go through configurator.parse_config. The run
+is a deterministic function of the config: batch `step` is drawn from a generator seeded with (seed, step) over
+the GLOBAL batch, and each rank takes its slice, so the world size, gradient accumulation and resuming all leave
+the losses unchanged.
 """
 import inspect
 import json
@@ -31,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 import prepare_data
-from baselines import BaselineConfig, build_model, make_config
+from baselines import KNOBS, BaselineConfig, build_model, make_config
 from checkpoint import (CheckpointError, claim_out_dir, load_model, read_checkpoint, rng_state, save_checkpoint,
                         set_rng_state)
 from configurator import ConfigError, check_ranges, fail, parse_config, require, resolve_device
@@ -116,7 +117,7 @@ def resolve_config(argv):
             saved = {**DEFAULTS, **ckpt["model_config"]}  # a field added since the checkpoint has its default
             if cfg["vocab_size"] is None:  # a config file's "follow the data" is what the checkpoint already holds
                 cfg["vocab_size"] = saved["vocab_size"]
-            changed = {k: (saved[k], cfg[k]) for k in MODEL_KEYS if cfg[k] != saved[k]}
+            changed = {k: (saved[k], cfg[k]) for k in shaping(saved, cfg) if cfg[k] != saved[k]}
             if changed:
                 fail(f"the checkpoint's model differs from the one asked for ({changed}, as (checkpoint, now)); "
                      f"drop those overrides or train into a new --out_dir")
@@ -129,6 +130,12 @@ def resolve_config(argv):
     if cfg["resume"] and cfg["overwrite"]:
         fail("--resume=True continues the checkpoint and --overwrite=True deletes it; pass one of them")
     return cfg, ckpt
+
+
+def shaping(*configs) -> list:
+    """The model keys that shape the models these flat dicts describe: a plain model (residual add) has no use
+    for the baselines' knobs, so its checkpoint does not store them and another value changes nothing."""
+    return [k for k in MODEL_KEYS if k not in KNOBS or any(c["residual"] != "add" for c in configs)]
 
 
 def claim_run(cfg, ckpt, master):
@@ -165,7 +172,7 @@ def load_init(cfg, meta):
     except (CheckpointError, RuntimeError, ValueError) as e:
         fail(e)
     theirs = {**asdict(BaselineConfig()), **asdict(init.model.config)}  # a plain model's baseline keys: defaults
-    clash = {k: (theirs[k], cfg[k]) for k in MODEL_KEYS if cfg[k] not in (DEFAULTS[k], theirs[k])}
+    clash = {k: (theirs[k], cfg[k]) for k in shaping(theirs, cfg) if cfg[k] not in (DEFAULTS[k], theirs[k])}
     if clash:
         fail(f"--init_from={cfg['init_from']} fixes the model, and these settings differ from it: {clash} "
              f"(as (model, asked)); drop them")
@@ -174,7 +181,7 @@ def load_init(cfg, meta):
             or data_enc.encode(probe) != init.tokenizer.encode(probe):
         fail(f"the data was tokenized with {meta['tokenizer']}, but {cfg['init_from']} uses {init.tokenizer.name}; "
              f"prepare the data with the model's tokenizer (prepare_data.py --tokenizer={cfg['init_from']})")
-    cfg.update(theirs)
+    cfg.update({k: theirs[k] for k in shaping(theirs)})
     return init.model
 
 
@@ -312,8 +319,9 @@ def setup_process(cfg) -> Process:
 
 
 def build(cfg, meta, data_dir, ckpt, master):
-    """The model (unwrapped: eval, sampling and checkpoints use it) from the seed, --init_from or the checkpoint,
-    its config, and the tokenizer of the end-of-run sample (None when there is none)."""
+    """The model (unwrapped: eval, sampling and checkpoints use it) initialised from the seed, or with --init_from's
+    weights (a resumed run's come from its checkpoint later), its config, and the tokenizer of the end-of-run
+    sample (None when there is none)."""
     init = load_init(cfg, meta) if cfg["init_from"] and ckpt is None else None  # resuming restores everything
     if cfg["vocab_size"] is None:
         cfg["vocab_size"] = meta["vocab_size"]
@@ -396,8 +404,8 @@ def evaluate(model, val, offsets, mb, T, proc):
 
 
 def train_step(fwd, ddp_model, model, batches, accum, grad_clip, proc):
-    """Forward and backward over the micro-batches, gradients all-reduced once (on the last); the clipped global
-    grad norm. Returns (mean train loss over all ranks, grad norm) for the optimizer step to follow."""
+    """Forward and backward over the micro-batches, gradients all-reduced once (on the last), then clipped to
+    grad_clip. Returns (mean train loss over all ranks, the global grad norm before clipping)."""
     loss_sum = torch.zeros((), device=proc.device)
     for micro, (x, y) in enumerate(batches):
         sync = ddp_model is None or micro == accum - 1

@@ -12,7 +12,7 @@ import torch
 
 import hf
 import sample
-from checkpoint import load_model, model_from_checkpoint, save_checkpoint
+from checkpoint import CheckpointError, load_model, model_from_checkpoint, save_checkpoint
 from conftest import tiny_model
 from tokenizer import get_tokenizer
 
@@ -94,3 +94,24 @@ def test_the_old_export_command_names_the_new_one(tmp_path, monkeypatch):
     assert exit_.value.code == ("error: the export command is now `python checkpoint.py export SRC OUT_DIR "
                                 "[--dtype=...]` (same arguments)")
     assert not (tmp_path / "b").exists()
+
+
+def test_a_plain_run_with_a_baseline_knob_set_resumes(data_root, tmp_path, monkeypatch):
+    """A plain model's checkpoint stores no baseline keys, so a knob the run set (and the run's config.json keeps)
+    is no difference from the checkpoint's model: the run resumes, and only a real change is refused."""
+    from test_hf import TINY, train
+    run = [*TINY, f"--data_root={data_root}", f"--out_dir={tmp_path}", "--max_iters=4", "--eval_interval=2"]
+    assert train(monkeypatch, *run, "--attnres_block_size=4", "--stop_at_step=2") is None
+    assert "attnres_block_size" not in torch.load(tmp_path / "ckpt.pt", weights_only=True)["model_config"]
+    assert train(monkeypatch, f"--out_dir={tmp_path}", "--resume=True") is None
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 4
+    error = train(monkeypatch, f"--out_dir={tmp_path}", "--resume=True", "--n_layer=3")
+    assert "'n_layer': (2, 3)" in error and "attnres_block_size" not in error
+
+
+def test_a_checkpoint_from_a_newer_version_is_one_error(tmp_path):
+    source = tiny_model()
+    stored = {**vars(source.config), "depth_gate": True}  # a key this code does not know
+    save_checkpoint({"model": source.state_dict(), "model_config": stored, "tokenizer": "bytes"}, tmp_path / "ckpt.pt")
+    with pytest.raises(CheckpointError, match=r"unknown model keys \['depth_gate'\] \(from a newer version"):
+        load_model(tmp_path)

@@ -218,8 +218,10 @@ CASES = [
     case("bench_cache.py", "unknown preset 'foo'; choose one of paper_3b, paper_1p5b", "--preset=foo"),
     case("bench_cache.py", "unknown mode 'foo'; choose from vanilla", "--modes=foo"),
     case("bench_cache.py", "unknown device 'foo'", "--device=foo"),
+    case("bench_cache.py", "runs on cpu, cuda (or auto), not 'cuda:0'", "--device=cuda:0"),  # cuda = the current GPU
     case("ablate.py", "--seeds must be a finite number >= 1, got 0", "--seeds=0"),
     case("ablate.py", "--jobs must be a finite number >= 1, got 0", "--jobs=0"),
+    case("ablate.py", "argument '--compile' must look like --key=value", "--out={tmp}/sweep", "--", "--compile"),
 ]
 
 
