@@ -71,7 +71,7 @@ def preset(name) -> dict:
 
 
 def resolve(argv):
-    cfg = parse_config(DEFAULTS, argv, __doc__, [__file__] + [inspect.getfile(c) for c in BaselineConfig.__mro__[:2]])
+    cfg = parse_config(DEFAULTS, argv, __doc__, [__file__, inspect.getfile(BaselineConfig), inspect.getfile(GPT)])
     if cfg["preset"]:
         if cfg["preset"] not in PRESETS:
             raise ConfigError(f"unknown preset {cfg['preset']!r}; choose one of {', '.join(PRESETS)}")

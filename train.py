@@ -138,13 +138,12 @@ def shaping(*configs) -> list:
     return [k for k in MODEL_KEYS if k not in KNOBS or any(c["residual"] != "add" for c in configs)]
 
 
-def claim_run(cfg, ckpt, master):
-    """(the out_dir lock or None, the config history): the master claims out_dir for this run (checkpoint.py)."""
+def claim(cfg, ckpt):
+    """The out_dir lock, held until the process exits (checkpoint.claim_out_dir: one writer, no overwrite)."""
     try:
-        lock = claim_out_dir(cfg["out_dir"], ckpt is not None, cfg["overwrite"]) if master else None
+        return claim_out_dir(cfg["out_dir"], ckpt is not None, cfg["overwrite"])
     except CheckpointError as e:
         fail(e)
-    return lock, config_history(cfg, ckpt, master)
 
 
 def config_history(cfg, ckpt, master):
@@ -446,7 +445,8 @@ def main(argv):
     cfg, ckpt = resolve_config(argv)
     proc = setup_process(cfg)
     master, device = proc.master, proc.device
-    lock, history = claim_run(cfg, ckpt, master)  # the lock is held until the process exits
+    lock = claim(cfg, ckpt) if master else None  # held until the process exits
+    history = config_history(cfg, ckpt, master)
     data_dir, meta, train, val = open_data(cfg, master)
     model, model_config, enc = build(cfg, meta, data_dir, ckpt, master)  # --init_from sets the model keys
     model.to(device)

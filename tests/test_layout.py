@@ -56,7 +56,7 @@ def test_a_checkpoint_in_the_old_format_loads_and_samples_as_before(tmp_path, ov
     """A train.py checkpoint whose model_config is the old flat dict (every ModelConfig field of the time, the
     baselines' keys included) rebuilds the same model: the same class, weights, logits and greedy sample."""
     source = tiny_model(vocab_size=257, **overrides).eval()
-    stored = {**OLD_BASELINE_KEYS, **{k: v for k, v in vars(source.config).items()}}
+    stored = {**OLD_BASELINE_KEYS, **vars(source.config)}
     assert len(stored) == 26  # the old ModelConfig's field count
     save_checkpoint({"model": source.state_dict(), "model_config": stored, "tokenizer": "bytes", "step": 7,
                      "best_val_loss": 2.0, "config": {}}, tmp_path / "ckpt.pt")
