@@ -16,6 +16,7 @@ written beside it in the source, so the help can never drift from the defaults.
 import ast
 import importlib
 import math
+import os
 import re
 import sys
 from pathlib import Path
@@ -59,6 +60,36 @@ def resolve_device(name, local_rank=None, allowed=("cpu", "cuda", "cuda:N", "mps
                          f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     return f"cuda:{local_rank}" if name == "cuda" and local_rank is not None else name
 
+
+
+def output_file(path, flag) -> Path:
+    """Check before any work that `path` can be written as a file (its folder is created): a long evaluation or
+    benchmark must not end in an error about where to put its result. Raises ConfigError naming `flag`."""
+    p = Path(path)
+    if p.is_dir() or str(path).endswith(("/", "\\")):
+        raise ConfigError(f"{flag}={path} is a folder; give a file name such as {p / 'results.json'}")
+    try:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        probe = p.parent / f".{p.name}.probe{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+    except (FileExistsError, NotADirectoryError):
+        raise ConfigError(f"cannot write {flag}={path}: part of its folder path is a file; pick another "
+                          f"path") from None
+    except OSError as e:
+        raise ConfigError(f"cannot write {flag}={path} ({e.strerror or e}); pick a writable path") from None
+    return p
+
+
+def write_atomically(path, text):
+    """Write text to path through a temporary file and a rename: an interrupted write leaves the old file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 # The rules check_ranges knows, each a predicate on a number; every one also requires a finite value.
 RULES = {
