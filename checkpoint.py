@@ -28,12 +28,15 @@ import hf
 from baselines import build_model, make_config
 from configurator import fail
 from model import GPT
-from tokenizer import folder_tokenizer, get_tokenizer, looks_like_hub_id, snapshot
+from tokenizer import folder_tokenizer, from_record, looks_like_hub_id, snapshot
 
 try:
     import fcntl  # the out_dir lock; absent on Windows, where runs go unlocked
 except ImportError:
     fcntl = None
+
+
+TOKENIZER_KEYS = ("tokenizer", "tokenizer_json", "eot_token")  # tokenizer.tokenizer_record's keys
 
 
 class CheckpointError(RuntimeError):
@@ -156,7 +159,8 @@ def read_checkpoint(path, verify=None) -> dict:
         print(f"warning: {path} has no checksums (written before they were added); loading it unverified",
               file=sys.stderr)
         return ckpt
-    bad = [key for key in (verify or stored) if checksums({key: ckpt.get(key)}).get(key) != stored.get(key)]
+    bad = [key for key in (verify or stored) if (key in stored or key in ckpt)  # older checkpoints lack newer keys
+           and checksums({key: ckpt.get(key)}).get(key) != stored.get(key)]
     if bad:
         raise CheckpointError(f"{path} is corrupt: its {', '.join(bad)} no longer match the checksums written with "
                               f"it; restore the file or retrain")
@@ -197,9 +201,9 @@ def load_model(init_from, device="cpu") -> Loaded:
                 raise CheckpointError(f"{folder} has no tokenizer.json; copy the model's tokenizer.json into it")
             return Loaded(model.to(device).eval(), tokenizer, str(folder), None)
         path = checkpoint_path(init_from)
-        ckpt = read_checkpoint(path, verify=("model", "model_config", "tokenizer"))  # the optimizer stays unread
+        ckpt = read_checkpoint(path, verify=("model", "model_config", *TOKENIZER_KEYS))  # the optimizer stays unread
         model = model_from_checkpoint(ckpt).to(device).eval()
-        return Loaded(model, get_tokenizer(ckpt["tokenizer"]), str(path), ckpt.get("step"))
+        return Loaded(model, from_record(ckpt), str(path), ckpt.get("step"))
     except (ValueError, ImportError, OSError) as e:  # from hf.py and tokenizer.py: bad folders, missing packages
         raise CheckpointError(str(e)) from e
 
@@ -207,25 +211,29 @@ def load_model(init_from, device="cpu") -> Loaded:
 # ----------------------------------------------------------------------------- python checkpoint.py export
 
 def main(argv):
-    p = argparse.ArgumentParser(description="Export a model to a Hugging Face folder (config.json + safetensors).")
+    p = argparse.ArgumentParser(description="Export a model to a Hugging Face folder (config.json, model.safetensors "
+                                "and the tokenizer), written whole: an interrupted export leaves no partial folder.")
     sub = p.add_subparsers(dest="command", required=True)
     ex = sub.add_parser("export", help="python checkpoint.py export SRC OUT_DIR")
     ex.add_argument("src", help="a train.py out_dir, a ckpt.pt, or a Hugging Face folder / hub id")
-    ex.add_argument("out_dir", help="the folder to write (not a train.py out_dir: its config.json differs)")
+    ex.add_argument("out_dir", help="a new or empty folder (not a train.py out_dir)")
     ex.add_argument("--dtype", choices=("float32", "bfloat16"), help="convert the weights (default: unchanged)")
+    ex.add_argument("--overwrite", action="store_true", help="replace the files already in OUT_DIR, all of them")
     args = p.parse_args(argv)
-    if (Path(args.out_dir) / "ckpt.pt").exists():
-        fail(f"{args.out_dir} holds a train.py checkpoint; export into another folder")
+    out = Path(args.out_dir)
+    if out.resolve() in {Path(args.src).resolve(), checkpoint_path(args.src).resolve().parent}:
+        fail(f"{args.out_dir} is where the model comes from; export into another folder")
     try:
+        hf.check_export_dir(out, args.overwrite)  # before loading: a refusal costs nothing
         loaded = load_model(args.src)
         model = loaded.model.to(getattr(torch, args.dtype)) if args.dtype else loaded.model
-        hf.save_pretrained(model, args.out_dir, loaded.tokenizer)
-    except (CheckpointError, ImportError) as e:
+        hf.save_pretrained(model, out, loaded.tokenizer, overwrite=args.overwrite)
+    except (CheckpointError, ImportError, ValueError) as e:
         fail(e)
     except OSError as e:
         fail(f"cannot write {args.out_dir} ({e.strerror or e}); pick a folder you can write to")
     print(f"{loaded.source} -> {args.out_dir}: {model.num_params() / 1e6:.2f}M parameters, "
-          f"{json.loads((Path(args.out_dir) / 'config.json').read_text())['architectures'][0]}")
+          f"{json.loads((out / 'config.json').read_text())['architectures'][0]}")
 
 
 if __name__ == "__main__":

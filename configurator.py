@@ -15,6 +15,7 @@ written beside it in the source, so the help can never drift from the defaults.
 """
 import ast
 import importlib
+import json
 import math
 import os
 import re
@@ -80,6 +81,16 @@ def output_file(path, flag) -> Path:
         raise ConfigError(f"cannot write {flag}={path} ({e.strerror or e}); pick a writable path") from None
     return p
 
+
+def read_json_object(path) -> dict:
+    """A JSON file that must hold an object (config.json, an index): a ValueError naming the file otherwise."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); the file is damaged: restore or re-create it") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds a JSON {type(value).__name__}, not the object it should; restore it")
+    return value
 
 def write_atomically(path, text):
     """Write text to path through a temporary file and a rename: an interrupted write leaves the old file."""

@@ -13,6 +13,7 @@ Errors are ValueError (ImportError for a missing optional package: safetensors, 
 each imported where used); checkpoint.load_model turns them into the scripts' one-line error.
 """
 import json
+import os
 import re
 import shutil
 from dataclasses import asdict
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 
 from baselines import KNOBS, build_model, make_config, residual_of
-from configurator import fail, require
+from configurator import fail, read_json_object, require
 from model import GPT, ModelConfig
 from tokenizer import HFTokenizer, snapshot
 
@@ -92,6 +93,8 @@ def config_from_hf(cfg: dict, where="config.json") -> ModelConfig:
                   k_norm_after_rope=bool(cfg.get("k_norm_after_rope", depth and qk_norm)))
     except KeyError as e:
         raise ValueError(f"{where} lacks the key {e.args[0]!r}") from e
+    except (TypeError, ValueError) as e:  # a value of the wrong type: "hidden_size": "2048"
+        raise ValueError(f"{where}: a value of the wrong type ({e})") from e
     if cfg.get("baseline_mode") not in (None, "", "none"):  # a hidden-state baseline (paper Table 1)
         kw.update(_authors_baseline(cfg, where))
     return _config(kw, where)
@@ -141,20 +144,31 @@ def read_safetensors(folder: Path) -> dict:
     """Every tensor of a folder's safetensors (one file, or the shards its index lists), memory-mapped."""
     safetensors = _safetensors()
     index = folder / "model.safetensors.index.json"
+    present = [p.name for p in sorted(folder.glob("*.safetensors"))]
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no weight_map; restore it, or delete it if the folder has one file")
         files = sorted(set(weight_map.values()))
+        unlisted = sorted(set(present) - set(files))
+        if unlisted:  # transformers would read model.safetensors, we the index: refuse rather than guess
+            raise ValueError(f"{folder} holds {', '.join(unlisted)} beside an index that lists other files, the "
+                             f"remains of two exports; delete the stale ones, or export again with --overwrite")
     else:
-        weight_map, files = None, [p.name for p in sorted(folder.glob("*.safetensors"))]
+        weight_map, files = None, present
     if not files:
         raise ValueError(f"{folder} holds no *.safetensors weights")
     tensors = {}
     for name in files:
         if not (folder / name).is_file():
             raise ValueError(f"{index} lists {name}, which is not in {folder}; the download is incomplete")
-        with safetensors.safe_open(folder / name, framework="pt") as f:  # tensors stay views of the file
-            for key in f.keys():
-                tensors[key] = f.get_tensor(key)
+        try:
+            with safetensors.safe_open(folder / name, framework="pt") as f:  # tensors stay views of the file
+                for key in f.keys():
+                    tensors[key] = f.get_tensor(key)
+        except Exception as e:  # SafetensorError: truncated or foreign bytes
+            raise ValueError(f"{folder / name} is not a readable safetensors file ({e}); it may be truncated: "
+                             f"download or export it again") from e
     if weight_map is not None and weight_map.keys() != tensors.keys():
         raise ValueError(f"{index} and the shards disagree on {sorted(weight_map.keys() ^ tensors.keys())[:5]}")
     return tensors
@@ -167,7 +181,7 @@ def from_pretrained(path_or_hub_id, dtype=None) -> GPT:
     folder = snapshot(path_or_hub_id)
     if not is_hf_folder(folder):
         raise ValueError(f"{folder} is not a Hugging Face model folder (config.json + *.safetensors)")
-    config = config_from_hf(json.loads((folder / "config.json").read_text()), f"{folder}/config.json")
+    config = config_from_hf(read_json_object(folder / "config.json"), f"{folder}/config.json")
     with torch.device("meta"):
         model = build_model(config)
     expected = {k: v.shape for k, v in model.state_dict().items()}
@@ -199,23 +213,58 @@ def from_pretrained(path_or_hub_id, dtype=None) -> GPT:
     return model
 
 
-def save_pretrained(model: GPT, out_dir, tokenizer=None):
-    """config.json + model.safetensors, plus the tokenizer: a tokenizer.json is copied, a tiktoken encoding's
-    name is recorded (our loader reads it; other tools need the matching tokenizer.json). A vanilla model is a
-    Qwen3 folder that transformers loads; from_pretrained reads any of them back exactly."""
+def save_pretrained(model: GPT, out_dir, tokenizer, overwrite=False):
+    """config.json + model.safetensors + the tokenizer, a folder that loads from anywhere: a tokenizer.json is
+    written out (its contents, not a path), a tiktoken encoding's name is recorded (our loader rebuilds it).
+    tokenizer=None writes the weights alone (from_pretrained reads them; the scripts then need a tokenizer.json
+    added). A vanilla model is a Qwen3 folder that transformers loads; from_pretrained reads any of them exactly.
+
+    The folder is written beside out_dir and renamed into place, so an interrupted export leaves nothing half
+    written, and a replaced folder (overwrite=True) keeps no file of the earlier one (a stale shard index would
+    otherwise be read before the new weights)."""
     safetensors_torch = _safetensors("safetensors.torch")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    check_export_dir(out, overwrite)
+    if tokenizer is not None and tokenizer.n_vocab > model.config.vocab_size:
+        raise ValueError(f"the tokenizer {tokenizer.name} has {tokenizer.n_vocab} tokens, more than the model's "
+                         f"vocab_size {model.config.vocab_size}: it is not this model's tokenizer")
     state = {hf_name(k): v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()
              if not (k == "lm_head.weight" and model.config.tie_embeddings)}  # a tied head is not stored twice
     dtype = model.embed_tokens.weight.dtype
     cfg = hf_config(model.config, dtype, getattr(tokenizer, "eot_token", None))
-    if isinstance(tokenizer, HFTokenizer):
-        shutil.copyfile(tokenizer.path, out / "tokenizer.json")
-    elif tokenizer is not None:
-        cfg["tokenizer"] = tokenizer.name  # tokenizer.get_tokenizer(name) rebuilds it
-    safetensors_torch.save_file(state, out / "model.safetensors", metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir(parents=True)
+        if isinstance(tokenizer, HFTokenizer):
+            (tmp / "tokenizer.json").write_text(tokenizer.text)
+        elif tokenizer is not None:
+            cfg["tokenizer"] = tokenizer.name  # tokenizer.get_tokenizer(name) rebuilds it
+        safetensors_torch.save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        old = out.with_name(f".{out.name}.old{os.getpid()}")
+        if out.exists():
+            os.replace(out, old)
+        os.replace(tmp, out)
+        shutil.rmtree(old, ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_export_dir(out: Path, overwrite):
+    """Refuse a folder save_pretrained must not replace: a file, a train.py out_dir, anything with subfolders
+    (never deleted wholesale), or files of any kind unless overwrite."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"{out} is a file; export into a folder")
+    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if {"ckpt.pt", "train.lock"} & set(held):
+        raise ValueError(f"{out} is a train.py out_dir; export into another folder")
+    if any((out / name).is_dir() for name in held):
+        raise ValueError(f"{out} holds folders ({', '.join(n for n in held if (out / n).is_dir())}); export into an "
+                         f"empty or new folder")
+    if held and not overwrite:
+        raise ValueError(f"{out} already holds {', '.join(held[:3])}{' ...' if len(held) > 3 else ''}; replace it "
+                         f"whole with --overwrite (overwrite=True in Python), or export into a new folder")
 
 
 if __name__ == "__main__":  # the command moved to the module that loads every kind of source

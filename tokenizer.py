@@ -11,14 +11,13 @@ No torch here, so prepare_data.py and its tokenizer processes never import it. t
 are optional, imported where used. Errors are ValueError (ImportError with the pip line for a missing package;
 RuntimeError when the gpt2 files cannot be downloaded).
 """
-import json
 import re
 from functools import lru_cache
 from pathlib import Path
 
 import tiktoken
 
-from configurator import require
+from configurator import read_json_object, require
 
 EOT = "<|endoftext|>"
 
@@ -49,13 +48,20 @@ def get_tokenizer(name):
 class HFTokenizer:
     """A tokenizer.json (the `tokenizers` package) behind the interface of the tiktoken encodings above."""
 
-    def __init__(self, path, eot_token=None, name=None):
+    def __init__(self, path, eot_token=None, name=None, text=None):
+        """From the file at path, or from text, the file's contents kept in a checkpoint (path is then only
+        the name it was read from). `self.text` is what an export or a checkpoint stores: never a path,
+        which would break once the folder is moved or read from another working directory."""
         tokenizers = require("tokenizers", "a Hugging Face tokenizer.json")
-        self.path = Path(path)
-        self._tok = tokenizers.Tokenizer.from_file(str(self.path))
-        self._plain = tokenizers.Tokenizer.from_file(str(self.path))
+        try:
+            self.text = Path(path).read_text() if text is None else text
+            self._tok = tokenizers.Tokenizer.from_str(self.text)
+            self._plain = tokenizers.Tokenizer.from_str(self.text)
+        except Exception as e:  # unreadable, not JSON, or JSON that is not a tokenizer
+            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise ValueError(f"{path}: not a readable tokenizer.json ({reason})") from e
         self._plain.encode_special_tokens = True  # special-token text is encoded as plain text
-        self.name = name or str(self.path)
+        self.name = name or str(path)
         self.n_vocab = self._tok.get_vocab_size(with_added_tokens=True)
         self.special = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
         self.eot_token = eot_token if eot_token is not None else self._tok.token_to_id(EOT)
@@ -78,6 +84,25 @@ class HFTokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
 
+TIKTOKEN = ("bytes", "gpt2")  # rebuilt from their names; any other tokenizer is a tokenizer.json
+
+
+def tokenizer_record(name) -> dict:
+    """What a checkpoint stores to rebuild the tokenizer `name` anywhere: the name of a tiktoken encoding, or a
+    tokenizer.json's contents and end-of-text id (a path would break once the run is moved)."""
+    if name in TIKTOKEN:
+        return {"tokenizer": name}
+    enc = get_tokenizer(name)
+    return {"tokenizer": enc.name, "tokenizer_json": enc.text, "eot_token": enc.eot_token}
+
+
+def from_record(record: dict):
+    """The tokenizer a tokenizer_record (or an older checkpoint, which holds only the name) describes."""
+    if "tokenizer_json" in record:
+        return HFTokenizer(record["tokenizer"], record["eot_token"], text=record["tokenizer_json"])
+    return get_tokenizer(record["tokenizer"])
+
+
 def load_tokenizer(name_or_path):
     """The tokenizer of a Hugging Face folder, a tokenizer.json file or a hub id; the end-of-text id comes from
     the folder's config.json (eos_token_id) when it has one."""
@@ -94,7 +119,7 @@ def load_tokenizer(name_or_path):
 def folder_tokenizer(folder):
     """A folder's tokenizer: its tokenizer.json, or the tiktoken encoding our export recorded; None if neither."""
     folder = Path(folder)
-    cfg = json.loads((folder / "config.json").read_text()) if (folder / "config.json").is_file() else {}
+    cfg = read_json_object(folder / "config.json") if (folder / "config.json").is_file() else {}
     if (folder / "tokenizer.json").is_file():
         return HFTokenizer(folder / "tokenizer.json", cfg.get("eos_token_id"), name=str(folder))
     if "tokenizer" in cfg:

@@ -37,7 +37,7 @@ from checkpoint import (CheckpointError, claim_out_dir, load_model, read_checkpo
                         set_rng_state)
 from configurator import ConfigError, check_ranges, fail, parse_config, require, resolve_device
 from model import GPT
-from tokenizer import get_tokenizer
+from tokenizer import TIKTOKEN, get_tokenizer, tokenizer_record
 
 MODEL_KEYS = [f.name for f in fields(BaselineConfig)]  # the decoder's, Depth-Attention's and the baselines' keys
 DEFAULTS = {
@@ -178,8 +178,11 @@ def load_init(cfg, meta):
     probe = "Probe: the quick brown fox, 1234.\n"
     if meta["vocab_size"] > theirs["vocab_size"] or data_enc.eot_token != init.tokenizer.eot_token \
             or data_enc.encode(probe) != init.tokenizer.encode(probe):
-        fail(f"the data was tokenized with {meta['tokenizer']}, but {cfg['init_from']} uses {init.tokenizer.name}; "
-             f"prepare the data with the model's tokenizer (prepare_data.py --tokenizer={cfg['init_from']})")
+        name = init.tokenizer.name  # prepare_data.py takes a tiktoken name or a tokenizer.json's file or folder
+        usable = f"--tokenizer={name}" if name in TIKTOKEN or Path(name).exists() else \
+            f"export the model first, `python checkpoint.py export {cfg['init_from']} DIR`, then --tokenizer=DIR"
+        fail(f"the data was tokenized with {meta['tokenizer']}, but {cfg['init_from']} uses {name}; prepare the "
+             f"data with the model's tokenizer (prepare_data.py {usable})")
     cfg.update({k: theirs[k] for k in shaping(theirs)})
     return init.model
 
@@ -319,14 +322,15 @@ def setup_process(cfg) -> Process:
 
 def build(cfg, meta, data_dir, ckpt, master):
     """The model (unwrapped: eval, sampling and checkpoints use it) initialised from the seed, or with --init_from's
-    weights (a resumed run's come from its checkpoint later), its config, and the tokenizer of the end-of-run
-    sample (None when there is none)."""
+    weights (a resumed run's come from its checkpoint later), its config, the tokenizer of the end-of-run
+    sample (None when there is none) and the tokenizer's record for the checkpoints (tokenizer_record)."""
     init = load_init(cfg, meta) if cfg["init_from"] and ckpt is None else None  # resuming restores everything
     if cfg["vocab_size"] is None:
         cfg["vocab_size"] = meta["vocab_size"]
     try:
         model_config = make_config(**{k: cfg[k] for k in MODEL_KEYS})
         enc = get_tokenizer(meta["tokenizer"]) if cfg["sample_tokens"] and master else None
+        tokenizer = tokenizer_record(meta["tokenizer"])
     except (ValueError, RuntimeError) as e:  # a bad model shape; a tokenizer that cannot be loaded offline
         fail(e)
     needed = max(meta["vocab_size"], meta.get("max_token_id", -1) + 1)  # older datasets lack max_token_id
@@ -337,7 +341,7 @@ def build(cfg, meta, data_dir, ckpt, master):
     model = build_model(model_config)
     if init is not None:
         model.load_state_dict(init.state_dict())  # copied into this model's float32 parameters
-    return model, model_config, enc
+    return model, model_config, enc, tokenizer
 
 
 def make_optimizer(model, cfg, device):
@@ -448,7 +452,7 @@ def main(argv):
     lock = claim(cfg, ckpt) if master else None  # held until the process exits
     history = config_history(cfg, ckpt, master)
     data_dir, meta, train, val = open_data(cfg, master)
-    model, model_config, enc = build(cfg, meta, data_dir, ckpt, master)  # --init_from sets the model keys
+    model, model_config, enc, tokenizer = build(cfg, meta, data_dir, ckpt, master)  # --init_from sets the model keys
     model.to(device)
     T = cfg["block_size"]
     mb, accum, rows = batch_layout(cfg, proc.world)
@@ -465,7 +469,7 @@ def main(argv):
     fwd = torch.compile(ddp_model or model) if cfg["compile"] else (ddp_model or model)
 
     out_dir = Path(cfg["out_dir"])
-    run = {"config": cfg, "model_config": asdict(model_config), "tokenizer": meta["tokenizer"],
+    run = {"config": cfg, "model_config": asdict(model_config), **tokenizer,
            "data_dir": str(data_dir), "config_history": history}  # saved with every checkpoint
     wandb = start_log(cfg, history, out_dir, step) if master else None
     if master:

@@ -198,7 +198,7 @@ ROUND_TRIPS = [dict(depth_mode=m) for m in DEPTH_MODES] + [
 @pytest.mark.parametrize("overrides", ROUND_TRIPS, ids=str)
 def test_save_pretrained_round_trips(tmp_path, overrides):
     model = tiny_model(**overrides).eval()
-    hf.save_pretrained(model, tmp_path)
+    hf.save_pretrained(model, tmp_path, None)
     back = hf.from_pretrained(tmp_path).eval()
     assert asdict(back.config) == asdict(model.config)
     assert back.num_params() == model.num_params()  # a tied head is shared again, not duplicated
@@ -212,7 +212,7 @@ def test_save_pretrained_round_trips(tmp_path, overrides):
 
 def test_bf16_export_round_trips(tmp_path):
     model = tiny_model(dtype=torch.bfloat16).eval()
-    hf.save_pretrained(model, tmp_path)
+    hf.save_pretrained(model, tmp_path, None)
     assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "bfloat16"
     back = hf.from_pretrained(tmp_path).eval()
     idx = torch.randint(0, 50, (2, 7))
@@ -223,7 +223,7 @@ def test_bf16_export_round_trips(tmp_path):
 def test_depth_export_is_in_the_authors_layout(tmp_path):
     """Without our own record, the authors' keys alone rebuild a model that uses their k_norm order."""
     model = tiny_model(depth_mode="value", depth_stride=2, k_norm_after_rope=True, norm_eps=1e-5)
-    hf.save_pretrained(model, tmp_path)
+    hf.save_pretrained(model, tmp_path, None)
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["use_depth_attention"] is True
     assert (cfg["depth_attention_stride"], cfg["depth_attention_recent_window"]) == (2, 0)
@@ -242,7 +242,7 @@ def test_depth_export_is_in_the_authors_layout(tmp_path):
 def test_transformers_loads_a_vanilla_export(tmp_path, overrides, arch):
     from transformers import AutoModelForCausalLM
     model = tiny_model(depth_mode="vanilla", rope_theta=500.0, block_size=64, **overrides).eval()
-    hf.save_pretrained(model, tmp_path)
+    hf.save_pretrained(model, tmp_path, None)
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     assert type(theirs).__name__ == arch
     idx = torch.randint(0, 50, (2, 40))

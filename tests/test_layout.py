@@ -76,7 +76,7 @@ def test_a_checkpoint_in_the_old_format_loads_and_samples_as_before(tmp_path, ov
 def test_an_export_in_the_old_format_loads_as_before(tmp_path, overrides):
     """An export whose config.json recorded the old flat ModelConfig dict (baseline keys at their defaults)."""
     source = tiny_model(**overrides).eval()
-    hf.save_pretrained(source, tmp_path)
+    hf.save_pretrained(source, tmp_path, None)
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg[hf.OUR_CONFIG] = {**OLD_BASELINE_KEYS, **cfg[hf.OUR_CONFIG]}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
