@@ -19,6 +19,7 @@ import inspect
 import json
 import math
 import os
+import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -423,6 +424,34 @@ def train_step(fwd, ddp_model, model, batches, accum, grad_clip, proc):
     return loss_sum.item() / (accum * proc.world), grad_norm
 
 
+class StopSignals:
+    """Ctrl-C (SIGINT) and SIGTERM (what a scheduler sends before preemption) ask the run to stop: the step in
+    flight finishes, a checkpoint is written, and the process exits with 128 + the signal's number. A second
+    Ctrl-C stops at once (KeyboardInterrupt: the last checkpoint stays)."""
+
+    def __init__(self):
+        self.received = 0
+        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def handle(self, signum, frame):
+        if signum == signal.SIGINT and self.received == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = self.received or signum
+
+    def agreed(self, proc) -> int:
+        """The signal any rank received, 0 for none: under torchrun every rank stops after the same step (one
+        that stopped alone would leave the others waiting in a collective), often only some got the signal."""
+        if not proc.distributed:
+            return self.received
+        flag = torch.tensor(self.received, device=proc.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+    def restore(self):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
 def save(model, optimizer, step, best_val, lr, run, path, last_ckpt, master):
     """The checkpoint of `step` (never of a diverged model); run: the entries that describe the whole run."""
     if not torch.stack([p.isfinite().all() for p in model.parameters()]).all():
@@ -484,6 +513,7 @@ def main(argv):
     if step == 0 and cfg["eval_interval"] > 0:
         best_val = min(best_val, eval_and_log(model, val, my_val, mb, T, proc, 0, out_dir, wandb))
     bar = tqdm(total=cfg["max_iters"], initial=step, unit="step", disable=True if not master else None)
+    signals, stopped_by = StopSignals(), 0
     while step < cfg["max_iters"]:
         t0 = time.perf_counter()
         lr = lr_at(step, cfg)
@@ -508,26 +538,36 @@ def main(argv):
                            f"| tok/s {cfg['batch_tokens'] / dt:.0f}")
         if (cfg["eval_interval"] > 0 and step % cfg["eval_interval"] == 0) or step == cfg["max_iters"]:
             best_val = min(best_val, eval_and_log(model, val, my_val, mb, T, proc, step, out_dir, wandb))
-        stop = step == cfg["stop_at_step"]
+        stopped_by = signals.agreed(proc) if step < cfg["max_iters"] else 0  # a finished run is just done
+        stop = step == cfg["stop_at_step"] or stopped_by
         if (every_ckpt and step % every_ckpt == 0) or step == cfg["max_iters"] or stop:
             save(model, optimizer, step, best_val, lr, run, out_dir / "ckpt.pt", last_ckpt, master)
             last_ckpt = step
         if stop:
-            if master:
+            if master and not stopped_by:
                 tqdm.write(f"stopping at step {step} (stop_at_step); continue with --resume=True")
             break
     bar.close()
+    signals.restore()
 
     if master and enc is not None and step == cfg["max_iters"]:
         sample_preview(model, enc, cfg, device)
-    if master:
+    if master and stopped_by:
+        print(f"stopped by {signal.Signals(stopped_by).name} after step {step}, saved to {out_dir / 'ckpt.pt'}; "
+              f"continue with the same command and --resume=True", file=sys.stderr)
+    elif master:
         print(f"done: step {step} | best val_loss {best_val:.4f} | checkpoint {out_dir / 'ckpt.pt'}")
     if wandb:
         wandb.finish()
     if proc.distributed:
         dist.barrier()  # under gloo, a rank that leaves first can abort the others
         dist.destroy_process_group()
+    if stopped_by:
+        sys.exit(128 + stopped_by)  # the shell's convention for "ended by a signal": the run is not finished
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except KeyboardInterrupt:  # before training began, or a second Ctrl-C: the last checkpoint stays
+        fail("interrupted; the last checkpoint written (if any) is intact: continue with --resume=True")
