@@ -265,6 +265,13 @@ def check_export_dir(out: Path, overwrite):
     if held and not overwrite:
         raise ValueError(f"{out} already holds {', '.join(held[:3])}{' ...' if len(held) > 3 else ''}; replace it "
                          f"whole with --overwrite (overwrite=True in Python), or export into a new folder")
+    try:  # the folder is written beside out_dir: check before a large model is loaded for nothing
+        out.parent.mkdir(parents=True, exist_ok=True)
+        writable = os.access(out.parent, os.W_OK | os.X_OK)
+    except OSError:
+        writable = False
+    if not writable:
+        raise ValueError(f"cannot write into {out.parent}; export into a folder you can write to")
 
 
 if __name__ == "__main__":  # the command moved to the module that loads every kind of source

@@ -93,6 +93,7 @@ def test_export_never_overwrites_a_foreign_folder(run_dir, tmp_path):
     assert "where the model comes from" in one_error_line(export(run_dir, run_dir))
     (tmp_path / "file").write_text("x")
     assert "is a file" in one_error_line(export(run_dir, tmp_path / "file"))
+    assert "cannot write into" in one_error_line(export(run_dir, tmp_path / "file" / "hf"))
     assert (tmp_path / "file").read_text() == "x"
 
 
