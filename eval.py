@@ -7,16 +7,22 @@ lm-evaluation-harness (`pip install lm-eval`), zero-shot or five-shot, and valid
     python eval.py --init_from=out/RUN --tasks= --ppl=pile      # perplexity of data/pile/val.bin only
     python eval.py --init_from=zeng123/Depth-attention-3B       # a Hugging Face folder or hub id
     python eval.py --init_from=out/RUN --include_path=my_tasks --tasks=my_task   # task YAMLs on disk
+    python eval.py --init_from=out/RUN --tasks='arc_*'          # a glob: every task whose name matches
 
 The model is an lm-eval language model here (`EvalLM`): lm-eval builds the prompts, asks for log-likelihoods
 or generations and computes the metrics; this file only turns text into token scores. Inputs longer than the
 context are left-truncated, as lm-eval's Hugging Face models do. Task data downloads from the Hugging Face Hub
 on first use (then cached); tasks defined by local files (--include_path) need no network.
+
+Bad input stops with one `error:` line before anything slow: the flags, the --json path and the --ppl data
+first, then the tasks are built (their files read, their data loaded, the few-shot pools counted), then the
+model is loaded and the --ppl data checked against its tokenizer; only then does scoring start.
 """
 import argparse
 import json
 import math
 import sys
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -25,9 +31,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import paper
+import prepare_data
 from checkpoint import CheckpointError, load_model
-from configurator import ConfigError, check_ranges, fail, resolve_device
+from configurator import ConfigError, check_ranges, fail, output_file, resolve_device, write_atomically
 from model import fp32_or_wider
+from tokenizer import get_tokenizer, same_tokenizer, tokenizer_flag
 
 try:  # optional: only the downstream tasks need it; --ppl works without
     import lm_eval
@@ -39,7 +47,9 @@ except ImportError:
 # lm-evaluation-harness names of the paper's tasks: LAMBADA, PIQA, WinoGrande, SciQ, HellaSwag, ARC-Easy,
 # ARC-Challenge, RACE (Table 1).
 PAPER_TASKS = ("lambada_openai", "piqa", "winogrande", "sciq", "hellaswag", "arc_easy", "arc_challenge", "race")
-KEY_RANGES = {"batch_size": ">= 1"}
+KEY_RANGES = {"batch_size": ">= 1", "num_fewshot": ">= 0", "limit": "> 0"}
+GLOB_CHARACTERS = set("*?[")  # fnmatch's: a --tasks name with one of them is a pattern
+RESULT_MAX_BYTES = 1 << 26  # an earlier results file is far smaller; a larger file at --json is something else
 
 
 @torch.no_grad()
@@ -92,9 +102,9 @@ class EvalLM(TemplateLM):
         block_size + 1 tokens, exactly lm-eval's Hugging Face rule; the continuation must fit whole."""
         rows = []
         for _, context, continuation in requests:
-            if len(continuation) > self.max_length:
-                raise ValueError(f"a continuation of {len(continuation)} tokens does not fit the model's context "
-                                 f"of {self.max_length} tokens")
+            if len(continuation) > self.max_length:  # a task this model cannot score: no truncation is right
+                fail(f"a task's answer of {len(continuation)} tokens does not fit the model's context of "
+                     f"{self.max_length} tokens (block_size); leave that task out of --tasks")
             rows.append((context + continuation)[-(self.max_length + 1):])
         scored = token_logprobs(self.model, rows, self.batch_size, self.eot_token_id, progress=not disable_tqdm)
         return [(logp[-len(cont):].sum().item(), bool(greedy[-len(cont):].all()))
@@ -134,20 +144,166 @@ class EvalLM(TemplateLM):
         return out
 
 
+# ----------------------------------------------------------------------------- the tasks, built before the model
+
 def task_manager(names, include_path):
-    """lm-eval's TaskManager, after checking that it knows every name. Indexing lm-eval's ~15,000 built-in task
-    files takes ~15 s, so when --include_path defines all the names, only that folder is indexed."""
+    """(lm-eval's TaskManager, the task names to run): every name known, each glob expanded. Indexing lm-eval's
+    ~15,000 built-in task files takes ~15 s, so when --include_path defines all the names as tasks or tags, only
+    that folder is indexed (not for a glob, which may match built-in tasks too, nor a group, whose tasks may be
+    built-in)."""
     from lm_eval.tasks import TaskManager
-    if include_path:
+    if include_path and not any(GLOB_CHARACTERS & set(n) for n in names):
         local = TaskManager(include_path=include_path, include_defaults=False)
-        if set(local.match_tasks(names)) >= set(names):
-            return local
+        if set(names) <= set(local.all_subtasks) | set(local.all_tags):
+            return local, names
     manager = TaskManager(include_path=include_path)
-    missing = [n for n in names if not manager.match_tasks([n])]
+    selected = {n: matching(manager, n) for n in names}
+    missing = [n for n, found in selected.items() if not found]
     if missing:
-        fail(f"unknown task(s) {', '.join(missing)}: list lm-eval's tasks with `lm-eval ls tasks`, or give a "
-             f"folder of task YAML files with --include_path")
-    return manager
+        unreadable = unreadable_task_files(manager, include_path) if include_path else []
+        fail(f"unknown task(s) {', '.join(missing)}" + (
+            f"; lm-eval skipped these task files of --include_path: {'; '.join(unreadable)}" if unreadable else
+            ": list lm-eval's tasks with `lm-eval ls tasks`, or give a folder of task YAML files with --include_path"
+            " (a glob selects single tasks, not groups or tags)"))
+    return manager, list(dict.fromkeys(t for found in selected.values() for t in found))
+
+
+def matching(manager, name):
+    """The tasks `name` selects: itself, or for a glob every single task whose name matches. A glob leaves out
+    groups and tags, whose tasks it matches as well: lm-eval refuses a task that would run twice."""
+    if not GLOB_CHARACTERS & set(name):
+        return [name] if name in manager.all_tasks else []
+    single = set(manager.all_subtasks)
+    return [t for t in manager.match_tasks([name]) if t in single]
+
+
+def unreadable_task_files(manager, include_path):
+    """'FILE (why)' for each task YAML under include_path that lm-eval's index left out: lm-eval skips a file it
+    cannot read without a word, so a typo in a task file would otherwise read as an unknown task name."""
+    try:
+        from lm_eval.tasks._index import TaskIndex  # lm-eval's own reader of one task file, a private module
+    except ImportError:  # another lm-eval layout: the plain unknown-task message must do
+        return []
+    indexed = {e.yaml_path.resolve() for e in manager.task_index.values() if e.yaml_path}
+    unreadable = []
+    for path in sorted(Path(include_path).rglob("*.yaml")):
+        if path.resolve() not in indexed:
+            try:
+                TaskIndex.entry_from_path(path)
+            except Exception as e:  # what the index caught and dropped: a YAML error, a file with no task key
+                unreadable.append(f"{path} ({one_line(e)})")
+    return unreadable
+
+
+def build_tasks(manager, names, num_fewshot):
+    """The tasks lm-eval will run, built now, before the model is loaded: building reads each task's file and
+    data (downloading it on first use) and renders a first document, so a broken task file, missing data or a
+    template field the data lacks is one error line here instead of a traceback after the model has loaded."""
+    built = []
+    for name in names:
+        try:
+            loaded = manager.load([name])
+        except ConnectionError as e:  # datasets raises this when the Hub is out of reach
+            fail(f"could not download the data of task {name} ({one_line(e)}); run once with network access (it "
+                 f"is cached), or use local task files with --include_path")
+        except Exception as e:  # lm-eval, datasets and jinja2 raise anything for a bad task file or its data
+            fail(task_problem(manager, name, e))
+        built += [loaded["groups"][name]] if name in loaded["groups"] else list(loaded["tasks"].values())
+    try:
+        tasks = manager.load(built)["tasks"]  # lm-eval's check that no task runs twice (alone and in a group)
+    except ValueError as e:
+        fail(f"{e}: give --tasks the group or its tasks, not both")
+    for task in tasks.values():
+        check_fewshot(task, num_fewshot)
+    return built
+
+
+def task_problem(manager, name, e):
+    """The error line for a task lm-eval could not build: the task's file, and the first line of its JSON-lines
+    data that does not parse when there is one (datasets' own message names neither the file nor the line)."""
+    entry = manager.task_index.get(name)
+    where = f"task {name}" + (f" ({entry.yaml_path})" if entry and entry.yaml_path else "")
+    data_files = ((entry.cfg or {}) if entry else {}).get("dataset_kwargs", {}).get("data_files") or []
+    for files in data_files.values() if isinstance(data_files, dict) else [data_files]:
+        for path in map(Path, [files] if isinstance(files, str) else files):
+            bad = first_bad_json_line(path) if path.suffix == ".jsonl" and path.is_file() else None
+            if bad:
+                return f"{where}: {bad}; fix that line"
+    if type(e).__name__ == "UndefinedError":  # jinja2's, from a {{field}} of doc_to_text, doc_to_choice, ...
+        return f"{where}: its templates name a field its data does not have ({e}); fix the task file or the data"
+    root = e
+    while root.__cause__ or root.__context__:  # datasets may fail again while wording its own error
+        root = root.__cause__ or root.__context__
+    cause = f", from {one_line(root)}" if root is not e else ""
+    return f"{where} cannot be built: {one_line(e)}{cause}; fix the task file or its data"
+
+
+def first_bad_json_line(path):
+    """'FILE, line N, ...' for the first line of a JSON-lines file that is not a JSON object, else None."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                doc = json.loads(line.rstrip("\r\n"))
+            except json.JSONDecodeError as e:
+                return f"{path}, line {n}, is not JSON ({e.msg} at column {e.colno})"
+            if not isinstance(doc, dict):
+                return f"{path}, line {n}, is a JSON {type(doc).__name__}, not an object"
+    return None
+
+
+def check_fewshot(task, num_fewshot):
+    """lm-eval draws each prompt's examples from the task's few-shot documents, less the document being scored
+    when they are the split under evaluation; asking for more than there are would stop the run mid-way."""
+    n = 0 if task.get_config("num_fewshot") == 0 else num_fewshot  # lm-eval keeps a task's own 0
+    sampler, fewshot = getattr(task, "sampler", None), getattr(task, "fewshot_cfg", None)
+    pool = len(sampler.fewshot_docs()) if sampler else 0
+    room = pool - bool(fewshot and fewshot.split == task.get_config("test_split"))
+    if n > room:
+        fail(f"--num_fewshot={n} but task {task.task_name} has {max(room, 0)} documents to draw examples from; "
+             f"lower --num_fewshot")
+
+
+def one_line(e):
+    """An exception as one line: its class and its message with every run of white space (newlines too) a space."""
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"
+
+
+# ----------------------------------------------------------------------------- perplexity of a val.bin
+
+def open_ppl_data(data_root, name):
+    """(folder, meta.json, val.bin memory-mapped) of the --ppl dataset, checked before anything is loaded."""
+    data_dir = Path(data_root) / name
+    try:
+        meta = prepare_data.load_meta(data_dir)  # meta.json, and the .bin sizes it promises
+    except FileNotFoundError as e:
+        fail(f"{e}; or set --data_root to the folder that holds {name}/")
+    except RuntimeError as e:
+        fail(e)
+    val = data_dir / "val.bin"
+    if not val.is_file() or val.stat().st_size < 4:  # two uint16 ids: one input, one target
+        fail(f"{val} holds fewer than 2 tokens: rebuild {data_dir} with prepare_data.py --force")
+    return data_dir, meta, np.memmap(val, dtype=np.uint16, mode="r")
+
+
+def check_ppl_data(data, loaded, init_from):
+    """--ppl data this model can score: in its tokenizer (else the perplexity measures nothing) and with no id
+    beyond its vocabulary (else the embedding raises an IndexError, or a device-side assert on CUDA)."""
+    data_dir, meta, tokens = data
+    vocab = loaded.model.config.vocab_size
+    try:
+        data_enc = get_tokenizer(meta["tokenizer"])
+    except (ValueError, RuntimeError) as e:  # a tokenizer folder gone, or gpt2's files not downloadable
+        fail(e)
+    if meta["vocab_size"] > vocab or not same_tokenizer(data_enc, loaded.tokenizer):
+        fail(f"{data_dir} was tokenized with {meta['tokenizer']}, but {init_from} uses {loaded.tokenizer.name}, so "
+             f"its perplexity would mean nothing; prepare the data with the model's tokenizer (prepare_data.py "
+             f"SOURCE {tokenizer_flag(loaded.tokenizer, init_from)} --name NAME)")
+    top = int(tokens.max())
+    if top >= vocab:
+        fail(f"{data_dir / 'val.bin'} holds token id {top}, beyond the model's vocab_size {vocab}: the file does not "
+             f"match its meta.json; rebuild it with prepare_data.py --force")
 
 
 def perplexity(model, data_dir, batch_size, pad_id, limit=None):
@@ -200,41 +356,107 @@ def print_table(results, num_fewshot, limited):
                   + ", ".join(f"{k} {v}" for k, v in paper.TABLE1_PPL.items()))
 
 
-def main(argv):
+# ----------------------------------------------------------------------------- the command line
+
+def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.error = lambda message: fail(f"{message} (python eval.py --help lists the flags)")  # one line, not usage
     p.add_argument("--init_from", required=True,
                    help="a train.py out_dir (its ckpt.pt), a checkpoint file, a Hugging Face folder or hub id")
     p.add_argument("--tasks", default=",".join(PAPER_TASKS),
-                   help="comma-separated lm-eval task names or globs; default: the paper's eight; empty: none")
+                   help="comma-separated lm-eval task names or globs (quoted: 'arc_*' runs every single task whose "
+                        "name matches, not the groups); default: the paper's eight; empty: none")
     p.add_argument("--num_fewshot", type=int, default=0, help="examples in each prompt (the paper: 0 and 5); default 0")
     p.add_argument("--limit", type=float, help="score only this many examples per task (< 1: a fraction) and "
                    "this many --ppl windows; for quick checks, not for reported numbers")
     p.add_argument("--batch_size", type=int, default=16, help="sequences per forward pass; default 16")
     p.add_argument("--device", default="auto", help="default auto: cuda, then mps, then cpu")
     p.add_argument("--include_path", help="a folder of extra lm-eval task YAML files (lm-eval's own option)")
-    p.add_argument("--json", help="write lm-eval's results dictionary here (plus 'ppl' with --ppl)")
+    p.add_argument("--json", help="write lm-eval's results dictionary here (plus 'ppl' with --ppl); an existing "
+                   "file is replaced only if it holds an earlier result")
     p.add_argument("--ppl", metavar="DATASET", help="also report the perplexity of <data_root>/DATASET/val.bin "
-                   "(a prepare_data.py output), e.g. pile")
+                   "(a prepare_data.py output in the model's tokenizer), e.g. pile")
     p.add_argument("--data_root", default="data", help="the folder that holds the --ppl dataset; default data")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
-    names = [t.strip() for t in args.tasks.split(",") if t.strip()]
+
+def check_flags(args):
+    """Every check that needs neither the model nor the tasks, so that a typo costs no loading:
+    (task names, device, the --json path or None)."""
+    names = list(dict.fromkeys(t.strip() for t in args.tasks.split(",") if t.strip()))
     if not names and not args.ppl:
         fail("nothing to evaluate: give --tasks, --ppl=DATASET, or both")
     try:
         check_ranges(vars(args), KEY_RANGES)
+        if args.limit is not None and args.limit >= 1 and args.limit != int(args.limit):
+            raise ConfigError(f"--limit={args.limit:g}: give a whole number of examples, or a fraction below 1")
         device = resolve_device(args.device)
+        json_path = result_file(args.json) if args.json else None
     except (ConfigError, ValueError) as e:
         fail(e)
     if names and lm_eval is None:
         fail("the downstream tasks need lm-evaluation-harness: pip install lm-eval (or --tasks= with --ppl only)")
     if args.include_path and not Path(args.include_path).is_dir():
         fail(f"--include_path {args.include_path} is not a folder of task YAML files")
-    data_dir = Path(args.data_root) / (args.ppl or "")
-    if args.ppl and not (data_dir / "val.bin").is_file():
-        fail(f"{data_dir / 'val.bin'} not found: run `python prepare_data.py {args.ppl}` (or `prepare_data.py text "
-             f"--input FILES --name {args.ppl}`) first, or set --data_root")
-    manager = task_manager(names, args.include_path) if names else None
+    return names, device, json_path
+
+
+def result_file(path) -> Path:
+    """--json's path, checked before any work: writable, and not a file that the run would destroy: an existing
+    file is replaced only if it holds an earlier result (a slip such as --json=out/RUN/ckpt.pt keeps the
+    checkpoint). Raises ConfigError."""
+    p = output_file(path, "--json")
+    if p.is_file() and p.stat().st_size:
+        try:
+            earlier = json.loads(p.read_bytes()) if p.stat().st_size <= RESULT_MAX_BYTES else None
+        except ValueError:  # not UTF-8, not JSON
+            earlier = None
+        if not (isinstance(earlier, dict) and {"results", "ppl"} & earlier.keys()):
+            raise ConfigError(f"--json={path} exists and is not an earlier eval.py result; pick another path, or "
+                              f"delete the file if it may go")
+    return p
+
+
+def evaluate(model, enc, tasks, manager, data, args):
+    """lm-eval's results for the tasks (already built), plus 'ppl' for --ppl data (already checked)."""
+    results = {}
+    try:
+        if tasks:
+            limit = None if args.limit is None else int(args.limit) if args.limit >= 1 else args.limit
+            results = lm_eval.simple_evaluate(EvalLM(model, enc, args.batch_size), tasks=tasks,
+                                              num_fewshot=args.num_fewshot, limit=limit, task_manager=manager,
+                                              log_samples=False)
+        if data:
+            results["ppl"] = perplexity(model, data[0], args.batch_size, enc.eot_token, args.limit)
+    except Exception as e:
+        # torch.OutOfMemoryError (CUDA, MPS) is a RuntimeError; the CPU allocator raises a plain one
+        if isinstance(e, RuntimeError) and ("out of memory" in str(e) or "can't allocate memory" in str(e)):
+            fail(f"out of memory scoring {args.batch_size} sequences of up to {model.config.block_size} tokens at "
+                 f"once; lower --batch_size")
+        where = lm_eval_frame(e)
+        if where is None:  # it went through this repository's code: a bug to see whole, not bad input
+            raise
+        fail(f"lm-eval stopped on a document of --tasks: {one_line(e)} (in {where}); check that every document "
+             f"has the fields and types its task file expects")
+    return results
+
+
+def lm_eval_frame(e):
+    """'file:line' where e was raised if no code of this repository ran below the call into lm-eval (so lm-eval
+    itself stopped on a task's documents, templates or metrics), else None."""
+    repo = Path(__file__).resolve().parent
+    frames = traceback.extract_tb(e.__traceback__)[1:]  # [0] is the call in evaluate()
+    if not frames or any(Path(f.filename).resolve().parent == repo for f in frames):
+        return None
+    return f"{Path(frames[-1].filename).name}:{frames[-1].lineno}, {frames[-1].name}"
+
+
+def main(argv):
+    args = parse_args(argv)
+    names, device, json_path = check_flags(args)
+    data = open_ppl_data(args.data_root, args.ppl) if args.ppl else None
+    manager, names = task_manager(names, args.include_path) if names else (None, [])
+    tasks = build_tasks(manager, names, args.num_fewshot) if names else []
 
     try:
         loaded = load_model(args.init_from, device)
@@ -243,25 +465,15 @@ def main(argv):
     model, enc = loaded.model, loaded.tokenizer
     print(f"{loaded.source}: step {loaded.step}, {model.num_params() / 1e6:.2f}M parameters, "
           f"depth_mode={model.config.depth_mode}, block_size {model.config.block_size}, {device}", file=sys.stderr)
+    if data:
+        check_ppl_data(data, loaded, args.init_from)
 
-    results = {}
-    if names:
-        limit = None if args.limit is None else int(args.limit) if args.limit >= 1 else args.limit
-        try:
-            results = lm_eval.simple_evaluate(EvalLM(model, enc, args.batch_size), tasks=names,
-                                              num_fewshot=args.num_fewshot, limit=limit, task_manager=manager,
-                                              log_samples=False)
-        except ConnectionError as e:  # datasets raises this when the Hub is out of reach
-            fail(f"could not download the task data ({e}); run once with network access (it is cached), "
-                 f"or use local task files with --include_path")
-    if args.ppl:
-        results["ppl"] = perplexity(model, data_dir, args.batch_size, enc.eot_token, args.limit)
+    results = evaluate(model, enc, tasks, manager, data, args)
     print_table(results, args.num_fewshot, args.limit is not None)
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(results, indent=2, default=str if lm_eval is None
-                                              else handle_non_serializable))
-        print(f"wrote {args.json}", file=sys.stderr)
+    if json_path:
+        write_atomically(json_path, json.dumps(results, indent=2, default=str if lm_eval is None
+                                               else handle_non_serializable))
+        print(f"wrote {json_path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -103,6 +103,21 @@ def from_record(record: dict):
     return get_tokenizer(record["tokenizer"])
 
 
+def same_tokenizer(a, b) -> bool:
+    """Whether two tokenizers give the same ids. Names cannot tell ("gpt2" and a hub model's tokenizer.json may be
+    one tokenizer), so compare the end-of-text id and the ids of a probe text."""
+    probe = "Probe: the quick brown fox, 1234.\n"
+    return a.eot_token == b.eot_token and a.encode(probe) == b.encode(probe)
+
+
+def tokenizer_flag(enc, source) -> str:
+    """prepare_data.py's --tokenizer for the tokenizer enc of the model at source: enc's name where it still names
+    a tokenizer (a tiktoken encoding, a file or folder), else the folder an export of source writes."""
+    if enc.name in TIKTOKEN or Path(enc.name).exists():
+        return f"--tokenizer={enc.name}"
+    return f"--tokenizer=DIR after `python checkpoint.py export {source} DIR`"
+
+
 def load_tokenizer(name_or_path):
     """The tokenizer of a Hugging Face folder, a tokenizer.json file or a hub id; the end-of-text id comes from
     the folder's config.json (eos_token_id) when it has one."""

@@ -38,7 +38,7 @@ from checkpoint import (CheckpointError, claim_out_dir, load_model, read_checkpo
                         set_rng_state)
 from configurator import ConfigError, check_ranges, fail, parse_config, require, resolve_device
 from model import GPT
-from tokenizer import TIKTOKEN, get_tokenizer, tokenizer_record
+from tokenizer import get_tokenizer, same_tokenizer, tokenizer_flag, tokenizer_record
 
 MODEL_KEYS = [f.name for f in fields(BaselineConfig)]  # the decoder's, Depth-Attention's and the baselines' keys
 DEFAULTS = {
@@ -176,14 +176,10 @@ def load_init(cfg, meta):
     if clash:
         fail(f"--init_from={cfg['init_from']} fixes the model, and these settings differ from it: {clash} "
              f"(as (model, asked)); drop them")
-    probe = "Probe: the quick brown fox, 1234.\n"
-    if meta["vocab_size"] > theirs["vocab_size"] or data_enc.eot_token != init.tokenizer.eot_token \
-            or data_enc.encode(probe) != init.tokenizer.encode(probe):
-        name = init.tokenizer.name  # prepare_data.py takes a tiktoken name or a tokenizer.json's file or folder
-        usable = f"--tokenizer={name}" if name in TIKTOKEN or Path(name).exists() else \
-            f"export the model first, `python checkpoint.py export {cfg['init_from']} DIR`, then --tokenizer=DIR"
-        fail(f"the data was tokenized with {meta['tokenizer']}, but {cfg['init_from']} uses {name}; prepare the "
-             f"data with the model's tokenizer (prepare_data.py {usable})")
+    if meta["vocab_size"] > theirs["vocab_size"] or not same_tokenizer(data_enc, init.tokenizer):
+        fail(f"the data was tokenized with {meta['tokenizer']}, but {cfg['init_from']} uses {init.tokenizer.name}; "
+             f"prepare the data with the model's tokenizer (prepare_data.py "
+             f"{tokenizer_flag(init.tokenizer, cfg['init_from'])})")
     cfg.update({k: theirs[k] for k in shaping(theirs)})
     return init.model
 

@@ -227,7 +227,7 @@ def local_tasks_only(monkeypatch):
 
 @pytest.mark.parametrize("args, message", [
     (["--tasks=tiny_mc,no_such_task"], "unknown task(s) no_such_task: list lm-eval's tasks"),
-    (["--tasks=", "--ppl=absent"], "absent/val.bin not found: run `python prepare_data.py absent`"),
+    (["--tasks=", "--ppl=absent"], "absent/meta.json not found: run `python prepare_data.py"),
     (["--tasks=", "--ppl=tiny", "--init_from=nowhere"], "no checkpoint at nowhere; train one"),
     (["--tasks="], "nothing to evaluate"),
     (["--include_path=nowhere"], "--include_path nowhere is not a folder"),
