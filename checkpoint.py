@@ -17,7 +17,9 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +39,9 @@ except ImportError:
 
 
 TOKENIZER_KEYS = ("tokenizer", "tokenizer_json", "eot_token")  # tokenizer.tokenizer_record's keys
+# An FSDP run's checkpoint (parallel.py): a torch.distributed.checkpoint folder of the model and optimizer shards,
+# plus run.pt, the rest of a checkpoint. train.py --parallel=ddp (and one process) writes ckpt.pt.
+SHARDED = "ckpt.dcp"
 
 
 class CheckpointError(RuntimeError):
@@ -85,7 +90,12 @@ def save_checkpoint(obj, path):
         tmp.unlink(missing_ok=True)
         raise
     os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)  # make the rename itself durable
+    fsync_dir(path.parent)
+
+
+def fsync_dir(folder):
+    """Make a rename inside folder durable."""
+    dir_fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(dir_fd)
     finally:
@@ -130,13 +140,18 @@ def claim_out_dir(out_dir, resuming, overwrite):
     lock.flush()
     for torn in out_dir.glob("ckpt.pt.tmp*"):  # a write cut short by a kill; no other writer holds the lock
         torn.unlink()
-    ckpt = out_dir / "ckpt.pt"
-    if ckpt.exists() and not resuming:
+    shutil.rmtree(out_dir / f"{SHARDED}.tmp", ignore_errors=True)
+    if (out_dir / f"{SHARDED}.old").is_dir() and not (out_dir / SHARDED).exists():  # killed between the renames
+        (out_dir / f"{SHARDED}.old").rename(out_dir / SHARDED)
+    shutil.rmtree(out_dir / f"{SHARDED}.old", ignore_errors=True)
+    held = [out_dir / name for name in ("ckpt.pt", SHARDED) if (out_dir / name).exists()]
+    if held and not resuming:
         if not overwrite:
             raise CheckpointError(f"{out_dir} already holds a checkpoint; continue it with --resume=True, or start "
                                   f"over with --overwrite=True (which deletes it)")
-        ckpt.unlink()
-        print(f"warning: --overwrite=True: deleted {ckpt}, starting over", file=sys.stderr)
+        for ckpt in held:
+            shutil.rmtree(ckpt) if ckpt.is_dir() else ckpt.unlink()
+            print(f"warning: --overwrite=True: deleted {ckpt}, starting over", file=sys.stderr)
     return lock
 
 
@@ -145,6 +160,9 @@ def read_checkpoint(path, verify=None) -> dict:
     (None = all). Memory-mapped, so a large optimizer state beside the model is never read unless verified or
     used; only tensors and plain values, so the safe loader suffices."""
     path = Path(path)
+    if path.is_dir() and path.name == SHARDED:  # an FSDP run's: run.pt here, the tensors in the shards
+        ckpt = read_checkpoint(path / "run.pt", verify)
+        return {**ckpt, "shards": str(path)}
     if not path.is_file():
         raise CheckpointError(f"no checkpoint at {path}; train one with `python train.py` or check the path")
     try:
@@ -152,8 +170,9 @@ def read_checkpoint(path, verify=None) -> dict:
     except Exception as e:  # truncated, random or foreign bytes
         raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}); "
                               f"it may be truncated or corrupt: retrain or restore it") from e
-    if not isinstance(ckpt, dict) or not {"model", "model_config"} <= ckpt.keys():
-        raise CheckpointError(f"{path} is a torch file but not a train.py checkpoint (no model and model_config)")
+    needed = {"model_config"} if path.name == "run.pt" else {"model", "model_config"}
+    if not isinstance(ckpt, dict) or not needed <= ckpt.keys():
+        raise CheckpointError(f"{path} is a torch file but not a train.py checkpoint (no {' and '.join(needed)})")
     stored = ckpt.pop("checksums", None)
     if stored is None:
         print(f"warning: {path} has no checksums (written before they were added); loading it unverified",
@@ -171,6 +190,18 @@ def model_from_checkpoint(ckpt: dict) -> GPT:
     """The model a train.py checkpoint describes (its stored config dict, a baseline's keys included), with its
     weights. A checkpoint from before a config field existed gets that field's default."""
     model = build_model(make_config(**ckpt["model_config"]))
+    if "shards" in ckpt:  # an FSDP run's: torch.distributed.checkpoint gathers the shards into whole tensors
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+        state = {"model": model.state_dict()}
+        try:
+            with warnings.catch_warnings():  # "no process group: loading in a single process", as intended
+                warnings.filterwarnings("ignore", message=".*single process")
+                dcp.load(state, checkpoint_id=ckpt["shards"])
+        except (Exception, CheckpointException) as e:  # a missing or truncated shard
+            raise CheckpointError(f"{ckpt['shards']}: the model's shards cannot be read ({str(e).splitlines()[0]}); "
+                                  f"restore the folder or retrain") from e
+        ckpt = {"model": state["model"]}
     model.load_state_dict(ckpt["model"])
     return model
 
@@ -184,9 +215,11 @@ class Loaded:
 
 
 def checkpoint_path(init_from) -> Path:
-    """An out_dir means its ckpt.pt; a file is itself."""
+    """An out_dir means its checkpoint (ckpt.pt, or an FSDP run's ckpt.dcp); a file or a ckpt.dcp is itself."""
     p = Path(init_from)
-    return p / "ckpt.pt" if p.is_dir() else p
+    if p.is_dir() and p.name != SHARDED:
+        return p / SHARDED if (p / SHARDED).is_dir() and not (p / "ckpt.pt").exists() else p / "ckpt.pt"
+    return p
 
 
 def load_model(init_from, device="cpu") -> Loaded:

@@ -29,15 +29,15 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
 import prepare_data
 from baselines import KNOBS, BaselineConfig, build_model, make_config
-from checkpoint import (CheckpointError, claim_out_dir, load_model, read_checkpoint, rng_state, save_checkpoint,
-                        set_rng_state)
+from checkpoint import (SHARDED, CheckpointError, checkpoint_path, claim_out_dir, load_model, read_checkpoint,
+                        rng_state, save_checkpoint, set_rng_state)
 from configurator import ConfigError, check_ranges, fail, parse_config, require, resolve_device
 from model import GPT
+from parallel import PARALLEL, Parallel, checkpoint_activations, load_sharded, save_sharded
 from tokenizer import get_tokenizer, same_tokenizer, tokenizer_flag, tokenizer_record
 
 MODEL_KEYS = [f.name for f in fields(BaselineConfig)]  # the decoder's, Depth-Attention's and the baselines' keys
@@ -79,6 +79,8 @@ DEFAULTS = {
     "device": "auto",          # auto = cuda, then mps, then cpu
     "dtype": "auto",           # auto = bfloat16 autocast on CUDA where supported, else float32
     "compile": False,          # torch.compile the training forward (slow to start on CPU)
+    "parallel": "ddp",         # under torchrun: ddp (each GPU the whole model) | fsdp (sharded: parallel.py)
+    "activation_checkpointing": False,  # recompute each block in the backward pass: less memory, ~1/3 more compute
     # experiment tracking
     "wandb_log": False,        # log to Weights & Biases (pip install wandb)
     "wandb_project": "depth-attention",  # the wandb project
@@ -105,11 +107,12 @@ def resolve_config(argv):
         cfg = parse_config(DEFAULTS, argv, __doc__, CONFIG_SOURCES)
         ckpt = None
         if cfg["resume"]:
-            path = Path(cfg["out_dir"]) / "ckpt.pt"
-            if not path.is_file():
+            path = checkpoint_path(cfg["out_dir"])
+            if not path.exists():
                 fail(f"--resume=True but there is no checkpoint at {path}; check --out_dir or drop --resume")
             ckpt = read_checkpoint(path)
-            missing = [k for k in ("config", "optimizer", "step", "best_val_loss", "rng") if k not in ckpt]
+            missing = [k for k in ("config", "optimizer", "step", "best_val_loss", "rng") if k not in ckpt
+                       and not (k == "optimizer" and "shards" in ckpt)]  # an FSDP run's is in its shards
             if missing:
                 fail(f"{path} holds a model but not a run to continue (no {', '.join(missing)}); train into a new "
                      f"--out_dir")
@@ -128,6 +131,11 @@ def resolve_config(argv):
         fail(e)
     if cfg["dtype"] not in ("auto", "float32", "bfloat16"):
         fail(f"--dtype must be auto, float32 or bfloat16, got {cfg['dtype']!r}")
+    if cfg["parallel"] not in PARALLEL:
+        fail(f"--parallel must be one of {', '.join(PARALLEL)}, got {cfg['parallel']!r}")
+    if ckpt is not None and ("shards" in ckpt) != (cfg["parallel"] == "fsdp"):
+        fail(f"{cfg['out_dir']} holds a checkpoint written with --parallel={'fsdp' if 'shards' in ckpt else 'ddp'}; "
+             f"continue it with that --parallel (a checkpoint does not convert between the two)")
     if cfg["resume"] and cfg["overwrite"]:
         fail("--resume=True continues the checkpoint and --overwrite=True deletes it; pass one of them")
     return cfg, ckpt
@@ -306,6 +314,9 @@ def setup_process(cfg) -> Process:
     device = resolve_device(cfg["device"], int(os.environ.get("LOCAL_RANK", 0)) if distributed else None)
     if distributed and device == "mps":
         fail("multi-process training on mps is not supported; use --device=cpu or a single process")
+    if cfg["parallel"] == "fsdp" and not distributed:
+        fail("--parallel=fsdp shards the model over torchrun's processes: launch with "
+             "`torchrun --standalone --nproc_per_node=N train.py ...` (N = 1 works too)")
     if distributed:
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     if device.startswith("cuda"):
@@ -326,7 +337,8 @@ def build(cfg, meta, data_dir, ckpt, master):
         cfg["vocab_size"] = meta["vocab_size"]
     try:
         model_config = make_config(**{k: cfg[k] for k in MODEL_KEYS})
-        enc = get_tokenizer(meta["tokenizer"]) if cfg["sample_tokens"] and master else None
+        enc = get_tokenizer(meta["tokenizer"]) if cfg["sample_tokens"] and (master or cfg["parallel"] == "fsdp") \
+            else None
         tokenizer = tokenizer_record(meta["tokenizer"])
     except (ValueError, RuntimeError) as e:  # a bad model shape; a tokenizer that cannot be loaded offline
         fail(e)
@@ -387,14 +399,19 @@ def eval_and_log(model, val, offsets, mb, T, proc, step, out_dir, wandb):
 
 @torch.no_grad()
 def evaluate(model, val, offsets, mb, T, proc):
-    """Mean validation loss over the fixed windows at `offsets` (each rank scores its slice), summed in float64."""
+    """Mean validation loss over the fixed windows at `offsets` (each rank scores its slice), summed in float64.
+    Every rank makes the same number of forward passes (a sharded model gathers its weights in each, with every
+    rank): one with fewer windows scores its first again, uncounted."""
     model.eval()
+    mine = np.array_split(offsets, proc.world)[proc.rank]
     sums = [0.0, 0]  # (sum of token losses, tokens)
-    for i in range(0, len(offsets), mb):
-        x, y = get_batch(val, offsets[i:i + mb], T, proc.device, model.config.vocab_size)
+    for i in range(0, math.ceil(len(offsets) / proc.world), mb):
+        chunk = mine[i:i + mb]
+        x, y = get_batch(val, chunk if len(chunk) else offsets[:1], T, proc.device, model.config.vocab_size)
         with proc.autocast():
             _, loss = model(x, y)
-        sums = [sums[0] + loss.item() * y.numel(), sums[1] + y.numel()]
+        if len(chunk):
+            sums = [sums[0] + loss.item() * y.numel(), sums[1] + y.numel()]
     if proc.distributed:
         total = torch.tensor(sums, dtype=torch.float64, device=proc.device)
         dist.all_reduce(total)
@@ -403,21 +420,19 @@ def evaluate(model, val, offsets, mb, T, proc):
     return sums[0] / sums[1]
 
 
-def train_step(fwd, ddp_model, model, batches, accum, grad_clip, proc):
-    """Forward and backward over the micro-batches, gradients all-reduced once (on the last), then clipped to
+def train_step(fwd, par, batches, accum, grad_clip, proc):
+    """Forward and backward over the micro-batches, gradients reduced once (on the last), then clipped to
     grad_clip. Returns (mean train loss over all ranks, the global grad norm before clipping)."""
     loss_sum = torch.zeros((), device=proc.device)
     for micro, (x, y) in enumerate(batches):
-        sync = ddp_model is None or micro == accum - 1
-        with nullcontext() if sync else ddp_model.no_sync():
+        with par.gradient_sync(micro == accum - 1):
             with proc.autocast():
                 _, loss = fwd(x, y)
             (loss / accum).backward()
         loss_sum += loss.detach()
     if proc.distributed:
         dist.all_reduce(loss_sum)
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf")).item()
-    return loss_sum.item() / (accum * proc.world), grad_norm
+    return loss_sum.item() / (accum * proc.world), par.clip(grad_clip)
 
 
 class StopSignals:
@@ -448,16 +463,24 @@ class StopSignals:
             signal.signal(s, handler)
 
 
-def save(model, optimizer, step, best_val, lr, run, path, last_ckpt, master):
-    """The checkpoint of `step` (never of a diverged model); run: the entries that describe the whole run."""
-    if not torch.stack([p.isfinite().all() for p in model.parameters()]).all():
+def save(par, optimizer, step, best_val, lr, run, out_dir, last_ckpt, master):
+    """The checkpoint of `step` (never of a diverged model); run: the entries that describe the whole run.
+    ckpt.pt from rank 0, or under FSDP ckpt.dcp, each rank its shards (parallel.save_sharded)."""
+    if not par.weights_finite():
         diverged(step, "non-finite weights", lr, last_ckpt)
-    if master:
-        write_checkpoint({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                          "best_val_loss": best_val, **run, "rng": rng_state()}, path, last_ckpt)
+    state = {"step": step, "best_val_loss": best_val, **run, "rng": rng_state()}
+    if par.sharded:
+        try:
+            save_sharded(par.model, optimizer, state, out_dir, master)
+        except (OSError, RuntimeError) as e:
+            fail(f"could not write {out_dir / SHARDED} at step {step} ({str(e).splitlines()[0]}); the previous "
+                 f"checkpoint is kept: free space, then --resume=True")
+    elif master:
+        write_checkpoint({"model": par.model.state_dict(), "optimizer": optimizer.state_dict(), **state},
+                         out_dir / "ckpt.pt", last_ckpt)
 
 
-def sample_preview(model, enc, cfg, device):
+def sample_preview(model, enc, cfg, device, master):
     """A few tokens of text at the end of the run, from the prompt or from end-of-text like a new document."""
     prompt = enc.encode(cfg["sample_prompt"], allowed_special="all") or [enc.eot_token]
     n_new = min(cfg["sample_tokens"], cfg["block_size"] - len(prompt))
@@ -465,7 +488,8 @@ def sample_preview(model, enc, cfg, device):
         gen = torch.Generator(device=device).manual_seed(cfg["seed"])
         out = model.generate(torch.tensor([prompt], device=device), n_new, temperature=SAMPLE_TEMPERATURE,
                              top_k=SAMPLE_TOP_K, generator=gen)
-        print(f"sample ({n_new} tokens):\n{enc.decode(out[0].tolist())}")
+        if master:
+            print(f"sample ({n_new} tokens):\n{enc.decode(out[0].tolist())}")
 
 
 # ----------------------------------------------------------------------------- the run
@@ -481,17 +505,24 @@ def main(argv):
     model.to(device)
     T = cfg["block_size"]
     mb, accum, rows = batch_layout(cfg, proc.world)
+    if cfg["activation_checkpointing"]:
+        checkpoint_activations(model)
+    par = Parallel(model, cfg["parallel"], proc.distributed, device, proc.bf16)  # FSDP shards the model in place
     optimizer = make_optimizer(model, cfg, device)
     step, best_val, last_ckpt = 0, float("inf"), None  # last_ckpt: the step of the last checkpoint
     if ckpt is not None:  # the data position is the step: batch `step` depends on (seed, step) only
-        model.load_state_dict(ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
+        if par.sharded:
+            try:
+                load_sharded(model, optimizer, ckpt["shards"])
+            except CheckpointError as e:
+                fail(e)
+        else:
+            model.load_state_dict(ckpt["model"])
+            optimizer.load_state_dict(ckpt["optimizer"])
         step, best_val, last_ckpt = ckpt["step"], ckpt["best_val_loss"], ckpt["step"]
         set_rng_state(ckpt["rng"])
         del ckpt
-    ddp_model = DDP(model, device_ids=[torch.cuda.current_device()] if device.startswith("cuda") else None) \
-        if proc.distributed else None
-    fwd = torch.compile(ddp_model or model) if cfg["compile"] else (ddp_model or model)
+    fwd = torch.compile(par.forward) if cfg["compile"] else par.forward
 
     out_dir = Path(cfg["out_dir"])
     run = {"config": cfg, "model_config": asdict(model_config), **tokenizer,
@@ -503,11 +534,10 @@ def main(argv):
               f"({len(train)} train / {len(val)} val tokens)")
     # Fixed validation windows: the same for every eval, run and world size; each rank scores a slice.
     val_offsets = np.linspace(0, len(val) - T - 1, cfg["eval_seqs"]).round().astype(np.int64)
-    my_val = np.array_split(val_offsets, proc.world)[proc.rank]
     my_rows = slice(proc.rank * mb * accum, (proc.rank + 1) * mb * accum)
     every_ckpt = cfg["eval_interval"] if cfg["ckpt_interval"] is None else cfg["ckpt_interval"]
     if step == 0 and cfg["eval_interval"] > 0:
-        best_val = min(best_val, eval_and_log(model, val, my_val, mb, T, proc, 0, out_dir, wandb))
+        best_val = min(best_val, eval_and_log(model, val, val_offsets, mb, T, proc, 0, out_dir, wandb))
     bar = tqdm(total=cfg["max_iters"], initial=step, unit="step", disable=True if not master else None)
     signals, stopped_by = StopSignals(), 0
     while step < cfg["max_iters"]:
@@ -518,7 +548,7 @@ def main(argv):
         offsets = train_offsets(cfg["seed"], step, rows, len(train), T)[my_rows]
         batches = (get_batch(train, offsets[m * mb:(m + 1) * mb], T, device, model_config.vocab_size)
                    for m in range(accum))
-        train_loss, grad_norm = train_step(fwd, ddp_model, model, batches, accum, cfg["grad_clip"], proc)
+        train_loss, grad_norm = train_step(fwd, par, batches, accum, cfg["grad_clip"], proc)
         if not math.isfinite(train_loss + grad_norm):  # checked before the update reaches the weights
             diverged(step + 1, f"train_loss {train_loss}, grad_norm {grad_norm}", lr, last_ckpt)
         optimizer.step()
@@ -533,11 +563,11 @@ def main(argv):
                 tqdm.write(f"step {step} | train_loss {train_loss:.4f} | lr {lr:.2e} | grad_norm {grad_norm:.3f} "
                            f"| tok/s {cfg['batch_tokens'] / dt:.0f}")
         if (cfg["eval_interval"] > 0 and step % cfg["eval_interval"] == 0) or step == cfg["max_iters"]:
-            best_val = min(best_val, eval_and_log(model, val, my_val, mb, T, proc, step, out_dir, wandb))
+            best_val = min(best_val, eval_and_log(model, val, val_offsets, mb, T, proc, step, out_dir, wandb))
         stopped_by = signals.agreed(proc) if step < cfg["max_iters"] else 0  # a finished run is just done
         stop = step == cfg["stop_at_step"] or stopped_by
         if (every_ckpt and step % every_ckpt == 0) or step == cfg["max_iters"] or stop:
-            save(model, optimizer, step, best_val, lr, run, out_dir / "ckpt.pt", last_ckpt, master)
+            save(par, optimizer, step, best_val, lr, run, out_dir, last_ckpt, master)
             last_ckpt = step
         if stop:
             if master and not stopped_by:
@@ -546,13 +576,14 @@ def main(argv):
     bar.close()
     signals.restore()
 
-    if master and enc is not None and step == cfg["max_iters"]:
-        sample_preview(model, enc, cfg, device)
+    if enc is not None and step == cfg["max_iters"]:  # under FSDP every rank generates: each forward gathers
+        sample_preview(model, enc, cfg, device, master)
+    saved_to = out_dir / (SHARDED if par.sharded else "ckpt.pt")
     if master and stopped_by:
-        print(f"stopped by {signal.Signals(stopped_by).name} after step {step}, saved to {out_dir / 'ckpt.pt'}; "
+        print(f"stopped by {signal.Signals(stopped_by).name} after step {step}, saved to {saved_to}; "
               f"continue with the same command and --resume=True", file=sys.stderr)
     elif master:
-        print(f"done: step {step} | best val_loss {best_val:.4f} | checkpoint {out_dir / 'ckpt.pt'}")
+        print(f"done: step {step} | best val_loss {best_val:.4f} | checkpoint {saved_to}")
     if wandb:
         wandb.finish()
     if proc.distributed:

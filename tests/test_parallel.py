@@ -1,0 +1,136 @@
+"""--parallel=fsdp and --activation_checkpointing (parallel.py) change memory, never the run: FSDP on 2 gloo ranks
+reproduces one process for every mode and baseline, a sharded checkpoint resumes exactly and reads back whole
+(sample.py, the export), and activation checkpointing gives the same losses with less memory, measured."""
+import json
+import runpy
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import checkpoint
+import hf
+import sample
+from checkpoint import CheckpointError, load_model
+from test_train import ENV, ROOT, TINY, max_diff, read_log, run
+
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
+DRIVER = ROOT / "tests" / "parallel_driver.py"
+
+
+@pytest.fixture(scope="module")
+def driven(tmp_path_factory):
+    """The driver's losses and grad norms for every case, one process and FSDP on 2 ranks."""
+    out = tmp_path_factory.mktemp("driver")
+    run(DRIVER, out / "single.json", "single")
+    run(DRIVER, out / "fsdp.json", "fsdp", launcher=TORCHRUN)
+    return json.loads((out / "single.json").read_text()), json.loads((out / "fsdp.json").read_text())
+
+
+def test_fsdp_reproduces_one_process_in_every_mode(driven):
+    single, fsdp = driven
+    for case in single:
+        diff = max(abs(a - b) for s, f in zip(single[case], fsdp[case]) for a, b in zip(s, f))
+        assert diff < 1e-4, f"{case}: FSDP on 2 ranks and one process differ by {diff:.2e} (losses, grad norms)"
+
+
+def test_activation_checkpointing_changes_no_loss(driven):
+    single, _ = driven
+    for case in ("value", "mhc"):
+        diff = max(abs(a - b) for s, c in zip(single[case], single[f"{case}+ac"]) for a, b in zip(s, c))
+        assert diff < 1e-5, f"{case}: activation checkpointing changed the losses by {diff:.2e}"
+
+
+PEAK = """
+import resource, sys, torch
+sys.path.insert(0, {root!r})
+from baselines import build_model, make_config
+from parallel import checkpoint_activations
+torch.manual_seed(0)
+model = build_model(make_config(vocab_size=256, block_size=1024, n_layer=8, n_head=4, n_kv_head=2, head_dim=32,
+                                n_embd=128, mlp_hidden=384, depth_mode={mode!r}, residual={residual!r}))
+if {ac}:
+    checkpoint_activations(model)
+x = torch.randint(0, 256, (2, 1024))
+model(x[:, :16], x[:, :16])[1].backward()  # warm: the allocator's and autograd's own first allocations
+model.zero_grad(set_to_none=False)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+model(x, x)[1].backward()
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024)
+"""
+
+
+@pytest.mark.parametrize("residual", ["add", "mhc"])
+def test_activation_checkpointing_lowers_the_peak_memory(residual):
+    """The peak resident memory of a forward and backward at 2 x 1,024 tokens, measured in a fresh process."""
+    peak = {ac: float(run("-c", PEAK.format(root=str(ROOT), residual=residual, ac=ac,
+                                                          mode="value" if residual == "add" else "vanilla")).stdout) for ac in (0, 1)}
+    assert peak[1] < 0.5 * peak[0], f"activation checkpointing: peak {peak[1]:.0f} MB, without {peak[0]:.0f} MB"
+
+
+FSDP_RUN = [*TINY, "--micro_batch=2", "--batch_tokens=256", "--parallel=fsdp"]
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(data_root, tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp")
+    run("train.py", *FSDP_RUN, f"--data_root={data_root}", f"--out_dir={out}", "--sample_tokens=8",
+        launcher=TORCHRUN)
+    return out
+
+
+def test_fsdp_training_matches_one_process_and_resumes_exactly(fsdp_run, data_root, tmp_path):
+    single = tmp_path / "single"
+    run("train.py", *TINY, "--micro_batch=4", "--batch_tokens=256", f"--data_root={data_root}", f"--out_dir={single}")
+    diff = max_diff(read_log(fsdp_run), read_log(single))
+    assert diff < 1e-4, f"train.py --parallel=fsdp on 2 ranks and one process differ by up to {diff:.2e}"
+    resumed = tmp_path / "resumed"
+    run("train.py", *FSDP_RUN, f"--data_root={data_root}", f"--out_dir={resumed}", "--stop_at_step=6",
+        launcher=TORCHRUN)
+    assert (resumed / checkpoint.SHARDED / "run.pt").is_file() and not (resumed / "ckpt.pt").exists()
+    run("train.py", f"--out_dir={resumed}", "--resume=True", launcher=TORCHRUN)  # the rest from the checkpoint
+    diff = max_diff(read_log(resumed), read_log(fsdp_run))
+    assert diff == 0, f"stopped and resumed under FSDP, the run differs from the uninterrupted one by {diff:.2e}"
+
+
+def test_a_sharded_checkpoint_samples_and_exports(fsdp_run, tmp_path, capsys):
+    loaded = load_model(fsdp_run)
+    assert loaded.step == 16 and loaded.source.endswith(checkpoint.SHARDED)
+    sample.main([f"--init_from={fsdp_run}", "--prompt=the cat", "--max_new_tokens=6", "--temperature=0"])
+    text = capsys.readouterr().out.split("--- sample")[-1]
+    checkpoint.main(["export", str(fsdp_run), str(tmp_path / "hf")])
+    again = hf.from_pretrained(tmp_path / "hf").state_dict()
+    assert all((again[k] == v).all() for k, v in loaded.model.state_dict().items())
+    sample.main([f"--init_from={tmp_path / 'hf'}", "--prompt=the cat", "--max_new_tokens=6", "--temperature=0"])
+    assert capsys.readouterr().out.split("--- sample")[-1] == text
+
+
+def test_a_damaged_sharded_checkpoint_is_one_error(fsdp_run, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(fsdp_run, broken)
+    (broken / checkpoint.SHARDED / "__1_0.distcp").unlink()
+    with pytest.raises(CheckpointError, match="shards cannot be read"):
+        load_model(broken)
+    (broken / checkpoint.SHARDED / "run.pt").write_bytes(b"torn")
+    with pytest.raises(CheckpointError, match="not a readable checkpoint"):
+        load_model(broken)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--parallel=fsdp"], "launch with `torchrun"),
+    (["--parallel=zero3"], "--parallel must be one of ddp, fsdp"),
+])
+def test_bad_parallel_settings_fail_clearly(data_root, tmp_path, args, message, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["train.py", *TINY, f"--data_root={data_root}", f"--out_dir={tmp_path}", *args])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+    assert str(e.value.code).startswith("error: ") and message in str(e.value.code)
+
+
+def test_a_checkpoint_resumes_only_under_its_own_parallel_mode(fsdp_run, data_root, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(fsdp_run, copy)
+    proc = subprocess.run([sys.executable, "train.py", f"--out_dir={copy}", "--resume=True", "--parallel=ddp",
+                           "--max_iters=20"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "written with --parallel=fsdp" in proc.stderr.strip().splitlines()[-1]
