@@ -38,15 +38,35 @@ RECOMPUTED = {"add": ("forward",), "denseformer": ("forward",),
               "mhc": ("attn_residual_connector", "mlp_residual_connector")}
 
 
-def checkpoint_activations(model):
-    """Keep only the inputs of each block (or of the pieces in RECOMPUTED) and recompute the rest in the backward
-    pass. An instance attribute `forward` (or `attend`, ...) replaces the method for this object alone, and
-    nn.Module.__call__ and the baselines find it first."""
+def checkpoint_units(model) -> list:
+    """The (object, method name) pairs activation checkpointing recomputes (RECOMPUTED): a block's method, or the
+    forward of a block's module."""
+    units = []
     for block in model.layers:
         for name in RECOMPUTED[residual_of(model.config)]:
-            owner, method = (getattr(block, name), "forward") if isinstance(getattr(block, name), nn.Module) \
-                else (block, name)
-            setattr(owner, method, functools.partial(checkpoint, getattr(owner, method), use_reentrant=False))
+            part = getattr(block, name)
+            units.append((part, "forward") if isinstance(part, nn.Module) else (block, name))
+    return units
+
+
+def wrap_units(model, wrap):
+    """Replace every unit's method by wrap(method); returns the function that puts them back. An instance
+    attribute shadows the class's method, and nn.Module.__call__ (with its hooks) and the baselines find it."""
+    units = checkpoint_units(model)
+    for owner, name in units:
+        setattr(owner, name, wrap(getattr(owner, name)))
+    return lambda: [delattr(owner, name) for owner, name in units]
+
+
+def checkpointing(method):
+    """A unit under activation checkpointing: only its inputs are kept, the rest recomputed in the backward pass
+    (torch.utils.checkpoint, non-reentrant: it supports keyword arguments, and outputs that need no gradient)."""
+    return functools.partial(checkpoint, method, use_reentrant=False)
+
+
+def checkpoint_activations(model):
+    """--activation_checkpointing=True."""
+    wrap_units(model, checkpointing)
 
 
 def shard(model, bf16):

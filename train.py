@@ -31,6 +31,12 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+try:
+    import resource  # peak memory on the CPU; absent on Windows
+except ImportError:
+    resource = None
+
+import memory
 import prepare_data
 from baselines import KNOBS, BaselineConfig, build_model, make_config
 from checkpoint import (SHARDED, CheckpointError, checkpoint_path, claim_out_dir, load_model, read_checkpoint,
@@ -81,6 +87,7 @@ DEFAULTS = {
     "compile": False,          # torch.compile the training forward (slow to start on CPU)
     "parallel": "ddp",         # under torchrun: ddp (each GPU the whole model) | fsdp (sharded: parallel.py)
     "activation_checkpointing": False,  # recompute each block in the backward pass: less memory, ~1/3 more compute
+    "memory_plan": False,      # print the per-GPU memory of ddp / fsdp, with and without checkpointing, and exit
     # experiment tracking
     "wandb_log": False,        # log to Weights & Biases (pip install wandb)
     "wandb_project": "depth-attention",  # the wandb project
@@ -94,7 +101,7 @@ KEY_RANGES = {"learning_rate": "> 0", "adam_eps": "> 0", "beta1": "in [0, 1)", "
           "log_interval": ">= 1", "eval_interval": ">= 0", "ckpt_interval": ">= 0", "stop_at_step": ">= 0",
           "sample_tokens": ">= 0"}
 # Where and how this command runs, not part of the run: never taken from the checkpoint, never a "change".
-PER_INVOCATION = ("out_dir", "resume", "overwrite")
+PER_INVOCATION = ("out_dir", "resume", "overwrite", "memory_plan")
 CONFIG_SOURCES = [__file__, inspect.getfile(BaselineConfig), inspect.getfile(GPT)]  # the keys' comments: --help
 
 
@@ -492,10 +499,37 @@ def sample_preview(model, enc, cfg, device, master):
             print(f"sample ({n_new} tokens):\n{enc.decode(out[0].tolist())}")
 
 
+def peak_memory(device) -> str:
+    """This process's peak memory: what torch allocated on the GPU, or the resident size on the CPU."""
+    if device.startswith("cuda"):
+        return f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB allocated on the GPU"
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss if resource else 0
+    kib = kib / 1024 if sys.platform == "darwin" else kib  # macOS counts bytes, Linux KiB
+    return f"peak {kib / 2**20:.2f} GiB resident" if kib else "peak memory unknown"
+
+
 # ----------------------------------------------------------------------------- the run
+
+def print_memory_plan(cfg):
+    """--memory_plan=True: memory.report for this config on GPUs (bf16 unless --dtype=float32); nothing runs."""
+    if cfg["micro_batch"] is None:
+        fail("--memory_plan needs --micro_batch (the sequences of one forward pass on one GPU)")
+    if cfg["vocab_size"] is None:
+        try:
+            cfg["vocab_size"] = prepare_data.load_meta(Path(cfg["data_root"]) / cfg["dataset"])["vocab_size"]
+        except (FileNotFoundError, RuntimeError):
+            fail(f"--memory_plan needs --vocab_size, or the prepared data of --dataset={cfg['dataset']} to read it")
+    try:
+        config = make_config(**{k: cfg[k] for k in MODEL_KEYS})
+    except ValueError as e:
+        fail(e)
+    print(memory.report(config, cfg["micro_batch"], cfg["block_size"], bf16=cfg["dtype"] != "float32"))
+
 
 def main(argv):
     cfg, ckpt = resolve_config(argv)
+    if cfg["memory_plan"]:
+        return print_memory_plan(cfg)
     proc = setup_process(cfg)
     master, device = proc.master, proc.device
     lock = claim(cfg, ckpt) if master else None  # held until the process exits
@@ -583,7 +617,7 @@ def main(argv):
         print(f"stopped by {signal.Signals(stopped_by).name} after step {step}, saved to {saved_to}; "
               f"continue with the same command and --resume=True", file=sys.stderr)
     elif master:
-        print(f"done: step {step} | best val_loss {best_val:.4f} | checkpoint {saved_to}")
+        print(f"done: step {step} | best val_loss {best_val:.4f} | checkpoint {saved_to} | {peak_memory(device)}")
     if wandb:
         wandb.finish()
     if proc.distributed:
