@@ -8,4 +8,6 @@ n_kv_head = 6
 n_embd = 1536
 mlp_hidden = 4096
 
-micro_batch = 4  # per GPU; lower it if memory runs out, gradient accumulation keeps batch_tokens
+micro_batch = 4  # per GPU (python train.py THIS_CONFIG --memory_plan=True prints the plan)
+# Memory on 8 GPUs at this micro batch (docs/memory.md): 24 GiB cards need --parallel=fsdp
+# --activation_checkpointing=True, 40 GiB --activation_checkpointing=True, 80 GiB nothing more (only just).

@@ -20,7 +20,10 @@ depth_stride = 24
 depth_recent_window = 0
 
 batch_tokens = 1024 * 2048
-micro_batch = 2  # per GPU; weights, grads and AdamW state take ~44 GB per GPU under DDP; lower it if memory runs out
+micro_batch = 2  # per GPU (python train.py THIS_CONFIG --memory_plan=True prints the plan)
+# Memory on 8 GPUs at this micro batch (docs/memory.md): 24 GiB cards need --parallel=fsdp
+# --activation_checkpointing=True, 40 GiB --parallel=fsdp, 80 GiB --parallel=fsdp or
+# --activation_checkpointing=True.
 max_iters = 15259  # 32B tokens / 2,097,152 per step: one pass
 learning_rate = 1e-3
 min_lr_ratio = 0.1

@@ -11,6 +11,8 @@ mlp_hidden = 2816
 init_std = 0.02  # the paper gives 0.01 for the 1.5B/3B models only
 depth_stride = 16
 
-micro_batch = 8  # per GPU; lower it if memory runs out, gradient accumulation keeps batch_tokens
+micro_batch = 8  # per GPU (python train.py THIS_CONFIG --memory_plan=True prints the plan)
+# Memory on 8 GPUs at this micro batch (docs/memory.md): 24 GiB cards need --parallel=fsdp
+# --activation_checkpointing=True, 40 GiB --activation_checkpointing=True, 80 GiB nothing more.
 # max_iters stays the larger models' 32B tokens: the paper gives no 410M budget
 learning_rate = 3e-4
