@@ -150,7 +150,10 @@ def claim_out_dir(out_dir, resuming, overwrite):
             raise CheckpointError(f"{out_dir} already holds a checkpoint; continue it with --resume=True, or start "
                                   f"over with --overwrite=True (which deletes it)")
         for ckpt in held:
-            shutil.rmtree(ckpt) if ckpt.is_dir() else ckpt.unlink()
+            if ckpt.is_dir():
+                shutil.rmtree(ckpt)
+            else:
+                ckpt.unlink()
             print(f"warning: --overwrite=True: deleted {ckpt}, starting over", file=sys.stderr)
     return lock
 

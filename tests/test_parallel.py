@@ -134,3 +134,19 @@ def test_a_checkpoint_resumes_only_under_its_own_parallel_mode(fsdp_run, data_ro
     proc = subprocess.run([sys.executable, "train.py", f"--out_dir={copy}", "--resume=True", "--parallel=ddp",
                            "--max_iters=20"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and "written with --parallel=fsdp" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_a_kill_during_a_sharded_save_keeps_the_previous_checkpoint(fsdp_run, tmp_path):
+    """Killed between rank 0's two renames, the previous checkpoint is ckpt.dcp.old and the new one half written
+    in ckpt.dcp.tmp: the next run into the folder restores the first and drops the second."""
+    copy = tmp_path / "run"
+    shutil.copytree(fsdp_run, copy)
+    (copy / checkpoint.SHARDED).rename(copy / f"{checkpoint.SHARDED}.old")
+    (copy / f"{checkpoint.SHARDED}.tmp").mkdir()
+    checkpoint.claim_out_dir(copy, resuming=True, overwrite=False).close()
+    assert sorted(p.name for p in copy.iterdir() if p.name.startswith("ckpt")) == [checkpoint.SHARDED]
+    assert load_model(copy).step == 16
+    with pytest.raises(CheckpointError, match="already holds a checkpoint"):
+        checkpoint.claim_out_dir(copy, resuming=False, overwrite=False)
+    checkpoint.claim_out_dir(copy, resuming=False, overwrite=True).close()
+    assert not (copy / checkpoint.SHARDED).exists()
