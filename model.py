@@ -4,10 +4,13 @@ Depth-Attention (arXiv 2606.05014) on a Qwen3-style decoder, in one file.
 Before layer l attends over the sequence, its query attends over the keys that a few earlier layers stored
 *at the same token position* and mixes their values into its own value (`depth_mix`, paper section 2).
 The mixed value is what goes into the V cache, so inference keeps exactly a normal KV cache (`KVCache`).
+The closest prior method, LIMe (Layer-Integrated Memory), is depth_mode="lime" (`lime_mix`): a learned static
+router mixes the raw keys and values of the earlier layers' heads, and the mixture is what goes into the cache.
 
-Reading order: ModelConfig and the source rule, `depth_mix` (the method), `KVCache`, then the decoder (RoPE,
-RMSNorm, Attention, MLP, Block, GPT) and `depth_cost` (paper Table 2). This file imports only torch and the
-standard library; the paper's hidden-state baselines build on it in baselines.py, Hugging Face folders in hf.py.
+Reading order: ModelConfig and the source rule, `depth_mix` (the method), `lime_mix`, `KVCache`, then the
+decoder (RoPE, RMSNorm, Attention, MLP, Block, GPT) and `depth_cost` (paper Table 2). This file imports only
+torch and the standard library; the paper's hidden-state baselines build on it in baselines.py, Hugging Face
+folders in hf.py.
 """
 import math
 from contextlib import contextmanager
@@ -18,9 +21,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-DEPTH_MODES = ("vanilla", "uniform", "key", "kv", "value")
-MIXES_KEY = ("key", "kv")                  # modes whose cache K slot holds the depth-mixed key
-MIXES_VALUE = ("value", "uniform", "kv")   # modes whose cache V slot holds the depth-mixed value
+DEPTH_MODES = ("vanilla", "uniform", "key", "kv", "value", "lime")
+MIXES_KEY = ("key", "kv", "lime")                  # modes whose cache K slot holds the depth-mixed key
+MIXES_VALUE = ("value", "uniform", "kv", "lime")   # modes whose cache V slot holds the depth-mixed value
 
 
 def config_check(name):
@@ -47,8 +50,8 @@ class ModelConfig:
     tie_embeddings: bool = False    # share token embedding and lm_head (paper: untied)
     norm_eps: float = 1e-6          # RMSNorm epsilon (Qwen3 default)
     init_std: float = 0.02          # std of normal init for every Linear and the embedding (paper 3B: 0.01)
-    depth_mode: str = "value"       # vanilla | uniform | key | kv | value (value = Depth-Attention)
-    depth_stride: Optional[int] = None  # source every `stride`-th layer; None = half the effective depth
+    depth_mode: str = "value"       # vanilla | uniform | key | kv | value | lime (value = Depth-Attention)
+    depth_stride: Optional[int] = None  # source every `stride`-th layer; None = half the effective depth (lime: 1)
     depth_recent_window: int = 0    # also use the r most recent earlier layers as sources (paper: 0)
     n_loops: int = 1                # apply the same n_layer blocks this many times (looped Transformer)
 
@@ -79,10 +82,14 @@ class ModelConfig:
 
     @property
     def stride(self) -> int:
-        return self.depth_stride if self.depth_stride is not None else max(1, self.n_eff_layer // 2)
+        if self.depth_stride is not None:
+            return self.depth_stride
+        # LIMe reads every earlier layer; Depth-Attention's default is half the depth (paper section 2.3)
+        return 1 if self.depth_mode == "lime" else max(1, self.n_eff_layer // 2)
 
     def sources(self, e: int) -> list[int]:
-        """S(e) = {j < e : j % stride == 0} U {e-r, ..., e-1}, ascending (paper section 2.3). Layer 0 has none."""
+        """S(e) = {j < e : j % stride == 0} U {e-r, ..., e-1}, ascending (paper section 2.3). Layer 0 has none.
+        lime's default (stride 1, no window) is LIMe's: every earlier effective layer."""
         if self.depth_mode == "vanilla" or e == 0:
             return []
         picked = {j for j in range(e) if j % self.stride == 0}
@@ -132,12 +139,47 @@ def depth_mix(q, k, v, src_k, src_v, mode):
     return (mix(keys) if mode in MIXES_KEY else k), (mix(values) if mode in MIXES_VALUE else v), alpha
 
 
+def lime_mix(router, ks, vs):
+    """LIMe's step at layer l, every position at once (Layer-Integrated Memory: the paper "You Do Not Fully
+    Utilize Transformer's Representation Capacity", arXiv 2502.09245, and its released code).
+
+    ks, vs: lists over the candidates, the sources S(l) ascending then layer l itself, each (B, T, R, D) with
+    R = n_kv_head: the raw key and value projections, before k_norm, RoPE and any mixing.
+    router W: (R, C * R), C = len(ks); column c * R + r' is head r' of candidate c:
+
+      kt_{t,r} = sum_{c, r'} W[r, c R + r'] k_{c,t,r'},   vt_{t,r} = the same sum over v
+
+    one static weight per (head, candidate head), shared by K and V, raw (no softmax). Accumulated one
+    candidate at a time, each product reading a record in place: backward keeps the records themselves, never
+    a stacked copy of every earlier layer per layer, which would grow with depth squared (LIMe's code
+    concatenates its buffer at every layer). Returns kt, vt: (B, T, R, D).
+    """
+    R = router.shape[0]
+    w = router.view(R, len(ks), R).unbind(1)                         # (R, C, R) -> C blocks W[:, cR:(c+1)R]
+
+    def mix(xs):  # an expanded (not reshaped) W keeps matmul from saving a transposed copy of x
+        return sum(torch.matmul(wc.expand(*x.shape[:-2], R, R), x) for wc, x in zip(w, xs))
+
+    return mix(ks), mix(vs)
+
+
+def init_lime_router(w):
+    """LIMe's init (their code): uniform in +-sqrt(3 / fan_in), fan_in = C * R, so each head starts as a
+    unit-variance random mix of every candidate head, plus itself: the layer's own block (the last R columns)
+    is the identity. Not vanilla at init: the other blocks are random."""
+    R, fan_in = w.shape
+    bound = math.sqrt(3 / fan_in)
+    with torch.no_grad():
+        w.uniform_(-bound, bound)
+        w[:, -R:] = torch.eye(R, dtype=w.dtype, device=w.device)
+
+
 # ----------------------------------------------------------------------------- the KV cache
 
 class KVCache:
     """Preallocated K/V for every effective layer: (n_eff_layer, B, n_kv_head, max_len, head_dim) each.
 
-    Holds exactly what each layer stored: the mixed V for value/uniform, the mixed K for key, both for kv,
+    Holds exactly what each layer stored: the mixed V for value/uniform, the mixed K for key, both for kv/lime,
     and nothing else, so its size is the same for every mode:
     2 * n_layer * n_loops * n_kv_head * head_dim * bytes_per_element bytes per token per sequence.
     """
@@ -203,7 +245,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         c = config
         self.n_head, self.n_kv_head, self.head_dim, self.mode = c.n_head, c.n_kv_head, c.head_dim, c.depth_mode
@@ -214,12 +256,20 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(c.n_head * c.head_dim, c.n_embd, bias=False)
         self.q_norm = RMSNorm(c.head_dim, c.norm_eps) if c.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(c.head_dim, c.norm_eps) if c.qk_norm else nn.Identity()
+        if c.depth_mode == "lime":  # a router per effective layer e this block runs at (none at e = 0), keyed by e
+            self.lime_router = nn.ParameterDict({
+                str(e): nn.Parameter(torch.empty(c.n_kv_head, (len(c.sources(e)) + 1) * c.n_kv_head))
+                for e in range(layer, c.n_eff_layer, c.n_layer) if e > 0})  # filled by init_lime_router
 
     def forward(self, x, cos, sin, src_k, src_v, cache, e):
         B, T, _ = x.shape
+        lime = self.mode == "lime"
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)                  # (B, T, n_head, D)
-        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim)               # (B, T, n_kv_head, D)
         v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim)
+        raw = (k, v)  # LIMe's record: what later layers mix, before k_norm, RoPE and any mixing
+        if lime and src_k:  # k_norm and RoPE then act on the mixed key, as on any key attention reads
+            k, v = lime_mix(self.lime_router[str(e)], src_k + [k], src_v + [v])
         q = apply_rope(self.q_norm(q).transpose(1, 2), cos, sin)                   # (B, n_head, T, D)
         if self.k_norm_after_rope:  # RoPE keeps the RMS, so the orders differ only through k_norm's weight
             k = self.k_norm(apply_rope(k.transpose(1, 2), cos, sin))               # (B, n_kv_head, T, D)
@@ -227,9 +277,10 @@ class Attention(nn.Module):
             k = apply_rope(self.k_norm(k).transpose(1, 2), cos, sin)               # (B, n_kv_head, T, D)
         v = v.transpose(1, 2)                                                       # (B, n_kv_head, T, D)
         alpha = None
-        if src_k:  # the sources S(e) (ModelConfig.sources): none in vanilla and at layer 0
+        if src_k and not lime:  # the sources S(e) (ModelConfig.sources): none in vanilla and at layer 0
             k, v, alpha = depth_mix(q, k, v, src_k, src_v, self.mode)
-        # record: what this layer stores; later layers' depth steps read exactly this (paper section 2.4)
+        # record: what this layer stores; later layers' depth steps read exactly this (paper section 2.4), but
+        # LIMe's read the raw projections
         if cache is None:
             record = (k, v)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -242,7 +293,7 @@ class Attention(nn.Module):
                 torch.arange(pos + T, device=x.device) <= torch.arange(pos, pos + T, device=x.device)[:, None])
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)            # (B, T, n_head * D)
-        return self.o_proj(y), record, alpha
+        return self.o_proj(y), raw if lime else record, alpha
 
 
 class MLP(nn.Module):
@@ -257,10 +308,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
         self.input_layernorm = RMSNorm(config.n_embd, config.norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer)
         self.post_attention_layernorm = RMSNorm(config.n_embd, config.norm_eps)
         self.mlp = MLP(config)
 
@@ -283,7 +334,7 @@ class GPT(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.n_embd)
-        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.n_layer))
         self.norm = RMSNorm(config.n_embd, config.norm_eps)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -293,6 +344,8 @@ class GPT(nn.Module):
         self.last_reader = {j: e for e, src in enumerate(self.depth_sources) for j in src}
         self._alpha_sink = None
         self.apply(self._init_weights)
+        for w in self.lime_routers():  # after the backbone, so a seed gives lime vanilla's other weights
+            init_lime_router(w)
 
     def run_layers(self, x, cos, sin, cache):
         """The residual stream through every effective layer: embeddings (B, T, n_embd) -> final hidden state.
@@ -368,13 +421,19 @@ class GPT(nn.Module):
     def capture_depth_weights(self):
         """Collect the depth weights of every forward inside the block, for analysis:
         {effective layer e: (sources S(e), alpha (B, n_kv_head, T, |S(e)| + 1) float32, detached)}.
-        Off by default; when off the forward pays one `is None` check per layer."""
+        Off by default; when off the forward pays one `is None` check per layer. lime has no per-token weights
+        (its router is a parameter, GPT.lime_routers): nothing is collected."""
         sink = {}
         self._alpha_sink = sink
         try:
             yield sink
         finally:
             self._alpha_sink = None
+
+    def lime_routers(self) -> list:
+        """LIMe's router matrices (depth_mode="lime"; none otherwise): train.py gives them their own learning
+        rate and no weight decay."""
+        return [p for name, p in self.named_parameters() if ".lime_router." in name]
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # parameters() yields a tied weight once
@@ -393,18 +452,24 @@ def depth_cost(config: ModelConfig, bytes_per_element: int = 2) -> dict:
     value (the paper's row): FLOPs 4 * d_kv * C (2 for the scores, 2 for the mix); activation I/O
     bytes * (2 * C + L) * d_kv (read K and V of every candidate, write one mixed vector per layer).
     Other modes scale the same terms: uniform has no scores and reads only V; key/kv mix K (and V).
+    lime (LIMe) has no scores and mixes K and V, but every output head reads all R = n_kv_head heads of a
+    candidate layer: FLOPs 4 * R * d_kv * C; I/O bytes * (2 * C + 2 * L) * d_kv (read each candidate's raw
+    K and V once, write the mixed K and V); its router adds R^2 * C parameters (extra_params; with the default
+    every-earlier-layer sources C = L (L + 1) / 2 - 1). Candidates count layers, not heads.
     The persistent state (KV cache) is unchanged in every mode.
     """
     L, d_kv, mode = config.n_eff_layer, config.n_kv_head * config.head_dim, config.depth_mode
     C = sum(len(config.sources(e)) + 1 for e in range(1, L)) if mode != "vanilla" else 0
     mixing_layers = L if C else 0  # the paper counts L written vectors (Table 2 uses L = 48)
     n_mix = (mode in MIXES_KEY) + (mode in MIXES_VALUE)  # vectors mixed per layer: K, V or both
-    scored = mode not in ("vanilla", "uniform")          # uniform has fixed weights: no scores
+    scored = mode not in ("vanilla", "uniform", "lime")  # uniform and lime have fixed weights: no scores
+    heads_read = config.n_kv_head if mode == "lime" else 1  # candidate heads per output head
     score_flops = 2 * d_kv * C if scored else 0
     reads = C * ((scored or mode in MIXES_KEY) + (mode in MIXES_VALUE))  # each candidate's K and/or V, once
     return {
         "candidates": C,
-        "flops_per_token": score_flops + 2 * d_kv * C * n_mix,
+        "flops_per_token": score_flops + 2 * d_kv * C * n_mix * heads_read,
         "io_bytes_per_token": bytes_per_element * (reads + n_mix * mixing_layers) * d_kv,
         "extra_persistent_bytes": 0,
+        "extra_params": config.n_kv_head ** 2 * C if mode == "lime" else 0,
     }

@@ -9,6 +9,7 @@ from conftest import tiny_config, tiny_model
 from model import DEPTH_MODES, GPT, KVCache, ModelConfig, apply_rope, depth_cost, rope_tables
 
 DEPTH_ONLY = [m for m in DEPTH_MODES if m != "vanilla"]
+LIME = dict(depth_mode="lime", depth_stride=None)  # LIMe as published: every earlier layer (tiny_config's stride 2 off)
 
 
 # ----------------------------------------------------------------------------- naive reference
@@ -21,8 +22,8 @@ def reference_forward(model: GPT, idx, k_norm_after_rope=None):
     if k_norm_after_rope is None:
         k_norm_after_rope = c.k_norm_after_rope
     H, Hkv, D = c.n_head, c.n_kv_head, c.head_dim
-    g, L = H // Hkv, c.n_layer * c.n_loops
-    stride = c.depth_stride if c.depth_stride is not None else max(1, L // 2)
+    g, L, lime = H // Hkv, c.n_layer * c.n_loops, c.depth_mode == "lime"
+    stride = c.depth_stride if c.depth_stride is not None else (1 if lime else max(1, L // 2))  # LIMe: all layers
 
     def rms(x, w):
         return x / torch.sqrt((x * x).mean(-1, keepdim=True) + c.norm_eps) * w
@@ -37,7 +38,7 @@ def reference_forward(model: GPT, idx, k_norm_after_rope=None):
     for b in range(idx.shape[0]):
         T = idx.shape[1]
         x = model.embed_tokens.weight[idx[b]]                              # (T, n_embd)
-        stored = {}  # effective layer -> (K, V): lists over positions of lists over KV heads
+        stored = {}  # effective layer -> (K, V): lists over positions of lists over KV heads (LIMe: raw, (T, Hkv, D))
         for e in range(L):
             blk = model.layers[e % c.n_layer]
             at = blk.self_attn
@@ -45,6 +46,14 @@ def reference_forward(model: GPT, idx, k_norm_after_rope=None):
             q = (h @ at.q_proj.weight.T).view(T, H, D)
             k = (h @ at.k_proj.weight.T).view(T, Hkv, D)
             v = (h @ at.v_proj.weight.T).view(T, Hkv, D)
+            src = [] if (c.depth_mode == "vanilla" or e == 0) else sorted(
+                {j for j in range(e) if j % stride == 0} | set(range(max(0, e - c.depth_recent_window), e)))
+            raw = (k, v)
+            if lime and src:  # LIMe: head r mixes every (candidate layer, head) with W[r, column], then k_norm, RoPE
+                W, cands = at.lime_router[str(e)], [stored[s] for s in src] + [raw]
+                k, v = (torch.stack([torch.stack([sum(W[r, ci * Hkv + r2] * cands[ci][kv][t, r2]
+                                                      for ci in range(len(cands)) for r2 in range(Hkv))
+                                                  for r in range(Hkv)]) for t in range(T)]) for kv in (0, 1))
             if c.qk_norm:
                 q = rms(q, at.q_norm.weight)
             kn = (lambda x: rms(x, at.k_norm.weight)) if c.qk_norm else (lambda x: x)
@@ -54,9 +63,7 @@ def reference_forward(model: GPT, idx, k_norm_after_rope=None):
             else:                  # Qwen3: both norms before RoPE
                 k = [[rope(kn(k[t, j]), t) for j in range(Hkv)] for t in range(T)]
             v = [[v[t, j] for j in range(Hkv)] for t in range(T)]
-            src = [] if (c.depth_mode == "vanilla" or e == 0) else sorted(
-                {j for j in range(e) if j % stride == 0} | set(range(max(0, e - c.depth_recent_window), e)))
-            K, V = [], []
+            K, V = [], []  # lime: k and v as they are (mixed above; the loop's modes leave them alone)
             for t in range(T):
                 Kt, Vt = [], []
                 for j in range(Hkv):
@@ -74,7 +81,7 @@ def reference_forward(model: GPT, idx, k_norm_after_rope=None):
                     Vt.append(mv if c.depth_mode in ("value", "uniform", "kv") else v[t][j])
                 K.append(Kt)
                 V.append(Vt)
-            stored[e] = (K, V)
+            stored[e] = raw if lime else (K, V)
             Kmat = [torch.stack([K[u][j] for u in range(T)]) for j in range(Hkv)]  # per KV head: (T, D)
             Vmat = [torch.stack([V[u][j] for u in range(T)]) for j in range(Hkv)]
             out = []
@@ -98,6 +105,8 @@ REFERENCE_CASES = (
     + [dict(depth_mode="value", qk_norm=False, tie_embeddings=True)]
     + [dict(depth_mode=m, k_norm_after_rope=True) for m in DEPTH_MODES]                 # the released model's order
     + [dict(depth_mode="value", k_norm_after_rope=True, n_layer=2, n_loops=2, n_kv_head=1)]
+    + [dict(LIME, n_kv_head=kv) for kv in (4, 2, 1)] + [dict(LIME, qk_norm=False, tie_embeddings=True)]
+    + [dict(LIME, n_layer=2, n_loops=3, k_norm_after_rope=True)]
 )
 
 
@@ -146,7 +155,8 @@ def test_depth_modes_change_the_output():
 CACHE_CASES = [dict(depth_mode=m) for m in DEPTH_MODES] + [
     dict(depth_mode="value", n_loops=2, depth_stride=None), dict(depth_mode="kv", n_loops=3, n_layer=2),
     dict(depth_mode="value", depth_stride=1, depth_recent_window=1, n_kv_head=1),
-    dict(depth_mode="value", k_norm_after_rope=True)]
+    dict(depth_mode="value", k_norm_after_rope=True), dict(LIME, n_layer=2, n_loops=2, n_kv_head=1),
+    dict(LIME, k_norm_after_rope=True)]
 
 
 @pytest.mark.parametrize("overrides", CACHE_CASES, ids=str)
@@ -183,14 +193,16 @@ def test_cache_holds_exactly_the_records(mode):
             at, h = blk.self_attn, raw[e]
             k = apply_rope(at.k_norm(at.k_proj(h).view(2, 6, 2, 8)).transpose(1, 2), cos, sin)
             v = at.v_proj(h).view(2, 6, 2, 8).transpose(1, 2)
-            mixed_k, mixed_v = mode in ("key", "kv") and e > 0, mode in ("value", "uniform", "kv") and e > 0
+            mixed_k = mode in ("key", "kv", "lime") and e > 0
+            mixed_v = mode in ("value", "uniform", "kv", "lime") and e > 0
             assert torch.allclose(cache.k[e], k, atol=1e-6) != mixed_k, f"layer {e} K slot in mode {mode}"
             assert torch.allclose(cache.v[e], v, atol=1e-6) != mixed_v, f"layer {e} V slot in mode {mode}"
     for hk in hooks:
         hk.remove()
 
 
-@pytest.mark.parametrize("overrides", [dict(depth_mode=m) for m in DEPTH_MODES] + [dict(n_loops=2, depth_stride=3)], ids=str)
+@pytest.mark.parametrize("overrides", [dict(depth_mode=m) for m in DEPTH_MODES] + [dict(n_loops=2, depth_stride=3), LIME],
+                         ids=str)
 def test_causality(overrides):
     model = tiny_model(**overrides).eval()
     idx = torch.randint(0, 50, (2, 12))
@@ -230,10 +242,11 @@ def test_generate_top_k_samples_only_from_the_top_k():
 # ----------------------------------------------------------------------------- parity across modes
 
 def test_same_parameter_count_and_cache_bytes_for_every_mode():
+    """Every mode has vanilla's weights; lime adds its routers (counted in tests/test_lime.py)."""
     counts, sizes = set(), set()
     for mode in DEPTH_MODES:
         model = tiny_model(depth_mode=mode)
-        counts.add(model.num_params())
+        counts.add(sum(p.numel() for name, p in model.named_parameters() if ".lime_router." not in name))
         cache = model.new_cache(2, 16)
         model(torch.randint(0, 50, (2, 16)), cache=cache)
         sizes.add((cache.nbytes, cache.bytes_per_token))
@@ -250,7 +263,7 @@ def test_num_params_counts_tied_weights_once():
     assert untied - tied == c.vocab_size * c.n_embd
 
 
-@pytest.mark.parametrize("mode", DEPTH_ONLY)
+@pytest.mark.parametrize("mode", [m for m in DEPTH_ONLY if m != "lime"])  # lime's weights are parameters
 def test_depth_weights_readout(mode):
     model = tiny_model(depth_mode=mode, n_layer=5, depth_stride=2)
     idx = torch.randint(0, 50, (2, 6))
@@ -285,6 +298,8 @@ def test_source_rule_worked_counts():
     looped = ModelConfig(n_layer=2, n_loops=3)  # effective depth 6, default stride 3
     assert [looped.sources(e) for e in range(6)] == [[], [0], [0], [0], [0, 3], [0, 3]]
     assert ModelConfig(depth_mode="vanilla").sources(5) == []
+    assert ModelConfig(n_layer=6, depth_mode="lime").sources(5) == [0, 1, 2, 3, 4]  # LIMe: every earlier layer
+    assert ModelConfig(n_layer=6, depth_mode="lime", depth_stride=3).sources(5) == [0, 3]
 
 
 def test_analytic_cost_reproduces_table_2():
@@ -294,8 +309,13 @@ def test_analytic_cost_reproduces_table_2():
     assert cost["candidates"] == 117
     assert cost["flops_per_token"] == 4 * 512 * 117 and f"{cost['flops_per_token']:.2e}" == "2.40e+05"
     assert cost["io_bytes_per_token"] == 2 * (2 * 117 + 48) * 512 and round(cost["io_bytes_per_token"] / 1024) == 282
-    assert cost["extra_persistent_bytes"] == 0
+    assert cost["extra_persistent_bytes"] == cost["extra_params"] == 0
     assert depth_cost(ModelConfig(depth_mode="vanilla"))["flops_per_token"] == 0
+    lime = depth_cost(ModelConfig(**{**vars(paper_3b), "depth_mode": "lime", "depth_stride": None}))
+    R, C = 8, 48 * 49 // 2 - 1  # LIMe's row: every output head mixes all 8 heads of each earlier layer, K and V
+    assert lime == {"candidates": C, "flops_per_token": 4 * R * 512 * C, "io_bytes_per_token": 2 * (2 * C + 2 * 48) * 512,
+                    "extra_persistent_bytes": 0, "extra_params": R * R * C}
+    assert lime["extra_params"] == 75_200 and f"{lime['flops_per_token']:.2e}" == "1.93e+07"
 
 
 # ----------------------------------------------------------------------------- errors

@@ -68,6 +68,7 @@ DEFAULTS = {
     "beta2": 0.95,             # AdamW second-moment decay, in [0, 1)
     "adam_eps": 1e-8,          # AdamW epsilon
     "grad_clip": 1.0,          # max global grad norm; 0 = no clipping
+    "lime_router_lr_mult": 10.0,  # depth_mode=lime: routers' LR / the scheduled LR, no decay (LIMe: 1e-2 at 1e-3)
     "warmup_frac": 0.02,       # linear warmup over this fraction of max_iters
     "min_lr_ratio": 0.1,       # cosine floor as a fraction of the peak LR
     # evaluation, logging, checkpoints
@@ -99,7 +100,7 @@ KEY_RANGES = {"learning_rate": "> 0", "adam_eps": "> 0", "beta1": "in [0, 1)", "
           "weight_decay": ">= 0", "grad_clip": ">= 0", "warmup_frac": "in [0, 1]", "min_lr_ratio": "in [0, 1]",
           "seed": ">= 0", "batch_tokens": ">= 1", "micro_batch": ">= 1", "max_iters": ">= 1", "eval_seqs": ">= 1",
           "log_interval": ">= 1", "eval_interval": ">= 0", "ckpt_interval": ">= 0", "stop_at_step": ">= 0",
-          "sample_tokens": ">= 0"}
+          "sample_tokens": ">= 0", "lime_router_lr_mult": "> 0"}
 # Where and how this command runs, not part of the run: never taken from the checkpoint, never a "change".
 PER_INVOCATION = ("out_dir", "resume", "overwrite", "memory_plan")
 CONFIG_SOURCES = [__file__, inspect.getfile(BaselineConfig), inspect.getfile(GPT)]  # the keys' comments: --help
@@ -361,12 +362,25 @@ def build(cfg, meta, data_dir, ckpt, master):
 
 
 def make_optimizer(model, cfg, device):
-    """AdamW with weight decay on matrices only; norms and other 1-D parameters get none."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg["weight_decay"]},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=cfg["learning_rate"],
-                             betas=(cfg["beta1"], cfg["beta2"]), eps=cfg["adam_eps"], fused=device.startswith("cuda"))
+    """AdamW with weight decay on matrices only; norms and other 1-D parameters get none. LIMe's routers
+    (depth_mode=lime, matrices) get a third group as in LIMe's code: no weight decay, and lime_router_lr_mult
+    times the learning rate of the others."""
+    routers = model.lime_routers()
+    router_ids = {id(p) for p in routers}
+    rest = [p for p in model.parameters() if id(p) not in router_ids]
+    groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": cfg["weight_decay"]},
+              {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
+    if routers:  # only then: a checkpoint of any other model keeps its two groups
+        groups.append({"params": routers, "weight_decay": 0.0, "lime_routers": True})
+    return torch.optim.AdamW(groups, lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]),
+                             eps=cfg["adam_eps"], fused=device.startswith("cuda"))
+
+
+def set_lr(optimizer, lr, cfg):
+    """The schedule's lr for this step; LIMe's routers get lime_router_lr_mult times it (taken from cfg, not
+    from a checkpoint's optimizer state, so a resume may change it)."""
+    for group in optimizer.param_groups:
+        group["lr"] = lr * (cfg["lime_router_lr_mult"] if group.get("lime_routers") else 1)
 
 
 def start_log(cfg, history, out_dir, step):
@@ -577,8 +591,7 @@ def main(argv):
     while step < cfg["max_iters"]:
         t0 = time.perf_counter()
         lr = lr_at(step, cfg)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
+        set_lr(optimizer, lr, cfg)
         offsets = train_offsets(cfg["seed"], step, rows, len(train), T)[my_rows]
         batches = (get_batch(train, offsets[m * mb:(m + 1) * mb], T, device, model_config.vocab_size)
                    for m in range(accum))
