@@ -8,10 +8,11 @@ baselines) and its ablations (section 3.3: Tables 5-6, Figure 4, looped), as a s
         --runs=vanilla,value -- --compile=True           # on a GPU: MiniPile, 85M; after `--`: train.py keys
 
 Every run is the base config, then its delta files from configs/ablations/, then the overrides after `--`,
-then --seed and --out_dir: every mode gets the same budget and hyperparameters. A finished run (its log has
-the final evaluation) is skipped and a started one resumed from its checkpoint, so re-running the same
-command completes a partial sweep. Writes <out>/results.{md,json}, <out>/curves.png and
-<out>/depth_weights*.png (matplotlib, optional: `pip install matplotlib`).
+then --seed and --out_dir: every mode gets the same budget and hyperparameters. A run in --out is reused if
+finished, or resumed from its checkpoint, only when train.py recorded the config asked for, so re-running the
+same command completes a partial sweep; any other run there (other settings, an unreadable log or checkpoint)
+stops the command before it trains, naming it: pick a new --out, or --overwrite=True retrains it from scratch.
+Writes <out>/results.{md,json}, and with matplotlib <out>/curves.png and <out>/depth_weights*.png.
 
 A peak learning rate that suits one method can handicap another, so three more protocols compare each method
 at its own best rate and follow the gap as training lengthens (one command each, in this order):
@@ -20,9 +21,13 @@ at its own best rate and follow the gap as training lengthens (one command each,
     python ablate.py --protocol=best_lr --runs=vanilla,value    # paired seeds at the shared and the best rates
     python ablate.py --protocol=long --long_runs=vanilla,value  # --long_factor x the steps, at the best rates
 """
+import ast
+import functools
 import json
 import math
 import os
+import re
+import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -32,8 +37,9 @@ import numpy as np
 import torch
 
 import paper
-from checkpoint import model_from_checkpoint, read_checkpoint
-from configurator import ConfigError, arg_updates, check_ranges, fail, parse_config, require
+from checkpoint import CheckpointError, model_from_checkpoint, read_checkpoint
+from configurator import (ConfigError, arg_updates, check_ranges, fail, output_file, parse_config, require,
+                          write_atomically)
 
 ROOT = Path(__file__).resolve().parent
 DEFAULTS = {
@@ -48,8 +54,11 @@ DEFAULTS = {
     "lr_seeds": 1,                        # lr_sweep: seeds per rate; best_lr reuses its runs where seed and rate match
     "long_runs": "vanilla,value",         # long: the runs trained longer; the first is the baseline of the gap
     "long_factor": 5,                     # long: this many times the base's max_iters (and tokens)
+    "overwrite": False,                   # retrain from scratch, deleting them, the runs in --out that cannot be
+                                          # reused (trained with other settings, or with an unreadable record)
 }
-PROTOCOLS = ("shared", "lr_sweep", "best_lr", "long")
+PROTOCOLS = {"shared": "results", "lr_sweep": "results_lr_sweep", "best_lr": "results_best_lr",
+             "long": "results_long"}  # protocol -> the name of its results.{md,json}
 # run name -> delta files in configs/ablations/, applied after the base
 RUNS = {
     "vanilla": ["mode_vanilla"], "uniform": ["mode_uniform"], "value": ["mode_value"],
@@ -75,17 +84,57 @@ PAPER = paper.ABLATION_LOSS  # 500M models, validation loss (paper Tables 5-6, F
 # The 3B models of Table 1: (Pile validation perplexity or None, zero-shot average over the eight tasks).
 PAPER_TABLE1 = {run: (paper.TABLE1_PPL.get(row), paper.TABLE1_AVG[0][row]) for run, row in paper.TABLE1_3B_RUNS.items()}
 KEY_RANGES = {"seeds": ">= 1", "jobs": ">= 1", "threads": ">= 0", "lr_seeds": ">= 1", "long_factor": ">= 1"}
+# train.py keys that decide no number a run reports, so a run recorded with other values of them is still the run
+# asked for: where it is written and how one command treats it (out_dir, resume, overwrite); where it pauses and
+# how often it saves (stop_at_step keeps max_iters' schedule, and a resume continues a run exactly); how the same
+# computation is laid out (micro_batch, compile, parallel, activation_checkpointing: equal up to float rounding,
+# as on another GPU of the same kind); the memory plan that trains nothing (memory_plan);
+# what it prints or mirrors (log_interval, the text sample after the last checkpoint, wandb). Every other key
+# must match: eval_interval and eval_seqs too, as they make the curves and the losses.
+NOT_RESULT_KEYS = {"out_dir", "resume", "overwrite", "stop_at_step", "ckpt_interval", "micro_batch", "compile",
+                   "parallel", "activation_checkpointing", "memory_plan", "log_interval", "sample_tokens",
+                   "sample_prompt", "wandb_log", "wandb_project", "wandb_run_name"}
+# train.py keys that ablate.py sets for every run: given after `--`, they would be overridden or fight it
+OWN_KEYS = {"seed": "the seeds are 0 .. --seeds-1", "out_dir": "every run has its folder below --out",
+            "resume": "a started run is resumed anyway", "overwrite": "ablate.py's own --overwrite retrains"}
+
+
+def read_record(path, parse, valid, what):
+    """parse(the text of path) when valid(it) holds, else a ConfigError naming the file: a run's record in --out
+    cut short by a kill, or edited."""
+    try:
+        value = parse(path.read_text())
+        if valid(value):
+            return value
+    except (OSError, ValueError):  # unreadable, not UTF-8, not JSON
+        pass
+    raise ConfigError(f"{path} is not {what} (cut short or edited)")
+
+
+def valid_history(history):
+    """train.py's list of resumes: [{"step": s, "changed": {key: [before, after]}}, ...]."""
+    return isinstance(history, list) and all(isinstance(r, dict) and isinstance(r.get("changed"), dict) and all(
+        isinstance(v, list) and len(v) == 2 for v in r["changed"].values()) for r in history)
 
 
 def read_log(run_dir):
     path = run_dir / "log.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return read_record(path, lambda text: [json.loads(line) for line in text.splitlines()], lambda log: all(
+        isinstance(r, dict) and isinstance(r.get("step"), int) and "kind" in r and (
+            r["kind"] != "eval" or isinstance(r.get("val_loss"), (int, float))) for r in log),
+        "a train.py log") if path.exists() else []
+
+
+def read_config(run_dir):
+    """The config.json train.py wrote: the run's resolved config and its "resumes"."""
+    return read_record(run_dir / "config.json", json.loads, lambda c: isinstance(c, dict) and isinstance(
+        c.get("max_iters"), int) and valid_history(c.get("resumes", [])), "a train.py config")
 
 
 def final_val_loss(run_dir):
     """The last evaluation's loss if the run finished (evaluated at max_iters), else None."""
-    cfg_path, evals = run_dir / "config.json", [r for r in read_log(run_dir) if r["kind"] == "eval"]
-    if not cfg_path.exists() or not evals or evals[-1]["step"] != json.loads(cfg_path.read_text())["max_iters"]:
+    evals = [r for r in read_log(run_dir) if r["kind"] == "eval"]
+    if not (run_dir / "config.json").exists() or not evals or evals[-1]["step"] != read_config(run_dir)["max_iters"]:
         return None
     return evals[-1]["val_loss"]
 
@@ -103,47 +152,143 @@ def run_files(base, name):
     return [base] + [str(ROOT / "configs" / "ablations" / f"{d}.py") for d in RUNS[name]]
 
 
-def planned(key, files, extra):
-    """A train.py key as the config files, then the `--key=value` overrides, set it (None if they don't)."""
-    value = None
-    for arg in files + extra:
-        value = arg_updates(arg).get(key, value)
-    return value
-
-
-def train_one(job, base, extra, out, threads):
-    """Train (or resume, or skip when finished) one (run, seed, peak rate or None, step factor)."""
+def label(job):
     name, seed, lr, factor = job
-    label = f"{name} seed {seed}" + (f" lr {lr:g}" if lr is not None else "") + (f" x{factor}" if factor > 1 else "")
-    where = run_dir(out, name, seed, lr, factor)
-    if final_val_loss(where) is not None:
-        return f"{label}: done already"
+    return f"{name} seed {seed}" + (f" lr {lr:g}" if lr is not None else "") + (f" x{factor}" if factor > 1 else "")
+
+
+@functools.cache
+def train_defaults() -> dict:
+    """train.py's keys and defaults, read from its --help (a script is run, never imported)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "--help"], capture_output=True, text=True,
+                          cwd=ROOT)
+    try:  # `  --key=repr(default)  comment`, one line a key
+        defaults = {k: ast.literal_eval(v) for k, v in re.findall(r"^  --(\w+)=(.+?)(?:  |$)", proc.stdout, re.M)}
+    except (ValueError, SyntaxError):
+        defaults = {}
+    if not defaults:
+        fail(f"could not read train.py's keys from `python train.py --help` (exit {proc.returncode}: "
+             f"{proc.stderr.strip()[-200:]}); check that train.py runs")
+    return defaults
+
+
+def unset_key(cfg, defaults):
+    """The first key set to None whose default is not None (parse_config takes None for any number), else None."""
+    return next((k for k, v in cfg.items() if v is None and defaults[k] is not None), None)
+
+
+def train_config(args) -> dict:
+    """The config train.py resolves from these arguments for a fresh run: its defaults, the config files, then
+    the --key=value overrides (a ConfigError for an unknown key or a value of the wrong type)."""
+    return parse_config(train_defaults(), args)
+
+
+def train_args(job, base, extra, out):
+    """train.py's arguments for one job (run, seed, peak rate or None, step factor), --resume aside."""
+    name, seed, lr, factor = job
     files = run_files(base, name)
     schedule = [f"--learning_rate={lr!r}"] if lr is not None else []
     if factor > 1:
-        schedule.append(f"--max_iters={planned('max_iters', files, extra) * factor}")
-    args = files + extra + schedule + [f"--seed={seed}", f"--out_dir={where}", "--sample_tokens=0"]
-    if (where / "ckpt.pt").exists():
-        args.append("--resume=True")
+        schedule.append(f"--max_iters={train_config(files + extra)['max_iters'] * factor}")
+    return files + extra + schedule + [f"--seed={seed}", f"--out_dir={run_dir(out, *job)}", "--sample_tokens=0"]
+
+
+def differences(recorded, history, asked) -> str:
+    """How the config a run was trained with (train.py's record of it and of its resumes) differs from the one
+    asked for, as `key old -> new` items; "" for the same run."""
+    before = {**train_defaults(), **recorded}  # a key added to train.py since the run: its default, as on resume
+    diff = [f"{k} {before[k]!r} -> {v!r}" for k, v in asked.items() if k not in NOT_RESULT_KEYS and before[k] != v
+            and not (k == "vocab_size" and v is None)]  # None follows the data, which dataset and data_root name
+    diff += [f"resumed at step {r.get('step')} with {k} {a!r} -> {b!r}" for r in history
+             for k, (a, b) in r["changed"].items() if k not in NOT_RESULT_KEYS]
+    return ", ".join(diff)
+
+
+def survey(where, args, figure=False):
+    """(state, why) of a job's folder: "done" (finished), "resume" (a checkpoint), "new" (nothing to reuse), each
+    with the config asked for through every resume; else "stale" and what differs or cannot be read. figure: the
+    report draws from a finished run's checkpoint too, so it is read now rather than after the sweep."""
+    ckpt = where / "ckpt.pt"
+    try:
+        loss = final_val_loss(where)
+        if loss is None and ckpt.exists():
+            saved = read_checkpoint(ckpt)
+            if not isinstance(saved.get("config"), dict) or not valid_history(saved.get("config_history", [])):
+                raise ConfigError(f"{ckpt} holds a model but not a train.py run to continue")
+            what, recorded, history = f"checkpoint at step {saved.get('step')}", saved["config"], \
+                saved.get("config_history", [])
+        elif (where / "config.json").exists():
+            recorded = read_config(where)
+            what, history = "finished" if loss is not None else "unfinished", recorded.get("resumes", [])
+        else:
+            return "new", None
+        if figure and loss is not None and ckpt.exists():
+            read_checkpoint(ckpt, verify=("model", "model_config"))
+    except (ConfigError, CheckpointError) as e:
+        return "stale", str(e)
+    diff = differences(recorded, history, train_config(args))
+    if diff:
+        return "stale", f"{what}; {diff}"
+    return ("done" if loss is not None else "resume" if ckpt.exists() else "new"), None
+
+
+def plan(cfg, base, extra, out, jobs, reads=(), figures=()):
+    """{job: (state, train.py arguments)}, from every folder this command trains in (jobs) or reads (reads: runs
+    of the protocol before it) checked before anything trains. A run that cannot be reused stops the command,
+    unless --overwrite and it is one of the jobs; figures: the jobs whose checkpoints the report reads."""
+    jobs, plans = dict.fromkeys(jobs), {}
+    for job in dict.fromkeys([*jobs, *reads]):
+        args = train_args(job, base, extra, out)
+        plans[job] = (*survey(run_dir(out, *job), args, job in figures), args)
+    stale = {job: why for job, (state, why, _) in plans.items()
+             if state == "stale" and not (cfg["overwrite"] and job in jobs)}
+    if stale:
+        shown = "; ".join(f"{label(job)} ({why})" for job, why in list(stale.items())[:4])
+        more = f"; and {len(stale) - 4} more" if len(stale) > 4 else ""
+        fix = ("pick a new --out, or rerun with --overwrite=True to delete and retrain them" if set(stale) <= set(jobs)
+               else "rerun the protocols that train them (lr_sweep, then best_lr) with these settings and "
+                    "--overwrite=True first, or pick a new --out")
+        fail(f"{len(stale)} run(s) in {out} cannot be reused: {shown}{more}; {fix}")
+    for job in jobs:  # the folders of the runs to train: made now, or found unwritable before anything trains
+        if plans[job][0] != "done":
+            output_file(run_dir(out, *job) / "train.out", "--out")
+    return {job: (state, args) for job, (state, _, args) in plans.items() if job in jobs}
+
+
+def train_one(job, state, args, out, threads):
+    """Train (or resume, or report when finished) one job; a stale run goes wholly first (--overwrite)."""
+    where = run_dir(out, *job)
+    if state == "done":
+        return f"{label(job)}: done already"
+    if state == "stale":
+        shutil.rmtree(where)
     where.mkdir(parents=True, exist_ok=True)
+    resume = ["--resume=True"] if state == "resume" else []
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    with open(where / "train.out", "w") as log:
-        proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args], stdout=log, stderr=subprocess.STDOUT,
-                              env=env, cwd=ROOT)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{label} failed (exit {proc.returncode}); see {where / 'train.out'}")
+    with open(where / "train.out", "a" if resume else "w") as log:  # a resume's output follows the run's before
+        proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args, *resume], stdout=log,
+                              stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    if proc.returncode != 0:  # train.py's last line says why: its error line, or a traceback's last
+        why = ((where / "train.out").read_text(errors="replace").strip().splitlines() or ["no output"])[-1]
+        raise RuntimeError(f"{label(job)} failed (exit {proc.returncode}: {why}); see {where / 'train.out'}")
     loss = final_val_loss(where)
-    return f"{label}: " + (f"val_loss {loss:.4f}" if loss is not None else "stopped before the end")
+    return f"{label(job)}: " + (f"val_loss {loss:.4f}" if loss is not None else "stopped before the end")
 
 
-def run_all(cfg, extra, out, threads, jobs):
-    """Train the jobs, cfg["jobs"] at a time, in the order given (seed-major lists: early results cover every run)."""
-    with ThreadPoolExecutor(cfg["jobs"]) as pool:
-        try:
-            for msg in pool.map(lambda job: train_one(job, cfg["base"], extra, out, threads), dict.fromkeys(jobs)):
-                print(msg, flush=True)
-        except RuntimeError as e:  # a train.py run failed; its train.out names the cause
-            fail(e)
+def run_all(cfg, out, threads, plans):
+    """Train the planned jobs, cfg["jobs"] at a time, in the order given (seed-major lists: early results cover
+    every run). A failed run or Ctrl-C starts no further run; the ones started end (Ctrl-C stops them too)."""
+    pool = ThreadPoolExecutor(cfg["jobs"])
+    try:
+        for msg in pool.map(lambda job: train_one(job, *plans[job], out, threads), plans):
+            print(msg, flush=True)
+    except RuntimeError as e:  # a train.py run failed; its train.out names the cause
+        pool.shutdown(cancel_futures=True)
+        fail(e)
+    except KeyboardInterrupt:
+        pool.shutdown(wait=False, cancel_futures=True)
+        fail("interrupted; every started run keeps its last checkpoint: rerun the same command to continue")
+    pool.shutdown()
 
 
 def collect(out, names, seeds, rates=None, factor=1):
@@ -249,7 +394,7 @@ def depth_weight_matrix(ckpt_path, n_windows=16):
     ckpt = read_checkpoint(ckpt_path)
     model = model_from_checkpoint(ckpt).eval()
     T = model.config.block_size
-    val = np.memmap(Path(ckpt["data_dir"]) / "val.bin", dtype=np.uint16, mode="r")
+    val = np.memmap(ROOT / ckpt["data_dir"] / "val.bin", dtype=np.uint16, mode="r")  # train.py ran in ROOT
     starts = np.linspace(0, len(val) - T - 1, n_windows).astype(np.int64)
     x = torch.from_numpy(np.stack([val[s:s + T].astype(np.int64) for s in starts]))
     with model.capture_depth_weights() as alphas:
@@ -355,9 +500,22 @@ def plot_gaps(curves, short, baseline, short_tokens, path):
 
 
 def write_results(out, stem, payload, text):
-    (out / f"{stem}.json").write_text(json.dumps(payload, indent=1) + "\n")
-    (out / f"{stem}.md").write_text(text)
+    write_atomically(out / f"{stem}.json", json.dumps(payload, indent=1) + "\n")
+    write_atomically(out / f"{stem}.md", text)
     print(text)
+
+
+def check_outputs(out, protocol, names):
+    """Before anything trains: --out is a folder and every result file of the protocol can be written there."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out={out} is a file; give a folder (the runs and their results go below it)")
+    figures = {"shared": ["curves.png"] + [png for run, png in DEPTH_FIGURES if run in names],
+               "long": ["gap_vs_tokens.png"]}
+    for name in [f"{PROTOCOLS[protocol]}.json", f"{PROTOCOLS[protocol]}.md", *figures.get(protocol, [])]:
+        if (out / name).is_dir():
+            raise ConfigError(f"{out / name} is a folder where ablate.py writes its {name}; move it away or pick "
+                              f"another --out")
+        output_file(out / name, "--out")
 
 
 def report_shared(out, names, cfg, extra):
@@ -366,83 +524,122 @@ def report_shared(out, names, cfg, extra):
                   markdown(tables))
     try:
         plot_curves(out, names, cfg["seeds"], out / "curves.png")
-        figures = [out / "curves.png"]
-        for run, png in DEPTH_FIGURES:
-            if run in names:
-                plot_depth_weights(out / run / "seed0" / "ckpt.pt", out / png, f"Depth weights, {run}, seed 0")
-                figures.append(out / png)
-        print("figures:", ", ".join(map(str, figures)))
     except ImportError as e:
-        print(f"no figures: {e}")
+        return print(f"no figures: {e}")
+    figures = [out / "curves.png"]
+    for run, png in DEPTH_FIGURES:
+        if run in names:
+            try:  # a finished run's checkpoint was checked before the sweep; one may have been pruned since it ran
+                plot_depth_weights(run_dir(out, run, 0) / "ckpt.pt", out / png, f"Depth weights, {run}, seed 0")
+                figures.append(out / png)
+            except (CheckpointError, OSError) as e:
+                print(f"no {png}: {e}")
+    print("figures:", ", ".join(map(str, figures)))
 
 
-def main(argv):
+def parse_args(argv):
+    """(ablate.py's config, train.py's arguments after `--`, the peak rates, the run names), all checked."""
     split = argv.index("--") if "--" in argv else len(argv)
     extra = argv[split + 1:]
     try:
         cfg = parse_config(DEFAULTS, argv[:split], __doc__, [__file__])
         check_ranges(cfg, KEY_RANGES)
+        unset = unset_key(cfg, DEFAULTS)
+        if unset:
+            raise ConfigError(f"--{unset}=None: give a value, e.g. the default --{unset}={DEFAULTS[unset]}")
         for arg in extra:  # train.py's arguments: read now, so a malformed one stops the sweep before it starts
-            arg_updates(arg)
+            own = sorted(OWN_KEYS.keys() & arg_updates(arg).keys()) if arg.startswith("--") else []
+            if own:
+                raise ConfigError(f"--{own[0]} after -- is ablate.py's to set ({OWN_KEYS[own[0]]}); drop it")
         lrs = sorted({float(x) for x in cfg["lrs"].split(",") if x.strip()})
     except ConfigError as e:
         fail(e)
     except ValueError:
         fail(f"--lrs must be comma-separated numbers, got {cfg['lrs']!r}")
-    protocol = cfg["protocol"]
+    protocol, cores = cfg["protocol"], os.cpu_count() or 1
     if protocol not in PROTOCOLS:
         fail(f"unknown --protocol={protocol}; choose one of {', '.join(PROTOCOLS)}")
     if not lrs or min(lrs) <= 0 or not all(map(math.isfinite, lrs)):
         fail(f"--lrs must list positive, finite peak rates, got {cfg['lrs']!r}")
     runs = cfg["long_runs"] if protocol == "long" else cfg["runs"]
-    names = list(dict.fromkeys(n for part in runs.split(",") for n in RUN_SETS.get(part, [part])))
+    names = list(dict.fromkeys(n for part in runs.split(",") if part.strip()
+                               for n in RUN_SETS.get(part.strip(), [part.strip()])))
     unknown = [n for n in names if n not in RUNS]
-    if unknown:
-        fail(f"unknown runs {unknown}; choose from {', '.join(RUNS)} or a set: {', '.join(RUN_SETS)}")
+    if unknown or not names:
+        fail(f"unknown runs {unknown or runs!r}; choose from {', '.join(RUNS)} or a set: {', '.join(RUN_SETS)}")
+    if protocol == "long" and (len(names) < 2 or cfg["long_factor"] < 2):
+        fail(f"--protocol=long trains --long_factor >= 2 times the steps and compares every run with the first of "
+             f"--long_runs: give two runs or more and a factor of 2 or more, got {names} x{cfg['long_factor']}")
+    if cfg["threads"] > cores:
+        fail(f"--threads={cfg['threads']} exceeds this machine's {cores} cores; give at most {cores} (0 = the cores "
+             f"shared among the jobs)")
+    if not cfg["out"]:
+        fail("--out is empty; give the folder for the runs and results, e.g. --out=out/ablate_cpu")
     if not Path(cfg["base"]).is_file():
-        fail(f"base config {cfg['base']} not found")
-    out = Path(cfg["out"])
-    out.mkdir(parents=True, exist_ok=True)
-    threads = cfg["threads"] or max(1, (os.cpu_count() or 1) // cfg["jobs"])
+        fail(f"base config {cfg['base']} not found (a relative path starts in the current folder)")
+    return cfg, extra, lrs, names
 
-    seeds = range(cfg["seeds"])
+
+def run_protocol(cfg, extra, lrs, names):
+    """Check every path and run this command touches, train what is missing, write the protocol's results."""
+    protocol, out, seeds = cfg["protocol"], Path(cfg["out"]).resolve(), range(cfg["seeds"])
+    # train.py runs in ROOT, so the paths it gets are absolute: relative ones mean the folder ablate.py ran in
+    base = str(Path(cfg["base"]).resolve())
+    args = [a if a.startswith("--") else str(Path(a).resolve()) for a in extra]
+    for name in names:  # every run's files and overrides, resolved now: a wrong key stops the sweep up front
+        unset = unset_key(train_config(run_files(base, name) + args), train_defaults())
+        if unset:
+            raise ConfigError(f"--{unset}=None for the {name} run; train.py needs a value there")
+    check_outputs(out, protocol, names)
+    threads = cfg["threads"] or max(1, (os.cpu_count() or 1) // cfg["jobs"])
+    sweep = [(n, s, lr, 1) for s in range(cfg["lr_seeds"]) for lr in lrs for n in names]
     if protocol == "shared":
-        run_all(cfg, extra, out, threads, [(n, s, None, 1) for s in seeds for n in names])
+        jobs = [(n, s, None, 1) for s in seeds for n in names]
+        figures = [(run, 0, None, 1) for run, _ in DEPTH_FIGURES]
+        run_all(cfg, out, threads, plan(cfg, base, args, out, jobs, figures=figures))
         return report_shared(out, names, cfg, extra)
     if protocol == "lr_sweep":
-        run_all(cfg, extra, out, threads,
-                [(n, s, lr, 1) for s in range(cfg["lr_seeds"]) for lr in lrs for n in names])
+        run_all(cfg, out, threads, plan(cfg, base, args, out, sweep))
         best, means = best_rates(out, names, lrs, cfg["lr_seeds"])
-        return write_results(out, "results_lr_sweep", {"config": cfg, "train_overrides": extra, "best": best,
+        return write_results(out, PROTOCOLS[protocol], {"config": cfg, "train_overrides": extra, "best": best,
                              "means": {n: {f"{lr:g}": v for lr, v in m.items()} for n, m in means.items()}},
                              sweep_markdown(means, lrs, best))
+    plan(cfg, base, args, out, [], reads=sweep)  # the sweep's runs, whose best rates this protocol takes
     best, _ = best_rates(out, names, lrs, cfg["lr_seeds"])
+    start = train_config([base, *args])  # the base's schedule, shared by every run
     if protocol == "best_lr":
-        shared = planned("learning_rate", [cfg["base"]], extra)
-        if not isinstance(shared, (int, float)):
-            fail(f"{cfg['base']} sets no learning_rate, the shared rate to compare with")
-        run_all(cfg, extra, out, threads,
-                [(n, s, lr, 1) for s in seeds for n in names for lr in (float(shared), best[n])])
+        shared = start["learning_rate"]
+        jobs = [(n, s, lr, 1) for s in seeds for n in names for lr in (float(shared), best[n])]
+        run_all(cfg, out, threads, plan(cfg, base, args, out, jobs))
         at_shared = summarize(collect(out, names, cfg["seeds"], dict.fromkeys(names, float(shared))),
                               f", all at the shared peak rate {shared:g}")
         at_best = summarize(collect(out, names, cfg["seeds"], best), ", each at its best peak rate")
         rates = "Best peak rates: " + ", ".join(f"{n} {lr:g}" for n, lr in best.items()) + "\n\n"
-        return write_results(out, "results_best_lr", {"config": cfg, "train_overrides": extra, "best": best,
+        return write_results(out, PROTOCOLS[protocol], {"config": cfg, "train_overrides": extra, "best": best,
                              "shared_rate": shared, "tables_shared": at_shared[1], "tables_best": at_best[1]},
                              rates + markdown(at_shared[1]) + "\n" + markdown(at_best[1]))
-    factor = cfg["long_factor"]
-    run_all(cfg, extra, out, threads, [(n, s, best[n], factor) for s in seeds for n in names])
-    batch_tokens = planned("batch_tokens", [cfg["base"]], extra)
-    short_tokens = planned("max_iters", [cfg["base"]], extra) * batch_tokens
+    factor, batch_tokens = cfg["long_factor"], start["batch_tokens"]
+    short_runs = [(n, s, best[n], 1) for s in seeds for n in names]  # best_lr's, drawn beside the long ones
+    run_all(cfg, out, threads, plan(cfg, base, args, out, [(n, s, best[n], factor) for s in seeds for n in names],
+                                    reads=short_runs))
+    short_tokens = start["max_iters"] * batch_tokens
     curves = gap_curves(out, names, cfg["seeds"], best, factor, batch_tokens)
     short = gap_curves(out, names, cfg["seeds"], best, 1, batch_tokens)  # best_lr's runs, where they exist
-    write_results(out, "results_long", {"config": cfg, "train_overrides": extra, "best": best, "gaps": curves,
-                                        "gaps_short": short}, gap_markdown(curves, short, names[0], short_tokens))
+    write_results(out, PROTOCOLS[protocol], {"config": cfg, "train_overrides": extra, "best": best, "gaps": curves,
+                                             "gaps_short": short}, gap_markdown(curves, short, names[0], short_tokens))
     try:
         plot_gaps(curves, short, names[0], short_tokens, out / "gap_vs_tokens.png")
         print("figure:", out / "gap_vs_tokens.png")
     except ImportError as e:
         print(f"no figure: {e}")
+
+
+def main(argv):
+    cfg, extra, lrs, names = parse_args(argv)
+    try:
+        return run_protocol(cfg, extra, lrs, names)
+    except ConfigError as e:  # a path that cannot be written, a key train.py does not know
+        fail(e)
 
 
 if __name__ == "__main__":

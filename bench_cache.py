@@ -31,7 +31,8 @@ from tqdm import tqdm
 
 import paper
 from baselines import BASELINES, BaselineConfig, build_model, make_config
-from configurator import ConfigError, check_ranges, fail, parse_config, read_config_file, resolve_device
+from configurator import (ConfigError, check_ranges, fail, output_file, parse_config, read_config_file,
+                          resolve_device, write_atomically)
 from model import DEPTH_MODES, GPT, depth_cost
 
 ROOT = Path(__file__).resolve().parent
@@ -77,6 +78,9 @@ def resolve(argv):
             raise ConfigError(f"unknown preset {cfg['preset']!r}; choose one of {', '.join(PRESETS)}")
         cfg = parse_config({**DEFAULTS, **preset(cfg["preset"])}, argv)  # the command line wins over the preset
     check_ranges(cfg, KEY_RANGES)
+    unset = next((k for k in BENCH_KEYS if cfg[k] is None), None)  # parse_config takes None for a number
+    if unset:
+        raise ConfigError(f"--{unset}=None: give a value, e.g. the default --{unset}={DEFAULTS[unset]!r}")
     if cfg["dtype"] not in DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {cfg['dtype']!r}")
     try:  # "cuda" is the current GPU (CUDA_VISIBLE_DEVICES picks another); mps is not measured
@@ -86,18 +90,42 @@ def resolve(argv):
     if cfg["dtype"] == "auto":
         cfg["dtype"] = "bfloat16" if cfg["device"] == "cuda" and torch.cuda.is_bf16_supported() else "float32"
     labels = list(dict.fromkeys(m.strip() for m in cfg["modes"].split(",") if m.strip()))
-    for label in list(labels):
-        if baseline(label) not in labels:
-            labels.insert(labels.index(label), baseline(label))
     if not labels:
         raise ConfigError("--modes is empty; give comma-separated modes such as vanilla,value")
-    for label in labels:  # every mode and the model keys are checked by ModelConfig before anything is built
+    for label in labels:  # ModelConfig checks them and the model keys before anything is built; an error names
+        # the mode as typed, not the baseline added for it below
         try:
             model_config(cfg, label)
         except ValueError as e:
             raise ConfigError(f"mode {label}: {e}") from e
+    for label in list(labels):  # a valid mode's baseline is valid: the same shape and loops, vanilla attention
+        if baseline(label) not in labels:
+            labels.insert(labels.index(label), baseline(label))
+    check_limits(cfg)
+    if cfg["json"]:  # now, not after a benchmark that can take many minutes
+        output_file(cfg["json"], "--json")
     cfg["modes"] = ",".join(labels)
     return cfg
+
+
+def check_limits(cfg):
+    """The bounds check_ranges cannot state: what the cache, the seed and the machine can hold."""
+    P, G, T = cfg["prompt_len"], cfg["new_tokens"], cfg["block_size"]
+    if P + G > T:  # the cache and the rotary table hold block_size positions
+        raise ConfigError(f"--prompt_len + --new_tokens = {P} + {G} = {P + G} exceeds the model's block_size {T}; "
+                          f"lower them or raise --block_size")
+    if cfg["seed"] >= 2 ** 64:
+        raise ConfigError(f"--seed must be below 2**64 (torch's seed range), got {cfg['seed']}")
+    cores = os.cpu_count() or 1
+    if cfg["threads"] > cores:  # more threads than cores time the scheduler, not the model
+        raise ConfigError(f"--threads={cfg['threads']} exceeds this machine's {cores} cores; give at most {cores} "
+                          f"(0 = torch's default)")
+
+
+def out_of_memory(e) -> bool:
+    """An allocation that failed: Python's MemoryError, torch's CUDA OutOfMemoryError, its CPU allocator's
+    RuntimeError (also when raised in the peak-memory process, which passes it back by value)."""
+    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e)
 
 
 def baseline(label):
@@ -244,7 +272,7 @@ def run_round(models, opts, cfg, toks, order, samples):
         for label in order:
             samples[label]["decode_s_per_token"].append(
                 timed(lambda: models[label](toks[:, P + i:P + i + 1], cache=caches[label]), device))
-    del caches
+    caches.clear()  # free the caches before the training steps
     with torch.enable_grad():
         for label in order:
             samples[label]["train_step_s"].append(run_train_step(models[label], opts[label], cfg, toks))
@@ -380,12 +408,17 @@ def main(argv):
     except ConfigError as e:
         fail(e)
     print("config:", json.dumps(cfg))
-    samples, num_params = measure(cfg)
+    try:
+        samples, num_params = measure(cfg)
+    except (MemoryError, RuntimeError) as e:
+        if not out_of_memory(e):
+            raise
+        fail(f"out of memory on {cfg['device']} at --batch={cfg['batch']}, --prompt_len={cfg['prompt_len']}, "
+             f"--new_tokens={cfg['new_tokens']} ({str(e).splitlines()[0][:200]}); lower them or the model's size")
     res = summarize(cfg, samples, num_params)
     report(res)
     if cfg["json"]:
-        Path(cfg["json"]).parent.mkdir(parents=True, exist_ok=True)
-        Path(cfg["json"]).write_text(json.dumps(res, indent=1))
+        write_atomically(cfg["json"], json.dumps(res, indent=1))
         print(f"\nwrote {cfg['json']}")
     return res
 

@@ -13,9 +13,12 @@ Neither changes the run: the same batches, schedule, accumulation and clipping o
 the same losses (tests/test_parallel.py). An FSDP run writes its checkpoint sharded (torch.distributed.checkpoint:
 each rank its part, no rank gathers the model) into out_dir/ckpt.dcp; checkpoint.py reads it back whole for
 sample.py, eval.py and the export. `python train.py CONFIG --memory_plan=True` prints what each mode needs per GPU.
+Also here: the stop on Ctrl-C or SIGTERM that every rank agrees on (StopSignals), and a process's peak memory.
 """
 import functools
 import shutil
+import signal
+import sys
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -27,15 +30,21 @@ from torch.utils.checkpoint import checkpoint
 from baselines import residual_of
 from checkpoint import SHARDED, CheckpointError, fsync_dir, save_checkpoint
 
+try:
+    import resource  # peak memory on the CPU; absent on Windows
+except ImportError:
+    resource = None
+
 PARALLEL = ("ddp", "fsdp")
 
 
 # What is recomputed, per residual path: the block (a plain model, DenseFormer), or the pieces a baseline's
-# run_layers calls in its place: AttnRes's two sublayers and their depth aggregators, mHC's two connectors (each
-# wraps a sublayer and the stream mixing around it).
+# run_layers calls in its place: AttnRes's two sublayers and their depth aggregators, mHC's two sublayers. mHC's
+# connectors (its n streams and Sinkhorn) stay outside: a recomputed connector calls its sublayer through FSDP's
+# hooks again inside the backward pass, which gave wrong gradients (tests/test_parallel.py).
 RECOMPUTED = {"add": ("forward",), "denseformer": ("forward",),
               "attnres": ("attend", "feed_forward", "attnres_attn_aggregator", "attnres_mlp_aggregator"),
-              "mhc": ("attn_residual_connector", "mlp_residual_connector")}
+              "mhc": ("attend", "feed_forward")}
 
 
 def checkpoint_units(model) -> list:
@@ -157,6 +166,43 @@ class Parallel:
             ok = ok.to(torch.int32)
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         return bool(ok)
+
+
+class StopSignals:
+    """Ctrl-C (SIGINT) and SIGTERM (what a scheduler sends before preemption) ask the run to stop: the step in
+    flight finishes, a checkpoint is written, and the process exits with 128 + the signal's number. A second
+    Ctrl-C stops at once (KeyboardInterrupt: the last checkpoint stays)."""
+
+    def __init__(self):
+        self.received = 0
+        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def handle(self, signum, frame):
+        if signum == signal.SIGINT and self.received == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = self.received or signum
+
+    def agreed(self, proc) -> int:
+        """The signal any rank received, 0 for none: under torchrun every rank stops after the same step (one
+        that stopped alone would leave the others waiting in a collective), often only some got the signal."""
+        if not proc.distributed:
+            return self.received
+        flag = torch.tensor(self.received, device=proc.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+    def restore(self):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+def peak_memory(device) -> str:
+    """This process's peak memory: what torch allocated on the GPU, or the resident size on the CPU."""
+    if device.startswith("cuda"):
+        return f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB allocated on the GPU"
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss if resource else 0
+    kib = kib / 1024 if sys.platform == "darwin" else kib  # macOS counts bytes, Linux KiB
+    return f"peak {kib / 2**20:.2f} GiB resident" if kib else "peak memory unknown"
 
 
 # ----------------------------------------------------------------------------- sharded checkpoints

@@ -31,11 +31,6 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-try:
-    import resource  # peak memory on the CPU; absent on Windows
-except ImportError:
-    resource = None
-
 import memory
 import prepare_data
 from baselines import KNOBS, BaselineConfig, build_model, make_config
@@ -43,7 +38,8 @@ from checkpoint import (SHARDED, CheckpointError, checkpoint_path, claim_out_dir
                         rng_state, save_checkpoint, set_rng_state)
 from configurator import ConfigError, check_ranges, fail, parse_config, require, resolve_device
 from model import GPT
-from parallel import PARALLEL, Parallel, checkpoint_activations, load_sharded, save_sharded
+from parallel import (PARALLEL, Parallel, StopSignals, checkpoint_activations, load_sharded, peak_memory,
+                      save_sharded)
 from tokenizer import get_tokenizer, same_tokenizer, tokenizer_flag, tokenizer_record
 
 MODEL_KEYS = [f.name for f in fields(BaselineConfig)]  # the decoder's, Depth-Attention's and the baselines' keys
@@ -456,32 +452,22 @@ def train_step(fwd, par, batches, accum, grad_clip, proc):
     return loss_sum.item() / (accum * proc.world), par.clip(grad_clip)
 
 
-class StopSignals:
-    """Ctrl-C (SIGINT) and SIGTERM (what a scheduler sends before preemption) ask the run to stop: the step in
-    flight finishes, a checkpoint is written, and the process exits with 128 + the signal's number. A second
-    Ctrl-C stops at once (KeyboardInterrupt: the last checkpoint stays)."""
-
-    def __init__(self):
-        self.received = 0
-        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
-
-    def handle(self, signum, frame):
-        if signum == signal.SIGINT and self.received == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.received = self.received or signum
-
-    def agreed(self, proc) -> int:
-        """The signal any rank received, 0 for none: under torchrun every rank stops after the same step (one
-        that stopped alone would leave the others waiting in a collective), often only some got the signal."""
-        if not proc.distributed:
-            return self.received
-        flag = torch.tensor(self.received, device=proc.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
-
-    def restore(self):
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
+def restore(par, optimizer, ckpt):
+    """(step, best validation loss, step of the last checkpoint): a fresh run's, or a resumed run's with its
+    weights, optimizer and RNG states restored. The data position is the step: batch `step` depends on (seed,
+    step) only."""
+    if ckpt is None:
+        return 0, float("inf"), None
+    if par.sharded:
+        try:
+            load_sharded(par.model, optimizer, ckpt["shards"])
+        except CheckpointError as e:
+            fail(e)
+    else:
+        par.model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+    set_rng_state(ckpt["rng"])
+    return ckpt["step"], ckpt["best_val_loss"], ckpt["step"]
 
 
 def save(par, optimizer, step, best_val, lr, run, out_dir, last_ckpt, master):
@@ -511,15 +497,6 @@ def sample_preview(model, enc, cfg, device, master):
                              top_k=SAMPLE_TOP_K, generator=gen)
         if master:
             print(f"sample ({n_new} tokens):\n{enc.decode(out[0].tolist())}")
-
-
-def peak_memory(device) -> str:
-    """This process's peak memory: what torch allocated on the GPU, or the resident size on the CPU."""
-    if device.startswith("cuda"):
-        return f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB allocated on the GPU"
-    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss if resource else 0
-    kib = kib / 1024 if sys.platform == "darwin" else kib  # macOS counts bytes, Linux KiB
-    return f"peak {kib / 2**20:.2f} GiB resident" if kib else "peak memory unknown"
 
 
 # ----------------------------------------------------------------------------- the run
@@ -557,19 +534,8 @@ def main(argv):
         checkpoint_activations(model)
     par = Parallel(model, cfg["parallel"], proc.distributed, device, proc.bf16)  # FSDP shards the model in place
     optimizer = make_optimizer(model, cfg, device)
-    step, best_val, last_ckpt = 0, float("inf"), None  # last_ckpt: the step of the last checkpoint
-    if ckpt is not None:  # the data position is the step: batch `step` depends on (seed, step) only
-        if par.sharded:
-            try:
-                load_sharded(model, optimizer, ckpt["shards"])
-            except CheckpointError as e:
-                fail(e)
-        else:
-            model.load_state_dict(ckpt["model"])
-            optimizer.load_state_dict(ckpt["optimizer"])
-        step, best_val, last_ckpt = ckpt["step"], ckpt["best_val_loss"], ckpt["step"]
-        set_rng_state(ckpt["rng"])
-        del ckpt
+    step, best_val, last_ckpt = restore(par, optimizer, ckpt)  # last_ckpt: the step of the last checkpoint
+    del ckpt
     fwd = torch.compile(par.forward) if cfg["compile"] else par.forward
 
     out_dir = Path(cfg["out_dir"])
@@ -588,40 +554,42 @@ def main(argv):
         best_val = min(best_val, eval_and_log(model, val, val_offsets, mb, T, proc, 0, out_dir, wandb))
     bar = tqdm(total=cfg["max_iters"], initial=step, unit="step", disable=True if not master else None)
     signals, stopped_by = StopSignals(), 0
-    while step < cfg["max_iters"]:
-        t0 = time.perf_counter()
-        lr = lr_at(step, cfg)
-        set_lr(optimizer, lr, cfg)
-        offsets = train_offsets(cfg["seed"], step, rows, len(train), T)[my_rows]
-        batches = (get_batch(train, offsets[m * mb:(m + 1) * mb], T, device, model_config.vocab_size)
-                   for m in range(accum))
-        train_loss, grad_norm = train_step(fwd, par, batches, accum, cfg["grad_clip"], proc)
-        if not math.isfinite(train_loss + grad_norm):  # checked before the update reaches the weights
-            diverged(step + 1, f"train_loss {train_loss}, grad_norm {grad_norm}", lr, last_ckpt)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        step += 1
-        dt = time.perf_counter() - t0
-        bar.update()
-        if master:
-            log({"kind": "train", "step": step, "train_loss": train_loss, "lr": lr, "grad_norm": grad_norm,
-                 "tok_per_s": cfg["batch_tokens"] / dt}, out_dir, wandb)
-            if step % cfg["log_interval"] == 0 or step == cfg["max_iters"]:
-                tqdm.write(f"step {step} | train_loss {train_loss:.4f} | lr {lr:.2e} | grad_norm {grad_norm:.3f} "
-                           f"| tok/s {cfg['batch_tokens'] / dt:.0f}")
-        if (cfg["eval_interval"] > 0 and step % cfg["eval_interval"] == 0) or step == cfg["max_iters"]:
-            best_val = min(best_val, eval_and_log(model, val, val_offsets, mb, T, proc, step, out_dir, wandb))
-        stopped_by = signals.agreed(proc) if step < cfg["max_iters"] else 0  # a finished run is just done
-        stop = step == cfg["stop_at_step"] or stopped_by
-        if (every_ckpt and step % every_ckpt == 0) or step == cfg["max_iters"] or stop:
-            save(par, optimizer, step, best_val, lr, run, out_dir, last_ckpt, master)
-            last_ckpt = step
-        if stop:
-            if master and not stopped_by:
-                tqdm.write(f"stopping at step {step} (stop_at_step); continue with --resume=True")
-            break
-    bar.close()
-    signals.restore()
+    try:  # the handlers go back however the loop ends: a divergence's exit, an error, a test in-process
+        while step < cfg["max_iters"]:
+            t0 = time.perf_counter()
+            lr = lr_at(step, cfg)
+            set_lr(optimizer, lr, cfg)
+            offsets = train_offsets(cfg["seed"], step, rows, len(train), T)[my_rows]
+            batches = (get_batch(train, offsets[m * mb:(m + 1) * mb], T, device, model_config.vocab_size)
+                       for m in range(accum))
+            train_loss, grad_norm = train_step(fwd, par, batches, accum, cfg["grad_clip"], proc)
+            if not math.isfinite(train_loss + grad_norm):  # checked before the update reaches the weights
+                diverged(step + 1, f"train_loss {train_loss}, grad_norm {grad_norm}", lr, last_ckpt)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            dt = time.perf_counter() - t0
+            bar.update()
+            if master:
+                log({"kind": "train", "step": step, "train_loss": train_loss, "lr": lr, "grad_norm": grad_norm,
+                     "tok_per_s": cfg["batch_tokens"] / dt}, out_dir, wandb)
+                if step % cfg["log_interval"] == 0 or step == cfg["max_iters"]:
+                    tqdm.write(f"step {step} | train_loss {train_loss:.4f} | lr {lr:.2e} | grad_norm {grad_norm:.3f} "
+                               f"| tok/s {cfg['batch_tokens'] / dt:.0f}")
+            if (cfg["eval_interval"] > 0 and step % cfg["eval_interval"] == 0) or step == cfg["max_iters"]:
+                best_val = min(best_val, eval_and_log(model, val, val_offsets, mb, T, proc, step, out_dir, wandb))
+            stopped_by = signals.agreed(proc) if step < cfg["max_iters"] else 0  # a finished run is just done
+            stop = step == cfg["stop_at_step"] or stopped_by
+            if (every_ckpt and step % every_ckpt == 0) or step == cfg["max_iters"] or stop:
+                save(par, optimizer, step, best_val, lr, run, out_dir, last_ckpt, master)
+                last_ckpt = step
+            if stop:
+                if master and not stopped_by:
+                    tqdm.write(f"stopping at step {step} (stop_at_step); continue with --resume=True")
+                break
+    finally:
+        bar.close()
+        signals.restore()
 
     if enc is not None and step == cfg["max_iters"]:  # under FSDP every rank generates: each forward gathers
         sample_preview(model, enc, cfg, device, master)

@@ -1,22 +1,46 @@
-"""ablate.py end to end on a tiny config: two runs x one seed, a couple of steps, the table and both figures."""
+"""ablate.py end to end on a tiny config: two runs x one seed, a couple of steps, the table and both figures;
+and what it does with the runs already in --out, and with bad input: one `error:` line before anything trains."""
+import contextlib
+import io
 import json
 import os
-import subprocess
-import sys
+import shutil
+import signal
+import threading
+import time
 from pathlib import Path
 
 import matplotlib.image
 import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+import ablate as ablate_py
 
 
 def ablate(*args):
-    proc = subprocess.run([sys.executable, "ablate.py", *map(str, args)], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300)
-    assert proc.returncode == 0, f"ablate.py failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout
+    """ablate.py's main in this process (train.py still runs in its own); what it printed."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        ablate_py.main([str(a) for a in args])
+    return printed.getvalue()
+
+
+def refused(*args):
+    """The one `error:` line ablate.py stops with."""
+    with pytest.raises(SystemExit) as stop:
+        ablate(*args)
+    msg = str(stop.value.code)
+    assert msg.startswith("error: ") and "\n" not in msg, msg
+    return msg
+
+
+def files(folder):
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+def started(out):
+    """Where the sweep fixture keeps its runs as they were when interrupted: the tests of a started run."""
+    return out.with_name(out.name + "_started")
 
 
 @pytest.fixture(scope="module")
@@ -31,6 +55,7 @@ def sweep(data_root, tmp_path_factory):
     ablate(*args, "--", "--stop_at_step=2")  # an interrupted sweep: every run stops after step 2
     interrupted = {run: [json.loads(l)["step"] for l in (out / run / "seed0" / "log.jsonl").read_text().splitlines()]
                    for run in ("vanilla", "value")}
+    shutil.copytree(out, started(out))
     return out, args, ablate(*args), interrupted
 
 
@@ -64,13 +89,13 @@ def test_sweep_writes_the_table_and_figures(sweep):
 
 def test_rerun_skips_finished_runs(sweep):
     out, args, _, _ = sweep
-    before = (out / "value" / "seed0" / "log.jsonl").read_text()
+    before, results = (out / "value" / "seed0" / "log.jsonl").read_text(), (out / "results.json").read_text()
     assert "value seed 0: done already" in ablate(*args)
     assert (out / "value" / "seed0" / "log.jsonl").read_text() == before
+    assert (out / "results.json").read_text() == results  # the same command reports the same numbers
 
 
 def test_depth_weight_matrix_rows_are_distributions(sweep):
-    sys.path.insert(0, str(ROOT))
     from ablate import depth_weight_matrix
     m = depth_weight_matrix(sweep[0] / "value" / "seed0" / "ckpt.pt", n_windows=2)
     assert np.isnan(m[0]).all()  # layer 0 only stores
@@ -144,7 +169,6 @@ def test_long_runs_give_the_gap_against_tokens(protocols):
 
 def test_gap_table_shows_the_short_runs_only_at_their_end():
     """An unfinished short pair's last evaluation is mid-schedule: it must not be labelled as the short runs' end."""
-    sys.path.insert(0, str(ROOT))
     from ablate import gap_markdown
     long = {"value": [(0, 0.0, None, 2), (256, -0.02, 0.01, 2), (512, -0.01, 0.005, 2)]}
     unfinished = {"value": [(0, 0.0, None, 2), (256, -0.05, 0.02, 2)]}
@@ -155,15 +179,12 @@ def test_gap_table_shows_the_short_runs_only_at_their_end():
 
 
 def test_best_lr_without_a_sweep_fails_clearly(tmp_path):
-    proc = subprocess.run([sys.executable, "ablate.py", f"--out={tmp_path}", "--runs=vanilla", "--protocol=best_lr"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert proc.returncode != 0 and "run `python ablate.py --protocol=lr_sweep`" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert "run `python ablate.py --protocol=lr_sweep`" in refused(f"--out={tmp_path}", "--runs=vanilla",
+                                                                   "--protocol=best_lr")
 
 
 def test_main_comparison_table(tmp_path):
     """Table 1 at CPU scale: the five runs paired by seed, with perplexity = exp(val loss) and the paper's 3B figures."""
-    sys.path.insert(0, str(ROOT))
     from ablate import MAIN, RUN_SETS, collect, markdown, summarize
     assert RUN_SETS["main"] == ["vanilla", "value", "denseformer", "attnres", "mhc"]
     assert set(RUN_SETS["main"]) | set(RUN_SETS["ablations"]) == set(RUN_SETS["all"])
@@ -183,3 +204,168 @@ def test_main_comparison_table(tmp_path):
     md = markdown(tables)
     assert "| value | 2 | 1.9500 ± 0.0707 | -0.1500 ± 0.0707 | -3.0 | 7.037 ± 0.497 | 7.25 | 55.69 |" in md
     assert "| mhc | 2 |" in md and "| n/a | 54.68 |" in md
+
+
+# ----------------------------------------------------------------------------- the runs already in --out
+
+def edit_config(run, **changes):
+    """Rewrite a run's config.json as train.py would have written it for another command."""
+    cfg = json.loads((run / "config.json").read_text())
+    (run / "config.json").write_text(json.dumps({**cfg, **changes}, indent=1) + "\n")
+
+
+@pytest.mark.parametrize("case", ["override", "learning_rate", "dropped_override", "base_edited", "mixed_resume"])
+def test_a_rerun_with_other_settings_is_refused_before_training(sweep, tmp_path, case):
+    """A finished run is reused only when train.py recorded the config asked for (it used to say "done already"
+    and report the old run's numbers as the new ones)."""
+    src, args, _, _ = sweep
+    out = tmp_path / "out"
+    shutil.copytree(src, out)
+    args = [a for a in args if not a.startswith("--out=")] + [f"--out={out}"]
+    extra, expected = {"override": (["--", "--max_iters=4"], "max_iters 3 -> 4"),
+                       "learning_rate": (["--", "--learning_rate=0.01"], "learning_rate 0.003 -> 0.01"),
+                       "dropped_override": ([], "weight_decay 0.0 -> 0.1"),
+                       "base_edited": ([], "eval_seqs 4 -> 8"),
+                       "mixed_resume": ([], "resumed at step 2 with learning_rate 0.01 -> 0.003")}[case]
+    if case == "dropped_override":  # the runs had `-- --weight_decay=0.0`, this command drops it
+        edit_config(out / "vanilla" / "seed0", weight_decay=0.0)
+    if case == "base_edited":
+        base = tmp_path / "base.py"
+        base.write_text(Path(args[0].partition("=")[2]).read_text() + "eval_seqs = 8\n")
+        args[0] = f"--base={base}"
+    if case == "mixed_resume":  # half trained at another rate, then resumed at the asked one
+        edit_config(out / "value" / "seed0", resumes=[{"step": 2, "changed": {"learning_rate": [0.01, 0.003]}}])
+    before = files(out)
+    msg = refused(*args, *extra)
+    assert expected in msg and "--overwrite=True" in msg and "new --out" in msg, msg
+    assert files(out) == before
+
+
+def test_a_started_run_with_other_settings_is_not_resumed(sweep, tmp_path):
+    """train.py resumes a checkpoint under changed settings with a warning; the sweep must not."""
+    out = tmp_path / "out"
+    shutil.copytree(started(sweep[0]), out)
+    before = files(out)
+    msg = refused(*sweep[1][:1], f"--out={out}", "--runs=vanilla,value", "--seeds=1", "--", "--learning_rate=0.01")
+    assert "vanilla seed 0 (checkpoint at step 2; learning_rate 0.003 -> 0.01)" in msg, msg
+    assert files(out) == before
+
+
+@pytest.mark.parametrize("case", ["torn_log", "empty_config", "started_ckpt", "finished_ckpt"])
+def test_an_unreadable_run_is_named_before_training(sweep, tmp_path, case):
+    """A run's log, config or checkpoint cut short: one line naming the file and the fix, never a traceback, a
+    failed train.py after the other runs, or a figure that breaks the report."""
+    interrupted = case == "started_ckpt"
+    out = tmp_path / "out"
+    shutil.copytree(started(sweep[0]) if interrupted else sweep[0], out)
+    broken = out / ("value" if "ckpt" in case else "vanilla") / "seed0" / {
+        "torn_log": "log.jsonl", "empty_config": "config.json"}.get(case, "ckpt.pt")
+    broken.write_bytes(broken.read_bytes()[:len(broken.read_bytes()) - 20] if case == "torn_log" else b"")
+    before = files(out)
+    msg = refused(*sweep[1][:1], f"--out={out}", "--runs=vanilla,value", "--seeds=1")
+    assert str(broken) in msg and "--overwrite=True" in msg, msg
+    assert files(out) == before
+
+
+def test_overwrite_replaces_a_stale_run_wholly_from_any_folder(sweep, tmp_path, monkeypatch):
+    """--overwrite=True deletes the stale run's folder and trains it from scratch; the same command again reuses
+    it and reports the same numbers. Relative --base and --out mean the folder ablate.py runs in (train.py runs
+    in the repository)."""
+    src, args, _, _ = sweep
+    shutil.copytree(src, tmp_path / "out")
+    shutil.copy(args[0].partition("=")[2], tmp_path / "base.py")
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out" / "vanilla" / "seed0" / "notes.txt").write_text("left by the stale run")
+    value = files(tmp_path / "out" / "value")
+    cmd = ["--base=base.py", "--out=out", "--runs=vanilla", "--seeds=1", "--jobs=1", "--overwrite=True", "--",
+           "--max_iters=4"]
+    ablate(*cmd)
+    run = tmp_path / "out" / "vanilla" / "seed0"
+    assert sorted(p.name for p in run.iterdir()) == ["ckpt.pt", "config.json", "log.jsonl", "train.lock", "train.out"]
+    log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log if r["kind"] == "train"] == [1, 2, 3, 4]
+    results = (tmp_path / "out" / "results.json").read_text()
+    assert json.loads(results)["runs"]["vanilla"]["losses"] == [log[-1]["val_loss"]]
+    assert "vanilla seed 0: done already" in ablate(*cmd)
+    assert (tmp_path / "out" / "results.json").read_text() == results
+    assert files(tmp_path / "out" / "value") == value  # a run outside --runs is left alone
+
+
+@pytest.mark.parametrize("case", ["out_is_a_file", "results_md", "curves_png", "run_folder"])
+def test_output_paths_are_checked_before_training(sweep, tmp_path, case):
+    out = tmp_path / "out"
+    shutil.copytree(sweep[0], out)
+    if case == "out_is_a_file":
+        out = tmp_path / "a_file"
+        out.write_text("mine")
+    elif case == "run_folder":  # value must train again, but a file sits where its folder goes
+        shutil.rmtree(out / "value")
+        (out / "value").write_text("mine")
+    else:
+        name = {"results_md": "results.md", "curves_png": "curves.png"}[case]
+        (out / name).unlink()
+        (out / name).mkdir()
+    before = files(tmp_path)
+    msg = refused(*sweep[1][:1], f"--out={out}", "--runs=vanilla,value", "--seeds=1")
+    assert {"out_is_a_file": "is a file", "results_md": "results.md is a folder",
+            "curves_png": "curves.png is a folder", "run_folder": "part of its folder path is a file"}[case] in msg, msg
+    assert files(tmp_path) == before
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--", "--max_iter=20"], "unknown config key 'max_iter'"),  # used to fail in every train.py run, one by one
+    (["--", "--seed=5"], "--seed after -- is ablate.py's to set"),  # used to be silently replaced by --seeds
+    (["--", "--out_dir=elsewhere"], "--out_dir after -- is ablate.py's to set"),
+    (["--", "--max_iters=None"], "--max_iters=None"),
+    (["--threads=100000"], "cores"),
+    (["--seeds=None"], "--seeds=None"),  # was a TypeError
+    (["--protocol=long", "--long_runs=value"], "--long_runs"),
+    (["--protocol=long", "--long_factor=1"], "a factor of 2 or more"),
+], ids=["unknown_key", "seed", "out_dir", "max_iters_none", "threads", "seeds_none", "one_long_run", "long_factor"])
+def test_bad_flags_are_one_line_before_training(sweep, tmp_path, flags, expected):
+    out = tmp_path / "out"
+    shutil.copytree(sweep[0], out)
+    before = files(out)
+    msg = refused(*sweep[1][:1], f"--out={out}", "--runs=vanilla,value", "--seeds=1", *flags)
+    assert expected in msg, msg
+    assert files(out) == before
+
+
+def test_an_empty_out_is_refused(sweep, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # it used to mean the current folder
+    assert "--out is empty" in refused(*sweep[1][:1], "--out=", "--runs=vanilla", "--seeds=1")
+    assert not any(tmp_path.iterdir())
+
+
+def test_ctrl_c_starts_no_further_run(sweep, tmp_path, monkeypatch):
+    """Ctrl-C mid-sweep: one line, and the queued runs never start (they used to run on after the interrupt)."""
+    started, finish = [], threading.Event()
+
+    def train_one(job, *_):
+        started.append(job)
+        if len(started) == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C reaches the main thread while this run goes on
+            finish.wait(5)
+        return "trained"
+    monkeypatch.setattr(ablate_py, "train_one", train_one)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's Ctrl-C, whatever ran before
+    try:
+        msg = refused(*sweep[1][:1], f"--out={tmp_path / 'out'}", "--runs=vanilla,value", "--seeds=2", "--jobs=1")
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C escaped as a traceback")
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    finish.set()
+    time.sleep(0.5)  # time for a queued run to start, if one were left
+    assert "rerun the same command to continue" in msg and len(started) == 1, (msg, started)
+
+
+def test_best_lr_takes_no_rate_from_runs_trained_otherwise(protocols, tmp_path):
+    """best_lr and long read the learning-rate sweep's runs: stale ones stop them, pointing at the sweep."""
+    out = tmp_path / "out"
+    shutil.copytree(protocols[0], out)
+    before = files(out)
+    msg = refused(f"--base={out / 'base.py'}", f"--out={out}", "--runs=vanilla,value", "--lrs=1e-3,1e-2",
+                  "--protocol=best_lr", "--seeds=2", "--", "--max_iters=5")
+    assert "max_iters 4 -> 5" in msg and "rerun the protocols that train them" in msg, msg
+    assert files(out) == before

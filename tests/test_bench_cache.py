@@ -1,9 +1,14 @@
-"""bench_cache.py end to end on a tiny model: the JSON it writes, and the paper's Table 2 it reproduces."""
+"""bench_cache.py end to end on a tiny model: the JSON it writes, and the paper's Table 2 it reproduces; bad input
+stops it with one `error:` line before it measures."""
 import json
 import math
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+import bench_cache
 
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 2 ** 30
@@ -57,3 +62,54 @@ def test_bench_cache_json(tmp_path):
     assert rows["mHC"]["extra_prefill_bytes_128k"] == 1.5 * GiB
     assert (rows["DenseFormer"]["quoted_flops_per_token"], rows["AttnRes"]["quoted_flops_per_token"],
             rows["mHC"]["quoted_flops_per_token"]) == (5.01e6, 4.26e6, 4.72e7)
+
+
+# ----------------------------------------------------------------------------- bad input: one line, before measuring
+
+def refused(args, monkeypatch):
+    """The one `error:` line bench_cache.py stops with, before it measures anything."""
+    def measure(cfg):
+        raise AssertionError("measured before the input was checked")
+    monkeypatch.setattr(bench_cache, "measure", measure)
+    with pytest.raises(SystemExit) as stop:
+        bench_cache.main(args)
+    msg = str(stop.value.code)
+    assert msg.startswith("error: ") and "\n" not in msg, msg
+    return msg
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--prompt_len=60", "--new_tokens=8"], "60 + 8 = 68 exceeds the model's block_size 64"),  # was a traceback
+    (["--prompt_len=64"], "64 + 4 = 68 exceeds the model's block_size 64"),
+    (["--prompt_len=100000", "--new_tokens=100000"], "exceeds the model's block_size 64"),
+    (["--threads=100000"], "cores"),  # used to hang
+    ([f"--seed={2 ** 64}"], "below 2**64"),
+    (["--batch=None"], "--batch=None"),
+    (["--modes=value@0"], "mode value@0: "),  # it used to name the baseline added for it, vanilla@0
+], ids=["prompt_and_new_tokens", "prompt_at_block_size", "huge", "threads", "seed", "batch_none", "loops_0"])
+def test_out_of_range_flags_are_one_line(flags, expected, monkeypatch):
+    assert expected in refused(TINY + flags, monkeypatch)
+
+
+def test_prompt_and_new_tokens_may_fill_the_context():
+    assert bench_cache.resolve(TINY + ["--prompt_len=60", "--new_tokens=4"])["prompt_len"] == 60
+
+
+@pytest.mark.parametrize("case", ["folder", "under_a_file", "unwritable"])
+def test_json_path_is_checked_before_measuring(case, tmp_path, monkeypatch):
+    """--json used to be opened only after the benchmark, which takes minutes at a real size."""
+    (tmp_path / "a_file").write_text("mine")
+    path = {"folder": tmp_path, "under_a_file": tmp_path / "a_file" / "bench.json",
+            "unwritable": Path("/proc/bench.json")}[case]  # /proc takes no new file, even from root
+    msg = refused(TINY + [f"--json={path}"], monkeypatch)
+    assert f"--json={path}" in msg, msg
+    assert (tmp_path / "a_file").read_text() == "mine"
+
+
+def test_out_of_memory_is_one_line(monkeypatch):
+    """A batch no machine holds: the allocation error becomes one line (it was a traceback from the child)."""
+    monkeypatch.setattr(bench_cache, "peak_memory", bench_cache.peak_child)  # the child's code, in this process
+    with pytest.raises(SystemExit) as stop:
+        bench_cache.main(TINY + ["--batch=1000000000000"])
+    msg = str(stop.value.code)
+    assert msg.startswith("error: out of memory") and "--batch=1000000000000" in msg and "\n" not in msg, msg

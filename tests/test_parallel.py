@@ -66,7 +66,8 @@ def test_activation_checkpointing_lowers_the_peak_memory(residual):
     """The peak resident memory of a forward and backward at 2 x 1,024 tokens, measured in a fresh process."""
     peak = {ac: float(run("-c", PEAK.format(root=str(ROOT), residual=residual, ac=ac,
                                                           mode="value" if residual == "add" else "vanilla")).stdout) for ac in (0, 1)}
-    assert peak[1] < 0.5 * peak[0], f"activation checkpointing: peak {peak[1]:.0f} MB, without {peak[0]:.0f} MB"
+    bound = 0.5 if residual == "add" else 0.8  # mHC keeps its streams' mixing (parallel.RECOMPUTED)
+    assert peak[1] < bound * peak[0], f"activation checkpointing: peak {peak[1]:.0f} MB, without {peak[0]:.0f} MB"
 
 
 FSDP_RUN = [*TINY, "--micro_batch=2", "--batch_tokens=256", "--parallel=fsdp"]
