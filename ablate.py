@@ -61,18 +61,19 @@ PROTOCOLS = {"shared": "results", "lr_sweep": "results_lr_sweep", "best_lr": "re
              "long": "results_long"}  # protocol -> the name of its results.{md,json}
 # run name -> delta files in configs/ablations/, applied after the base
 RUNS = {
-    "vanilla": ["mode_vanilla"], "uniform": ["mode_uniform"], "value": ["mode_value"],
+    "vanilla": ["mode_vanilla"], "uniform": ["mode_uniform"], "value": ["mode_value"], "lime": ["mode_lime"],
     "key": ["mode_key"], "kv": ["mode_kv"],
     "stride_first": ["stride_first"], "stride_quarter": ["stride_quarter"], "stride_full": ["stride_full"],
     "looped_vanilla": ["looped", "mode_vanilla"], "looped_value": ["looped", "mode_value"],
     "denseformer": ["residual_denseformer"], "attnres": ["residual_attnres"], "mhc": ["residual_mhc"],
 }
-MAIN, MAIN_TITLE = ["vanilla", "value", "denseformer", "attnres", "mhc"], "Main comparison (Table 1 at CPU scale)"
+MAIN = ["vanilla", "value", "lime", "denseformer", "attnres", "mhc"]  # lime: LIMe, the closest prior work
+MAIN_TITLE = "Main comparison (Table 1 at CPU scale)"
 RUN_SETS = {"all": list(RUNS), "main": MAIN, "ablations": [n for n in RUNS if n not in MAIN[2:]]}
 # the paper's tables (`value` is also the stride-half run), each compared with its own baseline
 TABLES = [
     (MAIN_TITLE, MAIN, "vanilla"),
-    ("Mixing rule (Table 5)", ["vanilla", "uniform", "value"], "vanilla"),
+    ("Mixing rule (Table 5; lime: LIMe, static learned routing)", ["vanilla", "uniform", "lime", "value"], "vanilla"),
     ("Updated state (Table 6)", ["vanilla", "key", "kv", "value"], "vanilla"),
     ("Stride (Figure 4)", ["vanilla", "stride_first", "value", "stride_quarter", "stride_full"], "vanilla"),
     ("Looped, 3 loops", ["looped_vanilla", "looped_value"], "looped_vanilla"),
