@@ -34,6 +34,7 @@ compares the plan with CPU training steps measured by measured_peak.
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, replace
 from functools import lru_cache
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +43,9 @@ from torch.overrides import TorchFunctionMode
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._pytree import tree_leaves, tree_map
 
-from baselines import build_model
+from baselines import build_model, make_config
+from configurator import fail
+from prepare_data import load_meta
 from parallel import PARALLEL, checkpointing, wrap_units
 
 GIB = 2 ** 30
@@ -379,3 +382,20 @@ def report(model_config, micro_batch, block_size, bf16, gpu_gbs=(24, 40, 80), wo
 def table(rows, header) -> str:
     widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header] + rows)
+
+
+def print_plan(cfg, model_keys):
+    """`python train.py CONFIG --memory_plan=True`: report() for train.py's resolved config on GPUs (bf16 unless
+    --dtype=float32); nothing trains."""
+    if cfg["micro_batch"] is None:
+        fail("--memory_plan needs --micro_batch (the sequences of one forward pass on one GPU)")
+    if cfg["vocab_size"] is None:
+        try:
+            cfg["vocab_size"] = load_meta(Path(cfg["data_root"]) / cfg["dataset"])["vocab_size"]
+        except (FileNotFoundError, RuntimeError):
+            fail(f"--memory_plan needs --vocab_size, or the prepared data of --dataset={cfg['dataset']} to read it")
+    try:
+        config = make_config(**{k: cfg[k] for k in model_keys})
+    except ValueError as e:
+        fail(e)
+    print(report(config, cfg["micro_batch"], cfg["block_size"], bf16=cfg["dtype"] != "float32"))

@@ -501,26 +501,10 @@ def sample_preview(model, enc, cfg, device, master):
 
 # ----------------------------------------------------------------------------- the run
 
-def print_memory_plan(cfg):
-    """--memory_plan=True: memory.report for this config on GPUs (bf16 unless --dtype=float32); nothing runs."""
-    if cfg["micro_batch"] is None:
-        fail("--memory_plan needs --micro_batch (the sequences of one forward pass on one GPU)")
-    if cfg["vocab_size"] is None:
-        try:
-            cfg["vocab_size"] = prepare_data.load_meta(Path(cfg["data_root"]) / cfg["dataset"])["vocab_size"]
-        except (FileNotFoundError, RuntimeError):
-            fail(f"--memory_plan needs --vocab_size, or the prepared data of --dataset={cfg['dataset']} to read it")
-    try:
-        config = make_config(**{k: cfg[k] for k in MODEL_KEYS})
-    except ValueError as e:
-        fail(e)
-    print(memory.report(config, cfg["micro_batch"], cfg["block_size"], bf16=cfg["dtype"] != "float32"))
-
-
 def main(argv):
     cfg, ckpt = resolve_config(argv)
     if cfg["memory_plan"]:
-        return print_memory_plan(cfg)
+        return memory.print_plan(cfg, MODEL_KEYS)
     proc = setup_process(cfg)
     master, device = proc.master, proc.device
     lock = claim(cfg, ckpt) if master else None  # held until the process exits
