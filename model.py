@@ -388,14 +388,16 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens: int, temperature: float = 1.0, top_k: Optional[int] = None,
-                 generator: Optional[torch.Generator] = None):
-        """Sample max_new_tokens after the prompt idx (B, T) with the KV cache; temperature 0 is greedy."""
+                 generator: Optional[torch.Generator] = None, cache_dtype=None):
+        """Sample max_new_tokens after the prompt idx (B, T) with the KV cache; temperature 0 is greedy.
+        cache_dtype: the dtype K and V are computed in, where it is not the parameters' (None: theirs), e.g.
+        bf16 under FSDP's mixed precision, which keeps float32 parameters and computes in bf16."""
         B, T = idx.shape
         if T + max_new_tokens > self.config.block_size:
             raise ValueError(f"prompt ({T} tokens) + max_new_tokens ({max_new_tokens}) = {T + max_new_tokens} "
                              f"exceeds the context length block_size={self.config.block_size}; shorten the "
                              f"prompt or ask for fewer tokens")
-        cache = self.new_cache(B, T + max_new_tokens)
+        cache = self.new_cache(B, T + max_new_tokens, dtype=cache_dtype)
         logits, _ = self(idx, cache=cache)
         out = [idx]
         for i in range(max_new_tokens):

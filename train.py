@@ -487,14 +487,15 @@ def save(par, optimizer, step, best_val, lr, run, out_dir, last_ckpt, master):
                          out_dir / "ckpt.pt", last_ckpt)
 
 
-def sample_preview(model, enc, cfg, device, master):
-    """A few tokens of text at the end of the run, from the prompt or from end-of-text like a new document."""
+def sample_preview(model, enc, cfg, device, master, cache_dtype=None):
+    """A few tokens of text at the end of the run, from the prompt or from end-of-text like a new document.
+    cache_dtype: bf16 under FSDP's mixed precision (its float32 parameters compute K and V in bf16)."""
     prompt = enc.encode(cfg["sample_prompt"], allowed_special="all") or [enc.eot_token]
     n_new = min(cfg["sample_tokens"], cfg["block_size"] - len(prompt))
     if n_new > 0:
         gen = torch.Generator(device=device).manual_seed(cfg["seed"])
         out = model.generate(torch.tensor([prompt], device=device), n_new, temperature=SAMPLE_TEMPERATURE,
-                             top_k=SAMPLE_TOP_K, generator=gen)
+                             top_k=SAMPLE_TOP_K, generator=gen, cache_dtype=cache_dtype)
         if master:
             print(f"sample ({n_new} tokens):\n{enc.decode(out[0].tolist())}")
 
@@ -576,7 +577,7 @@ def main(argv):
         signals.restore()
 
     if enc is not None and step == cfg["max_iters"]:  # under FSDP every rank generates: each forward gathers
-        sample_preview(model, enc, cfg, device, master)
+        sample_preview(model, enc, cfg, device, master, torch.bfloat16 if par.sharded and proc.bf16 else None)
     saved_to = out_dir / (SHARDED if par.sharded else "ckpt.pt")
     if master and stopped_by:
         print(f"stopped by {signal.Signals(stopped_by).name} after step {step}, saved to {saved_to}; "

@@ -141,3 +141,12 @@ def test_a_kill_during_a_sharded_save_keeps_the_previous_checkpoint(fsdp_run, tm
         checkpoint.claim_out_dir(copy, resuming=False, overwrite=False)
     checkpoint.claim_out_dir(copy, resuming=False, overwrite=True).close()
     assert not (copy / checkpoint.SHARDED).exists()
+
+
+def test_fsdp_mixed_precision_trains_and_samples(data_root, tmp_path):
+    """bf16 under FSDP (a GPU's default): float32 parameters compute in bf16, so the end-of-run sample's KV cache
+    must be bf16 too (a float32 one stopped the run with a dtype error after its last checkpoint)."""
+    proc = run("train.py", *TINY, "--micro_batch=2", "--batch_tokens=256", "--parallel=fsdp", "--dtype=bfloat16",
+               "--max_iters=2", "--eval_interval=0", "--sample_tokens=5", f"--data_root={data_root}",
+               f"--out_dir={tmp_path}", launcher=TORCHRUN)
+    assert "cpu bf16" in proc.stdout and "sample (5 tokens)" in proc.stdout and "done: step 2" in proc.stdout
