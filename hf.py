@@ -256,6 +256,8 @@ def check_export_dir(out: Path, overwrite):
     (never deleted wholesale), or files of any kind unless overwrite."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"{out} is a file; export into a folder")
+    if out.resolve() == Path.cwd().resolve():  # replaced whole, it would leave this process in a deleted folder
+        raise ValueError(f"{out} is the current folder; export into a folder inside it")
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     if {"ckpt.pt", "train.lock"} & set(held):
         raise ValueError(f"{out} is a train.py out_dir; export into another folder")

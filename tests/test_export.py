@@ -78,7 +78,7 @@ def test_export_into_an_older_sharded_export_replaces_it_whole(run_dir, tmp_path
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]  # no temporary folder left
 
 
-def test_export_never_overwrites_a_foreign_folder(run_dir, tmp_path):
+def test_export_never_overwrites_a_foreign_folder(run_dir, tmp_path, monkeypatch):
     foreign = tmp_path / "results"
     foreign.mkdir()
     (foreign / "config.json").write_text('{"mine": 1}')
@@ -94,6 +94,12 @@ def test_export_never_overwrites_a_foreign_folder(run_dir, tmp_path):
     (tmp_path / "file").write_text("x")
     assert "is a file" in one_error_line(export(run_dir, tmp_path / "file"))
     assert "cannot write into" in one_error_line(export(run_dir, tmp_path / "file" / "hf"))
+    here = tmp_path / "here"
+    here.mkdir()
+    (here / "notes.txt").write_text("mine")
+    monkeypatch.chdir(here)  # replaced whole, "." would leave the process in a deleted folder
+    assert "is the current folder" in one_error_line(export(run_dir, ".", "--overwrite"))
+    assert (here / "notes.txt").read_text() == "mine"
     assert (tmp_path / "file").read_text() == "x"
 
 
