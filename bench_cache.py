@@ -103,7 +103,7 @@ def resolve(argv):
             labels.insert(labels.index(label), baseline(label))
     check_limits(cfg)
     if cfg["json"]:  # now, not after a benchmark that can take many minutes
-        output_file(cfg["json"], "--json")
+        output_file(cfg["json"], "--json", replaces=("modes",))
     cfg["modes"] = ",".join(labels)
     return cfg
 

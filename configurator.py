@@ -63,9 +63,11 @@ def resolve_device(name, local_rank=None, allowed=("cpu", "cuda", "cuda:N", "mps
 
 
 
-def output_file(path, flag) -> Path:
+def output_file(path, flag, replaces=None) -> Path:
     """Check before any work that `path` can be written as a file (its folder is created): a long evaluation or
-    benchmark must not end in an error about where to put its result. Raises ConfigError naming `flag`."""
+    benchmark must not end in an error about where to put its result. replaces: the keys of this script's own
+    result, one of which an existing file must hold to be replaced (a slip such as --json=out/RUN/ckpt.pt keeps
+    the checkpoint). Raises ConfigError naming `flag`."""
     p = Path(path)
     if p.is_dir() or str(path).endswith(("/", "\\")):
         raise ConfigError(f"{flag}={path} is a folder; give a file name such as {p / 'results.json'}")
@@ -79,6 +81,14 @@ def output_file(path, flag) -> Path:
                           f"path") from None
     except OSError as e:
         raise ConfigError(f"cannot write {flag}={path} ({e.strerror or e}); pick a writable path") from None
+    if replaces and p.is_file() and p.stat().st_size:
+        try:  # an earlier result is far smaller than 64 MiB; a larger file is something else
+            earlier = json.loads(p.read_bytes()) if p.stat().st_size <= 1 << 26 else None
+        except ValueError:  # not UTF-8, not JSON
+            earlier = None
+        if not (isinstance(earlier, dict) and set(replaces) & earlier.keys()):
+            raise ConfigError(f"{flag}={path} exists and is not an earlier result of this script; pick another "
+                              f"path, or delete the file if it may go")
     return p
 
 

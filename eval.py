@@ -49,7 +49,6 @@ except ImportError:
 PAPER_TASKS = ("lambada_openai", "piqa", "winogrande", "sciq", "hellaswag", "arc_easy", "arc_challenge", "race")
 KEY_RANGES = {"batch_size": ">= 1", "num_fewshot": ">= 0", "limit": "> 0"}
 GLOB_CHARACTERS = set("*?[")  # fnmatch's: a --tasks name with one of them is a pattern
-RESULT_MAX_BYTES = 1 << 26  # an earlier results file is far smaller; a larger file at --json is something else
 
 
 @torch.no_grad()
@@ -391,7 +390,7 @@ def check_flags(args):
         if args.limit is not None and args.limit >= 1 and args.limit != int(args.limit):
             raise ConfigError(f"--limit={args.limit:g}: give a whole number of examples, or a fraction below 1")
         device = resolve_device(args.device)
-        json_path = result_file(args.json) if args.json else None
+        json_path = output_file(args.json, "--json", replaces=("results", "ppl")) if args.json else None
     except (ConfigError, ValueError) as e:
         fail(e)
     if names and lm_eval is None:
@@ -399,22 +398,6 @@ def check_flags(args):
     if args.include_path and not Path(args.include_path).is_dir():
         fail(f"--include_path {args.include_path} is not a folder of task YAML files")
     return names, device, json_path
-
-
-def result_file(path) -> Path:
-    """--json's path, checked before any work: writable, and not a file that the run would destroy: an existing
-    file is replaced only if it holds an earlier result (a slip such as --json=out/RUN/ckpt.pt keeps the
-    checkpoint). Raises ConfigError."""
-    p = output_file(path, "--json")
-    if p.is_file() and p.stat().st_size:
-        try:
-            earlier = json.loads(p.read_bytes()) if p.stat().st_size <= RESULT_MAX_BYTES else None
-        except ValueError:  # not UTF-8, not JSON
-            earlier = None
-        if not (isinstance(earlier, dict) and {"results", "ppl"} & earlier.keys()):
-            raise ConfigError(f"--json={path} exists and is not an earlier eval.py result; pick another path, or "
-                              f"delete the file if it may go")
-    return p
 
 
 def evaluate(model, enc, tasks, manager, data, args):

@@ -136,7 +136,7 @@ def test_json_never_replaces_a_file_that_is_not_a_result(trained, data_root, no_
     before = digest(trained / "ckpt.pt")
     message = error_line(f"--init_from={trained}", "--tasks=", "--ppl=tiny", f"--data_root={data_root}",
                          f"--json={trained / 'ckpt.pt'}")
-    assert "exists and is not an earlier eval.py result" in message and digest(trained / "ckpt.pt") == before
+    assert "exists and is not an earlier result of this script" in message and digest(trained / "ckpt.pt") == before
 
 
 def test_the_same_json_twice_is_replaced_cleanly(trained, data_root, tmp_path):
