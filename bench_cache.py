@@ -32,7 +32,7 @@ from tqdm import tqdm
 import paper
 from baselines import BASELINES, BaselineConfig, build_model, make_config
 from configurator import (ConfigError, check_ranges, fail, output_file, parse_config, read_config_file,
-                          resolve_device, write_atomically)
+                          reason, resolve_device, write_atomically)
 from model import DEPTH_MODES, GPT, depth_cost
 
 ROOT = Path(__file__).resolve().parent
@@ -414,7 +414,7 @@ def main(argv):
         if not out_of_memory(e):
             raise
         fail(f"out of memory on {cfg['device']} at --batch={cfg['batch']}, --prompt_len={cfg['prompt_len']}, "
-             f"--new_tokens={cfg['new_tokens']} ({str(e).splitlines()[0][:200]}); lower them or the model's size")
+             f"--new_tokens={cfg['new_tokens']} ({reason(e)[:200]}); lower them or the model's size")
     res = summarize(cfg, samples, num_params)
     report(res)
     if cfg["json"]:

@@ -28,7 +28,7 @@ import torch
 
 import hf
 from baselines import build_model, make_config
-from configurator import fail
+from configurator import fail, reason
 from model import GPT
 from tokenizer import folder_tokenizer, from_record, looks_like_hub_id, snapshot
 
@@ -194,19 +194,25 @@ def model_from_checkpoint(ckpt: dict) -> GPT:
     weights. A checkpoint from before a config field existed gets that field's default."""
     model = build_model(make_config(**ckpt["model_config"]))
     if "shards" in ckpt:  # an FSDP run's: torch.distributed.checkpoint gathers the shards into whole tensors
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
         state = {"model": model.state_dict()}
-        try:
-            with warnings.catch_warnings():  # "no process group: loading in a single process", as intended
-                warnings.filterwarnings("ignore", message=".*single process")
-                dcp.load(state, checkpoint_id=ckpt["shards"])
-        except (Exception, CheckpointException) as e:  # a missing or truncated shard
-            raise CheckpointError(f"{ckpt['shards']}: the model's shards cannot be read ({str(e).splitlines()[0]}); "
-                                  f"restore the folder or retrain") from e
+        read_shards(state, ckpt["shards"])
         ckpt = {"model": state["model"]}
     model.load_state_dict(ckpt["model"])
     return model
+
+
+def read_shards(state, path):
+    """Fill state's tensors from a ckpt.dcp folder (torch.distributed.checkpoint): whole tensors in one process,
+    each rank its shards under torchrun. A missing or truncated shard is a CheckpointError."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+    try:
+        with warnings.catch_warnings():  # "no process group: loading in a single process", as intended
+            warnings.filterwarnings("ignore", message=".*single process")
+            dcp.load(state, checkpoint_id=path)
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(f"{path}: the shards cannot be read ({reason(e)}); restore the folder "
+                              f"or retrain") from e
 
 
 @dataclass

@@ -32,6 +32,11 @@ def fail(msg):
     raise SystemExit(f"error: {msg}")
 
 
+def reason(e) -> str:
+    """An exception's first line for an error message; its class name when it has no message."""
+    return str(e).splitlines()[0] if str(e).strip() else type(e).__name__
+
+
 def require(module, purpose, pip=None):
     """import module, or an ImportError that names the pip line: optional packages are imported where used."""
     try:

@@ -28,7 +28,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from baselines import residual_of
-from checkpoint import SHARDED, CheckpointError, fsync_dir, save_checkpoint
+from checkpoint import SHARDED, fsync_dir, read_shards, save_checkpoint
 
 try:
     import resource  # peak memory on the CPU; absent on Windows
@@ -84,7 +84,7 @@ def shard(model, bf16):
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
         MixedPrecisionPolicy()
-    # fully_shard cannot shard a 0-dim parameter (mHC's three gains per connector): those stay whole on every
+    # fully_shard cannot shard a 0-dim parameter (mHC's gains, AttnRes's recency biases): those stay whole on every
     # rank, and sync_replicated averages their gradients as DDP would.
     replicated = [p for p in model.parameters() if p.dim() == 0]  # in the same order on every rank
     base = {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}
@@ -111,14 +111,16 @@ def sync_replicated(params, world):
 
 def clip_grad_norm(params, max_norm):
     """torch.nn.utils.clip_grad_norm_ for a mix of sharded (DTensor) and whole gradients: the norm of the global
-    gradient, every grad scaled by min(1, max_norm / (norm + 1e-6)) as torch does. Returns the norm (float)."""
-    from torch.distributed.tensor import DTensor
+    gradient, every grad scaled by min(1, max_norm / (norm + 1e-6)) as torch does. Returns the norm (float).
+    The shards' squares are summed locally and all-reduced once, not once per parameter."""
     grads = [p.grad for p in params if p.grad is not None]
-    squares = torch.zeros((), dtype=torch.float64, device=grads[0].device)
-    for g in grads:
-        norm = torch.linalg.vector_norm(g, dtype=torch.float32)
-        squares += (norm.full_tensor() if isinstance(norm, DTensor) else norm).double() ** 2
-    total = squares.sqrt().item()
+    sharded = [g.to_local() for g in grads if hasattr(g, "to_local")]
+    whole = [g for g in grads if not hasattr(g, "to_local")]  # the same on every rank after sync_replicated
+    def square(g):  # the float32 norm, as torch's clip computes it, squared in float64; no copy of g
+        return torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
+    squares = sum(map(square, sharded), torch.zeros((), dtype=torch.float64, device=grads[0].device))
+    dist.all_reduce(squares)
+    total = (squares + sum(map(square, whole))).sqrt().item()
     if max_norm:
         coef = min(1.0, max_norm / (total + 1e-6))
         for g in grads:
@@ -235,14 +237,8 @@ def save_sharded(model, optimizer, run, out_dir, master):
 
 def load_sharded(model, optimizer, path):
     """Fill the (sharded) model and its optimizer from a ckpt.dcp folder; each rank reads what it holds."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
-    try:
-        dcp.load(state, checkpoint_id=path)
-    except (Exception, CheckpointException) as e:  # a missing or truncated shard, another model's metadata
-        raise CheckpointError(f"{path} cannot be read back ({str(e).splitlines()[0]}); restore it or train into a "
-                              f"new --out_dir") from e
+    read_shards(state, path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

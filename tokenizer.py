@@ -17,7 +17,7 @@ from pathlib import Path
 
 import tiktoken
 
-from configurator import read_json_object, require
+from configurator import read_json_object, reason, require
 
 EOT = "<|endoftext|>"
 
@@ -58,8 +58,7 @@ class HFTokenizer:
             self._tok = tokenizers.Tokenizer.from_str(self.text)
             self._plain = tokenizers.Tokenizer.from_str(self.text)
         except Exception as e:  # unreadable, not JSON, or JSON that is not a tokenizer
-            reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise ValueError(f"{path}: not a readable tokenizer.json ({reason})") from e
+            raise ValueError(f"{path}: not a readable tokenizer.json ({reason(e)})") from e
         self._plain.encode_special_tokens = True  # special-token text is encoded as plain text
         self.name = name or str(path)
         self.n_vocab = self._tok.get_vocab_size(with_added_tokens=True)
@@ -158,7 +157,6 @@ def snapshot(path_or_hub_id, patterns=("*.json", "*.safetensors", "*.txt", "*.mo
     try:
         return Path(hub.snapshot_download(str(path_or_hub_id), allow_patterns=list(patterns)))
     except Exception as e:
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ValueError(f"{path_or_hub_id} is not a local path, and downloading it from the Hugging Face hub "
-                         f"failed ({reason}); check the path (a train.py out_dir exists once `python train.py` "
+                         f"failed ({reason(e)}); check the path (a train.py out_dir exists once `python train.py` "
                          f"has run) or the hub id and the network") from e

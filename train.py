@@ -36,7 +36,7 @@ import prepare_data
 from baselines import KNOBS, BaselineConfig, build_model, make_config
 from checkpoint import (SHARDED, CheckpointError, checkpoint_path, claim_out_dir, load_model, read_checkpoint,
                         rng_state, save_checkpoint, set_rng_state)
-from configurator import ConfigError, check_ranges, fail, parse_config, require, resolve_device
+from configurator import ConfigError, check_ranges, fail, parse_config, reason, require, resolve_device
 from model import GPT
 from parallel import (PARALLEL, Parallel, StopSignals, checkpoint_activations, load_sharded, peak_memory,
                       save_sharded)
@@ -290,7 +290,7 @@ def write_checkpoint(state, path, saved):
     except (OSError, RuntimeError) as e:  # torch's zip writer reports a full disk as a RuntimeError
         fix = f"the checkpoint of step {saved} is kept: free space, then --resume=True" if saved is not None \
             else "no checkpoint was written: free space and rerun"
-        fail(f"could not write {path} at step {state['step']} ({str(e).splitlines()[0]}); {fix}")
+        fail(f"could not write {path} at step {state['step']} ({reason(e)}); {fix}")
 
 
 # ----------------------------------------------------------------------------- the run's pieces
@@ -480,7 +480,7 @@ def save(par, optimizer, step, best_val, lr, run, out_dir, last_ckpt, master):
         try:
             save_sharded(par.model, optimizer, state, out_dir, master)
         except (OSError, RuntimeError) as e:
-            fail(f"could not write {out_dir / SHARDED} at step {step} ({str(e).splitlines()[0]}); the previous "
+            fail(f"could not write {out_dir / SHARDED} at step {step} ({reason(e)}); the previous "
                  f"checkpoint is kept: free space, then --resume=True")
     elif master:
         write_checkpoint({"model": par.model.state_dict(), "optimizer": optimizer.state_dict(), **state},
