@@ -32,7 +32,7 @@ from tqdm import tqdm
 import paper
 from baselines import BASELINES, BaselineConfig, build_model, make_config
 from configurator import (ConfigError, check_ranges, fail, output_file, parse_config, read_config_file,
-                          reason, resolve_device, write_atomically)
+                          reason, resolve_device, table, write_atomically)
 from model import DEPTH_MODES, GPT, depth_cost
 
 ROOT = Path(__file__).resolve().parent
@@ -358,11 +358,6 @@ def summarize(cfg, samples, num_params):
         }
     return {"config": cfg, "num_params": num_params, "torch": torch.__version__, "modes": modes,
             "paper_3b_table2": paper_table2()}
-
-
-def table(rows, header):
-    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
-    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in [header] + rows)
 
 
 def report(res):

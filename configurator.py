@@ -37,6 +37,12 @@ def reason(e) -> str:
     return str(e).splitlines()[0] if str(e).strip() else type(e).__name__
 
 
+def table(rows, header) -> str:
+    """Rows of values as aligned plain-text columns under header, two spaces apart (the scripts' printed tables)."""
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header] + rows)
+
+
 def require(module, purpose, pip=None):
     """import module, or an ImportError that names the pip line: optional packages are imported where used."""
     try:

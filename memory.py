@@ -44,9 +44,9 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._pytree import tree_leaves, tree_map
 
 from baselines import build_model, make_config
-from configurator import fail
-from prepare_data import load_meta
+from configurator import fail, table
 from parallel import PARALLEL, checkpointing, wrap_units
+from prepare_data import load_meta
 
 GIB = 2 ** 30
 # What every rank keeps per parameter under DDP, and FSDP divides by the world size (bytes per parameter).
@@ -377,11 +377,6 @@ def report(model_config, micro_batch, block_size, bf16, gpu_gbs=(24, 40, 80), wo
              f"{fraction:.0%} + {fixed / GIB:g} GiB left free (the configured one fits where it is >= "
              f"{micro_batch})")
     return title + "\n" + table(rows, header)
-
-
-def table(rows, header) -> str:
-    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
-    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header] + rows)
 
 
 def print_plan(cfg, model_keys):
