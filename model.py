@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 DEPTH_MODES = ("vanilla", "uniform", "key", "kv", "value", "lime")
 MIXES_KEY = ("key", "kv", "lime")                  # modes whose cache K slot holds the depth-mixed key
@@ -104,7 +105,7 @@ def fp32_or_wider(x):
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def depth_mix(q, k, v, src_k, src_v, mode):
+def depth_mix(q, k, v, src_k, src_v, mode, with_alpha=True):
     """The depth step of layer l at every position t at once (paper sections 2.1-2.2).
 
     q: (B, n_head, T, D) this layer's queries; k, v: (B, n_kv_head, T, D) its new key and value.
@@ -119,24 +120,49 @@ def depth_mix(q, k, v, src_k, src_v, mode):
 
     q and k arrive after RoPE; every candidate carries the same rotation R_t, so the scores equal those of
     the unrotated vectors and mixing keys commutes with the rotation (see the README, "Where we deviate").
-    Returns (k_out, v_out, alpha) with alpha: (B, n_kv_head, T, C), C = len(src_k) + 1.
+    Returns (k_out, v_out, alpha) with alpha: (B, n_kv_head, T, C) float32, C = len(src_k) + 1; alpha is None
+    where with_alpha=False let a decode step take depth_mix_one (below).
     """
+    if q.shape[2] == 1 and not with_alpha and mode != "uniform":
+        return (*depth_mix_one(q, k, v, src_k, src_v, mode), None)
     keys, values = src_k + [k], src_v + [v]
     B, H, T, D = q.shape
     n_kv = k.shape[1]
+    # One vector op per candidate, each reading a record in place: backward keeps the records themselves
+    # (alive for attention anyway), never a stacked copy of the candidates per layer. The weights are laid
+    # out (B, n_kv_head, C, T), so the softmax and every weight slice run along contiguous positions.
     if mode == "uniform":
-        wide = torch.promote_types(q.dtype, torch.float32)
-        alpha = q.new_full((B, n_kv, T, len(keys)), 1.0 / len(keys), dtype=wide)  # (B, n_kv_head, T, C)
+        alpha = q.new_full((B, n_kv, len(keys), T), 1.0 / len(keys), dtype=torch.promote_types(q.dtype, torch.float32))
     else:
         qbar = q.view(B, n_kv, H // n_kv, T, D).mean(2)                            # (B, n_kv_head, T, D)
-        scores = torch.stack([torch.linalg.vecdot(qbar, kc) for kc in keys], -1)  # (B, n_kv_head, T, C)
-        alpha = (fp32_or_wider(scores) / math.sqrt(D)).softmax(-1)
+        scores = torch.stack([torch.linalg.vecdot(qbar, kc) for kc in keys], 2)   # (B, n_kv_head, C, T)
+        alpha = (fp32_or_wider(scores) / math.sqrt(D)).softmax(2)
 
     def mix(xs):
-        w = alpha.to(xs[0].dtype).unsqueeze(-1)                                     # (B, n_kv_head, T, C, 1)
-        return sum(w[..., c, :] * x for c, x in enumerate(xs))
+        w = alpha.to(xs[0].dtype).unsqueeze(-1)                                     # (B, n_kv_head, C, T, 1)
+        out = w[:, :, 0] * xs[0]
+        for c in range(1, len(xs)):
+            out.addcmul_(w[:, :, c], xs[c])
+        return out
 
-    return (mix(keys) if mode in MIXES_KEY else k), (mix(values) if mode in MIXES_VALUE else v), alpha
+    return (mix(keys) if mode in MIXES_KEY else k), (mix(values) if mode in MIXES_VALUE else v), alpha.transpose(2, 3)
+
+
+def depth_mix_one(q, k, v, src_k, src_v, mode):
+    """depth_mix for one new token (a decode step), where the cost is the number of operations, not their
+    bytes. The depth step is attention with one query (qbar) over C keys (the candidates), so one
+    scaled_dot_product_attention call over the candidates laid along its key axis does the scores, the float32
+    softmax and the mix. For longer chunks depth_mix's passes over the records in place are faster, and stack
+    nothing that backward would keep. q: (B, n_head, 1, D); k, v and the records (B, n_kv_head, 1, D)."""
+    B, H, _, D = q.shape
+    n_kv = k.shape[1]
+    qbar = q.view(B, n_kv, H // n_kv, D).mean(2, keepdim=True)                   # (B, n_kv_head, 1, D)
+    keys = torch.cat(src_k + [k], 2)                                               # (B, n_kv_head, C, D)
+
+    def mix(xs):
+        return F.scaled_dot_product_attention(qbar, keys, xs)                     # (B, n_kv_head, 1, D)
+
+    return (mix(keys) if mode in MIXES_KEY else k), (mix(torch.cat(src_v + [v], 2)) if mode in MIXES_VALUE else v)
 
 
 def lime_mix(router, ks, vs):
@@ -244,6 +270,18 @@ class RMSNorm(nn.Module):
         return F.rms_norm(fp32_or_wider(x), (x.shape[-1],), eps=self.eps).type_as(x) * self.weight
 
 
+def causal_attention(q, k, v):
+    """Causal attention where q's T queries are the last T of k's S positions (a cache continues at S - T).
+    The calls a GPU runs most take no mask, so FlashAttention serves them: training and a prefill into an empty
+    cache (T = S) are is_causal, a decode step (T = 1) sees every key. Only a chunk that continues a filled cache
+    needs the diagonal moved to the bottom right: causal_lower_right, which CUDA runs in the flash or
+    memory-efficient kernel where they apply and CPU as a boolean mask."""
+    T, S = q.shape[2], k.shape[2]
+    if T == S or T == 1:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, S), enable_gqa=True)
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
@@ -260,6 +298,8 @@ class Attention(nn.Module):
             self.lime_router = nn.ParameterDict({
                 str(e): nn.Parameter(torch.empty(c.n_kv_head, (len(c.sources(e)) + 1) * c.n_kv_head))
                 for e in range(layer, c.n_eff_layer, c.n_layer) if e > 0})  # filled by init_lime_router
+
+    capture = False  # GPT.capture_depth_weights: the depth weights are wanted, so depth_mix returns them
 
     def forward(self, x, cos, sin, src_k, src_v, cache, e):
         B, T, _ = x.shape
@@ -278,20 +318,16 @@ class Attention(nn.Module):
         v = v.transpose(1, 2)                                                       # (B, n_kv_head, T, D)
         alpha = None
         if src_k and not lime:  # the sources S(e) (ModelConfig.sources): none in vanilla and at layer 0
-            k, v, alpha = depth_mix(q, k, v, src_k, src_v, self.mode)
+            k, v, alpha = depth_mix(q, k, v, src_k, src_v, self.mode, with_alpha=self.capture)
         # record: what this layer stores; later layers' depth steps read exactly this (paper section 2.4), but
         # LIMe's read the raw projections
         if cache is None:
             record = (k, v)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
             pos = cache.pos
             k, v = cache.update(e, k, v)                                            # (B, n_kv_head, pos+T, D)
             record = (k[:, :, pos:], v[:, :, pos:])  # views of the slots just written: no second copy
-            # Queries sit at positions pos..pos+T-1, so the causal mask is aligned bottom-right.
-            mask = None if T == 1 else (
-                torch.arange(pos + T, device=x.device) <= torch.arange(pos, pos + T, device=x.device)[:, None])
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        y = causal_attention(q, k, v)
         y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)            # (B, T, n_head * D)
         return self.o_proj(y), raw if lime else record, alpha
 
@@ -423,14 +459,19 @@ class GPT(nn.Module):
     def capture_depth_weights(self):
         """Collect the depth weights of every forward inside the block, for analysis:
         {effective layer e: (sources S(e), alpha (B, n_kv_head, T, |S(e)| + 1) float32, detached)}.
-        Off by default; when off the forward pays one `is None` check per layer. lime has no per-token weights
-        (its router is a parameter, GPT.lime_routers): nothing is collected."""
+        Off by default (a decode step's fused kernel does not return its weights, depth_mix_one). lime has no
+        per-token weights (its router is a parameter, GPT.lime_routers): nothing is collected."""
         sink = {}
+        attns = [m for m in self.modules() if isinstance(m, Attention)]
         self._alpha_sink = sink
+        for m in attns:
+            m.capture = True
         try:
             yield sink
         finally:
             self._alpha_sink = None
+            for m in attns:
+                m.capture = False
 
     def lime_routers(self) -> list:
         """LIMe's router matrices (depth_mode="lime"; none otherwise): train.py gives them their own learning

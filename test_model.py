@@ -217,6 +217,42 @@ def test_causality(overrides):
     assert (a[:, t + 1:] - b[:, t + 1:]).abs().max() > 0
 
 
+@pytest.mark.parametrize("overrides", [dict(depth_mode="vanilla"), dict(depth_mode="value"), dict(depth_mode="kv"),
+                                       dict(n_loops=2, depth_stride=3), LIME], ids=str)
+def test_attention_takes_no_mask_in_training_prefill_and_decode(overrides):
+    """Every scaled_dot_product_attention call of a training forward, a prefill into an empty cache and a decode
+    step is is_causal or unmasked (what FlashAttention serves on a GPU); only a chunk continuing a filled cache
+    passes a mask, the lower-right causal bias (no materialised T x S tensor)."""
+    from torch.nn.attention.bias import CausalBias
+    from torch.overrides import TorchFunctionMode
+    sdpa, calls = torch.nn.functional.scaled_dot_product_attention, []
+
+    class Record(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is sdpa:  # (query length, key length, attn_mask, is_causal)
+                calls.append((args[0].shape[-2], args[1].shape[-2], kwargs.get("attn_mask"), kwargs.get("is_causal")))
+            return func(*args, **kwargs)
+
+    model = tiny_model(**overrides)
+    idx = torch.randint(0, 50, (2, 9))
+    with Record():
+        model(idx, targets=idx)[1].backward()
+        cache = model.new_cache(2, 9)
+        with torch.no_grad():
+            for chunk in (idx[:, :5], idx[:, 5:6]):  # prefill into the empty cache, then a decode step
+                model(chunk, cache=cache)
+    n_layers = model.config.n_eff_layer
+    sequence = [c for c in calls if c[0] == c[1]]  # attention over positions (the depth step has no mask either)
+    assert len(sequence) >= 2 * n_layers and all(c[3] for c in sequence if c[0] > 1)
+    assert all(c[2] is None for c in calls), [c for c in calls if c[2] is not None][:1]
+    calls.clear()
+    with Record(), torch.no_grad():
+        model(idx[:, 6:9], cache=cache)  # a chunk of 3 continuing 6 cached positions
+    masks = [c[2] for c in calls if c[2] is not None]
+    assert len(masks) == n_layers and all(isinstance(m, CausalBias) for m in masks)
+
+
 def test_generate_greedy_matches_full_forward_argmax():
     model = tiny_model(depth_mode="value").eval()
     prompt = torch.randint(0, 50, (2, 4))
