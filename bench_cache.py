@@ -7,8 +7,9 @@ What the depth step and the hidden-state baselines cost over vanilla: measured o
     python bench_cache.py --modes=vanilla,value,denseformer,attnres,mhc --prompt_len=1024 ...  # the baselines
     python bench_cache.py --preset=paper_1p5b --batch=4 --prompt_len=1024 --new_tokens=64   # GPU
 
-A mode is a depth_mode (vanilla, value, uniform, key, kv) or a baseline (denseformer, attnres, mhc: the
-`residual` key, with vanilla attention). For every mode: the KV-cache bytes after a prefill (read from the
+A mode is a depth_mode (vanilla, value, uniform, key, kv, lime), a baseline (denseformer, attnres, mhc: the
+`residual` key, with vanilla attention) or `transformers`: Hugging Face transformers' Qwen3 with vanilla's weights,
+its SDPA attention and its DynamicCache (pip install transformers). For every mode: the KV-cache bytes after a prefill (read from the
 cache), the peak memory of that prefill and of a training step's forward and backward (measured once each,
 in a fresh process); the prefill time, the decode time per token and a training step (forward, backward,
 AdamW), each the median of interleaved repeats. Every figure has its ratio to vanilla measured in the same run.
@@ -29,10 +30,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import hf
 import paper
 from baselines import BASELINES, BaselineConfig, build_model, make_config
 from configurator import (ConfigError, check_ranges, fail, output_file, parse_config, read_config_file,
-                          reason, resolve_device, table, write_atomically)
+                          reason, require, resolve_device, table, write_atomically)
 from model import DEPTH_MODES, GPT, depth_cost
 
 ROOT = Path(__file__).resolve().parent
@@ -42,6 +44,8 @@ PRESETS = {"paper_3b": ROOT / "configs" / "paper_3b_value.py", "paper_1p5b": ROO
 # depth_mode and residual are replaced by `modes`: every run compares several modes against vanilla.
 MODEL_KEYS = {k: v for k, v in asdict(BaselineConfig()).items() if k not in ("depth_mode", "residual")}
 BASELINE_MODES = tuple(BASELINES)  # denseformer, attnres, mhc: hidden-state baselines with vanilla attention
+TRANSFORMERS = "transformers"  # Hugging Face transformers' Qwen3ForCausalLM with vanilla's weights (pip install transformers)
+OTHER_MODES = BASELINE_MODES + (TRANSFORMERS,)  # compared with vanilla; no depth step of their own
 BENCH_KEYS = dict(
     preset="",         # paper_1p5b | paper_3b: the paper's shape; --key=value still overrides it
     device="auto",     # auto = cuda if available, else cpu; cuda is the current GPU
@@ -138,16 +142,55 @@ def model_config(cfg, label):
     mode, _, loops = label.partition("@")
     if loops and not loops.isdigit():
         raise ConfigError(f"mode {label!r}: write the loop count as a number, e.g. value@3")
-    if mode not in DEPTH_MODES + BASELINE_MODES:
-        raise ConfigError(f"unknown mode {mode!r}; choose from {', '.join(DEPTH_MODES + BASELINE_MODES)}")
-    kind = dict(depth_mode="vanilla", residual=mode) if mode in BASELINE_MODES else dict(depth_mode=mode)
+    if mode not in DEPTH_MODES + OTHER_MODES:
+        raise ConfigError(f"unknown mode {mode!r}; choose from {', '.join(DEPTH_MODES + OTHER_MODES)}")
+    if mode == TRANSFORMERS and (loops or cfg["n_loops"] != 1 or cfg["k_norm_after_rope"] or not cfg["qk_norm"]):
+        raise ConfigError(f"mode {label}: transformers' Qwen3 is one pass of q/k-norm before RoPE; drop the loops, "
+                          f"--k_norm_after_rope and --qk_norm=False")
+    kind = (dict(depth_mode="vanilla", residual=mode) if mode in BASELINE_MODES else
+            dict(depth_mode="vanilla") if mode == TRANSFORMERS else dict(depth_mode=mode))
     return make_config(**{**{k: cfg[k] for k in MODEL_KEYS}, **kind, "n_loops": int(loops or cfg["n_loops"])})
 
 
 def build(cfg, label) -> GPT:
     torch.manual_seed(cfg["seed"])
     with torch.device(cfg["device"]):
-        return build_model(model_config(cfg, label)).to(getattr(torch, cfg["dtype"]))
+        model = build_model(model_config(cfg, label))
+        if label == TRANSFORMERS:
+            model = TransformersQwen3(model)
+        return model.to(getattr(torch, cfg["dtype"]))
+
+
+class TransformersQwen3(torch.nn.Module):
+    """transformers' Qwen3ForCausalLM (its SDPA attention, its DynamicCache) holding a vanilla GPT's weights, behind
+    the interface the timing loop calls: model(idx, targets, cache), new_cache, num_params. An implementation
+    written independently of ours, timed in the same run (tests/test_hf_parity.py checks the logits agree)."""
+
+    def __init__(self, ours: GPT):
+        super().__init__()
+        transformers = require("transformers", "--modes=transformers", pip="transformers")
+        self.hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+            **hf.hf_config(ours.config, ours.lm_head.weight.dtype), attn_implementation="sdpa"))
+        self.hf.load_state_dict({hf.hf_name(k): v for k, v in ours.state_dict().items()})
+        self.cache_class = transformers.DynamicCache
+
+    def forward(self, idx, targets=None, cache=None):
+        logits = self.hf(input_ids=idx, cache=cache, use_cache=cache is not None).logits
+        loss = None if targets is None else torch.nn.functional.cross_entropy(
+            logits.float().flatten(0, 1), targets.reshape(-1))
+        return logits, loss
+
+    def new_cache(self, batch_size, max_len=None):
+        return self.cache_class(config=self.hf.config)  # grows with the sequence, whatever max_len
+
+    def num_params(self):
+        return self.hf.num_parameters()
+
+
+def cache_nbytes(cache) -> int:
+    """Bytes of K and V a cache holds: our KVCache's preallocated slots, or a DynamicCache's tensors so far."""
+    layers = getattr(cache, "layers", None)
+    return cache.nbytes if layers is None else sum(t.nbytes for layer in layers for t in (layer.keys, layer.values))
 
 
 def share_weights(model, ref):
@@ -267,7 +310,7 @@ def run_round(models, opts, cfg, toks, order, samples):
     caches = {label: models[label].new_cache(cfg["batch"], P + G) for label in order}
     for label in order:
         samples[label]["prefill_s"].append(timed(lambda: models[label](toks[:, :P], cache=caches[label]), device))
-        samples[label]["cache_bytes"].append(caches[label].nbytes)
+        samples[label]["cache_bytes"].append(cache_nbytes(caches[label]))
     for i in range(G):
         for label in order:
             samples[label]["decode_s_per_token"].append(
@@ -354,7 +397,7 @@ def summarize(cfg, samples, num_params):
             "ratios_fastest": {m: min(samples[label][m]) / min(samples[baseline(label)][m]) for m in TIMED},
             "samples": samples[label],
             # the depth step's formulas; None for a hidden-state baseline (its cost is not the depth step's)
-            "depth_cost": None if label in BASELINE_MODES else depth_cost(model_config(cfg, label), elem),
+            "depth_cost": None if label.partition("@")[0] in OTHER_MODES else depth_cost(model_config(cfg, label), elem),
         }
     return {"config": cfg, "num_params": num_params, "torch": torch.__version__, "modes": modes,
             "paper_3b_table2": paper_table2()}

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 import bench_cache
 
@@ -115,3 +116,25 @@ def test_out_of_memory_is_one_line(monkeypatch):
         bench_cache.main(TINY + ["--batch=1000000000000"])
     msg = str(stop.value.code)
     assert msg.startswith("error: out of memory") and "--batch=1000000000000" in msg and "\n" not in msg, msg
+
+
+def test_transformers_mode_computes_what_vanilla_computes():
+    """--modes=transformers times transformers' Qwen3 with vanilla's weights: the same logits and loss, and its
+    cached decode (DynamicCache) the same as its full forward, so the timings compare like with like."""
+    cfg = bench_cache.resolve(TINY + ["--modes=vanilla,transformers"])
+    ours, theirs = bench_cache.build(cfg, "vanilla").eval(), bench_cache.build(cfg, "transformers").eval()
+    toks = bench_cache.tokens(cfg)
+    P = cfg["prompt_len"]
+    with torch.no_grad():
+        (mine, my_loss), (ref, loss) = (m(toks[:, :P], targets=toks[:, 1:P + 1]) for m in (ours, theirs))
+        cache = theirs.new_cache(cfg["batch"], P + 1)
+        theirs(toks[:, :P - 1], cache=cache)
+        last, _ = theirs(toks[:, P - 1:P], cache=cache)
+    assert (mine - ref).abs().max() < 1e-4 and abs(my_loss - loss) < 1e-5
+    assert (last[:, -1] - ref[:, -1]).abs().max() < 1e-4
+    assert bench_cache.cache_nbytes(cache) == 2 * 2 * cfg["batch"] * 2 * P * 16 * 4  # K and V, 2 layers, P tokens
+    assert theirs.num_params() == ours.num_params()
+
+
+def test_transformers_mode_refuses_what_qwen3_cannot_compute(monkeypatch):
+    assert "transformers' Qwen3" in refused(TINY + ["--modes=vanilla,transformers", "--n_loops=2"], monkeypatch)
