@@ -8,7 +8,8 @@ and its tokenizer. Errors from below (hf.py, tokenizer.py) become one Checkpoint
               = "out/shakespeare_hf"          a Hugging Face folder: config.json + *.safetensors (hf.py)
               = "zeng123/Depth-attention-3B"  a Hugging Face hub id, downloaded by huggingface_hub
 
-Any of them becomes a Hugging Face folder (config.json, model.safetensors and the tokenizer):
+Any of them becomes a Hugging Face folder (config.json, model.safetensors, the tokenizer and, for any model but
+a vanilla one, the code transformers runs it with; hf.save_pretrained):
 
     python checkpoint.py export out/shakespeare out/shakespeare_hf [--dtype=bfloat16]
 """
@@ -274,8 +275,10 @@ def main(argv):
         fail(e)
     except OSError as e:
         fail(f"cannot write {args.out_dir} ({e.strerror or e}); pick a folder you can write to")
+    cfg = json.loads((out / "config.json").read_text())
+    code = " (its code is in the folder: transformers loads it with trust_remote_code=True)" if "auto_map" in cfg else ""
     print(f"{loaded.source} -> {args.out_dir}: {model.num_params() / 1e6:.2f}M parameters, "
-          f"{json.loads((out / 'config.json').read_text())['architectures'][0]}")
+          f"{cfg['architectures'][0]}{code}")
 
 
 if __name__ == "__main__":

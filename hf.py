@@ -4,6 +4,11 @@ Hugging Face folders: load the authors' released checkpoints, save ours in the s
     model = hf.from_pretrained("zeng123/Depth-attention-3B")   # a folder or a hub id
     hf.save_pretrained(model, "out/my_hf", tokenizer)            # `python checkpoint.py export SRC OUT` from a shell
 
+An export is a complete transformers model: a vanilla one is a plain Qwen3 (or Llama) folder; any other (a
+Depth-Attention mode, a looped model, a baseline) claims our architecture, DepthAttentionForCausalLM, and carries
+the code transformers runs for it with trust_remote_code=True: model.py and baselines.py as they are here, and the
+two classes in hf_remote/ (write_remote_code).
+
 The authors released 3B models (paper section 3, Table 1) as Hugging Face folders in the Llama layout:
 zeng123/Depth-attention-3B, zeng123/AttnRes-3B, zeng123/DenseFormer-3B, zeng123/mHC-3B. A folder holds
 config.json, model.safetensors (or shards listed by model.safetensors.index.json) and tokenizer.json. Their
@@ -12,6 +17,7 @@ parameter names are ours under "model.", except lm_head.
 Errors are ValueError (ImportError for a missing optional package: safetensors, tokenizers, huggingface_hub,
 each imported where used); checkpoint.load_model turns them into the scripts' one-line error.
 """
+import inspect
 import json
 import os
 import re
@@ -27,7 +33,14 @@ from model import GPT, ModelConfig
 from tokenizer import HFTokenizer, snapshot
 
 OUR_CONFIG = "model_config"  # our exports also record asdict(config) under this config.json key
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3"}
+# An export transformers has no class for (a Depth-Attention mode, a looped model, a baseline) claims our own
+# architecture and carries its code (REMOTE_CODE), so transformers runs it with trust_remote_code=True and refuses
+# it without, rather than loading the weights into a Llama that skips the depth step.
+REMOTE_ARCH, REMOTE_MODEL_TYPE = "DepthAttentionForCausalLM", "depth_attention"
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", REMOTE_ARCH: REMOTE_MODEL_TYPE}
+REMOTE_CODE = Path(__file__).resolve().parent / "hf_remote"  # its config and model classes, copied verbatim
+AUTO_MAP = {"AutoConfig": "configuration_depth_attention.DepthAttentionConfig",
+            "AutoModelForCausalLM": "modeling_depth_attention.DepthAttentionForCausalLM"}
 IGNORED = re.compile(r"(^|\.)lm_head_layernorm\.weight$|rotary_emb\.inv_freq$")  # unused / recomputed on the fly
 # The authors' `baseline_mode` values (their code accepts these spellings) -> our `residual`. Their baseline
 # knobs carry our names (KNOBS).
@@ -59,7 +72,8 @@ def is_hf_folder(path) -> bool:
 # ----------------------------------------------------------------------------- config.json <-> ModelConfig
 
 def config_from_hf(cfg: dict, where="config.json") -> ModelConfig:
-    """ModelConfig from a config.json: our own record when present, else the authors' Llama keys (Qwen3's too)."""
+    """ModelConfig from a config.json (Llama, Qwen3 or our DepthAttentionForCausalLM): our own record when present,
+    else the authors' Llama keys (Qwen3's too)."""
     arch = (cfg.get("architectures") or ["?"])[0]
     if arch not in ARCHITECTURES or cfg.get("model_type", ARCHITECTURES[arch]) != ARCHITECTURES[arch]:
         raise ValueError(f"{where}: unknown architecture {arch} (model_type {cfg.get('model_type')!r}); "
@@ -118,11 +132,12 @@ def _config(kw: dict, where) -> ModelConfig:
 
 
 def hf_config(c: ModelConfig, dtype: torch.dtype, eos_token_id=None) -> dict:
-    """config.json for a model: Qwen3's when transformers can load it as one (vanilla, q/k-norm before RoPE, no
-    loops), else the authors' Llama layout. Either way asdict(c) is recorded too, so nothing is lost."""
+    """config.json for a model: Qwen3's (Llama's without q/k-norm) when transformers' own class computes it
+    exactly (vanilla, plain residual, one pass, q/k-norm before RoPE), else our architecture with the auto_map to
+    its code. Either way the authors' Llama keys are written and asdict(c) is recorded, so nothing is lost."""
     baseline = residual_of(c) != "add"
-    qwen3 = not baseline and c.depth_mode == "vanilla" and c.qk_norm and not c.k_norm_after_rope and c.n_loops == 1
-    arch = "Qwen3ForCausalLM" if qwen3 else "LlamaForCausalLM"
+    plain = not baseline and c.depth_mode == "vanilla" and c.n_loops == 1 and not (c.qk_norm and c.k_norm_after_rope)
+    arch = ("Qwen3ForCausalLM" if c.qk_norm else "LlamaForCausalLM") if plain else REMOTE_ARCH
     return {
         "architectures": [arch], "model_type": ARCHITECTURES[arch], "vocab_size": c.vocab_size,
         "hidden_size": c.n_embd, "head_dim": c.head_dim, "intermediate_size": c.mlp_hidden,
@@ -135,7 +150,24 @@ def hf_config(c: ModelConfig, dtype: torch.dtype, eos_token_id=None) -> dict:
         "torch_dtype": str(dtype).removeprefix("torch."), OUR_CONFIG: asdict(c),
         # a baseline's keys as the authors' config.json spells them: their baseline_mode, same-named knobs
         **({"baseline_mode": c.residual, **{k: getattr(c, k) for k in KNOBS}} if baseline else {}),
+        **({"auto_map": AUTO_MAP} if arch == REMOTE_ARCH else {}),
     }
+
+
+def write_remote_code(folder: Path):
+    """The code transformers runs for REMOTE_ARCH: model.py and baselines.py as this repository holds them now,
+    and hf_remote/'s two classes. transformers loads the folder as a package and follows relative imports only
+    (an absolute `from model import` is refused as a missing package), so baselines.py's import becomes relative;
+    nothing else changes."""
+    model_py, baselines_py = Path(inspect.getfile(GPT)), Path(inspect.getfile(build_model))
+    shutil.copyfile(model_py, folder / model_py.name)
+    source = baselines_py.read_text()
+    if source.count("\nfrom model import ") != 1:
+        raise ValueError(f"{baselines_py} must import model.py in exactly one `from model import ...` line, which "
+                         f"the export makes relative; restore that line")
+    (folder / baselines_py.name).write_text(source.replace("\nfrom model import ", "\nfrom .model import "))
+    for code in sorted(REMOTE_CODE.glob("*.py")):
+        shutil.copyfile(code, folder / code.name)
 
 
 # ----------------------------------------------------------------------------- weights
@@ -217,7 +249,8 @@ def save_pretrained(model: GPT, out_dir, tokenizer, overwrite=False):
     """config.json + model.safetensors + the tokenizer, a folder that loads from anywhere: a tokenizer.json is
     written out (its contents, not a path), a tiktoken encoding's name is recorded (our loader rebuilds it).
     tokenizer=None writes the weights alone (from_pretrained reads them; the scripts then need a tokenizer.json
-    added). A vanilla model is a Qwen3 folder that transformers loads; from_pretrained reads any of them exactly.
+    added). A vanilla model is a Qwen3 folder that transformers loads; any other carries its code (hf_config's
+    auto_map, write_remote_code); from_pretrained reads any of them exactly.
 
     The folder is written beside out_dir and renamed into place, so an interrupted export leaves nothing half
     written, and a replaced folder (overwrite=True) keeps no file of the earlier one (a stale shard index would
@@ -236,12 +269,17 @@ def save_pretrained(model: GPT, out_dir, tokenizer, overwrite=False):
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
-        if isinstance(tokenizer, HFTokenizer):
+        if isinstance(tokenizer, HFTokenizer):  # tokenizer_config.json: what transformers' AutoTokenizer needs
             (tmp / "tokenizer.json").write_text(tokenizer.text)
+            (tmp / "tokenizer_config.json").write_text(json.dumps(
+                {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tokenizer.decode([tokenizer.eot_token]),
+                 "model_max_length": model.config.block_size}, indent=2) + "\n")
         elif tokenizer is not None:
             cfg["tokenizer"] = tokenizer.name  # tokenizer.get_tokenizer(name) rebuilds it
         safetensors_torch.save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+        if "auto_map" in cfg:
+            write_remote_code(tmp)
         old = out.with_name(f".{out.name}.old{os.getpid()}")
         if out.exists():
             os.replace(out, old)

@@ -68,11 +68,13 @@ def test_export_into_an_older_sharded_export_replaces_it_whole(run_dir, tmp_path
     (out / "model.safetensors").unlink()
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {k: f"model-0000{1 + (i >= 5)}-of-00002.safetensors" for i, k in enumerate(names)}}))
+    held = sorted(p.name for p in out.iterdir())
     assert "already holds" in one_error_line(export(run_dir, out))
-    assert sorted(p.name for p in out.iterdir())[0] == "config.json"  # refused: untouched
+    assert sorted(p.name for p in out.iterdir()) == held  # refused: untouched
 
     assert export(run_dir, out, "--overwrite") is None
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["baselines.py", "config.json", "configuration_depth_attention.py",
+                                                     "model.py", "model.safetensors", "modeling_depth_attention.py"]
     new = load_model(run_dir).model.state_dict()
     assert all(torch.equal(new[k], v) for k, v in weights(out).items())
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]  # no temporary folder left

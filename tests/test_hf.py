@@ -221,15 +221,18 @@ def test_bf16_export_round_trips(tmp_path):
 
 
 def test_depth_export_is_in_the_authors_layout(tmp_path):
-    """Without our own record, the authors' keys alone rebuild a model that uses their k_norm order."""
+    """Our architecture (transformers runs it with its code) keeps the authors' keys: without our own record they
+    alone rebuild a model that uses their k_norm order, read as our folder or as theirs."""
     model = tiny_model(depth_mode="value", depth_stride=2, k_norm_after_rope=True, norm_eps=1e-5)
     hf.save_pretrained(model, tmp_path, None)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    assert cfg["architectures"] == ["LlamaForCausalLM"] and cfg["use_depth_attention"] is True
+    assert cfg["architectures"] == [hf.REMOTE_ARCH] and cfg["use_depth_attention"] is True
     assert (cfg["depth_attention_stride"], cfg["depth_attention_recent_window"]) == (2, 0)
     assert cfg["model_config"]["k_norm_after_rope"] is True and cfg["model_config"]["n_loops"] == 1
     del cfg["model_config"]
     assert asdict(hf.config_from_hf(cfg)) == asdict(model.config)
+    authors = {**cfg, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+    assert asdict(hf.config_from_hf(authors)) == asdict(model.config)
     from safetensors import safe_open
     with safe_open(tmp_path / "model.safetensors", framework="pt") as f:
         assert set(f.keys()) == {hf.hf_name(k) for k in model.state_dict()}
@@ -339,7 +342,7 @@ def test_export_then_init_from_continues_from_the_same_weights(data_root, tmp_pa
     assert train(monkeypatch, *TINY, f"--data_root={data_root}", f"--out_dir={src}", "--max_iters=6",
                  "--eval_interval=0") is None
     checkpoint.main(["export", str(src), str(exported)])
-    assert "LlamaForCausalLM" in capsys.readouterr().out and (exported / "model.safetensors").is_file()
+    assert "DepthAttentionForCausalLM" in capsys.readouterr().out and (exported / "model.safetensors").is_file()
     assert json.loads((exported / "config.json").read_text())["tokenizer"] == "bytes"
     sample.main([f"--init_from={exported}", "--prompt=the cat", "--max_new_tokens=5"])
     assert "7 prompt + 5 new tokens" in capsys.readouterr().out

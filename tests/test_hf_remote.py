@@ -1,0 +1,250 @@
+"""Exports that transformers runs exactly (hf.py's REMOTE_ARCH): a Depth-Attention, looped or baseline folder
+carries our code (model.py, baselines.py, hf_remote/), so AutoModelForCausalLM.from_pretrained(folder,
+trust_remote_code=True) gives our logits, our greedy tokens and our cached decoding, from any working directory
+and on a machine without this repository; without trust_remote_code transformers refuses it (it used to load it
+as a Llama that skips the depth step: wrong logits, with at most a notice). lm-eval's own `hf` backend scores such
+a folder as eval.py does. transformers, lm-eval and accelerate are test-only dependencies (requirements-dev.txt)."""
+import difflib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import lm_eval
+from lm_eval.api.instance import Instance
+from lm_eval.tasks import TaskManager
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+
+import checkpoint
+import eval as eval_py
+import hf
+from checkpoint import load_model
+from conftest import tiny_model
+from test_hf import make_tokenizer_json, write_authors_folder
+from tokenizer import get_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+SIZE = dict(vocab_size=256, block_size=64, n_layer=4, n_embd=64, n_head=4, n_kv_head=2, head_dim=16, mlp_hidden=128)
+BASELINE = dict(depth_mode="vanilla", depth_stride=None)
+MODES = {"value": dict(depth_mode="value", depth_stride=2),
+         "kv-tied": dict(depth_mode="kv", depth_stride=1, depth_recent_window=1, tie_embeddings=True),
+         "looped-value": dict(depth_mode="value", n_layer=2, n_loops=3, depth_stride=None),
+         "denseformer": dict(residual="denseformer", denseformer_dwa_period=2, **BASELINE),
+         "attnres": dict(residual="attnres", attnres_block_size=2, **BASELINE),
+         "mhc": dict(residual="mhc", mhc_num_streams=2, mhc_sinkhorn_iters=5, **BASELINE)}
+TOL = 1e-5  # float32 on both sides, and the same code: any drift is a bug, not rounding
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Models this small run several times faster on one thread than on threads that wait for each other."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def max_diff(a, b):
+    return (a - b).abs().max().item()
+
+
+def export(tmp_path, name, tokenizer=None, **overrides):
+    model = tiny_model(**{**SIZE, **overrides}).eval()
+    folder = tmp_path / f"{name}_hf"
+    hf.save_pretrained(model, folder, tokenizer)
+    return model, folder
+
+
+def load_elsewhere(folder, monkeypatch, tmp_path):
+    """transformers' model for folder, loaded from another working directory."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(exist_ok=True)
+    monkeypatch.chdir(elsewhere)
+    return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_transformers_runs_the_export_exactly(tmp_path, monkeypatch, mode):
+    ours, folder = export(tmp_path, mode, **MODES[mode])
+    theirs = load_elsewhere(folder, monkeypatch, tmp_path)
+    idx = torch.randint(0, 256, (2, 24))
+    with torch.no_grad():
+        want, _ = ours(idx)
+        got = theirs(input_ids=idx)
+        diff = max_diff(got.logits, want)
+        assert diff < TOL, f"{mode}: transformers' {type(theirs).__name__} differs from ours by {diff:.3e}"
+        assert got.cache is None  # a plain call runs the cacheless forward
+    assert type(theirs).__name__ == hf.REMOTE_ARCH and theirs.config.model_type == hf.REMOTE_MODEL_TYPE
+    assert theirs.num_parameters() == ours.num_params()  # a tied head is shared, not a second matrix
+    with torch.no_grad():
+        labels = idx.clone()
+        labels[:, :5] = -100  # transformers' convention: labels are the inputs, -100 ignored, shifted inside
+        keep = labels[:, 1:] != -100
+        ref = F.cross_entropy(want[:, :-1][keep], idx[:, 1:][keep])
+        loss = theirs(input_ids=idx, labels=labels).loss
+        assert abs(loss.item() - ref.item()) < TOL, (loss.item(), ref.item())
+
+        # Cached decoding through transformers' interface: a prefill, then a token at a time, each step
+        # continuing the cache the previous call returned; it must equal the full forward at every position.
+        out = theirs(input_ids=idx[:, :9], use_cache=True)
+        parts, cache = [out.logits], out.cache
+        for t in range(9, 24):
+            out = theirs(input_ids=idx[:, t:t + 1], cache=cache)
+            parts.append(out.logits)
+        cached = max_diff(torch.cat(parts, 1), want)
+        assert cached < 1e-5 * want.abs().max().item(), f"{mode}: cached decoding differs by {cached:.3e}"
+
+    generated = theirs.generate(idx[:, :5], max_new_tokens=20, do_sample=False)
+    assert torch.equal(generated, ours.generate(idx[:, :5], 20, temperature=0)), f"{mode}: greedy tokens differ"
+    back = hf.from_pretrained(folder).eval()  # our own loader reads the folder as before
+    with torch.no_grad():
+        assert torch.equal(back(idx)[0], want)
+
+
+def test_without_trust_remote_code_transformers_refuses(tmp_path, monkeypatch):
+    _, folder = export(tmp_path, "value", **MODES["value"])
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="trust_remote_code=True"):
+        AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False)
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["architectures"] == [hf.REMOTE_ARCH] and cfg["model_type"] == "depth_attention"
+    # A vanilla model stays a plain Qwen3 folder with no code to trust (tests/test_hf.py loads it in transformers).
+    _, plain = export(tmp_path, "vanilla", depth_mode="vanilla")
+    cfg = json.loads((plain / "config.json").read_text())
+    assert cfg["architectures"] == ["Qwen3ForCausalLM"] and "auto_map" not in cfg and not list(plain.glob("*.py"))
+    # k_norm after RoPE (the authors' order) or a looped vanilla model is not what Qwen3 computes: our code
+    for overrides in (dict(k_norm_after_rope=True), dict(n_loops=2)):
+        assert hf.hf_config(tiny_model(depth_mode="vanilla", **overrides).config, torch.float32)["architectures"] \
+            == [hf.REMOTE_ARCH]
+
+
+def test_the_folder_runs_our_code(tmp_path):
+    """model.py byte for byte, baselines.py with its one import made relative, hf_remote/'s classes as they are."""
+    _, folder = export(tmp_path, "mhc", **MODES["mhc"])
+    assert (folder / "model.py").read_bytes() == (ROOT / "model.py").read_bytes()
+    diff = difflib.unified_diff((ROOT / "baselines.py").read_text().splitlines(),
+                                (folder / "baselines.py").read_text().splitlines(), lineterm="", n=0)
+    changed = [line for line in diff if line[:1] in "+-" and line[:3] not in ("+++", "---")]
+    assert len(changed) == 2 and changed[0].startswith("-from model import ") \
+        and changed[1] == "+from ." + changed[0][len("-from "):], changed
+    for code in (ROOT / "hf_remote").glob("*.py"):
+        assert (folder / code.name).read_bytes() == code.read_bytes(), code.name
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
+    assert config.model_type == hf.REMOTE_MODEL_TYPE and config.model_config["residual"] == "mhc"
+
+
+CLEAN_MACHINE = """
+import importlib.util, sys, torch
+from transformers import AutoModelForCausalLM
+assert not any(importlib.util.find_spec(m) for m in ("hf", "baselines", "checkpoint")), "the repository is importable"
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
+idx = torch.load(sys.argv[2])
+with torch.no_grad():
+    torch.save({"logits": model(input_ids=idx).logits, "tokens": model.generate(idx[:, :7], max_new_tokens=12,
+                do_sample=False)}, sys.argv[3])
+"""
+
+
+def test_the_folder_runs_without_this_repository(tmp_path):
+    """Only torch and transformers: run from a folder that does not hold this repository, nor has it on sys.path."""
+    ours, folder = export(tmp_path, "looped", **MODES["looped-value"])
+    idx = torch.randint(0, 256, (2, 20))
+    torch.save(idx, tmp_path / "idx.pt")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    proc = subprocess.run([sys.executable, "-c", CLEAN_MACHINE, str(folder), "idx.pt", "out.pt"], cwd=tmp_path,
+                          env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = torch.load(tmp_path / "out.pt")
+    with torch.no_grad():
+        assert max_diff(got["logits"], ours(idx)[0]) < TOL
+    assert torch.equal(got["tokens"], ours.generate(idx[:, :7], 12, temperature=0))
+
+
+@pytest.mark.parametrize("baseline_mode", [None, "densetransformer"], ids=["Depth-attention-3B", "DenseFormer-3B"])
+def test_export_of_the_authors_layout_runs_in_transformers(tmp_path, monkeypatch, baseline_mode):
+    """A folder as the authors released it (Llama config.json with their keys, their names, tokenizer.json),
+    through `checkpoint.py export`, loads in transformers to what our loader reads from the original."""
+    released = tmp_path / "released"
+    released.mkdir()
+    vocab = make_tokenizer_json(released / "tokenizer.json")
+    depth = baseline_mode is None
+    source = tiny_model(**{**SIZE, "vocab_size": vocab, **(MODES["value"] if depth else MODES["denseformer"])})
+    write_authors_folder(released, source, depth=depth, **({} if depth else {"baseline_mode": baseline_mode,
+                                                                             "denseformer_dwa_period": 2}))
+    out = tmp_path / "exported"
+    checkpoint.main(["export", str(released), str(out)])
+    theirs = load_elsewhere(out, monkeypatch, tmp_path)
+    ours = hf.from_pretrained(released).eval()
+    assert ours.config.k_norm_after_rope == depth  # the authors' order, recorded in the export
+    idx = torch.randint(0, vocab, (2, 30))
+    with torch.no_grad():
+        diff = max_diff(theirs(input_ids=idx).logits, ours(idx)[0])
+    assert diff < TOL, f"the exported released layout differs in transformers by {diff:.3e}"
+    assert torch.equal(theirs.generate(idx[:, :6], max_new_tokens=10, do_sample=False, eos_token_id=None),
+                       ours.generate(idx[:, :6], 10, temperature=0))
+    text = "the cat sat on the mat, then ran"
+    assert AutoTokenizer.from_pretrained(out)(text, add_special_tokens=False).input_ids == \
+        load_model(released).tokenizer.encode(text)
+
+
+def test_a_folder_transformers_saves_again_still_loads_everywhere(tmp_path, monkeypatch):
+    """After model.save_pretrained (a fine-tune, a merged adapter, a push to the Hub): the code travels along and
+    our loader reads it (transformers' config.json, its names)."""
+    ours, folder = export(tmp_path, "attnres", **MODES["attnres"])
+    theirs = load_elsewhere(folder, monkeypatch, tmp_path)
+    theirs.save_pretrained(tmp_path / "again")
+    idx = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        want, _ = ours(idx)
+        assert torch.equal(hf.from_pretrained(tmp_path / "again")(idx)[0], want)
+        again = AutoModelForCausalLM.from_pretrained(tmp_path / "again", trust_remote_code=True)
+        assert max_diff(again(input_ids=idx).logits, want) < TOL
+
+
+def test_what_the_cache_cannot_do_is_refused_and_beam_search_reorders_it(tmp_path, monkeypatch):
+    _, folder = export(tmp_path, "kv", **MODES["kv-tied"])
+    theirs = load_elsewhere(folder, monkeypatch, tmp_path)
+    idx = torch.randint(0, 256, (2, 6))
+    left_padded = torch.ones_like(idx)
+    left_padded[0, :3] = 0
+    with pytest.raises(ValueError, match="padded batches are not supported"):
+        theirs.generate(idx, attention_mask=left_padded, max_new_tokens=3, do_sample=False)
+    with pytest.raises(ValueError, match="its own KV cache, not a DynamicCache"):
+        theirs(input_ids=idx, cache=DynamicCache())
+    ones = theirs.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=6, do_sample=False)
+    assert torch.equal(ones, theirs.generate(idx, max_new_tokens=6, do_sample=False))  # what lm-eval passes
+    # Beam search reorders the cache's rows after every step: equal to beam search that recomputes everything.
+    beams = dict(max_new_tokens=8, num_beams=3, do_sample=False)
+    assert torch.equal(theirs.generate(idx, **beams), theirs.generate(idx, use_cache=False, **beams))
+
+
+def test_lm_eval_hf_backend_scores_as_eval_py(tmp_path, monkeypatch):
+    """`lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True` against eval.py, on the local task
+    of docs/eval_tasks (no download): the same accuracies and the same log-likelihood per choice."""
+    tokenizer_json = tmp_path / "tokenizer.json"
+    vocab = make_tokenizer_json(tokenizer_json)
+    _, folder = export(tmp_path, "value_tok", get_tokenizer(str(tokenizer_json)), **MODES["value"], init_std=0.05,
+                       vocab_size=vocab)
+    monkeypatch.chdir(ROOT)  # the task's data_files are relative to the repository
+    task, limit = "shakespeare_last_word", 24
+    eval_py.main([f"--init_from={folder}", f"--tasks={task}", "--include_path=docs/eval_tasks", f"--limit={limit}",
+                  "--batch_size=8", "--device=cpu", f"--json={tmp_path / 'eval.json'}"])
+    ours = json.loads((tmp_path / "eval.json").read_text())["results"][task]
+    theirs = lm_eval.simple_evaluate(
+        model="hf", model_args=f"pretrained={folder},trust_remote_code=True,dtype=float32", tasks=[task],
+        task_manager=TaskManager(include_path="docs/eval_tasks", include_defaults=False), limit=limit,
+        batch_size=8, device="cpu", log_samples=True)
+    assert (theirs["results"][task]["acc,none"], theirs["results"][task]["acc_norm,none"]) == \
+        (ours["acc,none"], ours["acc_norm,none"])
+    samples = theirs["samples"][task]
+    pairs = [pair for s in samples for pair in s["arguments"]]
+    loaded = load_model(folder)
+    lm = eval_py.EvalLM(loaded.model, loaded.tokenizer, batch_size=8)
+    mine = lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)])
+    hf_lls = [resp[0][0] for s in samples for resp in s["resps"]]
+    diff = max(abs(a - b) for (a, _), b in zip(mine, hf_lls))
+    assert len(mine) == len(hf_lls) == 4 * limit and diff < 1e-4, f"log-likelihoods differ by up to {diff:.3e}"
