@@ -46,7 +46,7 @@ def test_the_import_graph_is_layered():
         return any(d == b or (d not in seen and reaches(d, b, (*seen, d))) for d in graph[a])
     cycles = sorted(name for name in graph if reaches(name, name))
     assert not cycles, f"modules on an import cycle: {cycles} ({ {n: sorted(graph[n]) for n in cycles} })"
-    scripts = {"train", "sample", "eval", "bench_cache", "ablate"}
+    scripts = {"train", "sample", "eval", "bench_cache", "ablate", "gpu_check"}
     assert not {name for name, deps in graph.items() if deps & scripts}, "a module imports a script"
 
 
