@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import tiny_config, tiny_model
-from model import DEPTH_MODES, GPT, KVCache, ModelConfig, apply_rope, depth_cost, rope_tables
+from model import DEPTH_MODES, GPT, KVCache, ModelConfig, apply_rope, depth_cost, depth_mix, rope_tables
 
 DEPTH_ONLY = [m for m in DEPTH_MODES if m != "vanilla"]
 LIME = dict(depth_mode="lime", depth_stride=None)  # LIMe as published: every earlier layer (tiny_config's stride 2 off)
@@ -215,6 +215,21 @@ def test_causality(overrides):
     diff = (a[:, : t + 1] - b[:, : t + 1]).abs().max().item()
     assert diff == 0.0, f"logits at positions <= {t} moved by {diff:.3e} when later tokens changed"
     assert (a[:, t + 1:] - b[:, t + 1:]).abs().max() > 0
+
+
+@pytest.mark.parametrize("mode", [m for m in DEPTH_ONLY if m != "lime"])
+@pytest.mark.parametrize("n_kv", [4, 2, 1], ids=["MHA", "GQA", "MQA"])
+def test_decode_kernel_equals_the_per_candidate_passes(mode, n_kv):
+    """A decode step mixes with one SDPA call over the candidates (depth_mix_one); longer chunks and the
+    weights readout with one pass per candidate. Both compute the same mix."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(3, 4, 1, 8, generator=g, dtype=torch.float64)
+    k, v, *src = (torch.randn(3, n_kv, 1, 8, generator=g, dtype=torch.float64) for _ in range(6))
+    fused = depth_mix(q, k, v, src[:2], src[2:], mode, with_alpha=False)
+    passes = depth_mix(q, k, v, src[:2], src[2:], mode, with_alpha=True)
+    assert (fused[2] is None) == (mode != "uniform") and passes[2].shape == (3, n_kv, 1, 3)
+    for a, b in zip(fused[:2], passes[:2]):
+        assert (a - b).abs().max() < 1e-12
 
 
 @pytest.mark.parametrize("overrides", [dict(depth_mode="vanilla"), dict(depth_mode="value"), dict(depth_mode="kv"),
