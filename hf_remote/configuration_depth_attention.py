@@ -9,6 +9,12 @@ to tools that read them, e.g. lm-eval's context length.
 """
 from transformers import PretrainedConfig
 
+# The folder's own model code. Besides checking model_config below, importing it makes transformers key this
+# config class by that code: it names a remote module by the hash of its file and the files it imports, and
+# registers the model class per config class, so without it two folders whose model.py differ (exports from two
+# versions of the repository) would share one config class and, in one process, run the first folder's model.
+from .baselines import make_config
+
 
 class DepthAttentionConfig(PretrainedConfig):
     model_type = "depth_attention"  # hf.py's REMOTE_MODEL_TYPE: transformers knows no class for it, so a folder
@@ -16,4 +22,6 @@ class DepthAttentionConfig(PretrainedConfig):
 
     def __init__(self, model_config=None, **kwargs):
         self.model_config = dict(model_config or {})  # asdict(config) of model.py / baselines.py
+        if self.model_config:  # transformers also builds an empty one, for its defaults
+            make_config(**self.model_config)  # a key or value this code does not know fails here, named
         super().__init__(**kwargs)

@@ -137,6 +137,24 @@ def test_the_folder_runs_our_code(tmp_path):
     assert config.model_type == hf.REMOTE_MODEL_TYPE and config.model_config["residual"] == "mhc"
 
 
+def test_two_folders_with_other_model_code_each_run_their_own(tmp_path):
+    """Two exports of the same name whose model.py differ (two versions of this repository), loaded in one
+    process: transformers registers a model class per config class, and each runs its own folder's code (the
+    second used to run the first's model.py: logits off by a factor of 2 here, silently)."""
+    ours, first = export(tmp_path / "a", "value", **MODES["value"])
+    _, second = export(tmp_path / "b", "value", **MODES["value"])
+    source = (second / "model.py").read_text()
+    line = "        logits = self.lm_head(self.norm(x))"
+    assert source.count(line) == 1
+    (second / "model.py").write_text(source.replace(line, "        logits = 2 * self.lm_head(self.norm(x))"))
+    idx = torch.randint(0, 256, (1, 12))
+    with torch.no_grad():
+        want = ours(idx)[0]
+        for folder, scale in ((first, 1), (second, 2), (first, 1)):
+            got = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()(input_ids=idx).logits
+            assert max_diff(got, scale * want) < TOL, (folder, scale)
+
+
 CLEAN_MACHINE = """
 import importlib.util, sys, torch
 from transformers import AutoModelForCausalLM
