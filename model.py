@@ -127,8 +127,10 @@ def depth_mix(q, k, v, src_k, src_v, mode, with_alpha=True):
 
     q and k arrive after RoPE; every candidate carries the same rotation R_t, so the scores equal those of
     the unrotated vectors and mixing keys commutes with the rotation (see the README, "Where we deviate").
-    Returns (k_out, v_out, alpha) with alpha: (B, n_kv_head, T, C) float32, C = len(src_k) + 1; alpha is None
-    where with_alpha=False let a decode step take depth_mix_one (below).
+    Returns (k_out, v_out, alpha) with alpha: (B, n_kv_head, T, C) float32, C = len(src_k) + 1. A decode step
+    (T = 1) with with_alpha=False runs depth_mix_one instead and returns alpha None (uniform: never). Both keep
+    the softmax in float32; the kernel also its scores, which these passes round to the activations' dtype first
+    (bf16: the two differ by that rounding, float32: not at all).
     """
     if q.shape[2] == 1 and not with_alpha and mode != "uniform":
         return (*depth_mix_one(q, k, v, src_k, src_v, mode), None)
@@ -283,11 +285,15 @@ def causal_attention(q, k, v):
     """Causal attention where q's T queries are the last T of k's S positions (a cache continues at S - T).
     The calls a GPU runs most take no mask, so FlashAttention serves them: training and a prefill into an empty
     cache (T = S) are is_causal, a decode step (T = 1) sees every key. Only a chunk that continues a filled cache
-    needs the diagonal moved to the bottom right: causal_lower_right, which CUDA runs in the flash or
-    memory-efficient kernel where they apply and CPU as a boolean mask."""
+    needs the diagonal moved to the bottom right: causal_lower_right, which CUDA runs on flash in bf16/fp16 (with
+    grouped KV heads the memory-efficient kernel does not apply) and otherwise, like the CPU, as a boolean mask.
+    is_causal stays a literal: under torch.compile with dynamic shapes `T > 1` would be a symbolic bool, which
+    SDPA refuses."""
     T, S = q.shape[2], k.shape[2]
-    if T == S or T == 1:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=T > 1, enable_gqa=True)
+    if T == 1:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    if T == S:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(T, S), enable_gqa=True)
 
 

@@ -268,6 +268,17 @@ def test_attention_takes_no_mask_in_training_prefill_and_decode(overrides):
     assert len(masks) == n_layers and all(isinstance(m, CausalBias) for m in masks)
 
 
+def test_compiles_in_one_graph_at_changing_lengths():
+    """A training forward compiled with fullgraph at one length, then at others (torch.compile turns the length
+    symbolic): the attention path keeps is_causal a literal bool, so no graph break, and the losses are eager's."""
+    model = tiny_model(depth_mode="value")
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    idx = torch.randint(0, 50, (2, 12))
+    for T in (12, 9, 7):
+        with torch.no_grad():
+            assert abs(compiled(idx[:, :T], idx[:, :T])[1] - model(idx[:, :T], idx[:, :T])[1]) < 1e-6
+
+
 def test_generate_greedy_matches_full_forward_argmax():
     model = tiny_model(depth_mode="value").eval()
     prompt = torch.randint(0, 50, (2, 4))
