@@ -9,8 +9,8 @@ What the depth step and the hidden-state baselines cost over vanilla: measured o
 
 A mode is a depth_mode (vanilla, value, uniform, key, kv, lime), a baseline (denseformer, attnres, mhc: the
 `residual` key, with vanilla attention) or `transformers`: Hugging Face transformers' Qwen3 with vanilla's weights,
-its SDPA attention and its DynamicCache (pip install transformers). For every mode: the KV-cache bytes after a prefill (read from the
-cache), the peak memory of that prefill and of a training step's forward and backward (measured once each,
+its SDPA attention and its DynamicCache (pip install transformers). For every mode: the KV-cache bytes after the
+decode steps (read from the cache), the peak memory of that prefill and of a training step's forward and backward (measured once each,
 in a fresh process); the prefill time, the decode time per token and a training step (forward, backward,
 AdamW), each the median of interleaved repeats. Every figure has its ratio to vanilla measured in the same run.
 `value@3` is the value mode with n_loops=3; its baseline is `vanilla@3`, added when missing.
@@ -164,7 +164,8 @@ def build(cfg, label) -> GPT:
 class TransformersQwen3(torch.nn.Module):
     """transformers' Qwen3ForCausalLM (its SDPA attention, its DynamicCache) holding a vanilla GPT's weights, behind
     the interface the timing loop calls: model(idx, targets, cache), new_cache, num_params. An implementation
-    written independently of ours, timed in the same run (tests/test_hf_parity.py checks the logits agree)."""
+    written independently of ours, timed in the same run (tests/test_bench_cache.py checks it computes vanilla's
+    logits). bench_cache shares vanilla's parameters with it, as with every mode."""
 
     def __init__(self, ours: GPT):
         super().__init__()
@@ -193,19 +194,20 @@ def cache_nbytes(cache) -> int:
     return cache.nbytes if layers is None else sum(t.nbytes for layer in layers for t in (layer.keys, layer.values))
 
 
-def share_weights(model, ref):
-    """Point every parameter of `model` that ref also has (same name) at ref's: one set of weights and one
-    optimizer serve all modes, so a 1.5B model fits once rather than once per mode. A baseline keeps its own
-    extra parameters. Returns those."""
-    shared = dict(ref.named_parameters())
-    own = []
-    for name, p in list(model.named_parameters()):
-        if name in shared:
+def share_weights(model, ref, ref_name=lambda name: name):
+    """Point every parameter of `model` that ref also has at ref's: one set of weights and one optimizer serve
+    all modes, so a 1.5B model fits once rather than once per mode. ref_name maps model's parameter names to
+    ref's (transformers' Qwen3 puts ours under "model."); a tied head is visited under both its names. A
+    baseline keeps its own extra parameters. Returns those."""
+    shared = dict(ref.named_parameters(remove_duplicate=False))
+    own = {}
+    for name, p in list(model.named_parameters(remove_duplicate=False)):
+        if ref_name(name) in shared:
             owner, _, attr = name.rpartition(".")
-            model.get_submodule(owner).register_parameter(attr, shared[name])
+            model.get_submodule(owner).register_parameter(attr, shared[ref_name(name)])
         else:
-            own.append(p)
-    return own
+            own[id(p)] = p
+    return list(own.values())
 
 
 def tokens(cfg):
@@ -310,11 +312,12 @@ def run_round(models, opts, cfg, toks, order, samples):
     caches = {label: models[label].new_cache(cfg["batch"], P + G) for label in order}
     for label in order:
         samples[label]["prefill_s"].append(timed(lambda: models[label](toks[:, :P], cache=caches[label]), device))
-        samples[label]["cache_bytes"].append(cache_nbytes(caches[label]))
     for i in range(G):
         for label in order:
             samples[label]["decode_s_per_token"].append(
                 timed(lambda: models[label](toks[:, P + i:P + i + 1], cache=caches[label]), device))
+    for label in order:  # full now: a cache that grows (transformers') holds what ours was allocated for
+        samples[label]["cache_bytes"].append(cache_nbytes(caches[label]))
     caches.clear()  # free the caches before the training steps
     with torch.enable_grad():
         for label in order:
@@ -333,7 +336,7 @@ def measure(cfg):
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-5)  # small: the shared weights barely move between modes
     opts = {label: [opt] for label in labels}
     for label, model in models.items():
-        own = share_weights(model, ref)
+        own = share_weights(model.hf, ref, hf.our_name) if label == TRANSFORMERS else share_weights(model, ref)
         if own:  # a baseline's extra parameters: updated by its own step only, so it alone pays for them
             opts[label].append(torch.optim.AdamW(own, lr=1e-5))
     toks = tokens(cfg)

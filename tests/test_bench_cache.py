@@ -138,3 +138,14 @@ def test_transformers_mode_computes_what_vanilla_computes():
 
 def test_transformers_mode_refuses_what_qwen3_cannot_compute(monkeypatch):
     assert "transformers' Qwen3" in refused(TINY + ["--modes=vanilla,transformers", "--n_loops=2"], monkeypatch)
+
+
+def test_transformers_mode_shares_vanilla_weights(tmp_path):
+    """One set of weights serves every mode: transformers' Qwen3 is given vanilla's parameters (a tied head
+    under both names), so a 1.5B comparison holds one copy and one optimizer state."""
+    cfg = bench_cache.resolve(TINY + ["--modes=vanilla,transformers", "--tie_embeddings=True"])
+    ref, theirs = bench_cache.build(cfg, "vanilla"), bench_cache.build(cfg, "transformers")
+    assert bench_cache.share_weights(theirs.hf, ref, bench_cache.hf.our_name) == []
+    ours = {id(p) for p in ref.parameters()}
+    assert {id(p) for p in theirs.parameters()} == ours
+    assert theirs.hf.lm_head.weight is ref.embed_tokens.weight
