@@ -27,8 +27,9 @@ if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < MIN_TRANSFOR
 
 
 class DepthAttentionCache(Cache):
-    """Our KVCache, allocated by the first forward for its batch and grown (doubled, up to block_size) when a
-    longer sequence needs it, so generate() needs no length up front; every step writes it in place. Beam search
+    """Our KVCache, allocated by the first forward for its batch with room ahead (twice the prompt, up to
+    block_size) and doubled when a longer sequence needs more, so generate() needs no length up front and a
+    decode step rarely copies the cache; every step writes it in place. Beam search
     reorders its rows; what it cannot do (crop, split or repeat rows) raises rather than doing nothing."""
 
     is_croppable = False  # generate must not plan to take a step back
@@ -45,7 +46,7 @@ class DepthAttentionCache(Cache):
         """The KVCache, with room for n_new more tokens (within block_size; GPT.forward refuses beyond it)."""
         old, need = self.kv, self.get_seq_length() + n_new
         if old is None or need > old.max_len:
-            grown = need if old is None else max(need, 2 * old.max_len)
+            grown = 2 * need if old is None else max(need, 2 * old.max_len)
             self.kv = gpt.new_cache(batch_size, min(gpt.config.block_size, grown))
             if old is not None:
                 self.kv.k[:, :, :, :old.pos] = old.k[:, :, :, :old.pos]  # (n_eff_layer, B, n_kv_head, pos, D)
@@ -70,6 +71,9 @@ class DepthAttentionCache(Cache):
 class DepthAttentionForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = DepthAttentionConfig
     base_model_prefix = "model"
+    # forward takes **kwargs but returns the mean loss of its batch, ignoring num_items_in_batch: so Trainer must
+    # divide the loss by the gradient accumulation steps itself (it would not, seeing **kwargs)
+    accepts_loss_kwargs = False
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # used when tie_word_embeddings
 
     def __init__(self, config):
@@ -100,14 +104,17 @@ class DepthAttentionForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError("this model takes input_ids, not inputs_embeds")
         if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
             raise ValueError("this model returns the logits, the loss and the cache; no attentions or hidden states")
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError("padded batches are not supported (the KV cache keeps one length for the whole "
-                             "batch): pass sequences of equal length without padding, or one at a time")
         if cache is None and use_cache:
             cache = DepthAttentionCache()
         if cache is not None and not isinstance(cache, DepthAttentionCache):
             raise ValueError(f"this model runs on its own KV cache, not a {type(cache).__name__}: pass no cache "
                              f"(generate makes one) or the cache a previous call returned")
+        # Padding can only be in a prompt: a decode step (one token after the prefill) skips the check, which on a
+        # GPU would wait for the device at every token.
+        prompt = cache is None or cache.get_seq_length() == 0 or input_ids.shape[1] > 1
+        if attention_mask is not None and prompt and not bool(attention_mask.all()):
+            raise ValueError("padded batches are not supported (the KV cache keeps one length for the whole "
+                             "batch): pass sequences of equal length without padding, or one at a time")
         targets = None
         if labels is not None:  # GPT's targets: the next token at each position, -1 where ignored
             targets = F.pad(labels[:, 1:], (0, 1), value=-100)

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 import lm_eval
 from lm_eval.api.instance import Instance
 from lm_eval.tasks import TaskManager
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, Trainer, TrainerCallback,
+                          TrainingArguments)
 
 import checkpoint
 import eval as eval_py
@@ -59,12 +60,12 @@ def export(tmp_path, name, tokenizer=None, **overrides):
     return model, folder
 
 
-def load_elsewhere(folder, monkeypatch, tmp_path):
+def load_elsewhere(folder, monkeypatch, tmp_path, **kwargs):
     """transformers' model for folder, loaded from another working directory."""
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir(exist_ok=True)
     monkeypatch.chdir(elsewhere)
-    return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True).eval()
+    return AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, **kwargs).eval()
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -266,3 +267,69 @@ def test_lm_eval_hf_backend_scores_as_eval_py(tmp_path, monkeypatch):
     hf_lls = [resp[0][0] for s in samples for resp in s["resps"]]
     diff = max(abs(a - b) for (a, _), b in zip(mine, hf_lls))
     assert len(mine) == len(hf_lls) == 4 * limit and diff < 1e-4, f"log-likelihoods differ by up to {diff:.3e}"
+
+
+def test_trainer_with_gradient_accumulation_gets_the_mean_gradient(tmp_path, monkeypatch):
+    """transformers' Trainer, two micro-batches per step: the gradient it steps on is the mean loss's, as a plain
+    backward over both micro-batches gives (the model must not claim to scale its loss by num_items_in_batch, or
+    Trainer stops dividing by the accumulation steps: gradients twice too large, silently)."""
+    _, folder = export(tmp_path, "value", **MODES["value"])
+    theirs = load_elsewhere(folder, monkeypatch, tmp_path)
+    idx = torch.randint(0, 256, (4, 16))
+    theirs(input_ids=idx, labels=idx).loss.backward()  # equal lengths, nothing ignored: the mean of the two means
+    want = {name: p.grad.clone() for name, p in theirs.named_parameters()}
+    theirs.zero_grad()
+    seen = {}
+
+    class Grads(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            seen.update((name, p.grad.clone()) for name, p in model.named_parameters())
+
+    args = TrainingArguments(output_dir=str(tmp_path / "trainer"), per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, max_steps=1, max_grad_norm=0, report_to=[],
+                             use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True)
+    rows = [{"input_ids": row, "labels": row} for row in idx]  # a list is a Dataset: no `datasets` needed
+    Trainer(model=theirs, args=args, train_dataset=rows, callbacks=[Grads()]).train()
+    assert seen.keys() == want.keys()
+    for name, g in want.items():
+        diff, ratio = max_diff(seen[name], g), (seen[name].norm() / g.norm()).item()
+        assert diff <= 1e-5 * g.abs().max().item(), f"{name}: Trainer's gradient is {ratio:.3f} x the mean " \
+            f"loss's (max difference {diff:.3e})"
+
+
+def test_generate_allocates_the_cache_once_and_decode_steps_read_no_mask(tmp_path, monkeypatch):
+    """The prefill allocates room ahead (as growth does), so the first new token does not copy the whole cache;
+    a decode step does not read attention_mask (a read is a device-to-host sync on a GPU, every token)."""
+    ours, folder = export(tmp_path, "value", **MODES["value"])
+    theirs = load_elsewhere(folder, monkeypatch, tmp_path)
+    calls, new_cache = [], theirs.gpt.new_cache
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return new_cache(*args, **kwargs)
+
+    monkeypatch.setattr(theirs.gpt, "new_cache", counted)
+    idx = torch.randint(0, 256, (2, 8))
+    generated = theirs.generate(idx, max_new_tokens=6, do_sample=False, eos_token_id=None)
+    assert torch.equal(generated, ours.generate(idx, 6, temperature=0))
+    assert len(calls) == 1, f"the cache was allocated {len(calls)} times: {calls}"
+    with torch.no_grad():
+        out = theirs(input_ids=idx, attention_mask=torch.ones_like(idx), use_cache=True)
+        # A mask on the meta device has no values: reading it (as .all() does) raises.
+        meta_mask = torch.ones(2, 9, dtype=torch.long, device="meta")
+        step = theirs(input_ids=generated[:, 8:9], attention_mask=meta_mask, cache=out.cache)
+        want, _ = ours(generated[:, :9])
+    assert max_diff(step.logits[:, -1], want[:, -1]) < TOL
+
+
+def test_a_bf16_export_generates_in_transformers_as_ours(tmp_path, monkeypatch):
+    """A folder saved in bf16 and loaded in bf16 (as docs/pretrained.md loads the released model): transformers'
+    greedy tokens are ours, token for token."""
+    _, folder = export(tmp_path, "value_bf16", dtype=torch.bfloat16, **MODES["value"])
+    theirs = load_elsewhere(folder, monkeypatch, tmp_path, dtype=torch.bfloat16)
+    ours = hf.from_pretrained(folder, dtype=torch.bfloat16).eval()
+    assert theirs.lm_head.weight.dtype == ours.lm_head.weight.dtype == torch.bfloat16
+    idx = torch.randint(0, 256, (2, 7))
+    got, want = theirs.generate(idx, max_new_tokens=16, do_sample=False, eos_token_id=None), \
+        ours.generate(idx, 16, temperature=0)
+    assert torch.equal(got, want), f"greedy tokens differ:\n{got}\n{want}"
