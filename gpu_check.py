@@ -1,15 +1,18 @@
 """
 The GPU check, ready for the few minutes a GPU is lent (docs/gpu_check.md): at the paper's 1.5B shape in bf16,
-training throughput and peak memory of vanilla and value, eager and compiled; bench_cache.py's prefill, decode
-and cache comparison; and whether training, prefill and decode run on the flash attention kernel. One JSON,
-rewritten after every section, so a run cut off by a time limit keeps what it finished.
+training throughput and peak memory of vanilla and value, eager and compiled (with its graph breaks);
+bench_cache.py's prefill, decode and cache comparison; whether training, prefill and decode can run on flash
+attention alone, and which attention kernels PyTorch picks for them when left to itself. One JSON, rewritten
+(atomically) after every section, so a run cut off by a time limit keeps what it finished; a SIGTERM (an outer
+`timeout`) records the section it cut off, with what that section had finished, before the script stops.
 
-    python gpu_check.py                                  # one CUDA GPU: planned for ~4 minutes on an H200
+    timeout -k 15 570 python gpu_check.py                # one CUDA GPU: 5-9 minutes on an H200 (an unmeasured guess)
     python gpu_check.py --json=out/h200.json             # the result elsewhere (default out/gpu_check.json)
     python gpu_check.py --only=train_compile --steps=3 --json=out/gpu_check_2.json  # rerun what a limit cut off
     python gpu_check.py --device=cpu --n_layer=2 --n_embd=64 ...   # a tiny model on the CPU: tries every path
 
-Sections (--only, run in the order given): flash, bench, train_eager, train_compile. The model keys default to
+Sections (--only, run in the order given): flash, bench, train_eager, train_compile, the cheapest and most telling
+first, so a run cut off by a time limit loses the compiled figures, not the rest. The model keys default to
 configs/paper_1p5b_value.py's (the modes are vanilla and value); --key=value changes the shape. Training uses
 random tokens, block_size of them per sequence. A section that fails is recorded with its error and the others
 still run; the exit status is 1 when any failed.
@@ -18,6 +21,7 @@ import gc
 import inspect
 import json
 import math
+import signal
 import statistics
 import subprocess
 import sys
@@ -30,7 +34,9 @@ from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
+from torch._dynamo.utils import counters
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.profiler import ProfilerActivity, profile
 
 from baselines import build_model, make_config
 from configurator import (ConfigError, check_ranges, fail, output_file, parse_config, read_config_file, reason,
@@ -69,8 +75,12 @@ KEY_RANGES = {"micro_batch": ">= 1", "warmup": ">= 1", "steps": ">= 1", "bench_b
 # The flash check runs the 1.5B heads at few layers: which kernel SDPA picks depends on the head shape, the dtype
 # and the mask, not on the depth. The prompt is a quarter of block_size, the chunk after it an eighth.
 FLASH_LAYERS, FLASH_BATCH = 4, 2
-FLASH_PATHS = ("train", "prefill", "decode")  # each must run on flash alone
+FLASH_PATHS = ("train", "prefill", "decode")  # each must be able to run on flash alone
 BACKENDS = [b for b in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION", "MATH") if hasattr(SDPBackend, b)]
+# How the attention aten ops name their SDPA backend, for the printed summary: _scaled_dot_product_flash_attention
+# (and its _for_cpu, _backward), _efficient_attention_forward, _scaled_dot_product_attention_math, ...
+KERNEL_NAMES = ("cudnn", "flash", "efficient", "math")
+SDPA_ENTRY = "aten::scaled_dot_product_attention"  # the public op every plain SDPA call enters: not a kernel
 GiB = 2 ** 30
 
 
@@ -155,9 +165,20 @@ def attempt(work, backend) -> dict:
     return {"ok": True}
 
 
+def default_kernels(work) -> list:
+    """The attention kernels work() runs when SDPA picks for itself (no sdpa_kernel restriction): the aten ops named
+    for attention in a profile of the CPU side, where the ops are dispatched on CUDA too, less SDPA_ENTRY. A
+    chunk's causal_lower_right mask calls its kernel's op directly, without SDPA_ENTRY."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        work()
+    return sorted({e.name for e in prof.events() if e.name.startswith("aten::") and e.name != SDPA_ENTRY
+                   and ("scaled_dot_product" in e.name or "attention" in e.name)})
+
+
 def flash_mode(cfg, mode) -> dict:
     """(a) a training forward and backward, (b) a prefill into an empty cache, (c) a one-token decode step, each
-    on flash alone; (d) a chunk continuing a filled cache, on each backend alone."""
+    on flash alone; (d) a chunk continuing a filled cache, on each backend alone. For each path, also the kernels
+    that run when SDPA picks for itself."""
     device = cfg["device"]
     B, T, C = FLASH_BATCH, cfg["block_size"] // 4, cfg["block_size"] // 8
     model = build(cfg, mode, n_layer=FLASH_LAYERS)
@@ -169,40 +190,46 @@ def flash_mode(cfg, mode) -> dict:
         loss.backward()
     res = {"train": attempt(train, "FLASH_ATTENTION")}
     model.zero_grad(set_to_none=True)
+    res["train"]["default_kernels"] = default_kernels(train)
+    model.zero_grad(set_to_none=True)
     if device == "cuda":
         model.to(torch.bfloat16)  # weights and cache in bf16 for inference, as bench_cache.py measures it
 
-    def filled():  # a cache holding the prompt, prefilled on whatever backend SDPA picks
+    def after_prompt(n):  # n tokens continuing a fresh cache that holds the prompt (prefilled on SDPA's choice)
         cache = model.new_cache(B, T + C)
         model(toks[:, :T], cache=cache)
-        return cache
+        return lambda: model(toks[:, T:T + n], cache=cache)
+
+    def prefill():
+        model(toks[:, :T], cache=model.new_cache(B, T))
     with torch.no_grad():
-        res["prefill"] = attempt(lambda: model(toks[:, :T], cache=model.new_cache(B, T)), "FLASH_ATTENTION")
-        cache = filled()
-        res["decode"] = attempt(lambda: model(toks[:, T:T + 1], cache=cache), "FLASH_ATTENTION")
-        res["chunk"] = {}
-        for backend in BACKENDS:
-            cache = filled()
-            res["chunk"][backend] = attempt(lambda: model(toks[:, T:T + C], cache=cache), backend)
+        res["prefill"] = {**attempt(prefill, "FLASH_ATTENTION"), "default_kernels": default_kernels(prefill)}
+        res["decode"] = {**attempt(after_prompt(1), "FLASH_ATTENTION"),
+                         "default_kernels": default_kernels(after_prompt(1))}
+        # The chunk's mask is causal_lower_right; with grouped KV heads (every paper config) the memory-efficient
+        # kernel does not apply to it, so CUDA runs it on flash in bf16/fp16 and on math, mask materialised, in fp32.
+        res["chunk"] = {"default_kernels": default_kernels(after_prompt(C)),
+                        "backends": {b: attempt(after_prompt(C), b) for b in BACKENDS}}
     return res
 
 
-def flash(cfg) -> dict:
-    """Training, prefill and decode must run on flash alone; a chunk after a filled cache (a mask: speculative
-    decoding, chunked prefill) is informational: the backends that run it are listed."""
-    out = {"batch": FLASH_BATCH, "prompt": cfg["block_size"] // 4, "chunk": cfg["block_size"] // 8,
-           "n_layer": FLASH_LAYERS, "modes": {}}
+def flash(cfg, out):
+    """Training, prefill and decode must be able to run on flash alone; a chunk after a filled cache (a mask:
+    speculative decoding, chunked prefill) is informational: the backends that can run it are listed. Which kernels
+    run unrestricted (default_kernels) is recorded, not judged: PyTorch may prefer cuDNN's attention on a GPU."""
+    out.update({"batch": FLASH_BATCH, "prompt": cfg["block_size"] // 4, "chunk": cfg["block_size"] // 8,
+                "n_layer": FLASH_LAYERS, "modes": {}})
     for mode in MODES:
         out["modes"][mode] = flash_mode(cfg, mode)
         release(cfg["device"])
+    out["chunk_runs_on"] = {mode: [b for b, a in r["chunk"]["backends"].items() if a["ok"]]
+                            for mode, r in out["modes"].items()}
     out["ok"] = all(r[path]["ok"] for r in out["modes"].values() for path in FLASH_PATHS)
-    out["chunk_runs_on"] = {mode: [b for b, a in r["chunk"].items() if a["ok"]] for mode, r in out["modes"].items()}
-    return out
 
 
 # ----------------------------------------------------------------------------- bench
 
-def bench(cfg) -> dict:
+def bench(cfg, out):
     """bench_cache.py at this shape in its own process (a script is run, never imported; it spawns fresh processes
     for peak memory anyway), its JSON folded in."""
     changed = [f"--{k}={cfg[k]}" for k in MODEL_KEYS if cfg[k] != DEFAULTS[k]]
@@ -210,6 +237,7 @@ def bench(cfg) -> dict:
             f"--batch={cfg['bench_batch']}", f"--prompt_len={cfg['prompt_len']}", f"--new_tokens={cfg['new_tokens']}",
             f"--repeats={cfg['repeats']}", "--warmup=1", f"--seed={cfg['seed']}"]
     command = "python bench_cache.py " + " ".join(args)
+    out["command"] = command
     print(command, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "bench.json"
@@ -219,22 +247,25 @@ def bench(cfg) -> dict:
         if proc.returncode:
             sys.stderr.write(proc.stderr[-4000:])
             last = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
-            return {"ok": False, "command": command, "error": f"bench_cache.py: {last}"}
+            out.update(ok=False, error=f"bench_cache.py: {last}")
+            return
         res = json.loads(path.read_text())
     measured = ("cache_bytes", "prefill_peak_bytes", "train_peak_bytes", "prefill_s", "decode_s_per_token",
                 "train_step_s")
-    return {"ok": True, "command": command, "num_params": res["num_params"],
-            **{mode: {m: res["modes"][mode][m] for m in measured} for mode in MODES},
-            "value_vs_vanilla": res["modes"]["value"]["ratios"], "bench_cache": res}
+    out.update({"num_params": res["num_params"], **{m: {k: res["modes"][m][k] for k in measured} for m in MODES},
+                "value_vs_vanilla": res["modes"]["value"]["ratios"], "bench_cache": res, "ok": True})
 
 
 # ----------------------------------------------------------------------------- training
 
 def train_run(cfg, mode, compiled) -> dict:
     """A few training steps of `mode` on random tokens. The step mirrors train.py's (train_step, then the
-    optimizer): bf16 autocast on CUDA, the loss read back, the global-norm clip, fused AdamW on CUDA."""
+    optimizer): bf16 autocast on CUDA, the loss read back, the global-norm clip, fused AdamW on CUDA. Compiled, also
+    what dynamo counted over the run: graph breaks (with their reasons) and graphs compiled (1 when the step's
+    forward is one graph that nothing recompiled)."""
     device, B, T = cfg["device"], cfg["micro_batch"], cfg["block_size"]
     release(device)
+    counters.clear()  # dynamo's tallies, this run's alone
     model = build(cfg, mode)
     par = Parallel(model, "ddp", False, device, device == "cuda")  # one process: the model itself, as train.py
     fwd = torch.compile(par.forward, backend=cfg["compile_backend"]) if compiled else par.forward
@@ -259,6 +290,8 @@ def train_run(cfg, mode, compiled) -> dict:
         for _ in range(cfg["warmup"] - 1):
             step()
         timed = [step() for _ in range(cfg["steps"])]
+        breaks = dict(counters["graph_break"])  # reason -> times
+        graphs = counters["stats"]["unique_graphs"]
     finally:
         if compiled:
             torch._dynamo.reset()  # drop the compiled graphs: they hold this model's buffers
@@ -267,41 +300,57 @@ def train_run(cfg, mode, compiled) -> dict:
     # memory.py's plan of this eager step (docs/memory.md), traced on the meta device: the GPU checks it
     planned = None if compiled else plan(model.config, B, T, 1, "ddp", False, device == "cuda")["total"] / GiB
     return {"num_params": model.num_params(), "tokens_per_s": B * T / step_s, "step_s": step_s,
-            "first_step_s": first_s, "peak_gib": peak, "planned_gib": planned, "loss": timed[-1][0]}
+            "first_step_s": first_s, "peak_gib": peak, "planned_gib": planned, "loss": timed[-1][0],
+            "graph_breaks": sum(breaks.values()) if compiled else None,
+            "graph_break_reasons": breaks if compiled else None, "graphs": graphs if compiled else None}
 
 
-def train(cfg, compiled) -> dict:
+def train(cfg, compiled, out):
     """Vanilla then value, one at a time on the device; value's tokens/s and peak memory as ratios to vanilla's.
     peak_gib: weights, gradients, AdamW's state and the activations (CUDA only; None on the CPU); planned_gib:
-    memory.py's plan of the same eager step (None when compiled: the plan is of the eager graph)."""
-    out = {"compile": compiled, "compile_backend": cfg["compile_backend"] if compiled else None,
-           "micro_batch": cfg["micro_batch"], "seq_len": cfg["block_size"], "warmup": cfg["warmup"],
-           "steps": cfg["steps"], "modes": {}}
+    memory.py's plan of the same eager step (None when compiled: the plan is of the eager graph). A graph break
+    is recorded, not failed: the figures stand, with the break beside them."""
+    out.update({"compile": compiled, "compile_backend": cfg["compile_backend"] if compiled else None,
+                "micro_batch": cfg["micro_batch"], "seq_len": cfg["block_size"], "warmup": cfg["warmup"],
+                "steps": cfg["steps"], "modes": {}})
     for mode in MODES:
-        out["modes"][mode] = train_run(cfg, mode, compiled)
-        print(f"  {mode}: {out['modes'][mode]['tokens_per_s']:,.0f} tokens/s", flush=True)
+        r = out["modes"][mode] = train_run(cfg, mode, compiled)
+        dynamo = f", {r['graph_breaks']} graph breaks, {r['graphs']} graph(s)" if compiled else ""
+        print(f"  {mode}: {r['tokens_per_s']:,.0f} tokens/s{dynamo}", flush=True)
+        for why, n in (r["graph_break_reasons"] or {}).items():
+            print(f"    graph break x{n}: {why}", flush=True)
     van, val = out["modes"]["vanilla"], out["modes"]["value"]
     out["value_vs_vanilla"] = {"tokens_per_s": val["tokens_per_s"] / van["tokens_per_s"],
                                "peak_gib": val["peak_gib"] / van["peak_gib"] if van["peak_gib"] else None}
     out["ok"] = all(r["tokens_per_s"] > 0 and math.isfinite(r["loss"]) for r in out["modes"].values())
-    return out
 
 
-RUN = {"flash": flash, "bench": bench, "train_eager": lambda cfg: train(cfg, False),
-       "train_compile": lambda cfg: train(cfg, True)}
+# Each section fills the dict it is given as it goes, so a section that fails or is cut off keeps what it finished.
+RUN = {"flash": flash, "bench": bench, "train_eager": lambda cfg, out: train(cfg, False, out),
+       "train_compile": lambda cfg, out: train(cfg, True, out)}
 
 
 # ----------------------------------------------------------------------------- report
+
+def kernel_names(ops) -> str:
+    """A path's default_kernels in short: the SDPA backends its ops name ("flash+math"); an op naming none, as is."""
+    names = [next((k for k in KERNEL_NAMES if k in op), op.removeprefix("aten::")) for op in ops]
+    return "+".join(dict.fromkeys(names)) or "none"
+
 
 def headline(name, sec) -> str:
     """One line of figures per section for the printed summary."""
     if not sec["ok"] and "error" in sec:
         return sec["error"][:160]
     if name == "flash":
-        paths = "; ".join(mode + "".join(f" {p} {'ok' if r[p]['ok'] else 'REFUSED'}" for p in FLASH_PATHS)
+        alone = "; ".join(mode + "".join(f" {p} {'ok' if r[p]['ok'] else 'REFUSED'}" for p in FLASH_PATHS)
                           for mode, r in sec["modes"].items())
         chunk = ", ".join(sec["chunk_runs_on"]["value"])
-        return f"on flash alone: {paths}; value's chunk after a filled cache runs on {chunk}"
+        paths = (*FLASH_PATHS, "chunk")
+        picked = "; ".join(mode + ",".join(f" {p} {kernel_names(r[p]['default_kernels'])}" for p in paths)
+                           for mode, r in sec["modes"].items())
+        return (f"can run on flash alone: {alone}; value's chunk after a filled cache can run on {chunk}; "
+                f"unrestricted, SDPA runs: {picked}")
     ratio = sec["value_vs_vanilla"]
     if name == "bench":
         return (f"value/vanilla: prefill {ratio['prefill_s']:.3f}x, decode {ratio['decode_s_per_token']:.3f}x, train "
@@ -313,7 +362,18 @@ def headline(name, sec) -> str:
         memory += f" (plan {r['planned_gib']:.1f})" if memory and r["planned_gib"] else ""
         runs.append(f"{mode} {r['tokens_per_s']:,.0f} tok/s{memory}")
     memory = f", memory {ratio['peak_gib']:.3f}x" if ratio["peak_gib"] else ""
-    return f"{', '.join(runs)}; value/vanilla tokens/s {ratio['tokens_per_s']:.3f}x{memory}"
+    breaks = ""
+    if sec["compile"]:
+        breaks = "; graph breaks " + ", ".join(f"{mode} {r['graph_breaks']}" for mode, r in sec["modes"].items())
+    return f"{', '.join(runs)}; value/vanilla tokens/s {ratio['tokens_per_s']:.3f}x{memory}{breaks}"
+
+
+def summary(name, sec) -> str:
+    """headline, or why there is none: the JSON is written by then, and the table and exit status must follow."""
+    try:
+        return headline(name, sec)
+    except (KeyError, TypeError, ValueError) as e:
+        return f"(no summary: {type(e).__name__}: {reason(e)})"
 
 
 def header(cfg) -> dict:
@@ -321,7 +381,16 @@ def header(cfg) -> dict:
     return {"torch": torch.__version__, "cuda": torch.version.cuda if cuda else None,
             "gpu": torch.cuda.get_device_name() if cuda else None,
             "gpu_gib": torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GiB if cuda
-            else None, "device": cfg["device"], "config": cfg, "sections": {}}
+            else None, "device": cfg["device"], "config": cfg, "cut_off": None, "sections": {}}
+
+
+class CutOff(BaseException):
+    """SIGTERM (an outer `timeout`) in the main thread. Not an Exception, so no handler on the way swallows it."""
+
+
+def cut_off(signum, frame):
+    signal.signal(signum, signal.SIG_IGN)  # once: a second signal must not cut off the recording of the first
+    raise CutOff(signal.Signals(signum).name)
 
 
 def main(argv):
@@ -329,27 +398,48 @@ def main(argv):
     result = header(cfg)
     print(f"gpu_check: torch {result['torch']} on {result['gpu'] or cfg['device']}; sections {cfg['only']}",
           flush=True)
+    sections = cfg["only"].split(",")
     start = time.perf_counter()
-    for name in cfg["only"].split(","):
-        print(f"== {name}", flush=True)
-        t0 = time.perf_counter()
-        try:
-            sec = RUN[name](cfg)
-        except Exception as e:  # recorded, and the next section runs: a lent GPU's minutes are too few to lose
-            traceback.print_exc()
-            sec = {"ok": False, "error": f"{type(e).__name__}: {reason(e)}"}
-        release(cfg["device"])
-        sec["seconds"] = time.perf_counter() - t0
-        result["sections"][name] = sec
+
+    def write():  # the whole result so far; write_atomically renames a finished file, so a kill never leaves half
         result["seconds"] = time.perf_counter() - start
-        result["ok"] = all(s["ok"] for s in result["sections"].values())
+        result["ok"] = all(s["ok"] for s in result["sections"].values()) and not result["cut_off"]
         write_atomically(cfg["json"], json.dumps(result, indent=1))
-        print(f"== {name}: {'ok' if sec['ok'] else 'FAILED'} in {sec['seconds']:.0f} s (total "
-              f"{result['seconds']:.0f} s)", flush=True)
-    rows = [[name, "ok" if s["ok"] else "FAILED", f"{s['seconds']:.0f}", headline(name, s)]
+
+    cut = None
+    before = signal.signal(signal.SIGTERM, cut_off)
+    try:
+        for name in sections:
+            print(f"== {name}", flush=True)
+            t0 = time.perf_counter()
+            sec = result["sections"][name] = {}
+            try:
+                RUN[name](cfg, sec)
+            except Exception as e:  # recorded, and the next section runs: a lent GPU's minutes are too few to lose
+                traceback.print_exc()
+                sec.update(ok=False, error=f"{type(e).__name__}: {reason(e)}")
+            release(cfg["device"])
+            sec["seconds"] = time.perf_counter() - t0
+            write()
+            print(f"== {name}: {'ok' if sec['ok'] else 'FAILED'} in {sec['seconds']:.0f} s (total "
+                  f"{result['seconds']:.0f} s)", flush=True)
+    except CutOff as e:  # the section it cut off keeps what it had finished, marked as cut off
+        unfinished = [n for n in sections if "seconds" not in result["sections"].get(n, {})]
+        running = result["sections"].get(unfinished[0]) if unfinished else None
+        if running is not None:
+            running.update(ok=False, error=f"cut off by {e} after {time.perf_counter() - t0:.0f} s",
+                           seconds=time.perf_counter() - t0)
+        if unfinished:
+            cut = result["cut_off"] = f"cut off by {e} in {unfinished[0]}; --only={','.join(unfinished)} runs the rest"
+        write()
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    rows = [[name, "ok" if s["ok"] else "FAILED", f"{s['seconds']:.0f}", summary(name, s)]
             for name, s in result["sections"].items()]
     print("\n" + table(rows, ["section", "result", "seconds", "figures"]))
     print(f"wrote {cfg['json']}")
+    if cut:
+        fail(f"{cut} (with its own --json: {cfg['json']} keeps the sections finished)")
     failed = [name for name, s in result["sections"].items() if not s["ok"]]
     if failed:
         fail(f"section(s) {', '.join(failed)} failed (see {cfg['json']}); fix them and rerun with "
