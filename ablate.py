@@ -395,7 +395,7 @@ def check_outputs(out, protocol, names):
 
 def report_shared(out, names, cfg, extra):
     stats, tables = summarize(collect(out, names, cfg["seeds"]))
-    write_results(out, "results", {"config": cfg, "train_overrides": extra, "runs": stats, "tables": tables},
+    write_results(out, PROTOCOLS["shared"], {"config": cfg, "train_overrides": extra, "runs": stats, "tables": tables},
                   markdown(tables))
     try:
         plot_curves(out, names, cfg["seeds"], out / "curves.png")

@@ -194,11 +194,10 @@ def model_from_checkpoint(ckpt: dict) -> GPT:
     """The model a train.py checkpoint describes (its stored config dict, a baseline's keys included), with its
     weights. A checkpoint from before a config field existed gets that field's default."""
     model = build_model(make_config(**ckpt["model_config"]))
-    if "shards" in ckpt:  # an FSDP run's: torch.distributed.checkpoint gathers the shards into whole tensors
-        state = {"model": model.state_dict()}
-        read_shards(state, ckpt["shards"])
-        ckpt = {"model": state["model"]}
-    model.load_state_dict(ckpt["model"])
+    if "shards" in ckpt:  # an FSDP run's: torch.distributed.checkpoint reads the shards into the parameters
+        read_shards({"model": model.state_dict()}, ckpt["shards"])  # (state_dict's tensors are their storage)
+    else:
+        model.load_state_dict(ckpt["model"])
     return model
 
 

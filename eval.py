@@ -305,11 +305,12 @@ def check_ppl_data(data, loaded, init_from):
              f"match its meta.json; rebuild it with prepare_data.py --force")
 
 
-def perplexity(model, data_dir, batch_size, pad_id, limit=None):
+def perplexity(model, data, batch_size, pad_id, limit=None):
     """exp(mean NLL) over val.bin in non-overlapping windows of block_size predicted tokens: every token after
     the first is predicted once, window w from the tokens of window w alone (its first input is the previous
-    window's last target). The paper's Pile validation perplexity when the data is the Pile (Table 1)."""
-    tokens = np.memmap(data_dir / "val.bin", dtype=np.uint16, mode="r")
+    window's last target). The paper's Pile validation perplexity when the data is the Pile (Table 1).
+    data: open_ppl_data's (folder, meta.json, val.bin memory-mapped)."""
+    data_dir, _, tokens = data
     T = model.config.block_size
     starts = range(0, len(tokens) - 1, T)
     if limit is not None:
@@ -410,7 +411,7 @@ def evaluate(model, enc, tasks, manager, data, args):
                                               num_fewshot=args.num_fewshot, limit=limit, task_manager=manager,
                                               log_samples=False)
         if data:
-            results["ppl"] = perplexity(model, data[0], args.batch_size, enc.eot_token, args.limit)
+            results["ppl"] = perplexity(model, data, args.batch_size, enc.eot_token, args.limit)
     except Exception as e:
         # torch.OutOfMemoryError (CUDA, MPS) is a RuntimeError; the CPU allocator raises a plain one
         if isinstance(e, RuntimeError) and ("out of memory" in str(e) or "can't allocate memory" in str(e)):

@@ -76,7 +76,7 @@ def storage_key(t):
 
 def param_counts(model) -> dict:
     """Distinct parameters: total, in the root FSDP unit (outside model.layers) and in the largest block unit."""
-    total = sum(p.numel() for p in model.parameters())  # parameters() yields a shared weight once
+    total = model.num_params()
     blocks = [sum(p.numel() for p in block.parameters()) for block in model.layers]
     return {"total": total, "root": total - sum(blocks), "block": max(blocks)}
 

@@ -6,9 +6,11 @@ import runpy
 import shutil
 import subprocess
 import sys
+from dataclasses import asdict
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 import checkpoint
 import hf
@@ -16,6 +18,7 @@ import memory
 import sample
 from baselines import build_model, make_config
 from checkpoint import CheckpointError, load_model
+from conftest import tiny_config
 from test_train import ENV, ROOT, TINY, max_diff, read_log, run
 
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
@@ -150,3 +153,17 @@ def test_fsdp_mixed_precision_trains_and_samples(data_root, tmp_path):
                "--max_iters=2", "--eval_interval=0", "--sample_tokens=5", f"--data_root={data_root}",
                f"--out_dir={tmp_path}", launcher=TORCHRUN)
     assert "cpu bf16" in proc.stdout and "sample (5 tokens)" in proc.stdout and "done: step 2" in proc.stdout
+
+
+def test_shards_are_read_into_the_model_itself(tmp_path):
+    """model_from_checkpoint reads ckpt.dcp straight into the model's parameters (state_dict's tensors are their
+    storage): the weights are the saved ones, not the fresh model's, with no second copy made."""
+    torch.manual_seed(0)
+    saved = build_model(tiny_config(depth_mode="value"))
+    with torch.no_grad():
+        for p in saved.parameters():
+            p.add_(1.0)  # away from what a fresh model with the same seed holds
+    dcp.save({"model": saved.state_dict()}, checkpoint_id=tmp_path / "ckpt.dcp")
+    torch.manual_seed(0)
+    model = checkpoint.model_from_checkpoint({"model_config": asdict(saved.config), "shards": tmp_path / "ckpt.dcp"})
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), saved.state_dict().values()))
