@@ -34,6 +34,7 @@ import numpy as np
 import torch
 
 import paper
+from baselines import DEPTH_MODES
 from checkpoint import CheckpointError, model_from_checkpoint, read_checkpoint
 from configurator import (ConfigError, arg_updates, check_ranges, fail, output_file, parse_config, require,
                           write_atomically)
@@ -57,10 +58,10 @@ DEFAULTS = {
 }
 PROTOCOLS = {"shared": "results", "lr_sweep": "results_lr_sweep", "best_lr": "results_best_lr",
              "long": "results_long"}  # protocol -> the name of its results.{md,json}
-# run name -> delta files in configs/ablations/, applied after the base
+# run name -> delta files in configs/ablations/, applied after the base: every row of the table of depth
+# modes is a run (its file mode_<name>.py), then the strides, the looped pair and the baselines
 RUNS = {
-    "vanilla": ["mode_vanilla"], "uniform": ["mode_uniform"], "value": ["mode_value"], "lime": ["mode_lime"],
-    "key": ["mode_key"], "kv": ["mode_kv"],
+    **{mode: [f"mode_{mode}"] for mode in DEPTH_MODES},
     "stride_first": ["stride_first"], "stride_quarter": ["stride_quarter"], "stride_full": ["stride_full"],
     "looped_vanilla": ["looped", "mode_vanilla"], "looped_value": ["looped", "mode_value"],
     "denseformer": ["residual_denseformer"], "attnres": ["residual_attnres"], "mhc": ["residual_mhc"],
@@ -76,6 +77,9 @@ TABLES = [
     ("Stride (Figure 4)", ["vanilla", "stride_first", "value", "stride_quarter", "stride_full"], "vanilla"),
     ("Looped, 3 loops", ["looped_vanilla", "looped_value"], "looped_vanilla"),
 ]
+OTHER_MODES = [m for m in DEPTH_MODES if not any(m in rows for _, rows, _ in TABLES)]  # a fork's row
+if OTHER_MODES:
+    TABLES.append(("Other depth modes", ["vanilla", *OTHER_MODES, "value"], "vanilla"))
 # runs whose seed-0 depth weights are drawn like the paper's Figure 3
 DEPTH_FIGURES = [("value", "depth_weights.png"), ("stride_full", "depth_weights_full.png"),
                  ("looped_value", "depth_weights_looped.png")]

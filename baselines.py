@@ -1,23 +1,30 @@
 """
-The paper's three baselines (section 3.1, Table 1; their costs in section 3.2, Tables 2-4): methods that mix
-*hidden states* across depth, outside attention, where Depth-Attention mixes values inside it.
+What the paper compares Depth-Attention with, on model.py's decoder.
 
-    DenseFormer     after every block, a learned weighted average of the embedding and all earlier block
-                    outputs (the DenseFormer paper's depth-weighted average, DWA)
-    Block AttnRes   before every sublayer, a softmax over depth of a learned pseudo-query against snapshots
-                    of the residual stream taken every few sublayers (the Attention Residuals paper)
-    mHC             n parallel residual streams, read, written and mixed by maps computed from the token's
-                    streams, the mixing matrix made doubly stochastic by Sinkhorn iterations (the mHC paper)
+The three hidden-state baselines (paper section 3.1, Table 1; their costs in section 3.2, Tables
+2-4) mix *hidden states* across depth, outside attention, where Depth-Attention mixes values
+inside it:
 
-Each is a GPT (model.py) with the same blocks, attention, KV cache and weights, and overrides one method,
-`run_layers`, which carries the residual stream through the layers. All three use vanilla attention and mix
-only states of the *same* token, so a cached decode step rebuilds them for the new token alone and the KV
-cache stays exactly vanilla's. What they hold while a prompt is processed is their transient per-token state:
+    DenseFormer     after every block, a learned weighted average of the embedding and all earlier
+                    block outputs (the DenseFormer paper's depth-weighted average, DWA)
+    Block AttnRes   before every sublayer, a softmax over depth of a learned pseudo-query against
+                    snapshots of the residual stream taken every few sublayers (Attention Residuals)
+    mHC             n parallel residual streams, read, written and mixed by maps computed from the
+                    token's streams, the mixing doubly stochastic by Sinkhorn iterations (mHC)
+
+Each is a GPT with the same blocks, attention, KV cache and weights that overrides one method,
+`run_layers`, which carries the residual stream through the layers. All three use vanilla attention
+and mix only states of the *same* token, so a cached decode step rebuilds them for the new token
+alone and the KV cache stays vanilla's. While a prompt runs they hold a transient per-token state:
 the whole history (DenseFormer), the block snapshots (AttnRes), n streams (mHC).
 
-Module and parameter names follow the authors' released checkpoints (their names are ours with a `model.`
-prefix, hf.py). Their switches extend model.ModelConfig in `BaselineConfig`; `make_config` turns any flat dict
-of keys into the right config and `build_model` into the right model:
+LIMe (Layer-Integrated Memory, depth_mode="lime"), the closest prior method, mixes K and V across
+depth inside attention like Depth-Attention, but with a static learned router: a GPT whose blocks
+are built with LIMeAttention, and a row of model.DEPTH_MODES added here.
+
+Module and parameter names follow the authors' released checkpoints (theirs are ours with a
+`model.` prefix, hf.py). The baselines' switches extend model.ModelConfig in `BaselineConfig`;
+`make_config` turns any flat dict of keys into the right config, `build_model` into the model:
 
     model = build_model(make_config(residual="mhc", depth_mode="vanilla", n_layer=12))
 """
@@ -27,54 +34,59 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn as nn
 
-from model import GPT, ModelConfig, RMSNorm, config_check, fp32_or_wider
-
-RESIDUALS = ("add", "denseformer", "attnres", "mhc")
+from model import (DEPTH_MODES, GPT, Attention, DepthMode, ModelConfig, RMSNorm, config_check,
+                   fp32_or_wider)
 
 
 @dataclass
 class BaselineConfig(ModelConfig):
     # The baselines of the paper's Table 1; each runs with depth_mode="vanilla".
-    residual: str = "add"           # residual path: add (plain stream) | denseformer | attnres | mhc (with vanilla)
-    denseformer_dwa_dilation: int = 1       # DenseFormer: average every k-th earlier output (authors: 1)
-    denseformer_dwa_period: int = 1         # DenseFormer: average after every p-th block (authors: 1)
-    attnres_block_size: int = 12            # Block AttnRes: sublayers per block, 2 per layer (authors: 12)
-    attnres_recency_bias_init: float = 3.0  # Block AttnRes: initial logit bonus of the running stream (authors: 3.0)
+    residual: str = "add"           # residual path: add (the plain stream) or a baseline, with
+                                    # depth_mode=vanilla
+    denseformer_dwa_dilation: int = 1       # DenseFormer: every k-th earlier output (authors: 1)
+    denseformer_dwa_period: int = 1         # DenseFormer: after every p-th block (authors: 1)
+    attnres_block_size: int = 12            # AttnRes: sublayers per block, 2 a layer (authors: 12)
+    attnres_recency_bias_init: float = 3.0  # AttnRes: the stream's initial logit bonus (authors: 3)
     mhc_num_streams: int = 4                # mHC: parallel residual streams n (authors: 4)
-    mhc_alpha_init: float = 0.01            # mHC: initial gain of the input-dependent maps (authors: 0.01)
-    mhc_sinkhorn_iters: int = 20            # mHC: Sinkhorn row/column normalisations (authors: 20)
+    mhc_alpha_init: float = 0.01            # mHC: initial gain of the dynamic maps (authors: 0.01)
+    mhc_sinkhorn_iters: int = 20            # mHC: Sinkhorn row/column rounds (authors: 20)
 
     def __post_init__(self):
         super().__post_init__()
         need = config_check("BaselineConfig")
-        for name in ("denseformer_dwa_dilation", "denseformer_dwa_period", "attnres_block_size", "mhc_num_streams",
-                     "mhc_sinkhorn_iters"):
+        for name in ("denseformer_dwa_dilation", "denseformer_dwa_period", "attnres_block_size",
+                     "mhc_num_streams", "mhc_sinkhorn_iters"):
             need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1,
                  f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        need(self.residual in RESIDUALS, f"unknown residual {self.residual!r}; choose one of {', '.join(RESIDUALS)}")
-        if self.residual != "add":  # the paper compares each baseline with vanilla attention, one change at a time
-            need(self.depth_mode == "vanilla", f"residual={self.residual} is a baseline with vanilla attention; "
-                 f"use --depth_mode=vanilla with --residual={self.residual} (not depth_mode={self.depth_mode})")
-            need(self.n_loops == 1, f"residual={self.residual} is defined for one pass over the layers; "
-                 f"use --n_loops=1 with --residual={self.residual}")
-        need(self.mhc_num_streams >= 2, f"mhc_num_streams must be at least 2, got {self.mhc_num_streams}")
+        need(self.residual in RESIDUALS,
+             f"unknown residual {self.residual!r}; choose one of {', '.join(RESIDUALS)}")
+        if self.residual != "add":  # the paper compares each with vanilla attention, one change
+            need(self.depth_mode == "vanilla", f"residual={self.residual} is a baseline with "
+                 f"vanilla attention; use --depth_mode=vanilla with --residual={self.residual} "
+                 f"(not depth_mode={self.depth_mode})")
+            need(self.n_loops == 1, f"residual={self.residual} is defined for one pass over the "
+                 f"layers; use --n_loops=1 with --residual={self.residual}")
+        need(self.mhc_num_streams >= 2,
+             f"mhc_num_streams must be at least 2, got {self.mhc_num_streams}")
 
 
-# The baselines' own keys beyond ModelConfig's: `residual` and the methods' knobs, which a plain model
-# (residual "add") has no use for.
-BASELINE_KEYS = tuple(f.name for f in fields(BaselineConfig) if f.name not in {g.name for g in fields(ModelConfig)})
+# The baselines' own keys beyond ModelConfig's: `residual` and the methods' knobs, which a plain
+# model (residual "add") has no use for.
+BASELINE_KEYS = tuple(f.name for f in fields(BaselineConfig)
+                      if f.name not in {g.name for g in fields(ModelConfig)})
 KNOBS = tuple(k for k in BASELINE_KEYS if k != "residual")
 
 
 def make_config(**keys) -> ModelConfig:
-    """The config a flat dict of keys describes (train.py's namespace, a checkpoint's stored dict of any version,
-    a Hugging Face record): a BaselineConfig for a baseline, else a ModelConfig, whose dict then carries no
-    baseline keys. Every key is checked either way; an unknown one is a ValueError."""
+    """The config a flat dict of keys describes (train.py's namespace, a checkpoint's stored dict of
+    any version, a Hugging Face record): a BaselineConfig for a baseline, else a ModelConfig, whose
+    dict then carries no baseline keys. Every key is checked either way; an unknown one is a
+    ValueError."""
     known = [f.name for f in fields(BaselineConfig)]
     unknown = sorted(keys.keys() - set(known))
     if unknown:
-        raise ValueError(f"unknown model keys {unknown} (from a newer version of this code?); this version knows "
-                         f"{', '.join(known)}")
+        raise ValueError(f"unknown model keys {unknown} (from a newer version of this code?); this "
+                         f"version knows {', '.join(known)}")
     config = BaselineConfig(**keys)
     if config.residual == "add":
         return ModelConfig(**{k: v for k, v in keys.items() if k not in BASELINE_KEYS})
@@ -84,11 +96,11 @@ def make_config(**keys) -> ModelConfig:
 # ----------------------------------------------------------------------------- DenseFormer
 
 class DepthWeightedAverage(nn.Module):
-    """DenseFormer's DWA: one weight vector per block, over the history [x0, b_1, ..., b_L] of the embedding
-    and every block's raw output. After block i (depth d = i + 1), if d % period == 0:
-        y = sum_k alphas[i][k] * history[s + k * dilation],   s = d % dilation, the last term being b_d
-    else y = b_d. The weights are plain (no softmax), zeros with a final 1: y = b_d, the vanilla model, at init.
-    Blocks skipped by the period keep an empty vector, as in the authors' checkpoints."""
+    """DenseFormer's DWA: one weight vector per block over the history [x0, b_1, ..., b_L] of the
+    embedding and every block's raw output. After block i (depth d = i + 1), if d % period == 0:
+        y = sum_k alphas[i][k] * history[s + k * dilation],   s = d % dilation, the last being b_d
+    else y = b_d. The weights are plain (no softmax), zeros with a final 1: y = b_d, the vanilla
+    model, at init. Blocks skipped by the period keep an empty vector, as in the authors' files."""
 
     def __init__(self, n_layer: int, dilation: int, period: int):
         super().__init__()
@@ -112,13 +124,13 @@ class DepthWeightedAverage(nn.Module):
 class DenseFormer(GPT):
     def __init__(self, config: BaselineConfig):
         super().__init__(config)
-        self.densetransformer_dwa = DepthWeightedAverage(config.n_layer, config.denseformer_dwa_dilation,
-                                                         config.denseformer_dwa_period)
+        self.densetransformer_dwa = DepthWeightedAverage(
+            config.n_layer, config.denseformer_dwa_dilation, config.denseformer_dwa_period)
 
     def run_layers(self, x, cos, sin, cache):
         history = [x]  # x0, b_1, ..., b_i: (L + 1) hidden states per token by the end
         for i, block in enumerate(self.layers):
-            b, _, _ = block(x, cos, sin, [], [], cache, i)
+            b, _ = block(x, cos, sin, [], [], cache, i)
             history.append(b)
             x = self.densetransformer_dwa(history, i)
         return x
@@ -127,13 +139,14 @@ class DenseFormer(GPT):
 # ----------------------------------------------------------------------------- Block AttnRes
 
 class AttnResAggregator(nn.Module):
-    """The input of one sublayer (or of the final norm): a softmax over depth, per token, of the completed
-    block snapshots s_0 .. s_m and the running stream p:
+    """The input of one sublayer (or of the final norm): a softmax over depth, per token, of the
+    completed block snapshots s_0 .. s_m and the running stream p:
         w   = pseudo_query * norm.weight                           (D,)
         l_k = (s_k . w) / rms(s_k),   l_p = (p . w) / rms(p) + recency_bias
         out = sum_k a_k s_k + a_p p,  a = softmax(l) in float32
-    pseudo_query starts at 0 and recency_bias at 3.0, so p gets most of the weight at init (~95% beside one
-    snapshot). rms(s) = sqrt(mean(s^2) + eps) is the RMSNorm denominator; the norm's weight is folded into w."""
+    pseudo_query starts at 0 and recency_bias at 3.0, so p gets most of the weight at init (~95%
+    beside one snapshot). rms(s) = sqrt(mean(s^2) + eps), the RMSNorm denominator; the norm's
+    weight is folded into w."""
 
     def __init__(self, config: BaselineConfig):
         super().__init__()
@@ -143,18 +156,20 @@ class AttnResAggregator(nn.Module):
 
     def forward(self, blocks, p):
         candidates = blocks + [p]
-        w = self.pseudo_query * self.norm.weight                                    # (D,)
+        w = self.pseudo_query * self.norm.weight                                  # (D,)
         logits = [fp32_or_wider(torch.linalg.vecdot(s, w.to(s.dtype)))
-                  * torch.rsqrt(fp32_or_wider(s).pow(2).mean(-1) + self.norm.eps) for s in candidates]
+                  * torch.rsqrt(fp32_or_wider(s).pow(2).mean(-1) + self.norm.eps)
+                  for s in candidates]
         logits[-1] = logits[-1] + self.recency_bias
-        a = torch.stack(logits, -1).softmax(-1).to(p.dtype)                         # (B, T, m + 2)
+        a = torch.stack(logits, -1).softmax(-1).to(p.dtype)                       # (B, T, m + 2)
         return sum(a[..., k, None] * s for k, s in enumerate(candidates))
 
 
 class BlockAttnRes(GPT):
-    """Each sublayer reads an aggregate of the snapshots and the stream instead of the stream, and adds its
-    output to the stream as usual. After every attnres_block_size sublayers (checked at the end of a layer)
-    a snapshot of the stream joins the snapshots; the embedding is the first one."""
+    """Each sublayer reads an aggregate of the snapshots and the stream instead of the stream,
+    and adds its output to the stream as usual. After every attnres_block_size sublayers (checked
+    at the end of a layer) a snapshot of the stream joins the snapshots; the embedding is the
+    first one."""
 
     def __init__(self, config: BaselineConfig):
         super().__init__(config)  # the backbone first, so a seed gives it vanilla's weights
@@ -164,9 +179,10 @@ class BlockAttnRes(GPT):
         self.attnres_final_aggregator = AttnResAggregator(config)
 
     def run_layers(self, x, cos, sin, cache):
-        blocks, p, n = [x], x, 0  # snapshots (B, T, D) each, the running stream, sublayers since a snapshot
+        blocks, p, n = [x], x, 0  # snapshots (B, T, D), the stream, sublayers since a snapshot
         for i, block in enumerate(self.layers):
-            p = p + block.attend(block.attnres_attn_aggregator(blocks, p), cos, sin, [], [], cache, i)[0]
+            h = block.attnres_attn_aggregator(blocks, p)
+            p = p + block.attend(h, cos, sin, [], [], cache, i)[0]
             p = p + block.feed_forward(block.attnres_mlp_aggregator(blocks, p))
             n += 2
             if n >= self.config.attnres_block_size:
@@ -176,13 +192,13 @@ class BlockAttnRes(GPT):
 
 # ----------------------------------------------------------------------------- mHC
 
-MHC_SELF_SHARE = 0.99  # the mixing matrix's diagonal at init: each stream keeps 99% of itself (authors' code)
-SINKHORN_FLOOR = 1e-12  # keeps entries and sums positive through the normalisations (authors' code)
+MHC_SELF_SHARE = 0.99  # the mixing matrix's diagonal at init: each stream keeps 99% of itself
+SINKHORN_FLOOR = 1e-12  # keeps entries and sums positive through the normalisations
 
 
 def sinkhorn(logits, iters: int):
-    """A doubly stochastic matrix from logits (..., n, n): exp, then `iters` rounds of row then column
-    normalisation, in float32 or wider."""
+    """A doubly stochastic matrix from logits (..., n, n): exp, then `iters` rounds of row then
+    column normalisation, in float32 or wider."""
     m = fp32_or_wider(logits)
     m = (m - m.amax((-1, -2), keepdim=True)).exp().clamp_min(SINKHORN_FLOOR)
     for _ in range(iters):
@@ -193,12 +209,12 @@ def sinkhorn(logits, iters: int):
 
 class MHCConnector(nn.Module):
     """Wraps one sublayer f (attention or MLP) of the n-stream residual X (B, T, n, D):
-        z = RMSNorm(X flattened to n*D);  [d_pre, d_post, d_res] = z @ W       (n, n, n*n values per token)
-        h_pre = sigmoid(alpha_pre * d_pre + pre_logits)              read weights         (B, T, n)
-        h_post = 2 sigmoid(alpha_post * d_post + post_logits)        write weights        (B, T, n)
-        H_res = sinkhorn(alpha_res * d_res + residual_logits)        stream mixing        (B, T, n, n)
+        z = RMSNorm(X flattened to n*D);  [d_pre, d_post, d_res] = z @ W    (n, n, n*n per token)
+        h_pre = sigmoid(alpha_pre * d_pre + pre_logits)          read weights      (B, T, n)
+        h_post = 2 sigmoid(alpha_post * d_post + post_logits)    write weights     (B, T, n)
+        H_res = sinkhorn(alpha_res * d_res + residual_logits)    stream mixing     (B, T, n, n)
         X' = H_res X + h_post f(sum_j h_pre_j X_j)
-    At init h_pre = 1/n (the read is the mean stream), h_post = 1 and H_res is nearly the identity."""
+    At init h_pre = 1/n (the read is the mean stream), h_post = 1, H_res is nearly the identity."""
 
     def __init__(self, config: BaselineConfig):
         super().__init__()
@@ -207,7 +223,8 @@ class MHCConnector(nn.Module):
         self.pre_logits = nn.Parameter(torch.full((n,), -math.log(n - 1)))     # logit(1/n)
         self.post_logits = nn.Parameter(torch.zeros(n))
         off = (1 - MHC_SELF_SHARE) / (n - 1)
-        self.residual_logits = nn.Parameter(torch.full((n, n), off).fill_diagonal_(MHC_SELF_SHARE).log())
+        self.residual_logits = nn.Parameter(
+            torch.full((n, n), off).fill_diagonal_(MHC_SELF_SHARE).log())
         for name in ("alpha_pre", "alpha_post", "alpha_res"):
             setattr(self, name, nn.Parameter(torch.tensor(config.mhc_alpha_init)))
         self.mhc_input_norm = RMSNorm(n * D, config.norm_eps)
@@ -215,24 +232,27 @@ class MHCConnector(nn.Module):
 
     def forward(self, X, f):
         B, T, n, D = X.shape
-        d = fp32_or_wider(self.mhc_dynamic_projection(self.mhc_input_norm(X.reshape(B, T, n * D))))  # (B, T, n*n + 2n)
+        z = self.mhc_input_norm(X.reshape(B, T, n * D))
+        d = fp32_or_wider(self.mhc_dynamic_projection(z))                       # (B, T, n*n + 2n)
         d_pre, d_post, d_res = d.split([n, n, n * n], -1)
-        h_pre = torch.sigmoid(self.alpha_pre * d_pre + self.pre_logits).to(X.dtype)            # (B, T, n)
-        h_post = (2 * torch.sigmoid(self.alpha_post * d_post + self.post_logits)).to(X.dtype)  # (B, T, n)
-        H_res = sinkhorn(self.alpha_res * d_res.view(B, T, n, n) + self.residual_logits, self.iters).to(X.dtype)
-        u = f(torch.einsum("btn,btnd->btd", h_pre, X))                                          # (B, T, D)
+        h_pre = torch.sigmoid(self.alpha_pre * d_pre + self.pre_logits).to(X.dtype)   # (B, T, n)
+        h_post = (2 * torch.sigmoid(self.alpha_post * d_post + self.post_logits)).to(X.dtype)
+        H_res = sinkhorn(self.alpha_res * d_res.view(B, T, n, n) + self.residual_logits,
+                         self.iters).to(X.dtype)                                 # (B, T, n, n)
+        u = f(torch.einsum("btn,btnd->btd", h_pre, X))                           # (B, T, D)
         return torch.einsum("btij,btjd->btid", H_res, X) + h_post[..., None] * u[:, :, None]
 
 
 class StreamReduce(nn.Module):
-    """The final hidden state: a softmax-weighted sum of the streams (reduce_logits 0 at init: the mean)."""
+    """The final hidden state: a softmax-weighted sum of the streams (at init: the mean)."""
 
     def __init__(self, n: int):
         super().__init__()
         self.reduce_logits = nn.Parameter(torch.zeros(n))
 
     def forward(self, X):
-        return torch.einsum("n,btnd->btd", fp32_or_wider(self.reduce_logits).softmax(0).to(X.dtype), X)
+        weights = fp32_or_wider(self.reduce_logits).softmax(0).to(X.dtype)
+        return torch.einsum("n,btnd->btd", weights, X)
 
 
 class MHC(GPT):
@@ -242,26 +262,128 @@ class MHC(GPT):
             block.attn_residual_connector = MHCConnector(config)
             block.mlp_residual_connector = MHCConnector(config)
             for connector in (block.attn_residual_connector, block.mlp_residual_connector):
-                connector.apply(self._init_weights)  # the projection: normal(0, init_std) like every Linear
+                connector.apply(self._init_weights)  # its projection: normal(0, init_std)
         self.residual_stream_projector = StreamReduce(config.mhc_num_streams)
 
     def run_layers(self, x, cos, sin, cache):
-        X = x.unsqueeze(2).expand(-1, -1, self.config.mhc_num_streams, -1)  # (B, T, n, D): the embedding n times
+        n = self.config.mhc_num_streams
+        X = x.unsqueeze(2).expand(-1, -1, n, -1)  # (B, T, n, D): the embedding n times
         for i, block in enumerate(self.layers):
-            X = block.attn_residual_connector(X, lambda h: block.attend(h, cos, sin, [], [], cache, i)[0])
+            X = block.attn_residual_connector(
+                X, lambda h: block.attend(h, cos, sin, [], [], cache, i)[0])
             X = block.mlp_residual_connector(X, block.feed_forward)
         return self.residual_stream_projector(X)
 
 
-BASELINES = {"denseformer": DenseFormer, "attnres": BlockAttnRes, "mhc": MHC}
+# ----------------------------------------------------------------------------- LIMe
+
+def lime_mix(router, ks, vs):
+    """LIMe's step at layer l, every position at once (Layer-Integrated Memory: "You Do Not Fully
+    Utilize Transformer's Representation Capacity", arXiv 2502.09245, and its released code).
+
+    ks, vs: lists over the candidates, the sources S(l) ascending then layer l itself, each
+    (B, T, R, D) with R = n_kv_head: the raw key and value projections, before k_norm, RoPE and
+    any mixing. Router W: (R, C * R), C = len(ks); column c * R + r' is head r' of candidate c:
+
+      kt_{t,r} = sum_{c, r'} W[r, c R + r'] k_{c,t,r'},   vt_{t,r} = the same sum over v
+
+    one static weight per (head, candidate head), shared by K and V, raw (no softmax). Summed one
+    candidate at a time, each product reading a record in place: backward keeps the records, never
+    a stacked copy of every earlier layer per layer, which would grow with depth squared (LIMe's
+    code concatenates its buffer at every layer). Returns kt, vt: (B, T, R, D).
+    """
+    R = router.shape[0]
+    w = router.view(R, len(ks), R).unbind(1)                 # C blocks W[:, cR:(c+1)R], (R, R)
+
+    def routed(xs):  # an expanded (not reshaped) W keeps matmul from saving a copy of x
+        return sum(torch.matmul(wc.expand(*x.shape[:-2], R, R), x) for wc, x in zip(w, xs))
+
+    return routed(ks), routed(vs)
+
+
+def init_lime_router(w):
+    """LIMe's init (their code): uniform in +-sqrt(3 / fan_in), fan_in = C * R, so each head starts
+    as a unit-variance random mix of every candidate head, plus itself: the layer's own block (the
+    last R columns) is the identity. Not vanilla at init: the other blocks are random."""
+    R, fan_in = w.shape
+    bound = math.sqrt(3 / fan_in)
+    with torch.no_grad():
+        w.uniform_(-bound, bound)
+        w[:, -R:] = torch.eye(R, dtype=w.dtype, device=w.device)
+
+
+class LIMeAttention(Attention):
+    """LIMe's attention: the router mixes the raw projections of the candidates, then k_norm and
+    RoPE act on the mixed key as on any key attention reads, and the mixture is what goes into the
+    cache. The record later layers mix is the raw projections."""
+
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__(config, layer)
+        # a router per effective layer e this block runs at (none at e = 0), keyed by e; filled by
+        # init_lime_router after the backbone
+        R = config.n_kv_head
+        self.lime_router = nn.ParameterDict({
+            str(e): nn.Parameter(torch.empty(R, (len(config.sources(e)) + 1) * R))
+            for e in range(layer, config.n_eff_layer, config.n_layer) if e > 0})
+
+    def forward(self, x, cos, sin, src_k, src_v, cache, e):
+        q, k, v = self.project(x)                                          # (B, T, heads, D)
+        record = (k, v)  # what later layers mix: the raw projections
+        if src_k:
+            k, v = lime_mix(self.lime_router[str(e)], src_k + [k], src_v + [v])
+        return self.store_and_attend(*self.rotate(q, k, v, cos, sin), cache, e)[0], record
+
+
+class LIMe(GPT):
+    attention = LIMeAttention
+
+    def __init__(self, config: ModelConfig):
+        super().__init__(config)  # the backbone first, so a seed gives it vanilla's weights
+        for w in self.lime_routers():
+            init_lime_router(w)
+
+    def lime_routers(self) -> list:
+        """The router matrices: train.py gives them their own learning rate and no weight decay."""
+        return [p for name, p in self.named_parameters() if ".lime_router." in name]
+
+
+def lime_cost(config: ModelConfig, bytes_per_element: int = 2) -> dict:
+    """LIMe's terms for model.depth_cost: no scores, K and V mixed, but every output head reads all
+    R = n_kv_head heads of a candidate layer: FLOPs 4 R d_kv C; I/O bytes (2C + 2L) d_kv (read each
+    candidate's raw K and V once, write the mixed K and V); its router adds R^2 C parameters. With
+    the default sources (every earlier layer) C = L (L + 1) / 2 - 1. C counts layers, not heads."""
+    L, R = config.n_eff_layer, config.n_kv_head
+    d_kv = R * config.head_dim
+    C = sum(len(config.sources(e)) + 1 for e in range(1, L))
+    return {"candidates": C, "flops_per_token": 4 * R * d_kv * C,
+            "io_bytes_per_token": bytes_per_element * (2 * C + (2 * L if C else 0)) * d_kv,
+            "extra_persistent_bytes": 0, "extra_params": R * R * C}
+
+
+def router_weights(qbar, keys):
+    """LIMe's depth weights are not a function of the query: they are its router, a parameter."""
+    raise ValueError("depth_mode=lime runs on LIMeAttention: build it with baselines.build_model")
+
+
+# The row LIMe adds to the table: its router mixes K and V, every earlier layer by default.
+DEPTH_MODES["lime"] = DepthMode(router_weights, mixes_k=True, mixes_v=True, default_stride=1,
+                                cost=lime_cost)
+
+
+# ----------------------------------------------------------------------------- any config
+
+BASELINES = {"denseformer": DenseFormer, "attnres": BlockAttnRes, "mhc": MHC}  # by `residual`
+RESIDUALS = ("add", *BASELINES)
+DEPTH_MODELS = {"lime": LIMe}  # by depth_mode, where model.GPT's layers are not the mode's
 
 
 def residual_of(config: ModelConfig) -> str:
-    """A config's residual path: "add" (the plain stream) for a ModelConfig, else the baseline's name."""
+    """A config's residual path: "add" (the plain stream) for a ModelConfig, else the baseline."""
     return getattr(config, "residual", "add")
 
 
 def build_model(config: ModelConfig) -> GPT:
-    """The model a config describes: GPT for the plain residual stream, else that baseline."""
-    residual = residual_of(config)
-    return GPT(config) if residual == "add" else BASELINES[residual](config)
+    """The model a config describes: a baseline, LIMe, or GPT."""
+    if residual_of(config) != "add":
+        return BASELINES[residual_of(config)](config)
+    return DEPTH_MODELS.get(config.depth_mode, GPT)(config)

@@ -7,9 +7,9 @@ What the depth step and the hidden-state baselines cost over vanilla: measured o
     python bench_cache.py --modes=vanilla,value,denseformer,attnres,mhc --prompt_len=1024 ...  # the baselines
     python bench_cache.py --preset=paper_1p5b --batch=4 --prompt_len=1024 --new_tokens=64   # GPU
 
-A mode is a depth_mode (vanilla, value, uniform, key, kv, lime), a baseline (denseformer, attnres, mhc: the
-`residual` key, with vanilla attention) or `transformers`: Hugging Face transformers' Qwen3 with vanilla's weights,
-its SDPA attention and its DynamicCache (pip install transformers). For every mode: the KV-cache bytes after the
+A mode is a depth_mode (a row of model.DEPTH_MODES), a baseline (the `residual` key, with vanilla
+attention) or `transformers`: Hugging Face transformers' Qwen3 with vanilla's weights, its SDPA attention and its
+DynamicCache (pip install transformers); --help lists them all. For every mode: the KV-cache bytes after the
 decode steps (read from the cache), the peak memory of that prefill and of a training step's forward and backward (measured once each,
 in a fresh process); the prefill time, the decode time per token and a training step (forward, backward,
 AdamW), each the median of interleaved repeats. Every figure has its ratio to vanilla measured in the same run.
@@ -32,10 +32,10 @@ from tqdm import tqdm
 
 import hf
 import paper
-from baselines import BASELINES, BaselineConfig, build_model, make_config
+from baselines import BASELINES, DEPTH_MODES, BaselineConfig, build_model, make_config
 from configurator import (ConfigError, check_ranges, fail, output_file, parse_config, read_config_file,
                           reason, require, resolve_device, table, write_atomically)
-from model import DEPTH_MODES, GPT, depth_cost
+from model import GPT, depth_cost
 
 ROOT = Path(__file__).resolve().parent
 # The paper's shapes (section 3), read from their training configs. The 3B one also feeds Table 2 below.
@@ -47,7 +47,7 @@ BASELINE_MODES = tuple(BASELINES)  # denseformer, attnres, mhc: hidden-state bas
 TRANSFORMERS = "transformers"  # Hugging Face transformers' Qwen3ForCausalLM with vanilla's weights (pip install transformers)
 OTHER_MODES = BASELINE_MODES + (TRANSFORMERS,)  # compared with vanilla; no depth step of their own
 BENCH_KEYS = dict(
-    preset="",         # paper_1p5b | paper_3b: the paper's shape; --key=value still overrides it
+    preset="",         # the paper's shape; --key=value still overrides it
     device="auto",     # auto = cuda if available, else cpu; cuda is the current GPU
     dtype="auto",      # weights, activations and cache; auto = bfloat16 on cuda (when supported), else float32
     threads=1,         # CPU threads for torch, 0 = torch's default; one, as a descheduled thread stalls every op
@@ -56,7 +56,7 @@ BENCH_KEYS = dict(
     new_tokens=16,     # decode steps after the prefill (the cache holds prompt_len + new_tokens)
     warmup=1,          # untimed rounds over every mode
     repeats=9,         # timed rounds; each timing is the median over them (decode: over all their tokens)
-    modes="vanilla,value,uniform,key,kv,value@3",  # depth modes or baselines (denseformer, attnres, mhc); X@3 = 3 loops
+    modes="vanilla,value,uniform,key,kv,value@3",  # comma-separated modes; X@3 = X with 3 loops
     seed=0,            # weights and tokens
     json="",           # write the results here too
 )
@@ -76,7 +76,8 @@ def preset(name) -> dict:
 
 
 def resolve(argv):
-    cfg = parse_config(DEFAULTS, argv, __doc__, [__file__, inspect.getfile(BaselineConfig), inspect.getfile(GPT)])
+    cfg = parse_config(DEFAULTS, argv, __doc__, [__file__, inspect.getfile(BaselineConfig), inspect.getfile(GPT)],
+                       {"modes": [*DEPTH_MODES, *OTHER_MODES], "preset": PRESETS})
     if cfg["preset"]:
         if cfg["preset"] not in PRESETS:
             raise ConfigError(f"unknown preset {cfg['preset']!r}; choose one of {', '.join(PRESETS)}")
@@ -142,8 +143,8 @@ def model_config(cfg, label):
     mode, _, loops = label.partition("@")
     if loops and not loops.isdigit():
         raise ConfigError(f"mode {label!r}: write the loop count as a number, e.g. value@3")
-    if mode not in DEPTH_MODES + OTHER_MODES:
-        raise ConfigError(f"unknown mode {mode!r}; choose from {', '.join(DEPTH_MODES + OTHER_MODES)}")
+    if mode not in [*DEPTH_MODES, *OTHER_MODES]:
+        raise ConfigError(f"unknown mode {mode!r}; choose from {', '.join([*DEPTH_MODES, *OTHER_MODES])}")
     if mode == TRANSFORMERS and (loops or cfg["n_loops"] != 1 or cfg["k_norm_after_rope"] or not cfg["qk_norm"]):
         raise ConfigError(f"mode {label}: transformers' Qwen3 is one pass of q/k-norm before RoPE; drop the loops, "
                           f"--k_norm_after_rope and --qk_norm=False")

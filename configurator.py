@@ -213,19 +213,23 @@ def key_comments(sources) -> dict:
     return found
 
 
-def help_text(defaults: dict, doc: str, sources) -> str:
-    """The usage: the script's docstring, then `--key=default  comment` for every key."""
+def help_text(defaults: dict, doc: str, sources, choices=None) -> str:
+    """The usage: the script's docstring, then `--key=default  comment` for every key; choices:
+    {key: the values it takes}, listed after the key's comment (from the code, never stale)."""
     comments = key_comments(sources)
+    for key, values in (choices or {}).items():
+        comments[key] = f"{comments.get(key, '')}; one of {', '.join(values)}".lstrip("; ")
     width = min(36, max(len(f"--{k}={v!r}") for k, v in defaults.items()))
-    keys = "\n".join(f"  {f'--{k}={v!r}':<{width}}  {comments.get(k, '')}".rstrip() for k, v in defaults.items())
+    keys = "\n".join(f"  {f'--{k}={v!r}':<{width}}  {comments.get(k, '')}".rstrip()
+                     for k, v in defaults.items())
     return f"{doc.strip()}\n\nkeys (--key=value, typed like the default):\n{keys}"
 
 
-def parse_config(defaults: dict, argv: list, doc: str = "", sources=()) -> dict:
+def parse_config(defaults: dict, argv: list, doc: str = "", sources=(), choices=None) -> dict:
     """defaults overridden by the config files, then the --key=value arguments, in argv's order.
-    With -h/--help anywhere in argv, print help_text(defaults, doc, sources) and exit 0."""
+    With -h/--help anywhere in argv, print help_text(defaults, doc, sources, choices), exit 0."""
     if "-h" in argv or "--help" in argv:
-        print(help_text(defaults, doc, sources))
+        print(help_text(defaults, doc, sources, choices))
         sys.exit(0)
     cfg = dict(defaults)
     for arg in argv:

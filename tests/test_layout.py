@@ -3,6 +3,7 @@
 Hugging Face folders written before the baselines' keys left ModelConfig still load and sample exactly."""
 import ast
 import json
+import re
 import runpy
 import sys
 from pathlib import Path
@@ -10,9 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+import ablate
 import hf
 import sample
+from baselines import DEPTH_MODES
 from checkpoint import CheckpointError, load_model, model_from_checkpoint, save_checkpoint
+from configurator import read_config_file
 from conftest import tiny_model
 from tokenizer import get_tokenizer
 
@@ -115,3 +119,17 @@ def test_a_checkpoint_from_a_newer_version_is_one_error(tmp_path):
     save_checkpoint({"model": source.state_dict(), "model_config": stored, "tokenizer": "bytes"}, tmp_path / "ckpt.pt")
     with pytest.raises(CheckpointError, match=r"unknown model keys \['depth_gate'\] \(from a newer version"):
         load_model(tmp_path)
+
+
+def test_every_list_of_modes_follows_the_table():
+    """The README's table of depth modes and ablate.py's runs (each with its delta file) are the rows
+    of model.DEPTH_MODES; train.py --help and bench_cache.py --help list them from the table itself."""
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("| `depth_mode` |"):]
+    rows = re.findall(r"^\| `(\w+)` \|", table[:table.index("\n\n")], re.M)[1:]  # under the header
+    assert sorted(rows) == sorted(DEPTH_MODES), f"README's mode table: {rows}, the table: {list(DEPTH_MODES)}"
+    for mode in DEPTH_MODES:
+        delta = ROOT / "configs" / "ablations" / f"mode_{mode}.py"
+        assert delta.is_file(), (f"the row {mode!r} has no ablation run: add {delta.relative_to(ROOT)} "
+                                 f"(depth_mode = {mode!r} and an out_dir, like mode_value.py)")
+        assert read_config_file(delta)["depth_mode"] == mode and ablate.RUNS[mode] == [f"mode_{mode}"]

@@ -1,6 +1,6 @@
-"""LIMe (depth_mode="lime", model.lime_mix) beyond the shared mode battery in test_model.py (naive reference,
-cache parity, causality, cache bytes, cost row): its router's parameters and init, what it reduces to, its
-optimizer group, its training memory, and a run of train.py and sample.py."""
+"""LIMe (depth_mode="lime", baselines.LIMe): a naive reference written from its equations, and beyond
+the contract every variant passes (tests/test_contract.py): its router's parameters and init, what it
+reduces to, its optimizer group, its cost row, its training memory, and train.py and sample.py."""
 import math
 
 import pytest
@@ -10,12 +10,71 @@ import hf
 import memory
 import sample
 import train as train_script
-from baselines import make_config
+from baselines import LIMe, build_model, make_config
 from conftest import tiny_config, tiny_model
-from model import GPT, ModelConfig, depth_cost
+from model import ModelConfig, depth_cost
 from test_hf import TINY, eval_losses, train
+from test_model import (assert_matches_reference, ref_attention, ref_mlp, ref_positioned,
+                        ref_projections, ref_sources, rms)
 
 LIME = dict(depth_mode="lime", depth_stride=None)  # LIMe as published: every earlier layer
+
+
+def lime_reference(model, idx):
+    """Logits with loops over rows, layers, positions and heads: at layer e >= 1, head r of the new
+    key (value) is sum over candidates c and their heads r' of W_e[r, c R + r'] times the raw key
+    (value) projection k_{c,t,r'}; then k_norm and RoPE; every layer's record is its raw k, v."""
+    c = model.config
+    L, R = c.n_eff_layer, c.n_kv_head
+    stride = c.depth_stride if c.depth_stride is not None else 1  # LIMe: every earlier layer
+    rows = []
+    for row in idx:
+        x, raw = model.embed_tokens.weight[row], {}  # raw: effective layer -> its (k, v) (T, R, D)
+        for e in range(L):
+            blk = model.layers[e % c.n_layer]
+            q, k, v = ref_projections(blk, c, x)
+            raw[e], src = (k, v), ref_sources(e, stride, c.depth_recent_window)
+            if src:
+                W, cands = blk.self_attn.lime_router[str(e)], [raw[s] for s in src] + [(k, v)]
+                k, v = (torch.stack([torch.stack([
+                    sum(W[r, ci * R + r2] * cands[ci][kv][t, r2] for ci in range(len(cands))
+                        for r2 in range(R)) for r in range(R)]) for t in range(len(row))])
+                    for kv in (0, 1))
+            q, K, V = ref_positioned(blk.self_attn, c, q, k, v, c.k_norm_after_rope)
+            x = x + ref_attention(blk.self_attn, c, q, K, V)
+            x = x + ref_mlp(blk, c, x)
+        rows.append(rms(x, model.norm.weight, c.norm_eps) @ model.lm_head.weight.T)
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("overrides", [dict(n_kv_head=4), dict(n_kv_head=2), dict(n_kv_head=1),
+                                       dict(qk_norm=False, tie_embeddings=True),
+                                       dict(n_layer=2, n_loops=3, k_norm_after_rope=True),
+                                       dict(depth_stride=3, depth_recent_window=1, n_layer=5)], ids=str)
+def test_matches_naive_reference_logits_and_gradients(overrides):
+    assert_matches_reference(tiny_model(dtype=torch.float64, **{**LIME, **overrides}), lime_reference)
+
+
+def test_a_plain_gpt_refuses_the_lime_row():
+    """LIMe's weights are its router, which model.GPT's layers do not have: build_model builds LIMe."""
+    from model import GPT
+    config = make_config(**{**vars(tiny_config()), **LIME})
+    assert type(build_model(config)) is LIMe
+    with pytest.raises(ValueError, match="build it with baselines.build_model"):
+        GPT(config)(torch.zeros(1, 3, dtype=torch.long))
+
+
+def test_source_rule_and_cost_row():
+    assert ModelConfig(n_layer=6, depth_mode="lime").sources(5) == [0, 1, 2, 3, 4]
+    assert ModelConfig(n_layer=6, depth_mode="lime", depth_stride=3).sources(5) == [0, 3]
+    paper_3b = dict(vocab_size=50304, n_embd=2048, mlp_hidden=6912, n_layer=48, n_head=32, n_kv_head=8,
+                    head_dim=64)
+    lime = depth_cost(ModelConfig(**paper_3b, **LIME))
+    R, C = 8, 48 * 49 // 2 - 1  # every output head mixes all 8 heads of each earlier layer, K and V
+    assert lime == {"candidates": C, "flops_per_token": 4 * R * 512 * C,
+                    "io_bytes_per_token": 2 * (2 * C + 2 * 48) * 512, "extra_persistent_bytes": 0,
+                    "extra_params": R * R * C}
+    assert lime["extra_params"] == 75_200 and f"{lime['flops_per_token']:.2e}" == "1.93e+07"
 
 
 def routers(model) -> dict:
@@ -40,7 +99,7 @@ def test_paper_shapes_parameter_count():
     3B config's Depth-Attention sources (stride 24) the router spans those alone."""
     shape = dict(vocab_size=50304, n_embd=2048, mlp_hidden=6912, n_layer=48, n_head=32, n_kv_head=8, head_dim=64)
     with torch.device("meta"):
-        model = GPT(ModelConfig(**shape, depth_mode="lime", depth_stride=None))
+        model = build_model(ModelConfig(**shape, **LIME))
     assert sum(p.numel() for p in model.lime_routers()) == 75_200
     assert depth_cost(ModelConfig(**shape, depth_mode="lime", depth_stride=24))["extra_params"] == 64 * 117
 
@@ -52,7 +111,7 @@ def test_router_init_and_identity_reduction():
     built = {}
     for mode in ("lime", "vanilla"):
         torch.manual_seed(0)
-        built[mode] = GPT(tiny_config(**shape, depth_mode=mode)).state_dict()
+        built[mode] = build_model(tiny_config(**shape, depth_mode=mode)).state_dict()
     assert all(torch.equal(p, built["lime"][name]) for name, p in built["vanilla"].items())
     lime, vanilla = tiny_model(**shape, depth_mode="lime"), tiny_model(**shape, depth_mode="vanilla")
     vanilla.load_state_dict({name: p for name, p in lime.state_dict().items() if ".lime_router." not in name})
