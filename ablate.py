@@ -33,12 +33,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import paper
 from baselines import DEPTH_MODES
-from checkpoint import CheckpointError, model_from_checkpoint, read_checkpoint
-from configurator import (ConfigError, arg_updates, check_ranges, fail, output_file, parse_config, require,
-                          write_atomically)
-from sweep import final_val_loss, read_log, run_dir, survey, train_config, train_defaults, unset_key
+from support import paper
+from support.checkpoint import CheckpointError, model_from_checkpoint, read_checkpoint
+from support.cli import ConfigError, fail, output_file, require, write_atomically
+from support.config import arg_updates, check_ranges, parse_config
+from support.sweep import final_val_loss, read_log, run_dir, survey, train_config, train_defaults, unset_key
 
 ROOT = Path(__file__).resolve().parent
 DEFAULTS = {

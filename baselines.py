@@ -23,8 +23,9 @@ depth inside attention like Depth-Attention, but with a static learned router: a
 are built with LIMeAttention, and a row of model.DEPTH_MODES added here.
 
 Module and parameter names follow the authors' released checkpoints (theirs are ours with a
-`model.` prefix, hf.py). The baselines' switches extend model.ModelConfig in `BaselineConfig`;
-`make_config` turns any flat dict of keys into the right config, `build_model` into the model:
+`model.` prefix, support/hf.py). The baselines' switches extend model.ModelConfig in
+`BaselineConfig`; `make_config` turns any flat dict of keys into the right config, `build_model`
+into the model:
 
     model = build_model(make_config(residual="mhc", depth_mode="vanilla", n_layer=12))
 """

@@ -8,18 +8,18 @@ What the depth step and the hidden-state baselines cost over vanilla: measured o
     python bench_cache.py --preset=paper_1p5b --batch=4 --prompt_len=1024 --new_tokens=64   # GPU
 
 A mode is a depth_mode (a row of model.DEPTH_MODES), a baseline (the `residual` key, with vanilla
-attention) or `transformers`: Hugging Face transformers' Qwen3 with vanilla's weights, its SDPA attention and its
-DynamicCache (pip install transformers); --help lists them all. For every mode: the KV-cache bytes after the
-decode steps (read from the cache), the peak memory of that prefill and of a training step's forward and backward (measured once each,
-in a fresh process); the prefill time, the decode time per token and a training step (forward, backward,
-AdamW), each the median of interleaved repeats. Every figure has its ratio to vanilla measured in the same run.
-`value@3` is the value mode with n_loops=3; its baseline is `vanilla@3`, added when missing.
-Then the analytic per-token cost of the depth step (model.depth_cost) and the paper's Table 2 for its 3B model.
+attention) or `transformers`: Hugging Face transformers' Qwen3 with vanilla's weights, its SDPA attention
+and its DynamicCache (pip install transformers); --help lists them all. For every mode: the KV-cache bytes
+after the decode steps (read from the cache); the allocator's peak, above what it held before, of that
+prefill and of a training step's forward and backward (measured once each); the prefill time, the decode
+time per token and a training step (forward, backward, AdamW), each the median of interleaved repeats.
+Every figure has its ratio to vanilla measured in the same run. `value@3` is the value mode with
+n_loops=3; its baseline is `vanilla@3`, added when missing. Then the analytic per-token cost of the depth
+step (model.depth_cost) and the paper's Table 2 for its 3B model.
 """
 import inspect
 import json
 import math
-import multiprocessing
 import os
 import statistics
 import sys
@@ -30,12 +30,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-import hf
-import paper
 from baselines import BASELINES, DEPTH_MODES, BaselineConfig, build_model, make_config
-from configurator import (ConfigError, check_ranges, fail, output_file, parse_config, read_config_file,
-                          reason, require, resolve_device, table, write_atomically)
 from model import GPT, depth_cost
+from support import hf, paper
+from support.memory import allocator_peak
+from support.cli import ConfigError, fail, output_file, reason, require, resolve_device, table, write_atomically
+from support.config import check_ranges, parse_config, read_config_file
 
 ROOT = Path(__file__).resolve().parent
 # The paper's shapes (section 3), read from their training configs. The 3B one also feeds Table 2 below.
@@ -222,65 +222,29 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-# ----------------------------------------------------------------------------- peak memory, in a fresh process
+# ----------------------------------------------------------------------------- peak memory
 
-def proc_status_bytes(field):
-    """VmRSS / VmHWM of this process from /proc. Not ru_maxrss: a spawned child inherits its parent's
-    ru_maxrss through exec, so a child smaller than the parent would read the parent's peak."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} missing from /proc/self/status")
-
-
-def peak_child(cfg, label):
-    """Runs in its own process. Bytes above the built model at the peak of (1) cache allocation + prefill,
-    (2) a training step's forward and backward (gradients included, optimizer excluded)."""
-    if cfg["threads"]:
-        torch.set_num_threads(cfg["threads"])
-    model, toks = build(cfg, label), tokens(cfg)
+def peak_memory(model, cfg, toks):
+    """Bytes the allocator held above what it held before, at the peak of (1) allocating the cache and the
+    prefill, (2) a training step's forward and backward (gradients included, optimizer excluded), each
+    after one untimed run (library workspaces are allocated once). memory.allocator_peak: torch.profiler's
+    records on a CPU, CUDA's peak statistic on a GPU."""
     P = cfg["prompt_len"]
 
+    @torch.no_grad()
     def prefill():
-        with torch.no_grad():
-            cache = model.new_cache(cfg["batch"], P + cfg["new_tokens"])
-            model(toks[:, :P], cache=cache)
+        model(toks[:, :P], cache=model.new_cache(cfg["batch"], P + cfg["new_tokens"]))
 
     def forward_backward():
         model(toks[:, :P], targets=toks[:, 1:P + 1])[1].backward()
 
     peaks = []
     for work in (prefill, forward_backward):
-        # A first run maps in the kernels' code pages (counted in RSS) and any library workspaces, once per
-        # process; the measured one below then sees only what the work allocates.
         work()
         model.zero_grad(set_to_none=True)
-        if cfg["device"] == "cuda":
-            sync("cuda")
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-        else:
-            Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS (VmHWM) to the current RSS
-            base = proc_status_bytes("VmRSS")
-        work()
-        sync(cfg["device"])
-        peaks.append((torch.cuda.max_memory_allocated() if cfg["device"] == "cuda" else proc_status_bytes("VmHWM"))
-                     - base)
+        peaks.append(allocator_peak(work, cfg["device"]))
         model.zero_grad(set_to_none=True)
     return peaks
-
-
-def peak_memory(cfg, label):
-    if cfg["device"] == "cpu":
-        if not Path("/proc/self/clear_refs").exists():
-            raise RuntimeError("peak RSS needs Linux /proc (clear_refs, VmHWM); run on Linux or CUDA")
-        # glibc otherwise keeps freed blocks and moves its mmap threshold, so the child's RSS would follow its
-        # allocation history (+-6% between identical runs); fixed, every block >= 64 KiB goes back when freed
-        # and the peak RSS tracks the live bytes (+-0.3%). Read at process start: it changes only the children.
-        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(64 * 1024)
-    # spawn: a fresh interpreter, so the peak is this prefill's and not left over from the parent or a sibling.
-    with multiprocessing.get_context("spawn").Pool(1) as pool:
-        return pool.apply(peak_child, (cfg, label))
 
 
 # ----------------------------------------------------------------------------- timing, in this process
@@ -329,9 +293,6 @@ def measure(cfg):
     labels = cfg["modes"].split(",")
     if cfg["threads"]:
         torch.set_num_threads(cfg["threads"])
-    peaks = {label: peak_memory(cfg, label)
-             for label in tqdm(labels, desc="peak memory (fresh process each)", file=sys.stderr)}
-
     models = {label: build(cfg, label) for label in labels}
     ref = models[baseline(labels[0])]
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-5)  # small: the shared weights barely move between modes
@@ -341,6 +302,8 @@ def measure(cfg):
         if own:  # a baseline's extra parameters: updated by its own step only, so it alone pays for them
             opts[label].append(torch.optim.AdamW(own, lr=1e-5))
     toks = tokens(cfg)
+    peaks = {label: peak_memory(models[label], cfg, toks)
+             for label in tqdm(labels, desc="peak memory", file=sys.stderr)}
 
     def empty():
         return {label: {m: [] for m in METRICS} for label in labels}

@@ -11,7 +11,7 @@ sys.path.insert(0, str(ROOT))
 
 from baselines import build_model, make_config  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
-import prepare_data  # noqa: E402
+from support.data import prepare  # noqa: E402
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -48,7 +48,7 @@ def data_root(tmp_path_factory):
     for i in range(10):
         text = "\n".join(" ".join(rng.choice(words) for _ in range(8)) + "." for _ in range(40))
         (root / f"doc{i}.txt").write_text(text)
-    prepare_data.prepare("text", name="tiny", tokenizer="bytes", inputs=[str(root / "doc*.txt")],
+    prepare("text", name="tiny", tokenizer="bytes", inputs=[str(root / "doc*.txt")],
                          out_dir=root, num_proc=1)
     return root
 

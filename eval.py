@@ -14,8 +14,8 @@ or generations and computes the metrics; this file only turns text into token sc
 context are left-truncated, as lm-eval's Hugging Face models do. Task data downloads from the Hugging Face Hub
 on first use (then cached); tasks defined by local files (--include_path) need no network.
 
-Bad input stops with one `error:` line before anything slow: the flags, the --json path and the --ppl data
-first, then the tasks are built (their files read, their data loaded, the few-shot pools counted), then the
+Bad input stops with one `error:` line: the flags, the --json path and the --ppl data are checked first,
+then lm-eval builds the tasks (reading their files and data) and what it raises is one line too, then the
 model is loaded and the --ppl data checked against its tokenizer; only then does scoring start.
 """
 import argparse
@@ -23,6 +23,7 @@ import json
 import math
 import sys
 import traceback
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -30,12 +31,13 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-import paper
-import prepare_data
-from checkpoint import CheckpointError, load_model
-from configurator import ConfigError, check_ranges, fail, output_file, resolve_device, write_atomically
 from model import fp32_or_wider
-from tokenizer import get_tokenizer, same_tokenizer, tokenizer_flag
+from support import paper
+from support.checkpoint import CheckpointError, load_model
+from support.cli import ConfigError, fail, output_file, resolve_device, write_atomically
+from support.config import check_ranges
+from support.data import load_meta
+from support.tokenizer import get_tokenizer, same_tokenizer, tokenizer_flag
 
 try:  # optional: only the downstream tasks need it; --ppl works without
     import lm_eval
@@ -49,6 +51,7 @@ except ImportError:
 PAPER_TASKS = ("lambada_openai", "piqa", "winogrande", "sciq", "hellaswag", "arc_easy", "arc_challenge", "race")
 KEY_RANGES = {"batch_size": ">= 1", "num_fewshot": ">= 0", "limit": "> 0"}
 GLOB_CHARACTERS = set("*?[")  # fnmatch's: a --tasks name with one of them is a pattern
+REPOSITORY = Path(__file__).resolve().parent
 
 
 @torch.no_grad()
@@ -143,129 +146,67 @@ class EvalLM(TemplateLM):
         return out
 
 
-# ----------------------------------------------------------------------------- the tasks, built before the model
+# ----------------------------------------------------------------------------- the tasks, built by lm-eval
 
-def task_manager(names, include_path):
-    """(lm-eval's TaskManager, the task names to run): every name known, each glob expanded. Indexing lm-eval's
-    ~15,000 built-in task files takes ~15 s, so when --include_path defines all the names as tasks or tags, only
-    that folder is indexed (not for a glob, which may match built-in tasks too, nor a group, whose tasks may be
-    built-in)."""
+@contextmanager
+def lm_eval_says(what):
+    """The one boundary around lm-eval: what it raises for a task (a file it cannot build, missing data,
+    a template field the data lacks, a document its metrics cannot take) becomes one error line, its own
+    message and the error under it. A traceback through this repository's code is a bug: it stays whole."""
+    try:
+        yield
+    except ConnectionError as e:  # datasets raises this when the Hub is out of reach
+        fail(f"{what}: its data could not be downloaded ({one_line(e)}); run once with network access "
+             f"(it is cached), or use local task files with --include_path")
+    except Exception as e:
+        ours = [Path(f.filename).parent == REPOSITORY for f in traceback.extract_tb(e.__traceback__)]
+        if False not in ours or True in ours[ours.index(False):]:  # our code failed, not lm-eval's
+            raise
+        root = e
+        while root.__cause__ or root.__context__:  # datasets may fail again while wording its own error
+            root = root.__cause__ or root.__context__
+        fail(f"{what}: {one_line(e)}" + (f", from {one_line(root)}" if root is not e else ""))
+
+
+def build_tasks(names, include_path):
+    """(lm-eval's TaskManager, the tasks to run), built before the model loads: lm-eval reads each task's
+    file and data (downloading it on first use). A glob selects every single task whose name matches
+    (not groups or tags, whose tasks it matches too: lm-eval refuses a task that would run twice).
+    Indexing lm-eval's ~15,000 built-in task files takes ~15 s, so names that --include_path defines
+    (no glob) index that folder alone."""
     from lm_eval.tasks import TaskManager
+    manager = None
     if include_path and not any(GLOB_CHARACTERS & set(n) for n in names):
         local = TaskManager(include_path=include_path, include_defaults=False)
-        if set(names) <= set(local.all_subtasks) | set(local.all_tags):
-            return local, names
-    manager = TaskManager(include_path=include_path)
-    selected = {n: matching(manager, n) for n in names}
+        manager = local if set(names) <= set(local.all_subtasks) | set(local.all_tags) else None
+    manager = manager or TaskManager(include_path=include_path)
+    single = set(manager.all_subtasks)
+    selected = {n: [t for t in manager.match_tasks([n]) if t in single] if GLOB_CHARACTERS & set(n)
+                else [n] * (n in manager.all_tasks) for n in names}
     missing = [n for n, found in selected.items() if not found]
     if missing:
-        unreadable = unreadable_task_files(manager, include_path) if include_path else []
+        indexed = {e.yaml_path.resolve() for e in manager.task_index.values() if e.yaml_path}
+        left_out = [str(p) for p in sorted(Path(include_path or ".").rglob("*.yaml"))
+                    if include_path and p.resolve() not in indexed]
         fail(f"unknown task(s) {', '.join(missing)}" + (
-            f"; lm-eval skipped these task files of --include_path: {'; '.join(unreadable)}" if unreadable else
-            ": list lm-eval's tasks with `lm-eval ls tasks`, or give a folder of task YAML files with --include_path"
-            " (a glob selects single tasks, not groups or tags)"))
-    return manager, list(dict.fromkeys(t for found in selected.values() for t in found))
-
-
-def matching(manager, name):
-    """The tasks `name` selects: itself, or for a glob every single task whose name matches. A glob leaves out
-    groups and tags, whose tasks it matches as well: lm-eval refuses a task that would run twice."""
-    if not GLOB_CHARACTERS & set(name):
-        return [name] if name in manager.all_tasks else []
-    single = set(manager.all_subtasks)
-    return [t for t in manager.match_tasks([name]) if t in single]
-
-
-def unreadable_task_files(manager, include_path):
-    """'FILE (why)' for each task YAML under include_path that lm-eval's index left out: lm-eval skips a file it
-    cannot read without a word, so a typo in a task file would otherwise read as an unknown task name."""
-    try:
-        from lm_eval.tasks._index import TaskIndex  # lm-eval's own reader of one task file, a private module
-    except ImportError:  # another lm-eval layout: the plain unknown-task message must do
-        return []
-    indexed = {e.yaml_path.resolve() for e in manager.task_index.values() if e.yaml_path}
-    unreadable = []
-    for path in sorted(Path(include_path).rglob("*.yaml")):
-        if path.resolve() not in indexed:
-            try:
-                TaskIndex.entry_from_path(path)
-            except Exception as e:  # what the index caught and dropped: a YAML error, a file with no task key
-                unreadable.append(f"{path} ({one_line(e)})")
-    return unreadable
-
-
-def build_tasks(manager, names, num_fewshot):
-    """The tasks lm-eval will run, built now, before the model is loaded: building reads each task's file and
-    data (downloading it on first use) and renders a first document, so a broken task file, missing data or a
-    template field the data lacks is one error line here instead of a traceback after the model has loaded."""
+            f"; lm-eval left out these task files of --include_path, which it could not read: "
+            f"{', '.join(left_out)}" if left_out else ": list lm-eval's tasks with `lm-eval ls tasks`, or "
+            "give a folder of task YAML files with --include_path (a glob selects single tasks, not "
+            "groups or tags)"))
     built = []
-    for name in names:
-        try:
+    for name in dict.fromkeys(t for found in selected.values() for t in found):
+        entry = manager.task_index.get(name)
+        where = f" ({entry.yaml_path})" if entry and entry.yaml_path else ""
+        with lm_eval_says(f"task {name}{where}"):
             loaded = manager.load([name])
-        except ConnectionError as e:  # datasets raises this when the Hub is out of reach
-            fail(f"could not download the data of task {name} ({one_line(e)}); run once with network access (it "
-                 f"is cached), or use local task files with --include_path")
-        except Exception as e:  # lm-eval, datasets and jinja2 raise anything for a bad task file or its data
-            fail(task_problem(manager, name, e))
         built += [loaded["groups"][name]] if name in loaded["groups"] else list(loaded["tasks"].values())
-    try:
-        tasks = manager.load(built)["tasks"]  # lm-eval's check that no task runs twice (alone and in a group)
-    except ValueError as e:
-        fail(f"{e}: give --tasks the group or its tasks, not both")
-    for task in tasks.values():
-        check_fewshot(task, num_fewshot)
-    return built
-
-
-def task_problem(manager, name, e):
-    """The error line for a task lm-eval could not build: the task's file, and the first line of its JSON-lines
-    data that does not parse when there is one (datasets' own message names neither the file nor the line)."""
-    entry = manager.task_index.get(name)
-    where = f"task {name}" + (f" ({entry.yaml_path})" if entry and entry.yaml_path else "")
-    data_files = ((entry.cfg or {}) if entry else {}).get("dataset_kwargs", {}).get("data_files") or []
-    for files in data_files.values() if isinstance(data_files, dict) else [data_files]:
-        for path in map(Path, [files] if isinstance(files, str) else files):
-            bad = first_bad_json_line(path) if path.suffix == ".jsonl" and path.is_file() else None
-            if bad:
-                return f"{where}: {bad}; fix that line"
-    if type(e).__name__ == "UndefinedError":  # jinja2's, from a {{field}} of doc_to_text, doc_to_choice, ...
-        return f"{where}: its templates name a field its data does not have ({e}); fix the task file or the data"
-    root = e
-    while root.__cause__ or root.__context__:  # datasets may fail again while wording its own error
-        root = root.__cause__ or root.__context__
-    cause = f", from {one_line(root)}" if root is not e else ""
-    return f"{where} cannot be built: {one_line(e)}{cause}; fix the task file or its data"
-
-
-def first_bad_json_line(path):
-    """'FILE, line N, ...' for the first line of a JSON-lines file that is not a JSON object, else None."""
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                doc = json.loads(line.rstrip("\r\n"))
-            except json.JSONDecodeError as e:
-                return f"{path}, line {n}, is not JSON ({e.msg} at column {e.colno})"
-            if not isinstance(doc, dict):
-                return f"{path}, line {n}, is a JSON {type(doc).__name__}, not an object"
-    return None
-
-
-def check_fewshot(task, num_fewshot):
-    """lm-eval draws each prompt's examples from the task's few-shot documents, less the document being scored
-    when they are the split under evaluation; asking for more than there are would stop the run mid-way."""
-    n = 0 if task.get_config("num_fewshot") == 0 else num_fewshot  # lm-eval keeps a task's own 0
-    sampler, fewshot = getattr(task, "sampler", None), getattr(task, "fewshot_cfg", None)
-    pool = len(sampler.fewshot_docs()) if sampler else 0
-    room = pool - bool(fewshot and fewshot.split == task.get_config("test_split"))
-    if n > room:
-        fail(f"--num_fewshot={n} but task {task.task_name} has {max(room, 0)} documents to draw examples from; "
-             f"lower --num_fewshot")
+    with lm_eval_says("--tasks"):
+        manager.load(built)  # lm-eval's own check that no task runs twice (alone and in a group)
+    return manager, built
 
 
 def one_line(e):
-    """An exception as one line: its class and its message with every run of white space (newlines too) a space."""
+    """An exception as one line: its class and its message, every run of white space one space."""
     return f"{type(e).__name__}: {' '.join(str(e).split())}"
 
 
@@ -275,7 +216,7 @@ def open_ppl_data(data_root, name):
     """(folder, meta.json, val.bin memory-mapped) of the --ppl dataset, checked before anything is loaded."""
     data_dir = Path(data_root) / name
     try:
-        meta = prepare_data.load_meta(data_dir)  # meta.json, and the .bin sizes it promises
+        meta = load_meta(data_dir)  # meta.json, and the .bin sizes it promises
     except FileNotFoundError as e:
         fail(f"{e}; or set --data_root to the folder that holds {name}/")
     except RuntimeError as e:
@@ -407,40 +348,25 @@ def evaluate(model, enc, tasks, manager, data, args):
     try:
         if tasks:
             limit = None if args.limit is None else int(args.limit) if args.limit >= 1 else args.limit
-            results = lm_eval.simple_evaluate(EvalLM(model, enc, args.batch_size), tasks=tasks,
-                                              num_fewshot=args.num_fewshot, limit=limit, task_manager=manager,
-                                              log_samples=False)
+            with lm_eval_says(f"lm-eval stopped on --tasks (--num_fewshot={args.num_fewshot})"):
+                results = lm_eval.simple_evaluate(EvalLM(model, enc, args.batch_size), tasks=tasks,
+                                                  num_fewshot=args.num_fewshot, limit=limit,
+                                                  task_manager=manager, log_samples=False)
         if data:
             results["ppl"] = perplexity(model, data, args.batch_size, enc.eot_token, args.limit)
-    except Exception as e:
-        # torch.OutOfMemoryError (CUDA, MPS) is a RuntimeError; the CPU allocator raises a plain one
-        if isinstance(e, RuntimeError) and ("out of memory" in str(e) or "can't allocate memory" in str(e)):
-            fail(f"out of memory scoring {args.batch_size} sequences of up to {model.config.block_size} tokens at "
-                 f"once; lower --batch_size")
-        where = lm_eval_frame(e)
-        if where is None:  # it went through this repository's code: a bug to see whole, not bad input
-            raise
-        fail(f"lm-eval stopped on a document of --tasks: {one_line(e)} (in {where}); check that every document "
-             f"has the fields and types its task file expects")
+    except RuntimeError as e:  # torch.OutOfMemoryError (CUDA, MPS) is one; the CPU allocator's too
+        if "out of memory" in str(e) or "can't allocate memory" in str(e):
+            fail(f"out of memory scoring {args.batch_size} sequences of up to "
+                 f"{model.config.block_size} tokens at once; lower --batch_size")
+        raise
     return results
-
-
-def lm_eval_frame(e):
-    """'file:line' where e was raised if no code of this repository ran below the call into lm-eval (so lm-eval
-    itself stopped on a task's documents, templates or metrics), else None."""
-    repo = Path(__file__).resolve().parent
-    frames = traceback.extract_tb(e.__traceback__)[1:]  # [0] is the call in evaluate()
-    if not frames or any(Path(f.filename).resolve().parent == repo for f in frames):
-        return None
-    return f"{Path(frames[-1].filename).name}:{frames[-1].lineno}, {frames[-1].name}"
 
 
 def main(argv):
     args = parse_args(argv)
     names, device, json_path = check_flags(args)
     data = open_ppl_data(args.data_root, args.ppl) if args.ppl else None
-    manager, names = task_manager(names, args.include_path) if names else (None, [])
-    tasks = build_tasks(manager, names, args.num_fewshot) if names else []
+    manager, tasks = build_tasks(names, args.include_path) if names else (None, [])
 
     try:
         loaded = load_model(args.init_from, device)

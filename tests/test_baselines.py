@@ -2,7 +2,6 @@
 (loops over rows, positions and sources) on logits and gradients at several shapes, DenseFormer = vanilla at
 init, the extra parameter counts at the 3B shape, the authors' names, and train.py / sample.py end to end.
 Cached decoding, causality, the KV cache and the round trips are tests/test_contract.py's, for every variant."""
-import math
 import os
 import subprocess
 import sys
@@ -12,10 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import hf
 from baselines import build_model, make_config
 from conftest import tiny_config, tiny_model, tiny_variant
 from model import GPT, ModelConfig
+from support import hf
 from test_model import ref_attention, ref_mlp, ref_positioned, ref_projections, rms
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -14,18 +14,18 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpoint
-import hf
-import model as model_py
-import test_model
-from baselines import BASELINES, build_model
+from baselines import BASELINES
 from conftest import tiny_variant
+import export
 from model import DEPTH_MODES, KVCache
+import model as model_py
+from support import checkpoint, hf
+from support.tokenizer import tokenizer_record
 from test_baselines import REFERENCES as BASELINE_REFERENCES
 from test_baselines import reference_forward as baseline_reference
 from test_lime import lime_reference
 from test_model import REFERENCE_MODES, assert_matches_reference, reference_forward
-from tokenizer import tokenizer_record
+import test_model
 
 ROOT = Path(__file__).resolve().parent.parent
 # The variant's keys beyond conftest.tiny_config's: LIMe reads every earlier layer, as published;
@@ -118,7 +118,7 @@ def test_contract_kv_cache_is_vanillas(variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_contract_round_trips_through_a_checkpoint_and_an_export(variant, tmp_path, monkeypatch):
     """A train.py checkpoint (checkpoint.save_checkpoint, as train.py writes it) and its export
-    (`checkpoint.py export`) load to the same logits bit for bit; transformers, loaded from another
+    (`export.py`) load to the same logits bit for bit; transformers, loaded from another
     folder, runs the export to ours: exactly (our code travels in the folder), or within float32
     rounding for a vanilla export, which transformers runs as its own Qwen3."""
     from transformers import AutoModelForCausalLM
@@ -131,7 +131,7 @@ def test_contract_round_trips_through_a_checkpoint_and_an_export(variant, tmp_pa
     checkpoint.save_checkpoint({"model": model.state_dict(), "model_config": asdict(model.config),
                                 **tokenizer_record("bytes"), "step": 3}, run / "ckpt.pt")
     loaded = checkpoint.load_model(run).model
-    checkpoint.main(["export", str(run), str(tmp_path / "hf")])
+    export.main([str(run), str(tmp_path / "hf")])
     exported = hf.from_pretrained(tmp_path / "hf").eval()
     monkeypatch.chdir(tmp_path)
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()

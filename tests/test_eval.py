@@ -16,10 +16,10 @@ import torch
 import torch.nn.functional as F
 from lm_eval.api.instance import Instance
 
-import eval as eval_py
-from checkpoint import load_model, save_checkpoint
 from conftest import tiny_model
-from tokenizer import get_tokenizer
+import eval as eval_py
+from support.checkpoint import load_model, save_checkpoint
+from support.tokenizer import get_tokenizer
 from test_train import ROOT
 
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}

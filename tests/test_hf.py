@@ -18,13 +18,12 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-import checkpoint
-import hf
-import sample
-import tokenizer
-from checkpoint import CheckpointError, load_model
-from conftest import tiny_model
 from baselines import DEPTH_MODES
+from conftest import tiny_model
+import export
+import sample
+from support import hf, tokenizer
+from support.checkpoint import CheckpointError, load_model
 from test_model import reference_forward
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -120,7 +119,7 @@ def test_sharded_bf16_folder_loads_as_bf16(tmp_path):
 
 MEMORY_PROBE = """
 import json, sys, torch
-import hf
+from support import hf
 def anon_kib():
     return int(next(l for l in open("/proc/self/status") if l.startswith("RssAnon")).split()[1])
 hf.from_pretrained(sys.argv[1])  # warm-up: the first meta-device build imports torch's meta kernels (~70 MB)
@@ -341,7 +340,7 @@ def test_export_then_init_from_continues_from_the_same_weights(data_root, tmp_pa
     src, exported, tuned = tmp_path / "src", tmp_path / "src_hf", tmp_path / "tuned"
     assert train(monkeypatch, *TINY, f"--data_root={data_root}", f"--out_dir={src}", "--max_iters=6",
                  "--eval_interval=0") is None
-    checkpoint.main(["export", str(src), str(exported)])
+    export.main([str(src), str(exported)])
     assert "DepthAttentionForCausalLM" in capsys.readouterr().out and (exported / "model.safetensors").is_file()
     assert json.loads((exported / "config.json").read_text())["tokenizer"] == "bytes"
     sample.main([f"--init_from={exported}", "--prompt=the cat", "--max_new_tokens=5"])

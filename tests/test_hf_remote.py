@@ -20,13 +20,13 @@ from lm_eval.tasks import TaskManager
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, Trainer, TrainerCallback,
                           TrainingArguments)
 
-import checkpoint
-import eval as eval_py
-import hf
-from checkpoint import load_model
 from conftest import tiny_model
+import eval as eval_py
+import export as export_py
+from support import hf
+from support.checkpoint import load_model
+from support.tokenizer import get_tokenizer
 from test_hf import make_tokenizer_json, write_authors_folder
-from tokenizer import get_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZE = dict(vocab_size=256, block_size=64, n_layer=4, n_embd=64, n_head=4, n_kv_head=2, head_dim=16, mlp_hidden=128)
@@ -159,7 +159,7 @@ def test_two_folders_with_other_model_code_each_run_their_own(tmp_path):
 CLEAN_MACHINE = """
 import importlib.util, sys, torch
 from transformers import AutoModelForCausalLM
-assert not any(importlib.util.find_spec(m) for m in ("hf", "baselines", "checkpoint")), "the repository is importable"
+assert not any(importlib.util.find_spec(m) for m in ("support", "baselines", "model")), "the repository is importable"
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], trust_remote_code=True).eval()
 idx = torch.load(sys.argv[2])
 with torch.no_grad():
@@ -186,7 +186,7 @@ def test_the_folder_runs_without_this_repository(tmp_path):
 @pytest.mark.parametrize("baseline_mode", [None, "densetransformer"], ids=["Depth-attention-3B", "DenseFormer-3B"])
 def test_export_of_the_authors_layout_runs_in_transformers(tmp_path, monkeypatch, baseline_mode):
     """A folder as the authors released it (Llama config.json with their keys, their names, tokenizer.json),
-    through `checkpoint.py export`, loads in transformers to what our loader reads from the original."""
+    through `export.py`, loads in transformers to what our loader reads from the original."""
     released = tmp_path / "released"
     released.mkdir()
     vocab = make_tokenizer_json(released / "tokenizer.json")
@@ -195,7 +195,7 @@ def test_export_of_the_authors_layout_runs_in_transformers(tmp_path, monkeypatch
     write_authors_folder(released, source, depth=depth, **({} if depth else {"baseline_mode": baseline_mode,
                                                                              "denseformer_dwa_period": 2}))
     out = tmp_path / "exported"
-    checkpoint.main(["export", str(released), str(out)])
+    export_py.main([str(released), str(out)])
     theirs = load_elsewhere(out, monkeypatch, tmp_path)
     ours = hf.from_pretrained(released).eval()
     assert ours.config.k_norm_after_rope == depth  # the authors' order, recorded in the export

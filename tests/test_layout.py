@@ -1,27 +1,33 @@
-"""The repository's shape and what it must keep reading: the import graph of the top-level modules is layered
-(no cycle, model.py imports nothing of the repository, not even inside a function), and checkpoints and
-Hugging Face folders written before the baselines' keys left ModelConfig still load and sample exactly."""
+"""The repository's shape and what it must keep reading: the root holds the design card's files and the
+rest is the package support/; the import graph is layered (no cycle, model.py imports nothing of the
+repository, not even inside a function, baselines.py only model.py, the package only those two and its
+own modules below each, nothing a script); lists of modes follow the table; and checkpoints and Hugging
+Face folders written before the baselines' keys left ModelConfig still load and sample exactly."""
 import ast
 import json
 import re
-import runpy
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import ablate
-import hf
-import sample
 from baselines import DEPTH_MODES
-from checkpoint import CheckpointError, load_model, model_from_checkpoint, save_checkpoint
-from configurator import read_config_file
 from conftest import tiny_model
-from tokenizer import get_tokenizer
+import sample
+from support import hf
+from support.checkpoint import CheckpointError, load_model, model_from_checkpoint, save_checkpoint
+from support.config import read_config_file
+from support.tokenizer import get_tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
-MODULES = {p.stem: p for p in ROOT.glob("*.py") if not p.stem.startswith("test_") and p.stem != "conftest"}
+# The root holds the design card's files, the paper's comparisons and the commands a user runs; the rest
+# is the package support/, which the scripts import and nobody runs.
+CARD = {"model", "baselines", "train", "sample", "prepare_data", "bench_cache", "eval", "ablate", "export"}
+ROOT_MODULES = {p.stem: p for p in ROOT.glob("*.py") if not p.stem.startswith("test_") and p.stem != "conftest"}
+PACKAGE = {f"support.{p.stem}": p for p in (ROOT / "support").glob("*.py") if p.stem != "__init__"}
+MODULES = {**ROOT_MODULES, **PACKAGE}
+SCRIPTS = CARD - {"model", "baselines"}
 
 # ModelConfig's fields as checkpoints and exports stored them until the baselines got their own config:
 # the decoder's and Depth-Attention's keys, then `residual` and the baselines' seven knobs at their defaults.
@@ -31,27 +37,40 @@ OLD_BASELINE_KEYS = {"residual": "add", "denseformer_dwa_dilation": 1, "densefor
 
 
 def imports(path):
-    """The repository modules a file imports anywhere: at the top, inside functions, in `if` blocks."""
+    """The repository modules a file imports anywhere: at the top, inside functions, in `if` blocks;
+    a module of the package as support.NAME."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            found |= {a.name.split(".")[0] for a in node.names}
+            found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            found.add(node.module.split(".")[0])
-    return found & MODULES.keys() - {path.stem}
+            found.add(node.module)
+            if node.module == "support":
+                found |= {f"support.{a.name}" for a in node.names}
+    return {m if m.startswith("support.") else m.split(".")[0] for m in found} & MODULES.keys() - {
+        f"support.{path.stem}" if path.parent.name == "support" else path.stem}
+
+
+def test_the_root_is_the_design_card_and_the_rest_is_the_package():
+    assert set(ROOT_MODULES) == CARD, f"the root's modules: {sorted(ROOT_MODULES)}"
+    assert not (ROOT / "support" / "hf_remote" / "__init__.py").exists()  # copied into exports, not imported
 
 
 def test_the_import_graph_is_layered():
     graph = {name: imports(path) for name, path in MODULES.items()}
     assert graph["model"] == set(), f"model.py imports {graph['model']}"
-    assert graph["configurator"] == set() and graph["paper"] == set()
+    assert graph["baselines"] == {"model"}, f"baselines.py imports {graph['baselines']}"
+    order = ast.get_docstring(ast.parse((ROOT / "support" / "__init__.py").read_text())).splitlines()[-1].split()
+    assert sorted(order) == sorted(m.removeprefix("support.") for m in PACKAGE), order
+    for name in PACKAGE:  # on model.py, baselines.py and the package's modules listed before it
+        below = {"model", "baselines"} | {f"support.{m}" for m in order[:order.index(name[8:])]}
+        assert graph[name] <= below, f"{name} imports {sorted(graph[name] - below)}"
 
     def reaches(a, b, seen=()):
         return any(d == b or (d not in seen and reaches(d, b, (*seen, d))) for d in graph[a])
     cycles = sorted(name for name in graph if reaches(name, name))
     assert not cycles, f"modules on an import cycle: {cycles} ({ {n: sorted(graph[n]) for n in cycles} })"
-    scripts = {"train", "sample", "eval", "bench_cache", "ablate", "gpu_check"}
-    assert not {name for name, deps in graph.items() if deps & scripts}, "a module imports a script"
+    assert not {name for name, deps in graph.items() if deps & SCRIPTS}, "a module imports a script"
 
 
 @pytest.mark.parametrize("overrides", [dict(depth_mode="value"), dict(depth_mode="kv", n_loops=2),
@@ -90,16 +109,6 @@ def test_an_export_in_the_old_format_loads_as_before(tmp_path, overrides):
         assert type(back.config) is type(source.config) and torch.equal(back(idx)[0], source(idx)[0])
 
 
-def test_the_old_export_command_names_the_new_one(tmp_path, monkeypatch):
-    """`python hf.py export SRC OUT` as __main__ (in this process: a subprocess would spend its time importing)."""
-    monkeypatch.setattr(sys, "argv", ["hf.py", "export", str(tmp_path / "a"), str(tmp_path / "b")])
-    with pytest.raises(SystemExit) as exit_:
-        runpy.run_path(str(ROOT / "hf.py"), run_name="__main__")
-    assert exit_.value.code == ("error: the export command is now `python checkpoint.py export SRC OUT_DIR "
-                                "[--dtype=...]` (same arguments)")
-    assert not (tmp_path / "b").exists()
-
-
 def test_a_plain_run_with_a_baseline_knob_set_resumes(data_root, tmp_path, monkeypatch):
     """A plain model's checkpoint stores no baseline keys, so a knob the run set (and the run's config.json keeps)
     is no difference from the checkpoint's model: the run resumes, and only a real change is refused."""
@@ -133,3 +142,20 @@ def test_every_list_of_modes_follows_the_table():
         assert delta.is_file(), (f"the row {mode!r} has no ablation run: add {delta.relative_to(ROOT)} "
                                  f"(depth_mode = {mode!r} and an out_dir, like mode_value.py)")
         assert read_config_file(delta)["depth_mode"] == mode and ablate.RUNS[mode] == [f"mode_{mode}"]
+
+
+def test_the_gpu_command_names_only_known_flags():
+    """docs/gpu.md's one command, resolved here as each script resolves its arguments (a key or value it
+    would refuse stops with its error line): the page cannot drift from the scripts."""
+    import bench_cache
+    import train
+    block = re.search(r"```bash\n(.*?)```", (ROOT / "docs" / "gpu.md").read_text(), re.S).group(1)
+    words = " ".join(line.split("#")[0].rstrip(" \\") for line in block.splitlines()).split()
+    commands = " ".join(words).split(" && ")
+    bench = next(c for c in commands if c.startswith("python bench_cache.py")).split()[2:]
+    assert bench_cache.resolve([a for a in bench if not a.startswith("--json")])["preset"] == "paper_1p5b"
+    trains = next(c for c in commands if "python train.py" in c)
+    args = trains[trains.index("python train.py") + len("python train.py"):].split()
+    for mode in ("value", "vanilla"):
+        cfg, _ = train.resolve_config([a.replace("$mode", mode) for a in args])
+        assert cfg["depth_mode"] == mode and cfg["n_embd"] == 1536 and cfg["max_iters"] == 12

@@ -6,16 +6,15 @@ import math
 import pytest
 import torch
 
-import hf
-import memory
-import sample
-import train as train_script
 from baselines import LIMe, build_model, make_config
 from conftest import tiny_config, tiny_model
 from model import ModelConfig, depth_cost
+import sample
+from support import hf, memory
 from test_hf import TINY, eval_losses, train
 from test_model import (assert_matches_reference, ref_attention, ref_mlp, ref_positioned,
                         ref_projections, ref_sources, rms)
+import train as train_script
 
 LIME = dict(depth_mode="lime", depth_stride=None)  # LIMe as published: every earlier layer
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import memory
 from baselines import BaselineConfig, build_model, make_config
 from conftest import tiny_config
-from configurator import read_config_file
+from support import memory
+from support.config import read_config_file
 
 ROOT = Path(__file__).resolve().parent.parent
 # Every depth mode and baseline, small (a meta trace runs its element-wise ops in Python).

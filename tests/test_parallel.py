@@ -12,13 +12,12 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-import checkpoint
-import hf
-import memory
-import sample
 from baselines import build_model, make_config
-from checkpoint import CheckpointError, load_model
 from conftest import tiny_config
+import export
+import sample
+from support import checkpoint, hf, memory
+from support.checkpoint import CheckpointError, load_model
 from test_train import ENV, ROOT, TINY, max_diff, read_log, run
 
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
@@ -93,7 +92,7 @@ def test_a_sharded_checkpoint_samples_and_exports(fsdp_run, tmp_path, capsys):
     assert loaded.step == 16 and loaded.source.endswith(checkpoint.SHARDED)
     sample.main([f"--init_from={fsdp_run}", "--prompt=the cat", "--max_new_tokens=6", "--temperature=0"])
     text = capsys.readouterr().out.split("--- sample")[-1]
-    checkpoint.main(["export", str(fsdp_run), str(tmp_path / "hf")])
+    export.main([str(fsdp_run), str(tmp_path / "hf")])
     again = hf.from_pretrained(tmp_path / "hf").state_dict()
     assert all((again[k] == v).all() for k, v in loaded.model.state_dict().items())
     sample.main([f"--init_from={tmp_path / 'hf'}", "--prompt=the cat", "--max_new_tokens=6", "--temperature=0"])

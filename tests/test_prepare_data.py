@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 
 import prepare_data
-from prepare_data import load_meta, prepare
-from tokenizer import get_tokenizer
+from support import data
+from support.data import load_meta, prepare
+from support.tokenizer import get_tokenizer
 
 EOT = 256  # the bytes tokenizer's end-of-text id
 DOCS = ["First document.\n", "Ünïcödé: 日本語, emoji 🎉, and a literal <|endoftext|> that stays text.",
@@ -109,7 +110,7 @@ def test_interrupted_run_leaves_the_previous_dataset_and_no_temporaries(tmp_path
     before = prepare("text", tokenizer="bytes", inputs=inputs, out_dir=out, num_proc=1)  # a finished earlier run
     files = {p.name: p.read_bytes() for p in before.iterdir()}
 
-    encode, calls = prepare_data._encode, []
+    encode, calls = data._encode, []
 
     def encode_then_die(task):
         calls.append(task)
@@ -117,8 +118,8 @@ def test_interrupted_run_leaves_the_previous_dataset_and_no_temporaries(tmp_path
             raise KeyboardInterrupt
         return encode(task)
 
-    monkeypatch.setattr(prepare_data, "CHUNK_CHARS", 1)  # one document per task, so the crash is mid-file
-    monkeypatch.setattr(prepare_data, "_encode", encode_then_die)
+    monkeypatch.setattr(data, "CHUNK_CHARS", 1)  # one document per task, so the crash is mid-file
+    monkeypatch.setattr(data, "_encode", encode_then_die)
     for name, force in [("text", True), ("fresh", False)]:
         calls.clear()
         with pytest.raises(KeyboardInterrupt):
@@ -133,7 +134,7 @@ def test_finished_output_is_skipped_and_checked(tmp_path, monkeypatch):
     (tmp_path / "b.txt").write_text("two")
     kwargs = dict(tokenizer="bytes", inputs=[str(tmp_path / "*.txt")], out_dir=tmp_path / "out", num_proc=1)
     data_dir = prepare("text", **kwargs)
-    monkeypatch.setattr(prepare_data, "_encode", None)  # any tokenizing now would fail
+    monkeypatch.setattr(data, "_encode", None)  # any tokenizing now would fail
     assert prepare("text", **kwargs) == data_dir
     with open(data_dir / "train.bin", "ab") as f:
         f.write(b"\0\0")
@@ -156,7 +157,7 @@ def test_gpt2_download_failure_suggests_bytes(monkeypatch):
     def offline(name):
         raise ConnectionError("no network")
 
-    monkeypatch.setattr("tokenizer.tiktoken.get_encoding", offline)
+    monkeypatch.setattr("support.tokenizer.tiktoken.get_encoding", offline)
     with pytest.raises(RuntimeError, match="--tokenizer=bytes"):
         get_tokenizer.__wrapped__("gpt2")  # bypass the cache so no earlier success can hide the failure
 

@@ -27,7 +27,7 @@ import pytest
 import tiktoken.registry
 import torch
 
-from checkpoint import read_checkpoint
+from support.checkpoint import read_checkpoint
 from test_train import ENV, ROOT, SINGLE, TINY  # the tiny model and batch of the end-to-end tests
 
 SHORT = [*TINY, *SINGLE, "--max_iters=4", "--eval_interval=2", "--ckpt_interval=2", "--eval_seqs=2"]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from baselines import make_config
-from configurator import parse_config
+from support.config import parse_config
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # two ranks share two cores; same threads in every run
@@ -189,7 +189,7 @@ def test_micro_batch_follows_the_world_size():
 def test_every_script_answers_help(script):
     for flag in ("--help", "-h") if script == "train.py" else ("--help",):  # -h takes the same path
         proc = run(script, flag)
-        shown = "usage:" in proc.stdout or "keys (--key=value" in proc.stdout  # argparse's or configurator's
+        shown = "usage:" in proc.stdout or "keys (--key=value" in proc.stdout  # argparse's or support.config's
         assert proc.returncode == 0 and shown and "Traceback" not in proc.stderr, proc.stdout[-2000:] + proc.stderr
 
 

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import tiktoken
 
-from configurator import read_json_object, reason, require
+from support.cli import read_json_object, reason, require
+
 
 EOT = "<|endoftext|>"
 
@@ -114,7 +115,7 @@ def tokenizer_flag(enc, source) -> str:
     a tokenizer (a tiktoken encoding, a file or folder), else the folder an export of source writes."""
     if enc.name in TIKTOKEN or Path(enc.name).exists():
         return f"--tokenizer={enc.name}"
-    return f"--tokenizer=DIR after `python checkpoint.py export {source} DIR`"
+    return f"--tokenizer=DIR after `python export.py {source} DIR`"
 
 
 def load_tokenizer(name_or_path):

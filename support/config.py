@@ -1,127 +1,24 @@
 """
-Command-line configuration shared by train.py, bench_cache.py and ablate.py, and the few helpers every script
-uses: `fail` (the one-line `error:` exit), `require` (an optional package or its pip line), `resolve_device`.
+Command-line configuration shared by train.py, bench_cache.py and ablate.py.
 
     python train.py configs/minipile_value.py --n_layer=8 --depth_mode=vanilla
 
 Positional arguments are config files: plain Python assignments (`n_layer = 12`), applied in order.
-A file may start from another with `base_config = "other.py"` (a path relative to the file): the other file's
-assignments come first, so a variant states only the lines that differ. Then `--key=value` overrides. Every key
-must already exist in the defaults; values are parsed to the type of the default (an int is accepted where a
-float is expected; `None` is accepted anywhere, and a default of `None` accepts any literal). Anything else is
-an error that names the fix.
+A file may start from another with `base_config = "other.py"` (a path relative to the file): the other
+file's assignments come first, so a variant states only the lines that differ. Then `--key=value`
+overrides. Every key must already exist in the defaults; values are parsed to the type of the default
+(an int is accepted where a float is expected; `None` is accepted anywhere, and a default of `None`
+accepts any literal). Anything else is an error that names the fix.
 `--help` (or `-h`) prints the script's docstring and every key with its default and the one-line comment
 written beside it in the source, so the help can never drift from the defaults.
 """
 import ast
-import importlib
-import json
 import math
-import os
 import re
 import sys
 from pathlib import Path
 
-
-class ConfigError(ValueError):
-    pass
-
-
-def fail(msg):
-    """Stop a script on bad input: one `error: ...` line naming the fix, exit status 1, no traceback."""
-    raise SystemExit(f"error: {msg}")
-
-
-def reason(e) -> str:
-    """An exception's first line for an error message; its class name when it has no message."""
-    return str(e).splitlines()[0] if str(e).strip() else type(e).__name__
-
-
-def table(rows, header) -> str:
-    """Rows of values as aligned plain-text columns under header, two spaces apart (the scripts' printed tables)."""
-    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
-    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header] + rows)
-
-
-def require(module, purpose, pip=None):
-    """import module, or an ImportError that names the pip line: optional packages are imported where used."""
-    try:
-        return importlib.import_module(module)
-    except ImportError as e:
-        raise ImportError(f"{purpose} needs {module}: pip install {pip or module.split('.')[0]}") from e
-
-
-def resolve_device(name, local_rank=None, allowed=("cpu", "cuda", "cuda:N", "mps")) -> str:
-    """The device a script runs on: "auto" is the first of cuda, mps, cpu that this machine has and `allowed`
-    lists; a named device must exist here. Under torchrun (local_rank given), "cuda" is this process's GPU.
-    A ValueError says what the machine has."""
-    import torch  # this module stays importable without torch
-    have = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available(), "cpu": True}
-    if name == "auto":
-        name = next(d for d in ("cuda", "mps", "cpu") if d in allowed and have[d])
-    kind, _, index = name.partition(":")
-    if kind not in ("cpu", "cuda", "mps") or (index and not (kind == "cuda" and index.isdigit())):
-        raise ValueError(f"unknown device {name!r}; use auto or one of {', '.join(allowed)}")
-    if (kind + ":N" if index else kind) not in allowed:
-        raise ValueError(f"this script runs on {', '.join(allowed)} (or auto), not {name!r}")
-    if not have[kind]:
-        missing = "torch sees no CUDA GPU" if kind == "cuda" else "torch.backends.mps is not available"
-        raise ValueError(f"device {name!r} but {missing} here; use --device=cpu (or auto)")
-    if index and int(index) >= torch.cuda.device_count():
-        raise ValueError(f"device {name!r} but this machine has {torch.cuda.device_count()} CUDA GPU(s), "
-                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
-    return f"cuda:{local_rank}" if name == "cuda" and local_rank is not None else name
-
-
-
-def output_file(path, flag, replaces=None) -> Path:
-    """Check before any work that `path` can be written as a file (its folder is created): a long evaluation or
-    benchmark must not end in an error about where to put its result. replaces: the keys of this script's own
-    result, one of which an existing file must hold to be replaced (a slip such as --json=out/RUN/ckpt.pt keeps
-    the checkpoint). Raises ConfigError naming `flag`."""
-    p = Path(path)
-    if p.is_dir() or str(path).endswith(("/", "\\")):
-        raise ConfigError(f"{flag}={path} is a folder; give a file name such as {p / 'results.json'}")
-    try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        probe = p.parent / f".{p.name}.probe{os.getpid()}"
-        probe.touch()
-        probe.unlink()
-    except (FileExistsError, NotADirectoryError):
-        raise ConfigError(f"cannot write {flag}={path}: part of its folder path is a file; pick another "
-                          f"path") from None
-    except OSError as e:
-        raise ConfigError(f"cannot write {flag}={path} ({e.strerror or e}); pick a writable path") from None
-    if replaces and p.is_file() and p.stat().st_size:
-        try:  # an earlier result is far smaller than 64 MiB; a larger file is something else
-            earlier = json.loads(p.read_bytes()) if p.stat().st_size <= 1 << 26 else None
-        except ValueError:  # not UTF-8, not JSON
-            earlier = None
-        if not (isinstance(earlier, dict) and set(replaces) & earlier.keys()):
-            raise ConfigError(f"{flag}={path} exists and is not an earlier result of this script; pick another "
-                              f"path, or delete the file if it may go")
-    return p
-
-
-def read_json_object(path) -> dict:
-    """A JSON file that must hold an object (config.json, an index): a ValueError naming the file otherwise."""
-    try:
-        value = json.loads(Path(path).read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); the file is damaged: restore or re-create it") from e
-    if not isinstance(value, dict):
-        raise ValueError(f"{path} holds a JSON {type(value).__name__}, not the object it should; restore it")
-    return value
-
-def write_atomically(path, text):
-    """Write text to path through a temporary file and a rename: an interrupted write leaves the old file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+from support.cli import ConfigError
 
 # The rules check_ranges knows, each a predicate on a number; every one also requires a finite value.
 RULES = {

@@ -1,7 +1,8 @@
 """The shared command-line config parser: typing, unknown keys, config files and base_config."""
 import pytest
+from support.cli import ConfigError
+from support.config import parse_config
 
-from configurator import ConfigError, parse_config
 
 DEFAULTS = {"n_layer": 12, "lr": 1e-3, "stride": None, "name": "run", "compile": False}
 

@@ -44,9 +44,9 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._pytree import tree_leaves, tree_map
 
 from baselines import build_model, make_config
-from configurator import fail, table
-from parallel import PARALLEL, checkpointing, wrap_units
-from prepare_data import load_meta
+from support.cli import fail, table
+from support.data import load_meta
+from support.parallel import PARALLEL, checkpointing, wrap_units
 
 GIB = 2 ** 30
 # What every rank keeps per parameter under DDP, and FSDP divides by the world size (bytes per parameter).
@@ -236,20 +236,35 @@ class GPUEmulation(TorchFunctionMode):
 def measured_peak(model, idx, activation_checkpointing=False, bf16=False) -> int:
     """The allocator's peak during one training forward (under bf16 autocast if bf16) and backward of a real CPU
     model (targets = idx), in bytes above what it held before, with the gradients already allocated (set to zeros)
-    as in a second micro-step: the activations, autocast's weight copies and the step's temporaries. Read from
-    torch.profiler's allocation records, which are exact and repeatable on CPU, where the process's RSS would
-    also move with glibc keeping freed memory."""
+    as in a second micro-step: the activations, autocast's weight copies and the step's temporaries."""
     model.train()
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     undo = wrap_units(model, checkpointing) if activation_checkpointing else (lambda: None)
+
+    def step():
+        with torch.autocast(idx.device.type, torch.bfloat16, enabled=bf16):
+            logits, loss = model(idx, idx)  # the logits stay alive through backward, as in train.py
+        loss.backward()
     try:
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            with torch.autocast(idx.device.type, torch.bfloat16, enabled=bf16):
-                logits, loss = model(idx, idx)  # the logits stay alive through backward, as in train.py
-            loss.backward()
+        return allocator_peak(step, idx.device.type)
     finally:
         undo()
+
+
+def allocator_peak(work, device="cpu") -> int:
+    """The most bytes the allocator held, above what it held when work() began, while work() ran: CUDA's peak
+    statistic on a GPU; on a CPU torch.profiler's allocation records, which are exact and repeatable, where the
+    process's RSS would move with glibc keeping freed memory (and needs Linux's /proc to reset its peak)."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        work()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        work()
     running = peak = 0
     for _, size in sorted(allocations(prof.profiler.kineto_results.experimental_event_tree())):
         running += size

@@ -11,16 +11,12 @@ How train.py spreads a model over torchrun's processes, and what it keeps of the
 
 Neither changes the run: the same batches, schedule, accumulation and clipping on the global gradient norm give
 the same losses (tests/test_parallel.py). An FSDP run writes its checkpoint sharded (torch.distributed.checkpoint:
-each rank its part, no rank gathers the model) into out_dir/ckpt.dcp; checkpoint.py reads it back whole for
-sample.py, eval.py and the export. `python train.py CONFIG --memory_plan=True` prints what each mode needs per GPU.
-Also here: the stop on Ctrl-C or SIGTERM that every rank agrees on (StopSignals), and a process's peak memory.
+each rank its part, no rank gathers the model) into out_dir/ckpt.dcp (checkpoint.save_sharded), read back whole
+for sample.py, eval.py and export.py. `python train.py CONFIG --memory_plan=True` prints what each mode needs per
+GPU (memory.py).
 """
 import functools
-import shutil
-import signal
-import sys
 from contextlib import nullcontext
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -28,12 +24,6 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from baselines import residual_of
-from checkpoint import SHARDED, fsync_dir, read_shards, save_checkpoint
-
-try:
-    import resource  # peak memory on the CPU; absent on Windows
-except ImportError:
-    resource = None
 
 PARALLEL = ("ddp", "fsdp")
 
@@ -168,77 +158,3 @@ class Parallel:
             ok = ok.to(torch.int32)
             dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         return bool(ok)
-
-
-class StopSignals:
-    """Ctrl-C (SIGINT) and SIGTERM (what a scheduler sends before preemption) ask the run to stop: the step in
-    flight finishes, a checkpoint is written, and the process exits with 128 + the signal's number. A second
-    Ctrl-C stops at once (KeyboardInterrupt: the last checkpoint stays)."""
-
-    def __init__(self):
-        self.received = 0
-        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
-
-    def handle(self, signum, frame):
-        if signum == signal.SIGINT and self.received == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.received = self.received or signum
-
-    def agreed(self, proc) -> int:
-        """The signal any rank received, 0 for none: under torchrun every rank stops after the same step (one
-        that stopped alone would leave the others waiting in a collective), often only some got the signal."""
-        if not proc.distributed:
-            return self.received
-        flag = torch.tensor(self.received, device=proc.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
-
-    def restore(self):
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-
-
-def peak_memory(device) -> str:
-    """This process's peak memory: what torch allocated on the GPU, or the resident size on the CPU."""
-    if device.startswith("cuda"):
-        return f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB allocated on the GPU"
-    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss if resource else 0
-    kib = kib / 1024 if sys.platform == "darwin" else kib  # macOS counts bytes, Linux KiB
-    return f"peak {kib / 2**20:.2f} GiB resident" if kib else "peak memory unknown"
-
-
-# ----------------------------------------------------------------------------- sharded checkpoints
-
-def save_sharded(model, optimizer, run, out_dir, master):
-    """out_dir/ckpt.dcp: the model and optimizer through torch.distributed.checkpoint (each rank writes its
-    shards; its files are synced) plus run.pt, the rest of a checkpoint (config, step, RNG...) with checksums.
-    Written into ckpt.dcp.tmp and renamed into place by rank 0 once every rank is done, so a kill leaves the
-    previous checkpoint or the new one, never a mix."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    path = Path(out_dir) / SHARDED
-    tmp, old = path.with_name(SHARDED + ".tmp"), path.with_name(SHARDED + ".old")
-    if master:
-        shutil.rmtree(tmp, ignore_errors=True)
-    dist.barrier()
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)
-    if master:
-        save_checkpoint(run, tmp / "run.pt")
-    dist.barrier()  # every shard and run.pt are on disk
-    if master:
-        if path.exists():
-            path.rename(old)
-        tmp.rename(path)
-        shutil.rmtree(old, ignore_errors=True)
-        fsync_dir(path.parent)
-    dist.barrier()
-
-
-def load_sharded(model, optimizer, path):
-    """Fill the (sharded) model and its optimizer from a ckpt.dcp folder; each rank reads what it holds."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optimizer": optimizer_state}
-    read_shards(state, path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

@@ -12,10 +12,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from checkpoint import CheckpointError, read_checkpoint
-from configurator import ConfigError, fail, parse_config
+from support.checkpoint import CheckpointError, read_checkpoint
+from support.cli import ConfigError, fail
+from support.config import parse_config
 
-ROOT = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parent.parent  # the repository: train.py runs there
 # train.py keys that decide no number a run reports, so a run recorded with other values of them is still the run
 # asked for: where it is written and how one command treats it (out_dir, resume, overwrite); where it pauses and
 # how often it saves (stop_at_step keeps max_iters' schedule, and a resume continues a run exactly); how the same

@@ -1,21 +1,15 @@
 """
-Saving and loading trained models: train.py's atomic checkpoints, and `load_model(init_from)`, the one way
-every script that reads a trained model (sample.py, eval.py, train.py --init_from) turns a path into a model
-and its tokenizer. Errors from below (hf.py, tokenizer.py) become one CheckpointError here.
+Saving and loading trained models: train.py's atomic checkpoints (ckpt.pt, and an FSDP run's sharded
+ckpt.dcp), and `load_model(init_from)`, the one way every script that reads a trained model (sample.py,
+eval.py, export.py, train.py --init_from) turns a path into a model and its tokenizer. Errors from below
+(hf.py, tokenizer.py) become one CheckpointError here.
 
-    init_from = "out/shakespeare"             a train.py out_dir (reads its ckpt.pt)
+    init_from = "out/shakespeare"             a train.py out_dir (reads its ckpt.pt or ckpt.dcp)
               = "out/shakespeare/ckpt.pt"     a checkpoint file
               = "out/shakespeare_hf"          a Hugging Face folder: config.json + *.safetensors (hf.py)
               = "zeng123/Depth-attention-3B"  a Hugging Face hub id, downloaded by huggingface_hub
-
-Any of them becomes a Hugging Face folder (config.json, model.safetensors, the tokenizer and, for any model but
-a vanilla one, the code transformers runs it with; hf.save_pretrained):
-
-    python checkpoint.py export out/shakespeare out/shakespeare_hf [--dtype=bfloat16]
 """
-import argparse
 import hashlib
-import json
 import os
 import random
 import shutil
@@ -27,11 +21,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import hf
+import torch.distributed as dist
+
 from baselines import build_model, make_config
-from configurator import fail, reason
 from model import GPT
-from tokenizer import folder_tokenizer, from_record, looks_like_hub_id, snapshot
+from support import hf
+from support.cli import reason
+from support.tokenizer import folder_tokenizer, from_record, looks_like_hub_id, snapshot
 
 try:
     import fcntl  # the out_dir lock; absent on Windows, where runs go unlocked
@@ -40,8 +36,8 @@ except ImportError:
 
 
 TOKENIZER_KEYS = ("tokenizer", "tokenizer_json", "eot_token")  # tokenizer.tokenizer_record's keys
-# An FSDP run's checkpoint (parallel.py): a torch.distributed.checkpoint folder of the model and optimizer shards,
-# plus run.pt, the rest of a checkpoint. train.py --parallel=ddp (and one process) writes ckpt.pt.
+# An FSDP run's checkpoint (save_sharded): a torch.distributed.checkpoint folder of the model and optimizer
+# shards, plus run.pt, the rest of a checkpoint. train.py --parallel=ddp (and one process) writes ckpt.pt.
 SHARDED = "ckpt.dcp"
 
 
@@ -250,35 +246,38 @@ def load_model(init_from, device="cpu") -> Loaded:
         raise CheckpointError(str(e)) from e
 
 
-# ----------------------------------------------------------------------------- python checkpoint.py export
+# ----------------------------------------------------------------------------- sharded checkpoints
 
-def main(argv):
-    p = argparse.ArgumentParser(description="Export a model to a Hugging Face folder (config.json, model.safetensors "
-                                "and the tokenizer), written whole: an interrupted export leaves no partial folder.")
-    sub = p.add_subparsers(dest="command", required=True)
-    ex = sub.add_parser("export", help="python checkpoint.py export SRC OUT_DIR")
-    ex.add_argument("src", help="a train.py out_dir, a ckpt.pt, or a Hugging Face folder / hub id")
-    ex.add_argument("out_dir", help="a new or empty folder (not a train.py out_dir)")
-    ex.add_argument("--dtype", choices=("float32", "bfloat16"), help="convert the weights (default: unchanged)")
-    ex.add_argument("--overwrite", action="store_true", help="replace the files already in OUT_DIR, all of them")
-    args = p.parse_args(argv)
-    out = Path(args.out_dir)
-    if out.resolve() in {Path(args.src).resolve(), checkpoint_path(args.src).resolve().parent}:
-        fail(f"{args.out_dir} is where the model comes from; export into another folder")
-    try:
-        hf.check_export_dir(out, args.overwrite)  # before loading: a refusal costs nothing
-        loaded = load_model(args.src)
-        model = loaded.model.to(getattr(torch, args.dtype)) if args.dtype else loaded.model
-        hf.save_pretrained(model, out, loaded.tokenizer, overwrite=args.overwrite)
-    except (CheckpointError, ImportError, ValueError) as e:
-        fail(e)
-    except OSError as e:
-        fail(f"cannot write {args.out_dir} ({e.strerror or e}); pick a folder you can write to")
-    cfg = json.loads((out / "config.json").read_text())
-    code = " (its code is in the folder: transformers loads it with trust_remote_code=True)" if "auto_map" in cfg else ""
-    print(f"{loaded.source} -> {args.out_dir}: {model.num_params() / 1e6:.2f}M parameters, "
-          f"{cfg['architectures'][0]}{code}")
+def save_sharded(model, optimizer, run, out_dir, master):
+    """out_dir/ckpt.dcp: the model and optimizer through torch.distributed.checkpoint (each rank writes its
+    shards; its files are synced) plus run.pt, the rest of a checkpoint (config, step, RNG...) with checksums.
+    Written into ckpt.dcp.tmp and renamed into place by rank 0 once every rank is done, so a kill leaves the
+    previous checkpoint or the new one, never a mix."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    path = Path(out_dir) / SHARDED
+    tmp, old = path.with_name(SHARDED + ".tmp"), path.with_name(SHARDED + ".old")
+    if master:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)
+    if master:
+        save_checkpoint(run, tmp / "run.pt")
+    dist.barrier()  # every shard and run.pt are on disk
+    if master:
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+        shutil.rmtree(old, ignore_errors=True)
+        fsync_dir(path.parent)
+    dist.barrier()
 
 
-if __name__ == "__main__":
-    main(sys.argv[1:])
+def load_sharded(model, optimizer, path):
+    """Fill the (sharded) model and its optimizer from a ckpt.dcp folder; each rank reads what it holds."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    read_shards(state, path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])

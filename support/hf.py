@@ -2,7 +2,7 @@
 Hugging Face folders: load the authors' released checkpoints, save ours in the same layout.
 
     model = hf.from_pretrained("zeng123/Depth-attention-3B")   # a folder or a hub id
-    hf.save_pretrained(model, "out/my_hf", tokenizer)            # `python checkpoint.py export SRC OUT` from a shell
+    hf.save_pretrained(model, "out/my_hf", tokenizer)            # `python export.py SRC OUT` from a shell
 
 An export is a complete transformers model: a vanilla one is a plain Qwen3 (or Llama) folder; any other (a
 Depth-Attention mode, a looped model, a baseline) claims our architecture, DepthAttentionForCausalLM, and carries
@@ -28,9 +28,9 @@ from pathlib import Path
 import torch
 
 from baselines import KNOBS, build_model, make_config, residual_of
-from configurator import fail, read_json_object, require
 from model import GPT, ModelConfig
-from tokenizer import HFTokenizer, snapshot
+from support.cli import read_json_object, require
+from support.tokenizer import HFTokenizer, snapshot
 
 OUR_CONFIG = "model_config"  # our exports also record asdict(config) under this config.json key
 # An export transformers has no class for (a Depth-Attention mode, a looped model, a baseline) claims our own
@@ -312,7 +312,3 @@ def check_export_dir(out: Path, overwrite):
         writable = False
     if not writable:
         raise ValueError(f"cannot write into {out.parent}; export into a folder you can write to")
-
-
-if __name__ == "__main__":  # the command moved to the module that loads every kind of source
-    fail("the export command is now `python checkpoint.py export SRC OUT_DIR [--dtype=...]` (same arguments)")

@@ -1,0 +1,52 @@
+"""
+Export a model to a Hugging Face folder: config.json, model.safetensors, the tokenizer and, for any model
+but a vanilla one, the code transformers runs it with (support/hf.py, save_pretrained).
+
+    python export.py out/shakespeare out/shakespeare_hf              # a train.py out_dir (or its ckpt.pt)
+    python export.py zeng123/Depth-attention-3B out/da3b_hf          # a Hugging Face folder or hub id
+    python export.py out/RUN out/RUN_hf --dtype=bfloat16 --overwrite
+
+The folder is written whole beside OUT_DIR and renamed into place, so an interrupted export leaves no
+partial folder; an existing folder is refused, or replaced whole with --overwrite.
+"""
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from support import hf
+from support.checkpoint import CheckpointError, checkpoint_path, load_model
+from support.cli import fail
+
+
+def main(argv):
+    p = argparse.ArgumentParser(description=__doc__.strip().split("\n")[0],
+                                epilog="python export.py SRC OUT_DIR [--dtype=...] [--overwrite]")
+    p.add_argument("src", help="a train.py out_dir, a ckpt.pt or ckpt.dcp, or a Hugging Face folder / hub id")
+    p.add_argument("out_dir", help="a new or empty folder (not a train.py out_dir)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), help="convert the weights (default: unchanged)")
+    p.add_argument("--overwrite", action="store_true", help="replace the files already in OUT_DIR, all of them")
+    args = p.parse_args(argv)
+    out = Path(args.out_dir)
+    if out.resolve() in {Path(args.src).resolve(), checkpoint_path(args.src).resolve().parent}:
+        fail(f"{args.out_dir} is where the model comes from; export into another folder")
+    try:
+        hf.check_export_dir(out, args.overwrite)  # before loading: a refusal costs nothing
+        loaded = load_model(args.src)
+        model = loaded.model.to(getattr(torch, args.dtype)) if args.dtype else loaded.model
+        hf.save_pretrained(model, out, loaded.tokenizer, overwrite=args.overwrite)
+    except (CheckpointError, ImportError, ValueError) as e:
+        fail(e)
+    except OSError as e:
+        fail(f"cannot write {args.out_dir} ({e.strerror or e}); pick a folder you can write to")
+    cfg = json.loads((out / "config.json").read_text())
+    code = (" (its code is in the folder: transformers loads it with trust_remote_code=True)"
+            if "auto_map" in cfg else "")
+    print(f"{loaded.source} -> {args.out_dir}: {model.num_params() / 1e6:.2f}M parameters, "
+          f"{cfg['architectures'][0]}{code}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
