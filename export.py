@@ -29,11 +29,15 @@ def main(argv):
     p.add_argument("--dtype", choices=("float32", "bfloat16"), help="convert the weights (default: unchanged)")
     p.add_argument("--overwrite", action="store_true", help="replace the files already in OUT_DIR, all of them")
     args = p.parse_args(argv)
-    out = Path(args.out_dir)
-    if out.resolve() in {Path(args.src).resolve(), checkpoint_path(args.src).resolve().parent}:
-        fail(f"{args.out_dir} is where the model comes from; export into another folder")
+    out = Path(args.out_dir).resolve()
+    src = Path(args.src).resolve()
+    if src.exists():  # a folder or a file of ours (a hub id is not a path)
+        home = src if hf.is_hf_folder(src) else checkpoint_path(src).resolve().parent
+        if out == home or home in out.parents or out in home.parents:
+            fail(f"{args.out_dir} is, holds or lies inside {home}, where the model comes from; export "
+                 f"into a folder outside it")
     try:
-        hf.check_export_dir(out, args.overwrite)  # before loading: a refusal costs nothing
+        hf.check_export_dir(Path(args.out_dir), args.overwrite)  # before loading: refusing is free
         loaded = load_model(args.src)
         model = loaded.model.to(getattr(torch, args.dtype)) if args.dtype else loaded.model
         hf.save_pretrained(model, out, loaded.tokenizer, overwrite=args.overwrite)

@@ -15,6 +15,7 @@ support.config.parse_config. The run is a deterministic function of the config: 
 drawn from a generator seeded with (seed, step) over the GLOBAL batch, and each rank takes its
 slice, so the world size, gradient accumulation and resuming all leave the losses unchanged.
 """
+import gc
 import inspect
 import json
 import math
@@ -36,8 +37,8 @@ from model import GPT
 from support import memory
 from support.checkpoint import (SHARDED, CheckpointError, checkpoint_path, claim_out_dir,
                                 load_model, load_sharded, read_checkpoint, rng_state,
-                                save_checkpoint, save_sharded, set_rng_state)
-from support.cli import ConfigError, fail, reason, require, resolve_device
+                                save_checkpoint, save_sharded, set_rng_state, unfinished)
+from support.cli import ConfigError, fail, not_in_a_checkpoint, reason, require, resolve_device
 from support.config import check_ranges, parse_config
 from support.data import SOURCES, load_meta, prepare
 from support.parallel import PARALLEL, Parallel, checkpoint_activations
@@ -124,12 +125,14 @@ def resolve_config(argv):
     changes nothing."""
     try:
         cfg = parse_config(DEFAULTS, argv, __doc__, CONFIG_SOURCES, CHOICES)
+        not_in_a_checkpoint(cfg["out_dir"], "--out_dir")
         ckpt = None
         if cfg["resume"]:
             path = checkpoint_path(cfg["out_dir"])
             if not path.exists():
-                fail(f"--resume=True but there is no checkpoint at {path}; check --out_dir or drop "
-                     f"--resume")
+                where = f"{path} or {path.with_name(SHARDED)}" if path.name == "ckpt.pt" else path
+                fail(f"--resume=True but there is no checkpoint at {where}"
+                     f"{unfinished(path.parent)}; check --out_dir, or drop --resume to start anew")
             ckpt = read_checkpoint(path)
             # (an FSDP run's optimizer state is in its shards)
             missing = [k for k in ("config", "optimizer", "step", "best_val_loss", "rng")
@@ -147,6 +150,14 @@ def resolve_config(argv):
             if changed:
                 fail(f"the checkpoint's model differs from the one asked for ({changed}, as "
                      f"(checkpoint, now)); drop those overrides or train into a new --out_dir")
+            started = ckpt["config"].get("init_from", "")
+            asked = cfg["init_from"]  # the checkpoint's weights are loaded, never these
+            if asked != started and not (asked and Path(asked).exists()
+                                         and Path(asked).resolve() == Path(started).resolve()):
+                began = f"from --init_from={started}" if started else "from scratch"
+                fail(f"--resume=True continues {path}, a run that began {began}; --init_from="
+                     f"{cfg['init_from']} would not be loaded: drop it, or start a new --out_dir "
+                     f"from those weights")
         check_ranges(cfg, KEY_RANGES)
         resolve_device(cfg["device"])
     except (ConfigError, CheckpointError, ValueError) as e:
@@ -162,7 +173,23 @@ def resolve_config(argv):
     if cfg["resume"] and cfg["overwrite"]:
         fail("--resume=True continues the checkpoint and --overwrite=True deletes it; pass one of "
              "them")
+    if os.environ.get("RANK", "0") == "0":
+        for key, why in ignored_keys(cfg).items():
+            print(f"warning: --{key}={cfg[key]!r} does nothing in this run: {why}", file=sys.stderr)
     return cfg, ckpt
+
+
+def ignored_keys(cfg) -> dict:
+    """{key: why} for the keys set away from their default that this run's model has no use for."""
+    why = {"lime_router_lr_mult": (cfg["depth_mode"] != "lime", "only depth_mode=lime has routers"),
+           "depth_stride": (not DEPTH_MODES[cfg["depth_mode"]].mixes,
+                            f"depth_mode={cfg['depth_mode']} has no depth step"),
+           "k_norm_after_rope": (not cfg["qk_norm"], "--qk_norm=False has no k_norm")}
+    why["depth_recent_window"] = why["depth_stride"]
+    for knob in KNOBS:  # a baseline's own knobs, named after it
+        baseline = knob.split("_")[0]
+        why[knob] = (cfg["residual"] != baseline, f"only --residual={baseline} reads it")
+    return {k: text for k, (unused, text) in why.items() if unused and cfg[k] != DEFAULTS[k]}
 
 
 def shaping(*configs) -> list:
@@ -318,15 +345,26 @@ def diverged(step, what, lr, saved):
     fail(f"training diverged at step {step} ({what}, lr {lr:.3g}); {fix}")
 
 
-def write_checkpoint(state, path, saved):
-    """save_checkpoint; a write that fails (a full disk) is one line, the previous checkpoint
-    stays."""
-    try:
-        save_checkpoint(state, path)
-    except (OSError, RuntimeError) as e:  # torch's zip writer reports a full disk as RuntimeError
-        fix = (f"the checkpoint of step {saved} is kept: free space, then --resume=True"
-               if saved is not None else "no checkpoint was written: free space and rerun")
-        fail(f"could not write {path} at step {state['step']} ({reason(e)}); {fix}")
+def save_failed(path, step, e, saved, master):
+    """Stop a run whose checkpoint could not be written, in one line that says why and what is
+    kept: a rank that stopped mid-write (its peers lose their connection to it), or a write that
+    failed (a full disk, a folder made read-only). Every rank hits it: rank 0 alone says it."""
+    kept, then = ((f"the checkpoint of step {saved} is kept", "--resume=True") if saved is not None
+                  else ("no checkpoint was written", "rerun"))
+    if isinstance(e, dist.DistError) or getattr(e, "peer_lost", False):
+        message = (f"a rank stopped while {path} of step {step} was written ({reason(e)}); "
+                   f"{kept}: {then}")
+    else:
+        message = (f"could not write {path} at step {step} ({reason(e)}); {kept}: free space or "
+                   f"make --out_dir writable, then {then}")
+    stop(message, master)
+
+
+def stop(message, master):
+    """fail() on rank 0; the other ranks, stopped by the same cause, exit without repeating it."""
+    if master:
+        fail(message)
+    sys.exit(1)
 
 
 # ----------------------------------------------------------------------------- the run's pieces
@@ -504,9 +542,9 @@ def restore(par, optimizer, ckpt):
         return 0, float("inf"), None
     if par.sharded:
         try:
-            load_sharded(par.model, optimizer, ckpt["shards"])
-        except CheckpointError as e:
-            fail(e)
+            load_sharded(par.model, optimizer, ckpt)
+        except CheckpointError as e:  # on every rank: each checked its share of the files
+            stop(str(e), dist.get_rank() == 0)
     else:
         par.model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
@@ -517,19 +555,19 @@ def restore(par, optimizer, ckpt):
 def save(par, optimizer, step, best_val, lr, run, out_dir, last_ckpt, master):
     """The checkpoint of `step` (never of a diverged model); run: the entries that describe the
     whole run. ckpt.pt from rank 0, or under FSDP ckpt.dcp, each rank its shards
-    (parallel.save_sharded)."""
+    (checkpoint.save_sharded)."""
     if not par.weights_finite():
         diverged(step, "non-finite weights", lr, last_ckpt)
     state = {"step": step, "best_val_loss": best_val, **run, "rng": rng_state()}
-    if par.sharded:
-        try:
+    path = out_dir / (SHARDED if par.sharded else "ckpt.pt")
+    try:
+        if par.sharded:
             save_sharded(par.model, optimizer, state, out_dir, master)
-        except (OSError, RuntimeError) as e:
-            fail(f"could not write {out_dir / SHARDED} at step {step} ({reason(e)}); the previous "
-                 f"checkpoint is kept: free space, then --resume=True")
-    elif master:
-        write_checkpoint({"model": par.model.state_dict(), "optimizer": optimizer.state_dict(),
-                          **state}, out_dir / "ckpt.pt", last_ckpt)
+        elif master:
+            save_checkpoint({"model": par.model.state_dict(), "optimizer": optimizer.state_dict(),
+                             **state}, path)
+    except (OSError, RuntimeError) as e:  # torch's zip writer reports a full disk as RuntimeError
+        save_failed(path, step, e, last_ckpt, master)
 
 
 def sample_preview(model, enc, cfg, device, master, cache_dtype=None):
@@ -551,7 +589,9 @@ def sample_preview(model, enc, cfg, device, master, cache_dtype=None):
 
 def main(argv):
     cfg, ckpt = resolve_config(argv)
-    if cfg["memory_plan"]:
+    if cfg["memory_plan"]:  # the micro batch as train.py would take it, at this launch's world size
+        if cfg["micro_batch"] is not None:
+            batch_layout(cfg, int(os.environ.get("WORLD_SIZE", 1)))
         return memory.print_plan(cfg, MODEL_KEYS)
     proc = setup_process(cfg)
     master, device = proc.master, proc.device
@@ -646,6 +686,12 @@ def main(argv):
     if wandb:
         wandb.finish()
     if proc.distributed:
+        # Free the model, its optimizer and FSDP's state (its device mesh holds the process group)
+        # while the interpreter is whole: left to the exit, the group's threads end in teardown,
+        # the likely cause of a finished run aborting once under load ("terminate called without
+        # an active exception" after done:).
+        del model, par, optimizer, fwd
+        gc.collect()
         dist.barrier()  # under gloo, a rank that leaves first can abort the others
         dist.destroy_process_group()
     if stopped_by:

@@ -2,3 +2,4 @@
 base_config = "paper_1p5b_value.py"
 depth_mode = "vanilla"
 out_dir = "out/paper_1p5b_vanilla"
+depth_stride = None  # a vanilla model has no depth step to stride

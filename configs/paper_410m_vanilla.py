@@ -2,3 +2,4 @@
 base_config = "paper_410m_value.py"
 depth_mode = "vanilla"
 out_dir = "out/paper_410m_vanilla"
+depth_stride = None  # a vanilla model has no depth step to stride

@@ -2,12 +2,17 @@
 The few helpers every script uses at its edges: `fail` (the one-line `error:` exit), `reason` (an
 exception's first line), `require` (an optional package, or its pip line), `resolve_device` (auto = cuda,
 then mps, then cpu), `table` (aligned plain-text columns), `output_file` (a result's path, checked before
-any work), `read_json_object` and `write_atomically`.
+any work), `not_in_a_checkpoint` (nothing is written into a sharded checkpoint's folder), `read_json_object`
+and `write_atomically`.
 """
 import importlib
 import json
 import os
 from pathlib import Path
+
+# An FSDP run's checkpoint folder (checkpoint.save_sharded), and its names while a save replaces it.
+SHARDED = "ckpt.dcp"
+SHARDED_NAMES = (SHARDED, f"{SHARDED}.tmp", f"{SHARDED}.old")
 
 
 class ConfigError(ValueError):
@@ -67,6 +72,7 @@ def output_file(path, flag, replaces=None) -> Path:
     result, one of which an existing file must hold to be replaced (a slip such as --json=out/RUN/ckpt.pt keeps
     the checkpoint). Raises ConfigError naming `flag`."""
     p = Path(path)
+    not_in_a_checkpoint(p, flag)
     if p.is_dir() or str(path).endswith(("/", "\\")):
         raise ConfigError(f"{flag}={path} is a folder; give a file name such as {p / 'results.json'}")
     try:
@@ -88,6 +94,15 @@ def output_file(path, flag, replaces=None) -> Path:
             raise ConfigError(f"{flag}={path} exists and is not an earlier result of this script; pick another "
                               f"path, or delete the file if it may go")
     return p
+
+
+def not_in_a_checkpoint(path, flag):
+    """A ConfigError naming `flag` if path is or lies inside a sharded checkpoint's folder: the run's
+    next save replaces that folder whole, and whatever else was written there with it."""
+    for folder in [Path(path).resolve(), *Path(path).resolve().parents]:
+        if folder.name in SHARDED_NAMES:
+            raise ConfigError(f"{flag}={path} lies inside {folder}, a sharded checkpoint that the run's "
+                              f"next save replaces whole; pick a path outside it")
 
 
 def read_json_object(path) -> dict:

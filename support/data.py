@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from support.cli import require
+from support.cli import not_in_a_checkpoint, require
 from support.tokenizer import get_tokenizer
 
 SOURCES = ("shakespeare", "minipile", "pile", "text")
@@ -91,6 +91,10 @@ def _read_text(path, errors):
         data = path.read_bytes()
     except OSError as e:
         raise OSError(f"cannot read {path} ({e.strerror}); fix its permissions or leave it out") from e
+    nuls = data.count(0)
+    if nuls > len(data) // 10 or b"\0" * 16 in data:  # valid UTF-8, but not text a model should read
+        raise ValueError(f"{path} looks binary ({nuls} of its {len(data)} bytes are NUL): leave it out "
+                         f"of --input")
     try:
         return data.decode("utf-8")  # bytes as they are: no newline translation
     except UnicodeDecodeError as e:
@@ -298,8 +302,12 @@ def prepare(source, name=None, tokenizer=None, inputs=None, out_dir="data", val_
     if not 0 < val_fraction <= 0.5:
         raise ValueError(f"val_fraction must be in (0, 0.5], got {val_fraction}")
     name, tokenizer = name or source, tokenizer or DEFAULT_TOKENIZER[source]
+    if name in (".", "..") or Path(name).name != name or "\\" in name:
+        raise ValueError(f"--name {name!r} must be a folder name, not a path: the dataset is made inside "
+                         f"--out_dir (give --out_dir the folder that should hold it)")
     inputs = [str(inputs)] if isinstance(inputs, (str, Path)) else [str(i) for i in inputs or []]
     data_dir = Path(out_dir) / name
+    not_in_a_checkpoint(data_dir, "--out_dir")
     _clean_stale(data_dir)
     if (data_dir / "meta.json").exists() and not force:
         print(f"{data_dir} is already prepared; pass --force to rebuild it")

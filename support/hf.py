@@ -29,8 +29,8 @@ import torch
 
 from baselines import KNOBS, build_model, make_config, residual_of
 from model import GPT, ModelConfig
-from support.cli import read_json_object, require
-from support.tokenizer import HFTokenizer, snapshot
+from support.cli import SHARDED_NAMES, read_json_object, require
+from support.tokenizer import HFTokenizer, bytes_tokenizer_json, snapshot
 
 OUR_CONFIG = "model_config"  # our exports also record asdict(config) under this config.json key
 # An export transformers has no class for (a Depth-Attention mode, a looped model, a baseline) claims our own
@@ -41,6 +41,7 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", REMOT
 REMOTE_CODE = Path(__file__).resolve().parent / "hf_remote"  # its config and model classes, copied verbatim
 AUTO_MAP = {"AutoConfig": "configuration_depth_attention.DepthAttentionConfig",
             "AutoModelForCausalLM": "modeling_depth_attention.DepthAttentionForCausalLM"}
+RUN_MARKERS = ("train.lock", "ckpt.pt", "ckpt.dcp")  # what train.py writes into its out_dir
 IGNORED = re.compile(r"(^|\.)lm_head_layernorm\.weight$|rotary_emb\.inv_freq$")  # unused / recomputed on the fly
 # The authors' `baseline_mode` values (their code accepts these spellings) -> our `residual`. Their baseline
 # knobs carry our names (KNOBS).
@@ -269,17 +270,24 @@ def save_pretrained(model: GPT, out_dir, tokenizer, overwrite=False):
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
-        if isinstance(tokenizer, HFTokenizer):  # tokenizer_config.json: what transformers' AutoTokenizer needs
-            (tmp / "tokenizer.json").write_text(tokenizer.text)
+        if tokenizer is not None and not isinstance(tokenizer, HFTokenizer):
+            cfg["tokenizer"] = tokenizer.name  # tokenizer.get_tokenizer(name) rebuilds it
+        text = tokenizer.text if isinstance(tokenizer, HFTokenizer) else \
+            bytes_tokenizer_json() if getattr(tokenizer, "name", None) == "bytes" else None
+        if text:  # tokenizer_config.json: what transformers' AutoTokenizer needs beside it
+            (tmp / "tokenizer.json").write_text(text)
             (tmp / "tokenizer_config.json").write_text(json.dumps(
                 {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tokenizer.decode([tokenizer.eot_token]),
                  "model_max_length": model.config.block_size}, indent=2) + "\n")
-        elif tokenizer is not None:
-            cfg["tokenizer"] = tokenizer.name  # tokenizer.get_tokenizer(name) rebuilds it
         safetensors_torch.save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         if "auto_map" in cfg:
             write_remote_code(tmp)
+        mask = os.umask(0)  # the usual modes, which safetensors' own (0600) would not give the weights
+        os.umask(mask)
+        for f in tmp.iterdir():
+            f.chmod(0o666 & ~mask)
+        tmp.chmod(0o777 & ~mask)
         old = out.with_name(f".{out.name}.old{os.getpid()}")
         if out.exists():
             os.replace(out, old)
@@ -297,8 +305,11 @@ def check_export_dir(out: Path, overwrite):
     if out.resolve() == Path.cwd().resolve():  # replaced whole, it would leave this process in a deleted folder
         raise ValueError(f"{out} is the current folder; export into a folder inside it")
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-    if {"ckpt.pt", "train.lock"} & set(held):
-        raise ValueError(f"{out} is a train.py out_dir; export into another folder")
+    for folder in [out.resolve(), *out.resolve().parents]:  # a run's folder, its checkpoint, or within
+        if folder.name in SHARDED_NAMES or any((folder / name).exists() for name in RUN_MARKERS):
+            where = "is" if folder == out.resolve() else f"lies inside {folder},"
+            raise ValueError(f"{out} {where} a train.py run or checkpoint; export into a folder "
+                             f"outside it")
     if any((out / name).is_dir() for name in held):
         raise ValueError(f"{out} holds folders ({', '.join(n for n in held if (out / n).is_dir())}); export into an "
                          f"empty or new folder")

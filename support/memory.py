@@ -31,6 +31,7 @@ Left out, for largest_micro_batch's HEADROOM: the CUDA context, NCCL's buffers, 
 temporaries of an op or of a unit's backward, and torch.compile's changes to what is saved. docs/memory.md
 compares the plan with CPU training steps measured by measured_peak.
 """
+import os
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, replace
 from functools import lru_cache
@@ -377,18 +378,24 @@ def report(model_config, micro_batch, block_size, bf16, gpu_gbs=(24, 40, 80), wo
     and a one-sequence micro batch do not)."""
     params = traced(model_config, 1, block_size, "ddp", bf16)["params"]["total"]
     header = ["world", "parallel", "act_ckpt", *COLUMNS, *(f"mb@{g}" for g in gpu_gbs)]
-    rows = []
+    plans, rows = [], []
     for world in worlds:
         for parallel in PARALLEL:
             for ac in (False, True):
                 p = plan(model_config, micro_batch, block_size, world, parallel, ac, bf16)
                 largest = [largest_micro_batch(model_config, block_size, world, parallel, ac, bf16, g * GIB)
                            for g in gpu_gbs]
-                rows.append([world, parallel, "on" if ac else "off", *(f"{p[k] / GIB:.2f}" for k in COLUMNS),
-                             *(m or "-" for m in largest)])
+                plans.append((world, parallel, ac, p, largest))
+    # the unit the largest term shows in with a digit before the point: a tiny model's plan is in KiB
+    unit, size = next((u, b) for u, b in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
+                      if max(p["total"] for *_, p, _ in plans) >= b or b == 1)
+    for world, parallel, ac, p, largest in plans:
+        rows.append([world, parallel, "on" if ac else "off", *(f"{p[k] / size:.2f}" for k in COLUMNS),
+                     *(m or "-" for m in largest)])
     fraction, fixed = HEADROOM
-    title = (f"{params / 1e6:.1f}M parameters, micro batch {micro_batch} x {block_size} tokens, "
-             f"{'bf16' if bf16 else 'float32'}; GiB per GPU; mb@N: the largest micro batch for an N GiB card with "
+    count = f"{params / 1e6:.1f}M" if params >= 1e5 else f"{params:,}"
+    title = (f"{count} parameters, micro batch {micro_batch} x {block_size} tokens, "
+             f"{'bf16' if bf16 else 'float32'}; {unit} per GPU; mb@N: the largest micro batch for an N GiB card with "
              f"{fraction:.0%} + {fixed / GIB:g} GiB left free (the configured one fits where it is >= "
              f"{micro_batch})")
     return title + "\n" + table(rows, header)
@@ -396,7 +403,9 @@ def report(model_config, micro_batch, block_size, bf16, gpu_gbs=(24, 40, 80), wo
 
 def print_plan(cfg, model_keys):
     """`python train.py CONFIG --memory_plan=True`: report() for train.py's resolved config on GPUs (bf16 unless
-    --dtype=float32); nothing trains."""
+    --dtype=float32); nothing trains. Under torchrun, rank 0 alone prints it."""
+    if os.environ.get("RANK", "0") != "0":
+        return
     if cfg["micro_batch"] is None:
         fail("--memory_plan needs --micro_batch (the sequences of one forward pass on one GPU)")
     if cfg["vocab_size"] is None:

@@ -16,6 +16,7 @@ for sample.py, eval.py and export.py. `python train.py CONFIG --memory_plan=True
 GPU (memory.py).
 """
 import functools
+import warnings
 from contextlib import nullcontext
 
 import torch
@@ -72,6 +73,12 @@ def shard(model, bf16):
     """FSDP2 in place: every decoder block one unit, the rest (embeddings, final norm, head, a baseline's
     model-level modules) the root unit. Returns the parameters left replicated (see below)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+    # FSDP2 warns of every view a unit returns: an in-place op on it would lose the unit's pre-backward
+    # hook. A block returns its record, its K and V for later layers' depth steps, which is a view (of
+    # the V projection, or of the cache slots); depth_mix and lime_mix only read records (stack,
+    # vecdot, matmul, an addcmul_ into a new tensor), so no hook is lost, and the gradients equal one
+    # process's (tests/test_parallel.py). The warning would be a false alarm in every run.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPBlock\) returned a view tensor")
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
         MixedPrecisionPolicy()
     # fully_shard cannot shard a 0-dim parameter (mHC's gains, AttnRes's recency biases): those stay whole on every

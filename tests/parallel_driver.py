@@ -1,5 +1,6 @@
 """A few training steps of several tiny models through train.py's own step (train_step, parallel.Parallel), as
-one process or under torchrun with --parallel=ddp|fsdp, writing {case: [(loss, grad_norm), ...]} as JSON.
+one process or under torchrun with --parallel=ddp|fsdp, writing {case: {"steps": [(loss, grad_norm), ...],
+"grads": {parameter: the first step's gradient}}} as JSON.
 tests/test_parallel.py runs it both ways and compares: one torchrun launch covers every case.
 
     python tests/parallel_driver.py OUT.json single
@@ -52,10 +53,13 @@ def run_case(keys, mode, proc):
         rows = data[step, proc.rank * per_rank:(proc.rank + 1) * per_rank]
         batches = ((rows[m * mb:(m + 1) * mb, :-1], rows[m * mb:(m + 1) * mb, 1:]) for m in range(ACCUM))
         loss, norm = train.train_step(par.forward, par, batches, ACCUM, CFG["grad_clip"], proc)
+        if step == 0:  # the whole clipped gradient (FSDP: gathered from the shards, by every rank)
+            grads = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).tolist()
+                     for name, p in model.named_parameters() if p.grad is not None}
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         out.append((loss, norm))
-    return out
+    return {"steps": out, "grads": grads}
 
 
 def main(out_path, mode):

@@ -74,7 +74,8 @@ def test_export_into_an_older_sharded_export_replaces_it_whole(run_dir, tmp_path
 
     assert export(run_dir, out, "--overwrite") is None
     assert sorted(p.name for p in out.iterdir()) == ["baselines.py", "config.json", "configuration_depth_attention.py",
-                                                     "model.py", "model.safetensors", "modeling_depth_attention.py"]
+                                                     "model.py", "model.safetensors", "modeling_depth_attention.py",
+                                                     "tokenizer.json", "tokenizer_config.json"]
     new = load_model(run_dir).model.state_dict()
     assert all(torch.equal(new[k], v) for k, v in weights(out).items())
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]  # no temporary folder left
@@ -91,7 +92,7 @@ def test_export_never_overwrites_a_foreign_folder(run_dir, tmp_path, monkeypatch
     assert (foreign / "config.json").read_text() == '{"mine": 1}'
     other_run = tmp_path / "other"
     shutil.copytree(run_dir, other_run)
-    assert "train.py out_dir" in one_error_line(export(run_dir, other_run, "--overwrite"))
+    assert "other is a train.py run or checkpoint" in one_error_line(export(run_dir, other_run, "--overwrite"))
     assert "where the model comes from" in one_error_line(export(run_dir, run_dir))
     (tmp_path / "file").write_text("x")
     assert "is a file" in one_error_line(export(run_dir, tmp_path / "file"))
@@ -238,3 +239,19 @@ def test_init_from_hint_names_a_tokenizer_prepare_data_takes(run_dir, tmp_path, 
     prepare("text", name="ok", tokenizer="bytes", inputs=[str(corpus)],
                          out_dir=str(tmp_path / "data"), num_proc=1)  # the hint's tokenizer is accepted
     assert os.path.isfile(tmp_path / "data" / "ok" / "meta.json")
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_an_export_has_the_usual_file_modes(run_dir, tmp_path, umask):
+    """model.safetensors came out -rw------- (safetensors' own mode) beside 644 code files: every file takes
+    the mode a plain `cp` would give under the user's umask."""
+    old = os.umask(umask)
+    try:
+        assert export(run_dir, tmp_path / "hf") is None
+    finally:
+        os.umask(old)
+    files = sorted(p.name for p in (tmp_path / "hf").iterdir())
+    assert {"model.safetensors", "config.json", "model.py", "tokenizer.json"} <= set(files)
+    modes = {name: (tmp_path / "hf" / name).stat().st_mode & 0o777 for name in files}
+    assert modes == dict.fromkeys(files, 0o666 & ~umask)
+    assert (tmp_path / "hf").stat().st_mode & 0o777 == 0o777 & ~umask

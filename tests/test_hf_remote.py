@@ -333,3 +333,28 @@ def test_a_bf16_export_generates_in_transformers_as_ours(tmp_path, monkeypatch):
     got, want = theirs.generate(idx, max_new_tokens=16, do_sample=False, eos_token_id=None), \
         ours.generate(idx, 16, temperature=0)
     assert torch.equal(got, want), f"greedy tokens differ:\n{got}\n{want}"
+
+
+def test_a_byte_level_export_runs_in_autotokenizer_and_pipeline(tmp_path, monkeypatch):
+    """The quick start's model (the bytes tokenizer) had no tokenizer.json, so AutoTokenizer and pipeline() could
+    not load it: the folder's tokenizer.json gives our ids for any text (id = the UTF-8 byte, 256 the end of text)
+    and pipeline("text-generation") prints our greedy continuation."""
+    from transformers import pipeline
+    ours_tok = get_tokenizer("bytes")
+    ours, folder = export(tmp_path, "bytes", ours_tok, vocab_size=257, **MODES["value"])
+    monkeypatch.chdir(tmp_path)
+    theirs_tok = AutoTokenizer.from_pretrained(folder)
+    text = "  First Citizen:\n\tBefore we proceed — ça va? 你好 \x00\x7f\r\n" + "".join(map(chr, range(32, 600, 7)))
+    assert theirs_tok(text)["input_ids"] == ours_tok.encode(text)
+    assert theirs_tok.decode(ours_tok.encode(text)) == text
+    assert theirs_tok.eos_token_id == ours_tok.eot_token == 256 and theirs_tok.eos_token == "<|endoftext|>"
+    assert theirs_tok("a<|endoftext|>b")["input_ids"] == [97, 256, 98]  # as train.py's documents are joined
+    prompt = "ROMEO: "
+    want = ours.generate(torch.tensor([ours_tok.encode(prompt)]), 12, temperature=0)[0].tolist()
+    generate = pipeline("text-generation", model=str(folder), tokenizer=str(folder), trust_remote_code=True,
+                        device="cpu")
+    got = generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, return_full_text=True)
+    assert got[0]["generated_text"] == theirs_tok.decode(want)
+    assert got[0]["generated_text"] == ours_tok.decode(want)
+    noise = torch.randint(0, 257, (400,), generator=torch.Generator().manual_seed(0)).tolist()
+    assert theirs_tok.decode(noise) == ours_tok.decode(noise)  # invalid UTF-8 included, replaced alike

@@ -183,3 +183,23 @@ def test_train_py_prints_the_plan_and_trains_nothing(monkeypatch, capsys, tmp_pa
     error, _ = train_py(monkeypatch, capsys, *model[:-2], "--micro_batch=2", "--memory_plan=True",
                         f"--data_root={tmp_path}")
     assert error.startswith("error: --memory_plan needs --vocab_size")
+
+
+def test_the_plan_checks_the_layout_prints_once_and_shows_a_tiny_model(monkeypatch, capsys, tmp_path):
+    """Found by trying it: the plan took a --micro_batch train.py refuses, every torchrun rank printed the table,
+    and a tiny model read 0.00 GiB in every column (and 0.0M parameters)."""
+    model = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--n_kv_head=1", "--head_dim=16", "--mlp_hidden=64",
+             "--block_size=64", "--vocab_size=300", f"--out_dir={tmp_path / 'run'}", "--memory_plan=True"]
+    error, _ = train_py(monkeypatch, capsys, *model, "--micro_batch=3", "--batch_tokens=512")
+    assert error.startswith("error: micro_batch=3 must divide this rank's share") and "--micro_batch=2" in error
+    monkeypatch.setenv("WORLD_SIZE", "2")  # 8 rows over 2 ranks: 4 each, which 4 divides and 8 does not
+    error, _ = train_py(monkeypatch, capsys, *model, "--micro_batch=8", "--batch_tokens=512")
+    assert "--micro_batch=4" in error
+    error, out = train_py(monkeypatch, capsys, *model, "--micro_batch=4", "--batch_tokens=512")
+    params = build_model(make_config(n_layer=2, n_embd=32, n_head=2, n_kv_head=1, head_dim=16, mlp_hidden=64,
+                                     block_size=64, vocab_size=300)).num_params()
+    assert error is None and out.startswith(f"{params:,} parameters") and " MiB per GPU" in out
+    totals = [float(row.split()[8]) for row in out.splitlines()[2:]]
+    assert len(totals) == 8 and min(totals) > 1  # in MiB, each with digits that differ
+    monkeypatch.setenv("RANK", "1")
+    assert train_py(monkeypatch, capsys, *model, "--micro_batch=4", "--batch_tokens=512") == (None, "")

@@ -1,24 +1,17 @@
-"""--parallel=fsdp and --activation_checkpointing (parallel.py) change memory, never the run: FSDP on 2 gloo ranks
-reproduces one process for every mode and baseline, a sharded checkpoint resumes exactly and reads back whole
-(sample.py, the export), and activation checkpointing gives the same losses with less memory, measured."""
+"""--parallel=fsdp and --activation_checkpointing (support/parallel.py) change memory, never the run: FSDP on 2
+gloo ranks reproduces one process's losses, grad norms and gradients for every mode and baseline, with no false
+alarm from FSDP on the screen, and activation checkpointing gives the same losses with less memory, measured.
+The sharded checkpoint an FSDP run writes is tests/test_sharded.py's."""
 import json
 import runpy
-import shutil
-import subprocess
 import sys
-from dataclasses import asdict
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 
 from baselines import build_model, make_config
-from conftest import tiny_config
-import export
-import sample
-from support import checkpoint, hf, memory
-from support.checkpoint import CheckpointError, load_model
-from test_train import ENV, ROOT, TINY, max_diff, read_log, run
+from support import memory
+from test_train import ROOT, TINY, run
 
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
 DRIVER = ROOT / "tests" / "parallel_driver.py"
@@ -26,24 +19,39 @@ DRIVER = ROOT / "tests" / "parallel_driver.py"
 
 @pytest.fixture(scope="module")
 def driven(tmp_path_factory):
-    """The driver's losses and grad norms for every case, one process and FSDP on 2 ranks."""
+    """The driver's record of every case, one process and FSDP on 2 ranks, and FSDP's stderr."""
     out = tmp_path_factory.mktemp("driver")
     run(DRIVER, out / "single.json", "single")
-    run(DRIVER, out / "fsdp.json", "fsdp", launcher=TORCHRUN)
-    return json.loads((out / "single.json").read_text()), json.loads((out / "fsdp.json").read_text())
+    proc = run(DRIVER, out / "fsdp.json", "fsdp", launcher=TORCHRUN)
+    return (json.loads((out / "single.json").read_text()), json.loads((out / "fsdp.json").read_text()),
+            proc.stderr)
 
 
 def test_fsdp_reproduces_one_process_in_every_mode(driven):
-    single, fsdp = driven
+    single, fsdp, _ = driven
     for case in single:
-        diff = max(abs(a - b) for s, f in zip(single[case], fsdp[case]) for a, b in zip(s, f))
+        steps = zip(single[case]["steps"], fsdp[case]["steps"])
+        diff = max(abs(a - b) for s, f in steps for a, b in zip(s, f))
         assert diff < 1e-4, f"{case}: FSDP on 2 ranks and one process differ by {diff:.2e} (losses, grad norms)"
 
 
+def test_fsdp_gives_one_process_gradients_without_a_false_alarm(driven):
+    """FSDP2 warns when a wrapped module returns a view: a block's record, its K and V for later layers'
+    depth steps, is one. Nothing writes into a record in place, so its pre-backward hook stays: the
+    gradients of every parameter equal one process's, and the warning is kept off the screen."""
+    single, fsdp, stderr = driven
+    for case in single:
+        for name, grad in single[case]["grads"].items():
+            diff = (torch.tensor(grad) - torch.tensor(fsdp[case]["grads"][name])).abs().max().item()
+            assert diff < 1e-6, f"{case}: the gradient of {name} differs under FSDP by {diff:.2e}"
+    assert "returned a view tensor" not in stderr and "Warning" not in stderr, stderr[-2000:]
+
+
 def test_activation_checkpointing_changes_no_loss(driven):
-    single, _ = driven
+    single, _, _ = driven
     for case in ("value", "mhc"):
-        diff = max(abs(a - b) for s, c in zip(single[case], single[f"{case}+ac"]) for a, b in zip(s, c))
+        steps = zip(single[case]["steps"], single[f"{case}+ac"]["steps"])
+        diff = max(abs(a - b) for s, c in steps for a, b in zip(s, c))
         assert diff < 1e-5, f"{case}: activation checkpointing changed the losses by {diff:.2e}"
 
 
@@ -62,54 +70,6 @@ def test_activation_checkpointing_lowers_the_peak_memory(residual):
         f"activation checkpointing: peak {peak[True]:.0f} MiB, without {peak[False]:.0f} MiB"
 
 
-FSDP_RUN = [*TINY, "--micro_batch=2", "--batch_tokens=256", "--parallel=fsdp"]
-
-
-@pytest.fixture(scope="module")
-def fsdp_run(data_root, tmp_path_factory):
-    out = tmp_path_factory.mktemp("fsdp")
-    run("train.py", *FSDP_RUN, f"--data_root={data_root}", f"--out_dir={out}", "--sample_tokens=8",
-        launcher=TORCHRUN)
-    return out
-
-
-def test_fsdp_training_matches_one_process_and_resumes_exactly(fsdp_run, data_root, tmp_path):
-    single = tmp_path / "single"
-    run("train.py", *TINY, "--micro_batch=4", "--batch_tokens=256", f"--data_root={data_root}", f"--out_dir={single}")
-    diff = max_diff(read_log(fsdp_run), read_log(single))
-    assert diff < 1e-4, f"train.py --parallel=fsdp on 2 ranks and one process differ by up to {diff:.2e}"
-    resumed = tmp_path / "resumed"
-    run("train.py", *FSDP_RUN, f"--data_root={data_root}", f"--out_dir={resumed}", "--stop_at_step=6",
-        launcher=TORCHRUN)
-    assert (resumed / checkpoint.SHARDED / "run.pt").is_file() and not (resumed / "ckpt.pt").exists()
-    run("train.py", f"--out_dir={resumed}", "--resume=True", launcher=TORCHRUN)  # the rest from the checkpoint
-    diff = max_diff(read_log(resumed), read_log(fsdp_run))
-    assert diff == 0, f"stopped and resumed under FSDP, the run differs from the uninterrupted one by {diff:.2e}"
-
-
-def test_a_sharded_checkpoint_samples_and_exports(fsdp_run, tmp_path, capsys):
-    loaded = load_model(fsdp_run)
-    assert loaded.step == 16 and loaded.source.endswith(checkpoint.SHARDED)
-    sample.main([f"--init_from={fsdp_run}", "--prompt=the cat", "--max_new_tokens=6", "--temperature=0"])
-    text = capsys.readouterr().out.split("--- sample")[-1]
-    export.main([str(fsdp_run), str(tmp_path / "hf")])
-    again = hf.from_pretrained(tmp_path / "hf").state_dict()
-    assert all((again[k] == v).all() for k, v in loaded.model.state_dict().items())
-    sample.main([f"--init_from={tmp_path / 'hf'}", "--prompt=the cat", "--max_new_tokens=6", "--temperature=0"])
-    assert capsys.readouterr().out.split("--- sample")[-1] == text
-
-
-def test_a_damaged_sharded_checkpoint_is_one_error(fsdp_run, tmp_path):
-    broken = tmp_path / "broken"
-    shutil.copytree(fsdp_run, broken)
-    (broken / checkpoint.SHARDED / "__1_0.distcp").unlink()
-    with pytest.raises(CheckpointError, match="shards cannot be read"):
-        load_model(broken)
-    (broken / checkpoint.SHARDED / "run.pt").write_bytes(b"torn")
-    with pytest.raises(CheckpointError, match="not a readable checkpoint"):
-        load_model(broken)
-
-
 @pytest.mark.parametrize("args, message", [
     (["--parallel=fsdp"], "launch with `torchrun"),
     (["--parallel=zero3"], "--parallel must be one of ddp, fsdp"),
@@ -121,30 +81,6 @@ def test_bad_parallel_settings_fail_clearly(data_root, tmp_path, args, message, 
     assert str(e.value.code).startswith("error: ") and message in str(e.value.code)
 
 
-def test_a_checkpoint_resumes_only_under_its_own_parallel_mode(fsdp_run, data_root, tmp_path):
-    copy = tmp_path / "copy"
-    shutil.copytree(fsdp_run, copy)
-    proc = subprocess.run([sys.executable, "train.py", f"--out_dir={copy}", "--resume=True", "--parallel=ddp",
-                           "--max_iters=20"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1 and "written with --parallel=fsdp" in proc.stderr.strip().splitlines()[-1]
-
-
-def test_a_kill_during_a_sharded_save_keeps_the_previous_checkpoint(fsdp_run, tmp_path):
-    """Killed between rank 0's two renames, the previous checkpoint is ckpt.dcp.old and the new one half written
-    in ckpt.dcp.tmp: the next run into the folder restores the first and drops the second."""
-    copy = tmp_path / "run"
-    shutil.copytree(fsdp_run, copy)
-    (copy / checkpoint.SHARDED).rename(copy / f"{checkpoint.SHARDED}.old")
-    (copy / f"{checkpoint.SHARDED}.tmp").mkdir()
-    checkpoint.claim_out_dir(copy, resuming=True, overwrite=False).close()
-    assert sorted(p.name for p in copy.iterdir() if p.name.startswith("ckpt")) == [checkpoint.SHARDED]
-    assert load_model(copy).step == 16
-    with pytest.raises(CheckpointError, match="already holds a checkpoint"):
-        checkpoint.claim_out_dir(copy, resuming=False, overwrite=False)
-    checkpoint.claim_out_dir(copy, resuming=False, overwrite=True).close()
-    assert not (copy / checkpoint.SHARDED).exists()
-
-
 def test_fsdp_mixed_precision_trains_and_samples(data_root, tmp_path):
     """bf16 under FSDP (a GPU's default): float32 parameters compute in bf16, so the end-of-run sample's KV cache
     must be bf16 too (a float32 one stopped the run with a dtype error after its last checkpoint)."""
@@ -152,18 +88,3 @@ def test_fsdp_mixed_precision_trains_and_samples(data_root, tmp_path):
                "--max_iters=2", "--eval_interval=0", "--sample_tokens=5", f"--data_root={data_root}",
                f"--out_dir={tmp_path}", launcher=TORCHRUN)
     assert "cpu bf16" in proc.stdout and "sample (5 tokens)" in proc.stdout and "done: step 2" in proc.stdout
-
-
-def test_shards_are_read_into_the_model_itself(tmp_path):
-    """model_from_checkpoint reads ckpt.dcp straight into the model's parameters (state_dict's tensors are their
-    storage): the weights are the saved ones, not the fresh model's, with no second copy made."""
-    torch.manual_seed(0)
-    saved = build_model(tiny_config(depth_mode="value"))
-    with torch.no_grad():
-        for p in saved.parameters():
-            p.add_(1.0)  # away from what a fresh model with the same seed holds
-    with pytest.warns(UserWarning, match="single process"):  # no process group here, as intended
-        dcp.save({"model": saved.state_dict()}, checkpoint_id=tmp_path / "ckpt.dcp")
-    torch.manual_seed(0)
-    model = checkpoint.model_from_checkpoint({"model_config": asdict(saved.config), "shards": tmp_path / "ckpt.dcp"})
-    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), saved.state_dict().values()))

@@ -151,6 +151,9 @@ CASES = [
              {k: v for k, v in torch.load(w["run"] / "ckpt.pt", weights_only=True).items()
               if k in ("model", "model_config")}, w["tmp"] / "ckpt.pt")),
     case("train.py", "cannot write to --out_dir=", *TRAIN, "--out_dir={tmp}/file", make=write("file", b"")),
+    case("train.py", "a run that began from scratch; --init_from=", "--out_dir={tmp}/run", "--resume=True",
+         "--init_from={run}", make=lambda w, mp: copy_run(w)),  # recorded as loaded, it never was
+
     case("train.py", "bad.py, line 1: SyntaxError", *TRAIN, "{tmp}/bad.py", make=write("bad.py", b"n_layer = = 3\n")),
     # optimizer ranges
     case("train.py", "--learning_rate must be a finite number > 0, got -1.0", *TRAIN, "--learning_rate=-1"),
@@ -214,6 +217,20 @@ CASES = [
          "{tmp}/a.txt", "--name=mine", "--out_dir={tmp}", "--tokenizer=bytes",
          make=lambda w, mp: ((w["tmp"] / "mine").mkdir(), write("mine/notes.txt", b"mine")(w, mp),
                              write("a.txt", b"text")(w, mp))),
+    case("prepare_data.py", "zeros.bin looks binary (4096 of its 4096 bytes are NUL): leave it out", "text",
+         "--input", "{tmp}/a.txt", "{tmp}/zeros.bin", "--tokenizer=bytes", "--out_dir={tmp}/out",
+         make=lambda w, mp: (write("a.txt", b"text\n" * 9)(w, mp), write("zeros.bin", bytes(4096))(w, mp))),
+    *(case("prepare_data.py", "must be a folder name, not a path", "text", "--input", "{tmp}/a.txt",
+           f"--name={name}", "--tokenizer=bytes", "--out_dir={tmp}/out", make=write("a.txt", b"text"))
+      for name in ("../x", "{tmp}/abs", "..", "a/b")),
+    # nothing is written inside a sharded checkpoint, which the run's next save replaces whole
+    *(case(script, "a sharded checkpoint that the run's next save replaces whole", *args)
+      for script, *args in [("train.py", *TRAIN, "--out_dir={tmp}/r/ckpt.dcp"),
+                            ("train.py", *TRAIN, "--out_dir={tmp}/r/ckpt.dcp.tmp/sub"),
+                            ("prepare_data.py", "text", "--input", "{tmp}", "--out_dir={tmp}/r/ckpt.dcp"),
+                            ("eval.py", "--init_from={run}", "--json={tmp}/r/ckpt.dcp/eval.json"),
+                            ("bench_cache.py", "--json={tmp}/r/ckpt.dcp.old/bench.json"),
+                            ("ablate.py", "--out={tmp}/r/ckpt.dcp/sweep")]),
     # bench_cache.py and ablate.py
     case("bench_cache.py", "unknown preset 'foo'; choose one of paper_3b, paper_1p5b", "--preset=foo"),
     case("bench_cache.py", "unknown mode 'foo'; choose from vanilla", "--modes=foo"),
@@ -374,3 +391,41 @@ def test_temporaries_of_killed_runs_are_removed(world, tmp_path):
     assert sorted(p.name for p in (tmp_path / "data").iterdir()) == sorted(["tiny", "other", f"tiny.tmp{os.getppid()}"])
     assert snapshot(data) == before and snapshot(tmp_path / "data" / "other") == {
         tmp_path / "data" / "other" / p.name: h for p, h in before.items()}
+
+
+def test_a_resume_keeps_the_weights_it_began_from(world, tmp_path):
+    """--resume=True with another --init_from used to continue the checkpoint while config.json recorded
+    the other weights; the same weights, however spelled, continue."""
+    run, tune = world["run"], tmp_path / "tune"
+    code, _, err = cli("train.py", *SHORT, f"--data_root={world['data_root']}", f"--out_dir={tune}",
+                       f"--init_from={run}", "--max_iters=2")
+    assert code == 0, err[-2000:]
+    spelled = os.path.relpath(run, Path.cwd()) + "/"
+    code, out, err = cli("train.py", f"--out_dir={tune}", "--resume=True", f"--init_from={spelled}",
+                         "--max_iters=4")
+    assert code == 0 and "done: step 4" in out, err[-2000:]
+    assert json.loads((tune / "config.json").read_text())["init_from"] in (str(run), spelled)
+    code, out, err = cli("train.py", f"--out_dir={tune}", "--resume=True", f"--init_from={tune}")
+    assert_one_error_line(code, out, err, f"a run that began from --init_from={spelled}; --init_from={tune}")
+
+
+@pytest.mark.parametrize("args, warned", [
+    (["--depth_mode=value", "--lime_router_lr_mult=2"], {"lime_router_lr_mult": "only depth_mode=lime"}),
+    (["--depth_mode=vanilla", "--depth_stride=2", "--depth_recent_window=1"],
+     {"depth_stride": "depth_mode=vanilla has no depth step", "depth_recent_window": "has no depth step"}),
+    (["--qk_norm=False", "--k_norm_after_rope=True"], {"k_norm_after_rope": "--qk_norm=False has no k_norm"}),
+    (["--depth_mode=vanilla", "--residual=attnres", "--mhc_num_streams=2", "--denseformer_dwa_period=2"],
+     {"mhc_num_streams": "only --residual=mhc", "denseformer_dwa_period": "only --residual=denseformer"}),
+    (["--depth_mode=lime", "--lime_router_lr_mult=2", "--depth_stride=1"], {}),
+    (["--depth_mode=vanilla", "--residual=mhc", "--mhc_num_streams=2"], {}),
+])
+def test_a_key_the_model_ignores_is_named(world, tmp_path, args, warned):
+    """--lime_router_lr_mult on a run that is not lime was taken without a word: each key the run's model
+    has no use for is a warning naming it; a key the model reads is not."""
+    code, out, err = cli("train.py", *SHORT, "--max_iters=1", f"--data_root={world['data_root']}",
+                         f"--out_dir={tmp_path / 'run'}", *args)
+    assert code == 0, err[-2000:]
+    said = {line.split("=")[0].removeprefix("warning: --"): line for line in err.splitlines()
+            if line.startswith("warning: --") and "does nothing in this run" in line}
+    assert said.keys() == warned.keys(), err
+    assert all(why in said[key] for key, why in warned.items())

@@ -147,13 +147,15 @@ def test_sample_prompt_too_long_fails_clearly(reference):
 
 def test_config_files_resolve():
     """Every shipped config (ablations on top of their base) names only known keys and builds a ModelConfig;
-    each vanilla twin differs from its value run in depth_mode and out_dir alone; shakespeare.py is the default."""
+    each vanilla twin differs from its value run in depth_mode, out_dir and the stride it has no use for;
+    shakespeare.py is the default. None sets a key its model ignores (train.py would warn)."""
     ns = runpy.run_path(str(ROOT / "train.py"))  # train.py's DEFAULTS, without running main
     defaults, configs = ns["DEFAULTS"], ROOT / "configs"
 
     def resolve(*names):
         cfg = parse_config(defaults, [str(configs / n) for n in names])
         make_config(**{k: cfg[k] for k in ns["MODEL_KEYS"]} | {"vocab_size": cfg["vocab_size"] or 257})
+        assert not ns["ignored_keys"](cfg), names
         return cfg
 
     runs = {p.name: resolve(p.name) for p in configs.glob("*.py")}
@@ -164,7 +166,8 @@ def test_config_files_resolve():
             assert mb * accum * world == rows == cfg["batch_tokens"] // cfg["block_size"], (name, world)
     for name in [n for n in runs if n.endswith("_vanilla.py")]:
         twin, ours = runs[name.replace("_vanilla", "_value")], runs[name]
-        assert {k for k in ours if ours[k] != twin[k]} == {"depth_mode", "out_dir"}, name
+        assert {k for k in ours if ours[k] != twin[k]} <= {"depth_mode", "out_dir", "depth_stride"}, name
+        assert ours["depth_stride"] is None and ours["depth_mode"] == "vanilla", name
     deltas = [p.name for p in (configs / "ablations").glob("*.py") if p.name not in ("base.py", "cpu.py")]
     for base in ("base.py", "cpu.py"):  # the GPU and the CPU base of the sweep take the same deltas
         runs = {d: resolve(f"ablations/{base}", f"ablations/{d}") for d in deltas}
