@@ -1,13 +1,13 @@
 """
-Export a model to a Hugging Face folder: config.json, model.safetensors, the tokenizer and, for any model
-but a vanilla one, the code transformers runs it with (support/hf.py, save_pretrained).
+Export a model to a Hugging Face folder: config.json, model.safetensors, the tokenizer and, for
+any model but a vanilla one, the code transformers runs it with (support/hf.py, save_pretrained).
 
-    python export.py out/shakespeare out/shakespeare_hf              # a train.py out_dir (or its ckpt.pt)
-    python export.py zeng123/Depth-attention-3B out/da3b_hf          # a Hugging Face folder or hub id
+    python export.py out/shakespeare out/shakespeare_hf      # a train.py out_dir (or its ckpt.pt)
+    python export.py zeng123/Depth-attention-3B out/da3b_hf  # a Hugging Face folder or hub id
     python export.py out/RUN out/RUN_hf --dtype=bfloat16 --overwrite
 
-The folder is written whole beside OUT_DIR and renamed into place, so an interrupted export leaves no
-partial folder; an existing folder is refused, or replaced whole with --overwrite.
+The folder is written whole beside OUT_DIR and renamed into place, so an interrupted export leaves
+no partial folder; an existing folder is refused, or replaced whole with --overwrite.
 """
 import argparse
 import json
@@ -24,18 +24,21 @@ from support.cli import fail
 def main(argv):
     p = argparse.ArgumentParser(description=__doc__.strip().split("\n")[0],
                                 epilog="python export.py SRC OUT_DIR [--dtype=...] [--overwrite]")
-    p.add_argument("src", help="a train.py out_dir, a ckpt.pt or ckpt.dcp, or a Hugging Face folder / hub id")
+    p.add_argument("src", help="a train.py out_dir, a ckpt.pt or ckpt.dcp, or a Hugging Face "
+                               "folder / hub id")
     p.add_argument("out_dir", help="a new or empty folder (not a train.py out_dir)")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), help="convert the weights (default: unchanged)")
-    p.add_argument("--overwrite", action="store_true", help="replace the files already in OUT_DIR, all of them")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"),
+                   help="convert the weights (default: unchanged)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the files already in OUT_DIR, all of them")
     args = p.parse_args(argv)
     out = Path(args.out_dir).resolve()
     src = Path(args.src).resolve()
     if src.exists():  # a folder or a file of ours (a hub id is not a path)
         home = src if hf.is_hf_folder(src) else checkpoint_path(src).resolve().parent
         if out == home or home in out.parents or out in home.parents:
-            fail(f"{args.out_dir} is, holds or lies inside {home}, where the model comes from; export "
-                 f"into a folder outside it")
+            fail(f"{args.out_dir} is, holds or lies inside {home}, where the model comes from; "
+                 f"export into a folder outside it")
     try:
         hf.check_export_dir(Path(args.out_dir), args.overwrite)  # before loading: refusing is free
         loaded = load_model(args.src)
