@@ -14,6 +14,9 @@ same command completes a partial sweep; any other run there (other settings, an 
 stops the command before it trains, naming it: pick a new --out, or --overwrite=True retrains it from scratch.
 Writes <out>/results.{md,json}, and with matplotlib <out>/curves.png and <out>/depth_weights*.png.
 
+    python ablate.py --depth_weights=out/ablate_cpu/value/seed0   # one run's depth weights (Figure 3),
+                                                                  # printed and drawn; trains nothing
+
 A peak learning rate that suits one method can handicap another, so three more protocols compare each method
 at its own best rate and follow the gap as training lengthens (one command each, in this order):
 
@@ -35,9 +38,10 @@ import torch
 
 from baselines import DEPTH_MODES
 from support import paper
-from support.checkpoint import CheckpointError, model_from_checkpoint, read_checkpoint
+from support.checkpoint import CheckpointError, checkpoint_path, model_from_checkpoint, read_checkpoint
 from support.cli import ConfigError, fail, output_file, require, write_atomically
 from support.config import arg_updates, check_ranges, parse_config
+from support.depth_weights import as_matrix, mean_depth_weights, table
 from support.sweep import final_val_loss, read_log, run_dir, survey, train_config, train_defaults, unset_key
 
 ROOT = Path(__file__).resolve().parent
@@ -53,6 +57,9 @@ DEFAULTS = {
     "lr_seeds": 1,                        # lr_sweep: seeds per rate; best_lr reuses its runs where seed and rate match
     "long_runs": "vanilla,value",         # long: the runs trained longer; the first is the baseline of the gap
     "long_factor": 5,                     # long: this many times the base's max_iters (and tokens)
+    "depth_weights": "",                  # a run folder or checkpoint: print and draw its depth weights,
+                                          # training nothing (Figure 3)
+    "figure": "",                         # where --depth_weights draws; default <run>/depth_weights.png
     "overwrite": False,                   # retrain from scratch, deleting them, the runs in --out that cannot be
                                           # reused (trained with other settings, or with an unreadable record)
 }
@@ -266,28 +273,21 @@ def plot_curves(out, names, seeds, path):
     plt.close(fig)
 
 
-@torch.no_grad()
 def depth_weight_matrix(ckpt_path, n_windows=16):
     """Average depth weight each effective layer puts on each candidate (its sources, then itself),
     over fixed validation windows, batch rows, KV heads and positions: (L, L), NaN where not a candidate."""
-    ckpt = read_checkpoint(ckpt_path)
+    ckpt = read_checkpoint(ckpt_path, verify=("model", "model_config", "files"))
     model = model_from_checkpoint(ckpt).eval()
     T = model.config.block_size
     val = np.memmap(ROOT / ckpt["data_dir"] / "val.bin", dtype=np.uint16, mode="r")  # train.py ran in ROOT
     starts = np.linspace(0, len(val) - T - 1, n_windows).astype(np.int64)
     x = torch.from_numpy(np.stack([val[s:s + T].astype(np.int64) for s in starts]))
-    with model.capture_depth_weights() as alphas:
-        model(x)
-    L = model.config.n_eff_layer
-    matrix = np.full((L, L), np.nan)
-    for e, (src, a) in alphas.items():
-        matrix[e, src + [e]] = a.mean(dim=(0, 1, 2)).numpy()
-    return matrix
+    return as_matrix(mean_depth_weights(model, x), model.config.n_eff_layer)
 
 
-def plot_depth_weights(ckpt_path, path, title):
+def plot_depth_weights(m, path, title):
+    """Figure 3's heatmap of depth_weight_matrix's m: layer by candidate, the weight in each cell."""
     plt = _pyplot()
-    m = depth_weight_matrix(ckpt_path)
     fig, ax = plt.subplots(figsize=(6, 5))
     im = ax.imshow(m, cmap="viridis", vmin=0, vmax=1, origin="upper")
     for (i, j), v in np.ndenumerate(m):
@@ -298,7 +298,30 @@ def plot_depth_weights(ckpt_path, path, title):
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return m
+
+
+def show_depth_weights(source, figure):
+    """ablate.py --depth_weights=RUN: a checkpoint's depth weights printed as a table and drawn."""
+    path = checkpoint_path(source)
+    figure = output_file(figure or path.parent / "depth_weights.png", "--figure")
+    try:
+        m = depth_weight_matrix(path)
+    except CheckpointError as e:
+        fail(e)
+    except FileNotFoundError as e:
+        fail(f"{e.filename} is missing: the depth weights are read on the run's validation data; prepare "
+             f"it again (python prepare_data.py) where the run found it")
+    if np.isnan(m).all():
+        fail(f"{source}'s model computes no per-token depth weights (vanilla, the baselines and LIMe "
+             f"have none); give a run of a Depth-Attention mode")
+    print(f"mean depth weights of {path} over 16 validation windows (row: layer, column: candidate)")
+    print(table(m))
+    try:
+        run = path.parent.resolve()
+        plot_depth_weights(m, figure, f"Depth weights, {run.parent.name}/{run.name}")
+        print("figure:", figure)
+    except ImportError as e:
+        print(f"no figure: {e}")
 
 
 def best_rates(out, names, lrs, lr_seeds):
@@ -409,7 +432,8 @@ def report_shared(out, names, cfg, extra):
     for run, png in DEPTH_FIGURES:
         if run in names:
             try:  # a finished run's checkpoint was checked before the sweep; one may have been pruned since it ran
-                plot_depth_weights(run_dir(out, run, 0) / "ckpt.pt", out / png, f"Depth weights, {run}, seed 0")
+                m = depth_weight_matrix(run_dir(out, run, 0) / "ckpt.pt")
+                plot_depth_weights(m, out / png, f"Depth weights, {run}, seed 0")
                 figures.append(out / png)
             except (CheckpointError, OSError) as e:
                 print(f"no {png}: {e}")
@@ -452,6 +476,8 @@ def parse_args(argv):
     if cfg["threads"] > cores:
         fail(f"--threads={cfg['threads']} exceeds this machine's {cores} cores; give at most {cores} (0 = the cores "
              f"shared among the jobs)")
+    if cfg["figure"] and not cfg["depth_weights"]:
+        fail(f"--figure={cfg['figure']} is where --depth_weights=RUN draws; give the run too")
     if not cfg["out"]:
         fail("--out is empty; give the folder for the runs and results, e.g. --out=out/ablate_cpu")
     if not Path(cfg["base"]).is_file():
@@ -516,6 +542,8 @@ def run_protocol(cfg, extra, lrs, names):
 def main(argv):
     cfg, extra, lrs, names = parse_args(argv)
     try:
+        if cfg["depth_weights"]:
+            return show_depth_weights(cfg["depth_weights"], cfg["figure"])
         return run_protocol(cfg, extra, lrs, names)
     except ConfigError as e:  # a path that cannot be written, a key train.py does not know
         fail(e)

@@ -101,6 +101,12 @@ def fp32_or_wider(x):
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
+def group_mean(q, n_kv_head):
+    """qbar: the mean of each group of g = n_head / n_kv_head query heads that share a KV head
+    (section 2.3), (B, n_head, T, D) -> (B, n_kv_head, T, D)."""
+    return q.unflatten(1, (n_kv_head, -1)).mean(2)
+
+
 # How a layer weighs its C candidates: qbar (B, n_kv_head, T, D) and the candidates' keys, each
 # like qbar, give alpha (B, n_kv_head, C, T) in float32. Candidates come before positions, so the
 # softmax and each candidate's weights run along contiguous positions (2x faster, docs/cost.md).
@@ -166,7 +172,7 @@ def depth_mix(q, k, v, src_k, src_v, mode: DepthMode, fast=True):
     if fast and mode.decode_kernel and q.shape[2] == 1:
         return (*depth_mix_one(q, k, v, src_k, src_v, mode), None)
     keys, values = src_k + [k], src_v + [v]
-    qbar = q.unflatten(1, (k.shape[1], -1)).mean(2)                   # (B, n_kv_head, T, D)
+    qbar = group_mean(q, k.shape[1])                                   # (B, n_kv_head, T, D)
     alpha = mode.weights(qbar, keys)                                   # (B, n_kv_head, C, T)
     k_out = weighted_sum(alpha, keys) if mode.mixes_k else k
     v_out = weighted_sum(alpha, values) if mode.mixes_v else v
@@ -189,7 +195,7 @@ def depth_mix_one(q, k, v, src_k, src_v, mode: DepthMode):
     axis, so one scaled_dot_product_attention call does softmax_weights' scores, softmax and mix
     (2.6x faster than the passes on a CPU, docs/cost.md). Its scores stay float32, where the passes
     round them to the activations' dtype: bf16 differs by that. q (B, n_head, 1, D)."""
-    qbar = q.unflatten(1, (k.shape[1], -1)).mean(2)                   # (B, n_kv_head, 1, D)
+    qbar = group_mean(q, k.shape[1])                                   # (B, n_kv_head, 1, D)
     keys = torch.cat(src_k + [k], 2)                                   # (B, n_kv_head, C, D)
     k_out = F.scaled_dot_product_attention(qbar, keys, keys) if mode.mixes_k else k
     if mode.mixes_v:
@@ -212,7 +218,7 @@ class KVCache:
         shape = (config.n_eff_layer, batch_size, config.n_kv_head, max_len, config.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
-        self.pos = 0  # tokens written so far; advanced by GPT.forward after all layers ran
+        self.pos = 0  # tokens written so far: advance(T) once per forward, after every layer
 
     @property
     def max_len(self) -> int:
@@ -228,6 +234,10 @@ class KVCache:
         self.k[e, :, :, self.pos:end] = k
         self.v[e, :, :, self.pos:end] = v
         return self.k[e, :, :, :end], self.v[e, :, :, :end]
+
+    def advance(self, T: int):
+        """The chunk's T tokens are written in every layer: the next forward continues after them."""
+        self.pos += T
 
 
 # ----------------------------------------------------------------------------- the decoder
@@ -413,7 +423,7 @@ class GPT(nn.Module):
         cos, sin = rope_tables(self.config, pos, T, idx.device, wide)
         x = self.run_layers(self.embed_tokens(idx), cos, sin, cache)          # (B, T, n_embd)
         if cache is not None:
-            cache.pos += T
+            cache.advance(T)
         logits = self.lm_head(self.norm(x))                                    # (B, T, vocab)
         loss = None
         if targets is not None:

@@ -41,6 +41,7 @@ from support.checkpoint import (SHARDED, CheckpointError, checkpoint_path, claim
 from support.cli import ConfigError, fail, not_in_a_checkpoint, reason, require, resolve_device
 from support.config import check_ranges, parse_config
 from support.data import SOURCES, load_meta, prepare
+from support.depth_weights import as_record, weight_sums
 from support.parallel import PARALLEL, Parallel, checkpoint_activations
 from support.signals import StopSignals, peak_memory
 from support.tokenizer import get_tokenizer, same_tokenizer, tokenizer_flag, tokenizer_record
@@ -483,39 +484,48 @@ def log(record, out_dir, wandb):
     with open(out_dir / "log.jsonl", "a") as f:
         f.write(json.dumps(record) + "\n")
     if wandb:
-        wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+        flat = {f"depth_weight/{e}/{c}": w for e, row in record.get("depth_weights", {}).items()
+                for c, w in row.items()}  # layer e's weight on candidate c
+        wandb.log({**{k: v for k, v in record.items() if k not in ("step", "depth_weights")}, **flat},
+                  step=record["step"])
 
 
 def eval_and_log(model, val, offsets, mb, T, proc, step, out_dir, wandb):
-    val_loss = evaluate(model, val, offsets, mb, T, proc)
+    val_loss, weights = evaluate(model, val, offsets, mb, T, proc)
     if proc.master:
-        log({"kind": "eval", "step": step, "val_loss": val_loss}, out_dir, wandb)
+        record = {"kind": "eval", "step": step, "val_loss": val_loss}
+        log({**record, "depth_weights": as_record(weights)} if weights else record, out_dir, wandb)
         tqdm.write(f"eval step {step} | val_loss {val_loss:.4f}")
     return val_loss
 
 
 @torch.no_grad()
 def evaluate(model, val, offsets, mb, T, proc):
-    """Mean validation loss over the fixed windows at `offsets` (each rank scores its slice), summed
-    in float64. Every rank makes the same number of forward passes (a sharded model gathers its
-    weights in each, with every rank): one with fewer windows scores its first again, uncounted."""
+    """The mean validation loss over the fixed windows at `offsets` (each rank scores its slice),
+    summed in float64, and the mean depth weight of each layer on each candidate over them (Figure
+    3's numbers, {} for a model without them). Every rank makes the same number of forward passes
+    (a sharded model gathers its weights in each, with every rank): one with fewer windows scores
+    its first again, uncounted."""
     model.eval()
     mine = np.array_split(offsets, proc.world)[proc.rank]
-    sums = [0.0, 0]  # (sum of token losses, tokens)
+    sums, weights = [0.0, 0], {}  # (sum of token losses, tokens); {(e, c): sum over windows}
+    capture = getattr(model, "capture_depth_weights", lambda: nullcontext({}))
     for i in range(0, math.ceil(len(offsets) / proc.world), mb):
         chunk = mine[i:i + mb]
         x, y = get_batch(val, chunk if len(chunk) else offsets[:1], T, proc.device,
                          model.config.vocab_size)
-        with proc.autocast():
+        with proc.autocast(), capture() as alphas:
             _, loss = model(x, y)
         if len(chunk):
             sums = [sums[0] + loss.item() * y.numel(), sums[1] + y.numel()]
+        for key, w in weight_sums(alphas, len(chunk)).items():  # every rank every key, in order
+            weights[key] = weights.get(key, 0.0) + w
     if proc.distributed:
-        total = torch.tensor(sums, dtype=torch.float64, device=proc.device)
+        total = torch.tensor(sums + list(weights.values()), dtype=torch.float64, device=proc.device)
         dist.all_reduce(total)
-        sums = total.tolist()
+        sums, weights = total[:2].tolist(), dict(zip(weights, total[2:].tolist()))
     model.train()
-    return sums[0] / sums[1]
+    return sums[0] / sums[1], {key: w / len(offsets) for key, w in weights.items()}
 
 
 def train_step(fwd, par, batches, accum, grad_clip, proc):

@@ -103,6 +103,32 @@ def test_depth_weight_matrix_rows_are_distributions(sweep):
     assert not np.isnan(m[3, [0, 2, 3]]).any() and np.isnan(m[3, 1])  # 4 layers, stride 2: layer 3 reads 0, 2
 
 
+def test_depth_weights_of_one_run_printed_and_drawn(sweep, tmp_path):
+    """ablate.py --depth_weights=RUN: the table of depth_weight_matrix, the heatmap beside the run
+    (or at --figure), training nothing; runs without depth weights and bad paths are one line."""
+    run = sweep[0] / "value" / "seed0"
+    before = files(sweep[0])
+    printed = ablate(f"--depth_weights={run}", f"--figure={tmp_path / 'w.png'}")
+    m = ablate_py.depth_weight_matrix(run / "ckpt.pt")
+    rows = [line.split("|") for line in printed.splitlines()[2:] if "|" in line]
+    assert [int(e) for e, _ in rows] == [1, 2, 3]  # layer 0 only stores
+    for e, cells in rows:
+        want = ["." if np.isnan(w) else f"{w:.2f}" for w in m[int(e)]]
+        assert cells.split() == want
+    img = matplotlib.image.imread(tmp_path / "w.png")
+    assert img.ndim == 3 and np.ptp(img) > 0 and files(sweep[0]) == before
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    assert f"figure: {copy / 'depth_weights.png'}" in ablate(f"--depth_weights={copy}")
+    assert (copy / "depth_weights.png").is_file()
+    assert "no per-token depth weights" in refused(f"--depth_weights={sweep[0] / 'vanilla' / 'seed0'}")
+    assert "no checkpoint at" in refused(f"--depth_weights={tmp_path / 'nothing'}")
+    assert "give the run too" in refused(f"--figure={tmp_path / 'w.png'}")
+    assert "is a folder" in refused(f"--depth_weights={run}", f"--figure={tmp_path}")
+    (copy / "ckpt.pt").write_bytes((copy / "ckpt.pt").read_bytes()[:1000])
+    assert "truncated or corrupt" in refused(f"--depth_weights={copy}")
+
+
 @pytest.fixture(scope="module")
 def protocols(data_root, tmp_path_factory):
     """The per-method learning-rate protocols on the tiny config: sweep, best rate, longer runs."""

@@ -73,6 +73,20 @@ def test_the_import_graph_is_layered():
     assert not {name for name, deps in graph.items() if deps & SCRIPTS}, "a module imports a script"
 
 
+def test_the_course_stands_on_the_model_and_the_package_and_nothing_stands_on_it():
+    """course/ (the assignment) reads model.py, baselines.py and support/, never a script; only its
+    own test (tests/test_course.py) imports it, so the repository runs without it."""
+    for path in (ROOT / "course").rglob("*.py"):
+        found = {m for m in imports(path) if m in SCRIPTS}
+        assert not found, f"{path.relative_to(ROOT)} imports the scripts {sorted(found)}"
+    for path in [*ROOT.glob("*.py"), *(ROOT / "support").rglob("*.py"), *(ROOT / "tests").glob("*.py")]:
+        tree = ast.parse(path.read_text())
+        users = [n for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom))
+                 and any(name.split(".")[0] == "course" for name in
+                         ([a.name for a in n.names] if isinstance(n, ast.Import) else [n.module or ""]))]
+        assert not users or path.name == "test_course.py", f"{path.relative_to(ROOT)} imports course"
+
+
 @pytest.mark.parametrize("overrides", [dict(depth_mode="value"), dict(depth_mode="kv", n_loops=2),
                                        dict(depth_mode="vanilla", residual="mhc", mhc_num_streams=2)], ids=str)
 def test_a_checkpoint_in_the_old_format_loads_and_samples_as_before(tmp_path, overrides, capsys):

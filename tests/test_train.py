@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -64,6 +65,48 @@ def test_training_lowers_loss(reference):
     assert config["n_layer"] == 3 and config["vocab_size"] == 257  # vocab_size=None followed meta.json
 
 
+def eval_weights(out_dir):
+    """{step: the depth_weights of its eval record} from out_dir/log.jsonl."""
+    records = [json.loads(line) for line in (Path(out_dir) / "log.jsonl").read_text().splitlines()]
+    return {r["step"]: r.get("depth_weights") for r in records if r["kind"] == "eval"}
+
+
+def test_every_evaluation_logs_the_depth_weights(reference):
+    """Figure 3's numbers through training: each eval record holds every layer's mean weight on each
+    candidate, over the validation windows; each layer's are a distribution, they move as the run
+    trains, and the last equal the checkpoint's own over the same windows."""
+    from support.checkpoint import model_from_checkpoint, read_checkpoint
+    from support.depth_weights import as_record, mean_depth_weights
+    out = reference[0]
+    logged = eval_weights(out)
+    assert sorted(logged) == [0, 4, 8, 12, 16] and logged[0] != logged[16]
+    for weights in logged.values():
+        assert sorted(weights) == ["1", "2"]  # layer 0 has no sources
+        assert all(abs(sum(row.values()) - 1) < 1e-4 for row in weights.values())
+    ckpt = read_checkpoint(out / "ckpt.pt")
+    val = np.fromfile(Path(ckpt["data_dir"]) / "val.bin", dtype=np.uint16).astype(np.int64)
+    T, n = ckpt["config"]["block_size"], ckpt["config"]["eval_seqs"]
+    offsets = np.linspace(0, len(val) - T - 1, n).round().astype(np.int64)  # train.py's windows
+    x = torch.from_numpy(np.stack([val[o:o + T] for o in offsets]))
+    want = as_record(mean_depth_weights(model_from_checkpoint(ckpt).eval(), x))
+    assert want.keys() == logged[16].keys() and all(
+        abs(want[e][c] - w) < 1e-4 for e, row in logged[16].items() for c, w in row.items())
+
+
+def test_wandb_gets_the_depth_weights_as_one_series_each(tmp_path):
+    import train
+
+    class Run:  # what train.py calls of a wandb run
+        def log(self, values, step):
+            self.logged = (values, step)
+    run = Run()
+    record = {"kind": "eval", "step": 8, "val_loss": 2.5, "depth_weights": {"2": {"0": 0.25, "2": 0.75}}}
+    train.log(record, tmp_path, run)
+    assert run.logged == ({"kind": "eval", "val_loss": 2.5, "depth_weight/2/0": 0.25,
+                           "depth_weight/2/2": 0.75}, 8)
+    assert json.loads((tmp_path / "log.jsonl").read_text()) == record
+
+
 def test_two_gloo_ranks_match_one_process(reference, data_root, tmp_path):
     # Same global batch: 2 ranks x 2 micro-steps x 2 sequences = 1 process x 2 micro-steps x 4 sequences.
     run("--standalone", "--nproc_per_node=2", "train.py", *TINY, "--micro_batch=2", "--batch_tokens=256",
@@ -71,6 +114,8 @@ def test_two_gloo_ranks_match_one_process(reference, data_root, tmp_path):
         launcher=(sys.executable, "-m", "torch.distributed.run"))
     diff = max_diff(read_log(tmp_path), read_log(reference[0]))
     assert diff < 1e-5, f"DDP and single-process losses differ by up to {diff:.3e}"
+    ranks, one = eval_weights(tmp_path), eval_weights(reference[0])  # each rank scored its windows
+    assert all(abs(ranks[s][e][c] - w) < 1e-5 for s in one for e in one[s] for c, w in one[s][e].items())
 
 
 def test_resume_reproduces_the_uninterrupted_run(reference, data_root, tmp_path):

@@ -1,0 +1,190 @@
+"""
+Write the student copy of this repository for the course assignment (the handout: course/README.md).
+
+    python course/make.py student/                # hand student/ out
+    python course/make.py student/ --overwrite    # replace an earlier student copy, whole
+
+The functions course/problems.py names get the body `raise NotImplementedError("Problem N: ...")`,
+their signatures and docstrings kept. What would show a solution stays out: test_model.py's loop
+reference, the tests/ that check the method, the docs that print its code, the instructor's answers
+(course/answers.md). The graded tests' fixtures are recorded from this repository's model.py as it
+is now, so they match it.
+"""
+import argparse
+import ast
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from course.problems import PROBLEMS  # noqa: E402
+from support.cli import fail  # noqa: E402
+
+# Left out of the copy: the loop references and the tests that check the method against them, CI,
+# this script and the answers. The pages that print the method's code become a one-line page.
+LEFT_OUT = ("test_model.py", "conftest.py", "tests/", ".ci/", "course/make.py", "course/answers.md")
+WITHHELD_PAGES = ("docs/cost.md", "docs/forking.md", "docs/tests.md")
+SKIPPED_DIRS = {".git", "out", "data", "runs", "wandb", ".venv", "venv", "__pycache__",
+                ".pytest_cache"}
+MARKER = "course/STUDENT"  # what makes a folder a student copy (grade.py reads it too)
+FIXTURES = "course/fixtures/reference.pt"
+
+
+def replace_bodies(source: str, bodies: dict) -> str:
+    """source with the body of each function in bodies ({qualified name: code}) replaced by the code
+    (unindented; indented here): the decorators, the signature and the docstring stay."""
+    found = {}
+
+    def visit(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.ClassDef)):
+                name = prefix + child.name
+                if isinstance(child, ast.FunctionDef) and name in bodies:
+                    found[name] = child
+                visit(child, name + ".")
+    visit(ast.parse(source), "")
+    if set(bodies) - set(found):
+        raise ValueError(f"no function {', '.join(sorted(set(bodies) - set(found)))} in the code")
+    lines = source.splitlines(keepends=True)
+    for name, fn in sorted(found.items(), key=lambda item: -item[1].lineno):
+        first = fn.body[0]
+        documented = isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+            and isinstance(first.value.value, str)
+        start = first.end_lineno if documented else first.lineno - 1  # comments after it go too
+        indent = " " * first.col_offset
+        code = bodies[name].strip("\n").splitlines()
+        lines[start:fn.end_lineno] = [(indent + line).rstrip() + "\n" for line in code]
+    return "".join(lines)
+
+
+def blank(source: str, messages: dict) -> str:
+    """replace_bodies with `raise NotImplementedError(message)` for each
+    {qualified name: message}."""
+    return replace_bodies(source, {name: f"raise NotImplementedError({m!r})"
+                                   for name, m in messages.items()})
+
+
+def stubs() -> dict:
+    """{file: {qualified name: message}} from the problems' list."""
+    out = {}
+    for p in PROBLEMS:
+        for function in p.functions:
+            file, name = function.split(":")
+            out.setdefault(file, {})[name] = f"Problem {p.number}: write {name} (course/README.md)"
+    return out
+
+
+def repository_files() -> list:
+    """The files of this repository a clone holds: git's tracked and unignored files where there is
+    a git checkout, else the tree without run outputs, data and caches."""
+    try:
+        listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
+                                capture_output=True, check=True).stdout.decode().split("\0")
+        files = [f for f in listed if f and (ROOT / f).is_file()]
+    except (OSError, subprocess.CalledProcessError):
+        files = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*") if p.is_file()
+                 and not SKIPPED_DIRS & set(p.relative_to(ROOT).parts[:-1]) and p.suffix != ".pyc"]
+    return sorted(f for f in files
+                  if not f.startswith(LEFT_OUT) and not f.startswith("course/fixtures/"))
+
+
+def check_destination(out: Path, overwrite: bool):
+    """Refuse a destination inside this repository (or holding it), a file, and any folder that
+    holds something other than an earlier student copy; an earlier copy needs --overwrite."""
+    where = out.resolve()
+    if where == ROOT or ROOT in where.parents or where in ROOT.parents:
+        fail(f"{out} is, holds or lies inside this repository ({ROOT}); give a folder outside "
+             f"it, e.g. {ROOT.parent / 'student'}")
+    if where.exists() and not where.is_dir():
+        fail(f"{out} is a file; give a folder for the student copy")
+    if where.is_dir() and any(where.iterdir()):
+        if not (where / MARKER).is_file():
+            fail(f"{out} holds files and is not a student copy; give a new or empty folder")
+        if not overwrite:
+            fail(f"{out} holds an earlier student copy; pass --overwrite to replace it whole")
+
+
+def write_copy(tmp: Path) -> int:
+    """The student copy in tmp; returns the number of files."""
+    blanked = stubs()
+    files = repository_files()
+    for f in files:
+        (tmp / f).parent.mkdir(parents=True, exist_ok=True)
+        text = (ROOT / f).read_text() if f in blanked or f in WITHHELD_PAGES else None
+        if f in blanked:
+            (tmp / f).write_text(blank(text, blanked[f]))
+        elif f in WITHHELD_PAGES:
+            (tmp / f).write_text(f"# {text.splitlines()[0].lstrip('# ')}\n\n"
+                                 f"Left out of the student copy: "
+                                 f"this page shows the method's code. See course/README.md.\n")
+        else:
+            shutil.copy2(ROOT / f, tmp / f)
+    (tmp / "pytest.ini").write_text("[pytest]\n# The assignment's graded tests "
+                                    "(python course/grade.py scores them problem by problem).\n"
+                                    "testpaths = course/tests\n")
+    readme = (tmp / "README.md").read_text()
+    (tmp / "README.md").write_text("> **Student copy for the course assignment**: start with "
+                                   "[course/README.md](course/README.md).\n\n" + readme)
+    (tmp / FIXTURES).parent.mkdir(parents=True, exist_ok=True)
+    import torch
+    from course import fixtures
+    torch.save(fixtures.make(), tmp / FIXTURES)
+    (tmp / MARKER).write_text(f"A student copy made by course/make.py on "
+                              f"{time.strftime('%Y-%m-%d')} from {commit()}.\n")
+    return len(files) + 2
+
+
+def commit() -> str:
+    try:
+        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT,
+                             capture_output=True, text=True, check=True).stdout.strip()
+        return f"commit {out}"
+    except (OSError, subprocess.CalledProcessError):
+        return "a tree without git"
+
+
+def main(argv):
+    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+    p.add_argument("out_dir", help="a new or empty folder outside this repository")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier student copy there, whole")
+    args = p.parse_args(argv)
+    out = Path(args.out_dir)
+    check_destination(out, args.overwrite)
+    out = out.resolve()
+    tmp, old = (out.with_name(f".{out.name}.tmp{os.getpid()}"),
+                out.with_name(f".{out.name}.old{os.getpid()}"))
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        n = write_copy(tmp)
+        if out.exists():
+            os.replace(out, old)
+        os.replace(tmp, out)
+    except OSError as e:
+        fail(f"cannot write {args.out_dir} ({e.strerror or e}); pick a folder you can write to")
+    except ValueError as e:  # a function the problems name that the code no longer has
+        fail(f"course/problems.py names {e}: update its list to the code's names")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if old.exists() and not out.exists():  # stopped between the two renames: the old copy stays
+            os.replace(old, out)
+        shutil.rmtree(old, ignore_errors=True)
+    n_stubs = sum(len(p.functions) for p in PROBLEMS)
+    print(f"wrote the student copy {args.out_dir}: {n} files, {n_stubs} functions to write over "
+          f"{sum(1 for p in PROBLEMS if p.functions)} problems. Hand it out; students start with "
+          f"course/README.md and grade with python course/grade.py")
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    except KeyboardInterrupt:  # the copy is written beside its destination, then renamed into place
+        fail("interrupted: the destination holds what it held before or the whole new copy, "
+             "never a part")

@@ -1,0 +1,54 @@
+"""
+The depth weights as numbers (the paper's Figure 3): the mean weight each layer puts on each of its
+candidates, its sources S(l) and itself. train.py logs them at every evaluation; `python ablate.py
+--depth_weights=RUN` prints a checkpoint's and draws them.
+"""
+import numpy as np
+import torch
+
+
+def weight_sums(alphas, rows=None) -> dict:
+    """{(layer e, candidate c): the sum over the first `rows` windows of each window's mean weight
+    over the KV heads and positions}, from GPT.capture_depth_weights' record of a forward."""
+    return {(e, c): w for e, (src, alpha) in sorted(alphas.items())
+            for c, w in zip(src + [e], alpha[:rows].double().mean(dim=(1, 2)).sum(0).tolist())}
+
+
+@torch.no_grad()
+def mean_depth_weights(model, x) -> dict:
+    """{(layer e, candidate c): mean weight} over the windows x (B, T); {} for a model that computes
+    no per-token depth weights (vanilla, the baselines, LIMe's static router)."""
+    capture = getattr(model, "capture_depth_weights", None)
+    if capture is None:
+        return {}
+    with capture() as alphas:
+        model(x)
+    return {key: w / len(x) for key, w in weight_sums(alphas).items()}
+
+
+def as_record(means) -> dict:
+    """The log.jsonl form: {"layer": {"candidate": weight}} (JSON keys are strings)."""
+    record = {}
+    for (e, c), w in means.items():
+        record.setdefault(str(e), {})[str(c)] = round(w, 5)
+    return record
+
+
+def as_matrix(means, n_layers) -> np.ndarray:
+    """(n_layers, n_layers): row e, column c the weight layer e puts on candidate c; NaN where c is
+    not one."""
+    matrix = np.full((n_layers, n_layers), np.nan)
+    for (e, c), w in means.items():
+        matrix[e, c] = w
+    return matrix
+
+
+def table(matrix) -> str:
+    """The matrix as text: a row per layer that has sources, a column per candidate layer."""
+    L = len(matrix)
+    lines = ["layer | " + " ".join(f"{c:>5}" for c in range(L))]
+    for e in range(L):
+        if np.isnan(matrix[e]).sum() < L - 1:  # a layer with sources (not only itself)
+            lines.append(f"{e:>5} | " + " ".join("    ." if np.isnan(w) else f"{w:5.2f}"
+                                                 for w in matrix[e]))
+    return "\n".join(lines)
