@@ -304,6 +304,22 @@ def fake_experiment(out, losses=None):
     return out
 
 
+def test_problem_5s_reference_was_measured_with_todays_recipe():
+    """course/expected holds the measured run: its seed-0 configs (course/expected/configs.json, as
+    train.py recorded them) are what the handout's command asks for today, and its losses are the
+    grader's reference. A change to configs/ablations/cpu.py or train.py's defaults fails here:
+    re-run the command and update course/expected and EXPERIMENT["reference"]."""
+    from support.sweep import differences, train_config
+    measured = json.loads((ROOT / "course" / "expected" / "configs.json").read_text())
+    for run in EXPERIMENT["runs"]:
+        asked = train_config([str(ROOT / EXPERIMENT["base"]),
+                              str(ROOT / "configs" / "ablations" / f"mode_{run}.py"), "--seed=0"])
+        assert not differences(measured[run], [], asked), (run, differences(measured[run], [], asked))
+    results = json.loads((ROOT / "course" / "expected" / "results.json").read_text())
+    assert {run: round(results["runs"][run]["mean"], 4) for run in EXPERIMENT["runs"]} \
+        == EXPERIMENT["reference"]
+
+
 def test_problem_5_reads_the_runs_and_is_not_fooled(tmp_path):
     """The measured run's records score 15; an edited results.json, a run trained with other
     settings, losses no correct model gives and a missing figure each score 0."""
