@@ -304,6 +304,9 @@ def show_depth_weights(source, figure):
     """ablate.py --depth_weights=RUN: a checkpoint's depth weights printed as a table and drawn."""
     path = checkpoint_path(source)
     figure = output_file(figure or path.parent / "depth_weights.png", "--figure")
+    if figure.is_file() and figure.stat().st_size and figure.read_bytes()[:8] != b"\x89PNG\r\n\x1a\n":
+        fail(f"--figure={figure} exists and is not a figure; pick another path, or delete the file "
+             f"if it may go")
     try:
         m = depth_weight_matrix(path)
     except CheckpointError as e:

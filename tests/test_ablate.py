@@ -125,6 +125,11 @@ def test_depth_weights_of_one_run_printed_and_drawn(sweep, tmp_path):
     assert "no checkpoint at" in refused(f"--depth_weights={tmp_path / 'nothing'}")
     assert "give the run too" in refused(f"--figure={tmp_path / 'w.png'}")
     assert "is a folder" in refused(f"--depth_weights={run}", f"--figure={tmp_path}")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+    assert "is not a figure" in refused(f"--depth_weights={run}", f"--figure={notes}")
+    assert notes.read_text() == "mine"
+    ablate(f"--depth_weights={run}", f"--figure={tmp_path / 'w.png'}")  # its own figure: replaced
     (copy / "ckpt.pt").write_bytes((copy / "ckpt.pt").read_bytes()[:1000])
     assert "truncated or corrupt" in refused(f"--depth_weights={copy}")
 
