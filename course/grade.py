@@ -2,7 +2,7 @@
 Grade a copy of the course assignment problem by problem (the handout: course/README.md).
 
     python course/grade.py                       # the copy this script is in
-    python course/grade.py student/ --json=grade.json
+    python course/grade.py ../student --json=grade.json   # an instructor grades a copy
     python course/grade.py --problem=3           # one problem, with every failing test's reason
 
 The tests and fixtures are this tree's (a copy grades itself; an instructor's repository grades a

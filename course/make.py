@@ -1,8 +1,8 @@
 """
 Write the student copy of this repository for the course assignment (the handout: course/README.md).
 
-    python course/make.py student/                # hand student/ out
-    python course/make.py student/ --overwrite    # replace an earlier student copy, whole
+    python course/make.py ../student              # hand it out (never a folder inside this repo)
+    python course/make.py ../student --overwrite  # replace an earlier student copy, whole
 
 The functions course/problems.py names get the body `raise NotImplementedError("Problem N: ...")`,
 their signatures and docstrings kept. What would show a solution stays out: test_model.py's loop
