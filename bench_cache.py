@@ -34,39 +34,48 @@ from baselines import BASELINES, DEPTH_MODES, BaselineConfig, build_model, make_
 from model import GPT, depth_cost
 from support import hf, paper
 from support.memory import allocator_peak
-from support.cli import ConfigError, fail, output_file, reason, require, resolve_device, table, write_atomically
+from support.cli import (ConfigError, fail, output_file, reason, require, resolve_device, table,
+                         write_atomically)
 from support.config import check_ranges, parse_config, read_config_file
 
 ROOT = Path(__file__).resolve().parent
-# The paper's shapes (section 3), read from their training configs. The 3B one also feeds Table 2 below.
-PRESETS = {"paper_3b": ROOT / "configs" / "paper_3b_value.py", "paper_1p5b": ROOT / "configs" / "paper_1p5b_value.py"}
+# The paper's shapes (section 3), read from their training configs. The 3B one also feeds Table 2
+# below.
+PRESETS = {"paper_3b": ROOT / "configs" / "paper_3b_value.py",
+           "paper_1p5b": ROOT / "configs" / "paper_1p5b_value.py"}
 
 # depth_mode and residual are replaced by `modes`: every run compares several modes against vanilla.
-MODEL_KEYS = {k: v for k, v in asdict(BaselineConfig()).items() if k not in ("depth_mode", "residual")}
-BASELINE_MODES = tuple(BASELINES)  # denseformer, attnres, mhc: hidden-state baselines with vanilla attention
-TRANSFORMERS = "transformers"  # Hugging Face transformers' Qwen3ForCausalLM with vanilla's weights (pip install transformers)
+MODEL_KEYS = {k: v for k, v in asdict(BaselineConfig()).items()
+              if k not in ("depth_mode", "residual")}
+BASELINE_MODES = tuple(BASELINES)  # denseformer, attnres, mhc: hidden-state baselines with vanilla
+                                   # attention
+TRANSFORMERS = "transformers"  # Hugging Face transformers' Qwen3ForCausalLM with vanilla's weights
+                               # (pip install transformers)
 OTHER_MODES = BASELINE_MODES + (TRANSFORMERS,)  # compared with vanilla; no depth step of their own
 BENCH_KEYS = dict(
     preset="",         # the paper's shape; --key=value still overrides it
     device="auto",     # auto = cuda if available, else cpu; cuda is the current GPU
-    dtype="auto",      # weights, activations and cache; auto = bfloat16 on cuda (when supported), else float32
-    threads=1,         # CPU threads for torch, 0 = torch's default; one, as a descheduled thread stalls every op
+    dtype="auto",      # weights, activations and cache; auto = bfloat16 on cuda (when supported),
+                       # else float32
+    threads=1,         # CPU threads for torch, 0 = torch's default; one, as a descheduled thread
+                       # stalls every op
     batch=2,           # sequences per prefill, decode and training step
     prompt_len=64,     # prefill length; also the training sequence length
     new_tokens=16,     # decode steps after the prefill (the cache holds prompt_len + new_tokens)
     warmup=1,          # untimed rounds over every mode
-    repeats=9,         # timed rounds; each timing is the median over them (decode: over all their tokens)
+    repeats=9,         # timed rounds; each timing is the median over them (decode: over all their
+                       # tokens)
     modes="vanilla,value,uniform,key,kv,value@3",  # comma-separated modes; X@3 = X with 3 loops
     seed=0,            # weights and tokens
     json="",           # write the results here too
 )
 DEFAULTS = {**MODEL_KEYS, **BENCH_KEYS}
-KEY_RANGES = {"threads": ">= 0", "batch": ">= 1", "prompt_len": ">= 1", "new_tokens": ">= 1", "warmup": ">= 0",
-          "repeats": ">= 1", "seed": ">= 0"}
+KEY_RANGES = {"threads": ">= 0", "batch": ">= 1", "prompt_len": ">= 1", "new_tokens": ">= 1",
+              "warmup": ">= 0", "repeats": ">= 1", "seed": ">= 0"}
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
-METRICS = ("cache_bytes", "prefill_peak_bytes", "train_peak_bytes", "prefill_s", "decode_s_per_token",
-           "train_step_s")
+METRICS = ("cache_bytes", "prefill_peak_bytes", "train_peak_bytes", "prefill_s",
+           "decode_s_per_token", "train_step_s")
 TIMED = METRICS[3:]
 
 
@@ -76,16 +85,21 @@ def preset(name) -> dict:
 
 
 def resolve(argv):
-    cfg = parse_config(DEFAULTS, argv, __doc__, [__file__, inspect.getfile(BaselineConfig), inspect.getfile(GPT)],
+    cfg = parse_config(DEFAULTS, argv, __doc__,
+                       [__file__, inspect.getfile(BaselineConfig), inspect.getfile(GPT)],
                        {"modes": [*DEPTH_MODES, *OTHER_MODES], "preset": PRESETS})
     if cfg["preset"]:
         if cfg["preset"] not in PRESETS:
-            raise ConfigError(f"unknown preset {cfg['preset']!r}; choose one of {', '.join(PRESETS)}")
-        cfg = parse_config({**DEFAULTS, **preset(cfg["preset"])}, argv)  # the command line wins over the preset
+            raise ConfigError(f"unknown preset {cfg['preset']!r}; "
+                              f"choose one of {', '.join(PRESETS)}")
+        cfg = parse_config({**DEFAULTS, **preset(cfg["preset"])}, argv)  # the command line wins
+                                                                         # over the preset
     check_ranges(cfg, KEY_RANGES)
-    unset = next((k for k in BENCH_KEYS if cfg[k] is None), None)  # parse_config takes None for a number
+    unset = next((k for k in BENCH_KEYS if cfg[k] is None), None)  # parse_config takes None for a
+                                                                   # number
     if unset:
-        raise ConfigError(f"--{unset}=None: give a value, e.g. the default --{unset}={DEFAULTS[unset]!r}")
+        raise ConfigError(f"--{unset}=None: give a value, e.g. the default "
+                          f"--{unset}={DEFAULTS[unset]!r}")
     if cfg["dtype"] not in DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {cfg['dtype']!r}")
     try:  # "cuda" is the current GPU (CUDA_VISIBLE_DEVICES picks another); mps is not measured
@@ -93,17 +107,20 @@ def resolve(argv):
     except ValueError as e:
         raise ConfigError(e) from e
     if cfg["dtype"] == "auto":
-        cfg["dtype"] = "bfloat16" if cfg["device"] == "cuda" and torch.cuda.is_bf16_supported() else "float32"
+        cfg["dtype"] = ("bfloat16" if cfg["device"] == "cuda" and torch.cuda.is_bf16_supported()
+                        else "float32")
     labels = list(dict.fromkeys(m.strip() for m in cfg["modes"].split(",") if m.strip()))
     if not labels:
         raise ConfigError("--modes is empty; give comma-separated modes such as vanilla,value")
-    for label in labels:  # ModelConfig checks them and the model keys before anything is built; an error names
-        # the mode as typed, not the baseline added for it below
+    # ModelConfig checks them and the model keys before anything is built; an error names the mode
+    # as typed, not the baseline added for it below
+    for label in labels:
         try:
             model_config(cfg, label)
         except ValueError as e:
             raise ConfigError(f"mode {label}: {e}") from e
-    for label in list(labels):  # a valid mode's baseline is valid: the same shape and loops, vanilla attention
+    # a valid mode's baseline is valid: the same shape and loops, vanilla attention
+    for label in list(labels):
         if baseline(label) not in labels:
             labels.insert(labels.index(label), baseline(label))
     check_limits(cfg)
@@ -117,19 +134,20 @@ def check_limits(cfg):
     """The bounds check_ranges cannot state: what the cache, the seed and the machine can hold."""
     P, G, T = cfg["prompt_len"], cfg["new_tokens"], cfg["block_size"]
     if P + G > T:  # the cache and the rotary table hold block_size positions
-        raise ConfigError(f"--prompt_len + --new_tokens = {P} + {G} = {P + G} exceeds the model's block_size {T}; "
-                          f"lower them or raise --block_size")
+        raise ConfigError(f"--prompt_len + --new_tokens = {P} + {G} = {P + G} exceeds the model's "
+                          f"block_size {T}; lower them or raise --block_size")
     if cfg["seed"] >= 2 ** 64:
         raise ConfigError(f"--seed must be below 2**64 (torch's seed range), got {cfg['seed']}")
     cores = os.cpu_count() or 1
     if cfg["threads"] > cores:  # more threads than cores time the scheduler, not the model
-        raise ConfigError(f"--threads={cfg['threads']} exceeds this machine's {cores} cores; give at most {cores} "
-                          f"(0 = torch's default)")
+        raise ConfigError(f"--threads={cfg['threads']} exceeds this machine's {cores} cores; "
+                          f"give at most {cores} (0 = torch's default)")
 
 
 def out_of_memory(e) -> bool:
-    """An allocation that failed: Python's MemoryError, torch's CUDA OutOfMemoryError, its CPU allocator's
-    RuntimeError (also when raised in the peak-memory process, which passes it back by value)."""
+    """An allocation that failed: Python's MemoryError, torch's CUDA OutOfMemoryError, its CPU
+    allocator's RuntimeError (also when raised in the peak-memory process, which passes it back by
+    value)."""
     return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e)
 
 
@@ -144,13 +162,16 @@ def model_config(cfg, label):
     if loops and not loops.isdigit():
         raise ConfigError(f"mode {label!r}: write the loop count as a number, e.g. value@3")
     if mode not in [*DEPTH_MODES, *OTHER_MODES]:
-        raise ConfigError(f"unknown mode {mode!r}; choose from {', '.join([*DEPTH_MODES, *OTHER_MODES])}")
-    if mode == TRANSFORMERS and (loops or cfg["n_loops"] != 1 or cfg["k_norm_after_rope"] or not cfg["qk_norm"]):
-        raise ConfigError(f"mode {label}: transformers' Qwen3 is one pass of q/k-norm before RoPE; drop the loops, "
-                          f"--k_norm_after_rope and --qk_norm=False")
+        raise ConfigError(f"unknown mode {mode!r}; "
+                          f"choose from {', '.join([*DEPTH_MODES, *OTHER_MODES])}")
+    if mode == TRANSFORMERS and (loops or cfg["n_loops"] != 1 or cfg["k_norm_after_rope"]
+                                 or not cfg["qk_norm"]):
+        raise ConfigError(f"mode {label}: transformers' Qwen3 is one pass of q/k-norm before RoPE; "
+                          f"drop the loops, --k_norm_after_rope and --qk_norm=False")
     kind = (dict(depth_mode="vanilla", residual=mode) if mode in BASELINE_MODES else
             dict(depth_mode="vanilla") if mode == TRANSFORMERS else dict(depth_mode=mode))
-    return make_config(**{**{k: cfg[k] for k in MODEL_KEYS}, **kind, "n_loops": int(loops or cfg["n_loops"])})
+    return make_config(**{**{k: cfg[k] for k in MODEL_KEYS}, **kind,
+                          "n_loops": int(loops or cfg["n_loops"])})
 
 
 def build(cfg, label) -> GPT:
@@ -163,10 +184,11 @@ def build(cfg, label) -> GPT:
 
 
 class TransformersQwen3(torch.nn.Module):
-    """transformers' Qwen3ForCausalLM (its SDPA attention, its DynamicCache) holding a vanilla GPT's weights, behind
-    the interface the timing loop calls: model(idx, targets, cache), new_cache, num_params. An implementation
-    written independently of ours, timed in the same run (tests/test_bench_cache.py checks it computes vanilla's
-    logits). bench_cache shares vanilla's parameters with it, as with every mode."""
+    """transformers' Qwen3ForCausalLM (its SDPA attention, its DynamicCache) holding a vanilla GPT's
+    weights, behind the interface the timing loop calls: model(idx, targets, cache), new_cache,
+    num_params. An implementation written independently of ours, timed in the same run
+    (tests/test_bench_cache.py checks it computes vanilla's logits). bench_cache shares vanilla's
+    parameters with it, as with every mode."""
 
     def __init__(self, ours: GPT):
         super().__init__()
@@ -190,16 +212,18 @@ class TransformersQwen3(torch.nn.Module):
 
 
 def cache_nbytes(cache) -> int:
-    """Bytes of K and V a cache holds: our KVCache's preallocated slots, or a DynamicCache's tensors so far."""
+    """Bytes of K and V a cache holds: our KVCache's preallocated slots, or a DynamicCache's tensors
+    so far."""
     layers = getattr(cache, "layers", None)
-    return cache.nbytes if layers is None else sum(t.nbytes for layer in layers for t in (layer.keys, layer.values))
+    return cache.nbytes if layers is None else sum(t.nbytes for layer in layers
+                                                   for t in (layer.keys, layer.values))
 
 
 def share_weights(model, ref, ref_name=lambda name: name):
-    """Point every parameter of `model` that ref also has at ref's: one set of weights and one optimizer serve
-    all modes, so a 1.5B model fits once rather than once per mode. ref_name maps model's parameter names to
-    ref's (transformers' Qwen3 puts ours under "model."); a tied head is visited under both its names. A
-    baseline keeps its own extra parameters. Returns those."""
+    """Point every parameter of `model` that ref also has at ref's: one set of weights and one
+    optimizer serve all modes, so a 1.5B model fits once rather than once per mode. ref_name maps
+    model's parameter names to ref's (transformers' Qwen3 puts ours under "model."); a tied head is
+    visited under both its names. A baseline keeps its own extra parameters. Returns those."""
     shared = dict(ref.named_parameters(remove_duplicate=False))
     own = {}
     for name, p in list(model.named_parameters(remove_duplicate=False)):
@@ -213,8 +237,10 @@ def share_weights(model, ref, ref_name=lambda name: name):
 
 def tokens(cfg):
     g = torch.Generator().manual_seed(cfg["seed"])
-    t = torch.randint(cfg["vocab_size"], (cfg["batch"], cfg["prompt_len"] + cfg["new_tokens"] + 1), generator=g)
-    return t.to(cfg["device"])  # (B, P + G + 1): prompt, decode inputs, and the shifted training targets
+    t = torch.randint(cfg["vocab_size"], (cfg["batch"], cfg["prompt_len"] + cfg["new_tokens"] + 1),
+                      generator=g)
+    return t.to(cfg["device"])  # (B, P + G + 1): prompt, decode inputs, and the shifted training
+                                # targets
 
 
 def sync(device):
@@ -225,10 +251,10 @@ def sync(device):
 # ----------------------------------------------------------------------------- peak memory
 
 def peak_memory(model, cfg, toks):
-    """Bytes the allocator held above what it held before, at the peak of (1) allocating the cache and the
-    prefill, (2) a training step's forward and backward (gradients included, optimizer excluded), each
-    after one untimed run (library workspaces are allocated once). memory.allocator_peak: torch.profiler's
-    records on a CPU, CUDA's peak statistic on a GPU."""
+    """Bytes the allocator held above what it held before, at the peak of (1) allocating the cache
+    and the prefill, (2) a training step's forward and backward (gradients included, optimizer
+    excluded), each after one untimed run (library workspaces are allocated once).
+    memory.allocator_peak: torch.profiler's records on a CPU, CUDA's peak statistic on a GPU."""
     P = cfg["prompt_len"]
 
     @torch.no_grad()
@@ -247,7 +273,7 @@ def peak_memory(model, cfg, toks):
     return peaks
 
 
-# ----------------------------------------------------------------------------- timing, in this process
+# -------------------------------------------------------------------------- timing, in this process
 
 def timed(fn, device):
     sync(device)
@@ -271,22 +297,26 @@ def run_train_step(model, opts, cfg, toks):
 
 @torch.no_grad()
 def run_round(models, opts, cfg, toks, order, samples):
-    """One timed round: prefill every mode, decode token by token, one training step each, in `order`.
-    Decode alternates modes at every token, so a burst of load from elsewhere lands on all of them alike."""
+    """One timed round: prefill every mode, decode token by token, one training step each, in
+    `order`. Decode alternates modes at every token, so a burst of load from elsewhere lands on all
+    of them alike."""
     P, G, device = cfg["prompt_len"], cfg["new_tokens"], cfg["device"]
     caches = {label: models[label].new_cache(cfg["batch"], P + G) for label in order}
     for label in order:
-        samples[label]["prefill_s"].append(timed(lambda: models[label](toks[:, :P], cache=caches[label]), device))
+        samples[label]["prefill_s"].append(
+            timed(lambda: models[label](toks[:, :P], cache=caches[label]), device))
     for i in range(G):
         for label in order:
             samples[label]["decode_s_per_token"].append(
                 timed(lambda: models[label](toks[:, P + i:P + i + 1], cache=caches[label]), device))
-    for label in order:  # full now: a cache that grows (transformers') holds what ours was allocated for
+    # full now: a cache that grows (transformers') holds what ours was allocated for
+    for label in order:
         samples[label]["cache_bytes"].append(cache_nbytes(caches[label]))
     caches.clear()  # free the caches before the training steps
     with torch.enable_grad():
         for label in order:
-            samples[label]["train_step_s"].append(run_train_step(models[label], opts[label], cfg, toks))
+            samples[label]["train_step_s"].append(run_train_step(models[label], opts[label], cfg,
+                                                                 toks))
 
 
 def measure(cfg):
@@ -295,11 +325,14 @@ def measure(cfg):
         torch.set_num_threads(cfg["threads"])
     models = {label: build(cfg, label) for label in labels}
     ref = models[baseline(labels[0])]
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-5)  # small: the shared weights barely move between modes
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-5)  # small: the shared weights barely move
+                                                        # between modes
     opts = {label: [opt] for label in labels}
     for label, model in models.items():
-        own = share_weights(model.hf, ref, hf.our_name) if label == TRANSFORMERS else share_weights(model, ref)
-        if own:  # a baseline's extra parameters: updated by its own step only, so it alone pays for them
+        own = (share_weights(model.hf, ref, hf.our_name) if label == TRANSFORMERS
+               else share_weights(model, ref))
+        # a baseline's extra parameters: updated by its own step only, so it alone pays for them
+        if own:
             opts[label].append(torch.optim.AdamW(own, lr=1e-5))
     toks = tokens(cfg)
     peaks = {label: peak_memory(models[label], cfg, toks)
@@ -308,8 +341,10 @@ def measure(cfg):
     def empty():
         return {label: {m: [] for m in METRICS} for label in labels}
     samples = empty()
-    for r in tqdm(range(cfg["warmup"] + cfg["repeats"]), desc="timing rounds (modes interleaved)", file=sys.stderr):
-        # Start one mode later each round, so order effects (a cold cache after another mode) hit all alike.
+    for r in tqdm(range(cfg["warmup"] + cfg["repeats"]), desc="timing rounds (modes interleaved)",
+                  file=sys.stderr):
+        # Start one mode later each round, so order effects (a cold cache after another mode) hit
+        # all alike.
         order = labels[r % len(labels):] + labels[:r % len(labels)]
         run_round(models, opts, cfg, toks, order, samples if r >= cfg["warmup"] else empty())
     for label in labels:
@@ -321,22 +356,27 @@ def measure(cfg):
 # ----------------------------------------------------------------------------- analytic cost
 
 def paper_table2():
-    """Table 2 for the paper's 3B model: Depth-Attention from model.depth_cost, the baselines' extra prefill
-    memory from the number of extra D-vectors each keeps per token (at the authors' default knobs), their
-    FLOPs and I/O quoted."""
+    """Table 2 for the paper's 3B model: Depth-Attention from model.depth_cost, the baselines' extra
+    prefill memory from the number of extra D-vectors each keeps per token (at the authors' default
+    knobs), their FLOPs and I/O quoted."""
     shape = preset("paper_3b")
     cfg = make_config(**shape, depth_mode="value")
-    knobs = BaselineConfig()  # the authors' defaults: AttnRes pools 2L sublayers per 12, mHC keeps 4 streams
-    bytes_per, L, D, tokens = 2, cfg.n_layer, cfg.n_embd, paper.TABLE2_PREFILL_TOKENS  # fp16, as in the paper
+    knobs = BaselineConfig()  # the authors' defaults: AttnRes pools 2L sublayers per 12, mHC keeps
+                              # 4 streams
+    bytes_per, L, D, tokens = (2, cfg.n_layer, cfg.n_embd,
+                               paper.TABLE2_PREFILL_TOKENS)  # fp16, as in the paper
     cost = depth_cost(cfg, bytes_per)
     quoted = paper.TABLE2_DEPTH_ATTENTION
     rows = {"Depth-Attention": {
-        "flops_per_token": cost["flops_per_token"], "io_bytes_per_token": cost["io_bytes_per_token"],
+        "flops_per_token": cost["flops_per_token"],
+        "io_bytes_per_token": cost["io_bytes_per_token"],
         "extra_prefill_bytes_128k": cost["extra_persistent_bytes"] * tokens,
-        "quoted_flops_per_token": quoted["flops_per_token"], "quoted_io_kib_per_token": quoted["io_kib_per_token"],
-        "quoted_extra_prefill_gib_128k": quoted["extra_prefill_gib_128k"], "memory_formula": "KV cache only: 0 extra"}}
+        "quoted_flops_per_token": quoted["flops_per_token"],
+        "quoted_io_kib_per_token": quoted["io_kib_per_token"],
+        "quoted_extra_prefill_gib_128k": quoted["extra_prefill_gib_128k"],
+        "memory_formula": "KV cache only: 0 extra"}}
     block, streams = knobs.attnres_block_size, knobs.mhc_num_streams
-    extra_vectors = {"DenseFormer": (L, "L*D"),                                    # every layer's output
+    extra_vectors = {"DenseFormer": (L, "L*D"),  # every layer's output
                      "AttnRes": (2 * L // block, f"(2L/{block})*D"),
                      "mHC": (streams - 1, f"({streams}-1)*D")}
     for name, (n_vec, formula) in extra_vectors.items():
@@ -352,19 +392,24 @@ def paper_table2():
 
 def summarize(cfg, samples, num_params):
     elem = torch.empty(0, dtype=getattr(torch, cfg["dtype"])).element_size()
-    medians = {label: {m: statistics.median(v) for m, v in s.items()} for label, s in samples.items()}
+    medians = {label: {m: statistics.median(v) for m, v in s.items()}
+               for label, s in samples.items()}
     modes = {}
     for label, med in medians.items():
         base = medians[baseline(label)]
         modes[label] = {
             "baseline": baseline(label), **med,
             "ratios": {m: med[m] / base[m] if base[m] else math.nan for m in METRICS},
-            # Another machine's load only ever adds time, so the fastest repeats show the intrinsic cost when
-            # that load hits more than half of the repeats (a shared CPU); the medians above are the headline.
-            "ratios_fastest": {m: min(samples[label][m]) / min(samples[baseline(label)][m]) for m in TIMED},
+            # Another machine's load only ever adds time, so the fastest repeats show the intrinsic
+            # cost when that load hits more than half of the repeats (a shared CPU); the medians
+            # above are the headline.
+            "ratios_fastest": {m: min(samples[label][m]) / min(samples[baseline(label)][m])
+                               for m in TIMED},
             "samples": samples[label],
-            # the depth step's formulas; None for a hidden-state baseline (its cost is not the depth step's)
-            "depth_cost": None if label.partition("@")[0] in OTHER_MODES else depth_cost(model_config(cfg, label), elem),
+            # the depth step's formulas; None for a hidden-state baseline (its cost is not the depth
+            # step's)
+            "depth_cost": (None if label.partition("@")[0] in OTHER_MODES
+                           else depth_cost(model_config(cfg, label), elem)),
         }
     return {"config": cfg, "num_params": num_params, "torch": torch.__version__, "modes": modes,
             "paper_3b_table2": paper_table2()}
@@ -373,38 +418,50 @@ def summarize(cfg, samples, num_params):
 def report(res):
     cfg = res["config"]
     MiB, KiB, GiB = 2 ** 20, 2 ** 10, 2 ** 30
-    print(f"\n{res['num_params'] / 1e6:.1f}M params, {cfg['device']} {cfg['dtype']}, batch {cfg['batch']}, "
-          f"prompt {cfg['prompt_len']}, {cfg['new_tokens']} new tokens; median of {cfg['repeats']} interleaved "
-          f"repeats after {cfg['warmup']} warm-up; (x) = ratio to the baseline mode in this run")
-    fmt = {"cache_bytes": lambda v: f"{v / MiB:.2f}", "prefill_peak_bytes": lambda v: f"{v / MiB:.1f}",
+    print(f"\n{res['num_params'] / 1e6:.1f}M params, {cfg['device']} {cfg['dtype']}, "
+          f"batch {cfg['batch']}, prompt {cfg['prompt_len']}, {cfg['new_tokens']} new tokens; "
+          f"median of {cfg['repeats']} interleaved repeats after {cfg['warmup']} warm-up; "
+          f"(x) = ratio to the baseline mode in this run")
+    fmt = {"cache_bytes": lambda v: f"{v / MiB:.2f}",
+           "prefill_peak_bytes": lambda v: f"{v / MiB:.1f}",
            "train_peak_bytes": lambda v: f"{v / MiB:.1f}",
-           "prefill_s": lambda v: f"{v * 1e3:.0f}", "decode_s_per_token": lambda v: f"{v * 1e3:.1f}",
+           "prefill_s": lambda v: f"{v * 1e3:.0f}",
+           "decode_s_per_token": lambda v: f"{v * 1e3:.1f}",
            "train_step_s": lambda v: f"{v * 1e3:.0f}"}
     rows = []
     for label, m in res["modes"].items():
         cells = [f"{fmt[k](m[k])} ({m['ratios'][k]:.3f}x)" for k in METRICS]
         cost = m["depth_cost"]
-        rows.append([label, m["baseline"], *cells] + ([f"{cost['flops_per_token']:.3g}",
-                     f"{cost['io_bytes_per_token'] / KiB:.1f}", cost["extra_persistent_bytes"]] if cost else
-                     ["-", "-", 0]))
-    print(table(rows, ["mode", "vs", "cache MiB", "prefill peak MiB", "train peak MiB", "prefill ms",
-                       "decode ms/token", "train step ms", "+FLOPs/token", "+I/O KiB/token", "+persistent B"]))
-    print("ratio of the fastest repeats (less sensitive to other load on the machine): " + "; ".join(
-        f"{label} " + " ".join(f"{m['ratios_fastest'][k]:.3f}" for k in TIMED) for label, m in res["modes"].items()
-        if label != m["baseline"]) + "  (prefill, decode, train step)")
+        rows.append([label, m["baseline"], *cells]
+                    + ([f"{cost['flops_per_token']:.3g}", f"{cost['io_bytes_per_token'] / KiB:.1f}",
+                        cost["extra_persistent_bytes"]] if cost else
+                       ["-", "-", 0]))
+    print(table(rows, ["mode", "vs", "cache MiB", "prefill peak MiB", "train peak MiB",
+                       "prefill ms", "decode ms/token", "train step ms", "+FLOPs/token",
+                       "+I/O KiB/token", "+persistent B"]))
+    print("ratio of the fastest repeats (less sensitive to other load on the machine): "
+          + "; ".join(f"{label} " + " ".join(f"{m['ratios_fastest'][k]:.3f}" for k in TIMED)
+                      for label, m in res["modes"].items() if label != m["baseline"])
+          + "  (prefill, decode, train step)")
 
     t2 = res["paper_3b_table2"]
-    print(f"\nPaper Table 2, 3B model (L=48, D=2048, d_kv=512, fp16, {t2['candidates']} candidates), extra "
-          f"per token and extra prefill memory at {t2['prefill_tokens'] // 1024}K tokens. 'paper' = quoted.")
+    print(f"\nPaper Table 2, 3B model (L=48, D=2048, d_kv=512, fp16, "
+          f"{t2['candidates']} candidates), "
+          f"extra per token and extra prefill memory at {t2['prefill_tokens'] // 1024}K tokens. "
+          f"'paper' = quoted.")
     da = t2["rows"]["Depth-Attention"]
-    rows = [["Depth-Attention", f"{da['flops_per_token']:.2e} (paper {da['quoted_flops_per_token']:.2e})",
-             f"{da['io_bytes_per_token'] / KiB:.1f} KiB (paper {da['quoted_io_kib_per_token']} KiB)",
+    rows = [["Depth-Attention",
+             f"{da['flops_per_token']:.2e} (paper {da['quoted_flops_per_token']:.2e})",
+             f"{da['io_bytes_per_token'] / KiB:.1f} KiB "
+             f"(paper {da['quoted_io_kib_per_token']} KiB)",
              f"{da['extra_prefill_bytes_128k'] / GiB:.1f} GiB (paper 0)", da["memory_formula"]]]
     for name in paper.TABLE2_BASELINES:
         r = t2["rows"][name]
-        rows.append([name, f"{r['quoted_flops_per_token']:.2e} (paper)", f"{r['quoted_io_mib_per_token']} MiB (paper)",
+        rows.append([name, f"{r['quoted_flops_per_token']:.2e} (paper)",
+                     f"{r['quoted_io_mib_per_token']} MiB (paper)",
                      f"{r['extra_prefill_bytes_128k'] / GiB:.1f} GiB", r["memory_formula"]])
-    print(table(rows, ["method", "+FLOPs/token", "+I/O/token", "+prefill memory", "memory formula"]))
+    print(table(rows, ["method", "+FLOPs/token", "+I/O/token", "+prefill memory",
+                       "memory formula"]))
 
 
 def main(argv):
@@ -418,8 +475,9 @@ def main(argv):
     except (MemoryError, RuntimeError) as e:
         if not out_of_memory(e):
             raise
-        fail(f"out of memory on {cfg['device']} at --batch={cfg['batch']}, --prompt_len={cfg['prompt_len']}, "
-             f"--new_tokens={cfg['new_tokens']} ({reason(e)[:200]}); lower them or the model's size")
+        fail(f"out of memory on {cfg['device']} at --batch={cfg['batch']}, "
+             f"--prompt_len={cfg['prompt_len']}, --new_tokens={cfg['new_tokens']} "
+             f"({reason(e)[:200]}); lower them or the model's size")
     res = summarize(cfg, samples, num_params)
     report(res)
     if cfg["json"]:

@@ -42,13 +42,15 @@ from support.tokenizer import get_tokenizer, same_tokenizer, tokenizer_flag
 try:  # optional: only the downstream tasks need it; --ppl works without
     import lm_eval
     from lm_eval.api.model import TemplateLM
-    from lm_eval.utils import get_rolling_token_windows, handle_non_serializable, make_disjoint_window
+    from lm_eval.utils import (get_rolling_token_windows, handle_non_serializable,
+                               make_disjoint_window)
 except ImportError:
     lm_eval, TemplateLM = None, object
 
-# lm-evaluation-harness names of the paper's tasks: LAMBADA, PIQA, WinoGrande, SciQ, HellaSwag, ARC-Easy,
-# ARC-Challenge, RACE (Table 1).
-PAPER_TASKS = ("lambada_openai", "piqa", "winogrande", "sciq", "hellaswag", "arc_easy", "arc_challenge", "race")
+# lm-evaluation-harness names of the paper's tasks: LAMBADA, PIQA, WinoGrande, SciQ, HellaSwag,
+# ARC-Easy, ARC-Challenge, RACE (Table 1).
+PAPER_TASKS = ("lambada_openai", "piqa", "winogrande", "sciq", "hellaswag", "arc_easy",
+               "arc_challenge", "race")
 KEY_RANGES = {"batch_size": ">= 1", "num_fewshot": ">= 0", "limit": "> 0"}
 GLOB_CHARACTERS = set("*?[")  # fnmatch's: a --tasks name with one of them is a pattern
 REPOSITORY = Path(__file__).resolve().parent
@@ -56,31 +58,34 @@ REPOSITORY = Path(__file__).resolve().parent
 
 @torch.no_grad()
 def token_logprobs(model, rows, batch_size, pad_id, progress=False):
-    """Score token lists of 2 .. block_size + 1 ids: for each row, (log p(row[t] | row[:t]), row[t] is the
-    argmax) for t = 1 .. len - 1, as two 1-D CPU tensors, in the order given.
+    """Score token lists of 2 .. block_size + 1 ids: for each row, (log p(row[t] | row[:t]), row[t]
+    is the argmax) for t = 1 .. len - 1, as two 1-D CPU tensors, in the order given.
 
-    Rows are sorted longest first and batched by right-padding: the model has no padding mask, but attention is
-    causal, so the padding after a row's last real token changes none of its logits; only real positions are read.
+    Rows are sorted longest first and batched by right-padding: the model has no padding mask, but
+    attention is causal, so the padding after a row's last real token changes none of its logits;
+    only real positions are read.
     """
     device = model.lm_head.weight.device
     order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
     out = [None] * len(rows)
     for start in tqdm(range(0, len(order), batch_size), disable=not progress, desc="scoring"):
         batch = order[start:start + batch_size]
-        x = torch.full((len(batch), len(rows[batch[0]]) - 1), pad_id, dtype=torch.long)  # (B, longest input)
+        x = torch.full((len(batch), len(rows[batch[0]]) - 1), pad_id,  # (B, longest input)
+                       dtype=torch.long)
         for b, i in enumerate(batch):
             x[b, :len(rows[i]) - 1] = torch.tensor(rows[i][:-1])
         logits, _ = model(x.to(device))                                           # (B, T, vocab)
         for b, i in enumerate(batch):
             y = torch.tensor(rows[i][1:], device=device)
             row_logits = fp32_or_wider(logits[b, :len(y)])                       # (len(y), vocab)
-            out[i] = (-F.cross_entropy(row_logits, y, reduction="none").cpu(), (row_logits.argmax(-1) == y).cpu())
+            out[i] = (-F.cross_entropy(row_logits, y, reduction="none").cpu(),
+                      (row_logits.argmax(-1) == y).cpu())
     return out
 
 
 class EvalLM(TemplateLM):
-    """Our model as an lm-eval language model. lm-eval's TemplateLM tokenizes (context, continuation) pairs
-    and hands us token ids; every score comes from `token_logprobs`."""
+    """Our model as an lm-eval language model. lm-eval's TemplateLM tokenizes (context,
+    continuation) pairs and hands us token ids; every score comes from `token_logprobs`."""
 
     def __init__(self, model, tokenizer, batch_size):
         super().__init__()
@@ -99,22 +104,27 @@ class EvalLM(TemplateLM):
         return self.enc.decode(ids)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm=False):
-        """requests: (strings, context ids, continuation ids). Returns (log p(continuation | context), whether
-        greedy decoding gives the continuation) per request. Context + continuation is cut to its last
-        block_size + 1 tokens, exactly lm-eval's Hugging Face rule; the continuation must fit whole."""
+        """requests: (strings, context ids, continuation ids). Returns (log p(continuation |
+        context), whether greedy decoding gives the continuation) per request. Context +
+        continuation is cut to its last block_size + 1 tokens, exactly lm-eval's Hugging Face rule;
+        the continuation must fit whole."""
         rows = []
         for _, context, continuation in requests:
-            if len(continuation) > self.max_length:  # a task this model cannot score: no truncation is right
-                fail(f"a task's answer of {len(continuation)} tokens does not fit the model's context of "
-                     f"{self.max_length} tokens (block_size); leave that task out of --tasks")
+            if len(continuation) > self.max_length:  # a task this model cannot score:
+                                                     # no truncation is right
+                fail(f"a task's answer of {len(continuation)} tokens does not fit the model's "
+                     f"context of {self.max_length} tokens (block_size); "
+                     f"leave that task out of --tasks")
             rows.append((context + continuation)[-(self.max_length + 1):])
-        scored = token_logprobs(self.model, rows, self.batch_size, self.eot_token_id, progress=not disable_tqdm)
+        scored = token_logprobs(self.model, rows, self.batch_size, self.eot_token_id,
+                                progress=not disable_tqdm)
         return [(logp[-len(cont):].sum().item(), bool(greedy[-len(cont):].all()))
                 for (_, _, cont), (logp, greedy) in zip(requests, scored)]
 
     def loglikelihood_rolling(self, requests, disable_tqdm=False):
-        """The log-likelihood of each whole document (perplexity tasks), in lm-eval's rolling windows of
-        block_size tokens: every token is predicted once, the first one after the end-of-text token."""
+        """The log-likelihood of each whole document (perplexity tasks), in lm-eval's rolling
+        windows of block_size tokens: every token is predicted once, the first one after the
+        end-of-text token."""
         windows, owner = [], []
         for i, req in enumerate(requests):
             tokens = self.tok_encode(req.args[0])
@@ -128,52 +138,58 @@ class EvalLM(TemplateLM):
         return totals
 
     def generate_until(self, requests, disable_tqdm=False):
-        """Greedy (or, with do_sample, sampled) continuations through model.generate and its KV cache, cut at
-        the first stop string or end-of-text. The prompt is left-truncated to leave room for max_gen_toks."""
+        """Greedy (or, with do_sample, sampled) continuations through model.generate and its KV
+        cache, cut at the first stop string or end-of-text. The prompt is left-truncated to leave
+        room for max_gen_toks."""
         out = []
         for req in tqdm(requests, disable=disable_tqdm, desc="generate_until"):
             context, kwargs = req.args
             until = kwargs.get("until") or []
-            until = ([until] if isinstance(until, str) else list(until)) + [self.tok_decode([self.eot_token_id])]
+            until = (([until] if isinstance(until, str) else list(until))
+                     + [self.tok_decode([self.eot_token_id])])
             new = min(int(kwargs.get("max_gen_toks", 256)), self.max_length - 1)
             temperature = float(kwargs.get("temperature", 1.0)) if kwargs.get("do_sample") else 0.0
             ids = self.tok_encode(context)[-(self.max_length - new):] or [self.prefix_token_id]
-            idx = torch.tensor([ids], device=self.model.lm_head.weight.device)     # (1, prompt tokens)
-            text = self.tok_decode(self.model.generate(idx, new, temperature=temperature)[0, len(ids):].tolist())
+            idx = torch.tensor([ids], device=self.model.lm_head.weight.device)  # (1, prompt tokens)
+            text = self.tok_decode(
+                self.model.generate(idx, new, temperature=temperature)[0, len(ids):].tolist())
             for stop in until:
                 text = text.split(stop)[0]
             out.append(text)
         return out
 
 
-# ----------------------------------------------------------------------------- the tasks, built by lm-eval
+# ---------------------------------------------------------------------- the tasks, built by lm-eval
 
 @contextmanager
 def lm_eval_says(what):
-    """The one boundary around lm-eval: what it raises for a task (a file it cannot build, missing data,
-    a template field the data lacks, a document its metrics cannot take) becomes one error line, its own
-    message and the error under it. A traceback through this repository's code is a bug: it stays whole."""
+    """The one boundary around lm-eval: what it raises for a task (a file it cannot build, missing
+    data, a template field the data lacks, a document its metrics cannot take) becomes one error
+    line, its own message and the error under it. A traceback through this repository's code is a
+    bug: it stays whole."""
     try:
         yield
     except ConnectionError as e:  # datasets raises this when the Hub is out of reach
-        fail(f"{what}: its data could not be downloaded ({one_line(e)}); run once with network access "
-             f"(it is cached), or use local task files with --include_path")
+        fail(f"{what}: its data could not be downloaded ({one_line(e)}); run once with network "
+             f"access (it is cached), or use local task files with --include_path")
     except Exception as e:
-        ours = [Path(f.filename).parent == REPOSITORY for f in traceback.extract_tb(e.__traceback__)]
+        ours = [Path(f.filename).parent == REPOSITORY
+                for f in traceback.extract_tb(e.__traceback__)]
         if False not in ours or True in ours[ours.index(False):]:  # our code failed, not lm-eval's
             raise
         root = e
-        while root.__cause__ or root.__context__:  # datasets may fail again while wording its own error
+        while root.__cause__ or root.__context__:  # datasets may fail again
+                                                   # while wording its own error
             root = root.__cause__ or root.__context__
         fail(f"{what}: {one_line(e)}" + (f", from {one_line(root)}" if root is not e else ""))
 
 
 def build_tasks(names, include_path):
-    """(lm-eval's TaskManager, the tasks to run), built before the model loads: lm-eval reads each task's
-    file and data (downloading it on first use). A glob selects every single task whose name matches
-    (not groups or tags, whose tasks it matches too: lm-eval refuses a task that would run twice).
-    Indexing lm-eval's ~15,000 built-in task files takes ~15 s, so names that --include_path defines
-    (no glob) index that folder alone."""
+    """(lm-eval's TaskManager, the tasks to run), built before the model loads: lm-eval reads each
+    task's file and data (downloading it on first use). A glob selects every single task whose name
+    matches (not groups or tags, whose tasks it matches too: lm-eval refuses a task that would run
+    twice). Indexing lm-eval's ~15,000 built-in task files takes ~15 s, so names that --include_path
+    defines (no glob) index that folder alone."""
     from lm_eval.tasks import TaskManager
     manager = None
     if include_path and not any(GLOB_CHARACTERS & set(n) for n in names):
@@ -185,21 +201,25 @@ def build_tasks(names, include_path):
                 else [n] * (n in manager.all_tasks) for n in names}
     missing = [n for n, found in selected.items() if not found]
     if missing:
-        indexed = {e.yaml_path.resolve() for e in manager.task_index.values() if e.yaml_path}
-        left_out = [str(p) for p in sorted(Path(include_path or ".").rglob("*.yaml"))
-                    if include_path and p.resolve() not in indexed]
+        left_out = []  # the --include_path files lm-eval could not read (none looked for without)
+        if include_path:
+            indexed = {e.yaml_path.resolve() for e in manager.task_index.values() if e.yaml_path}
+            left_out = [str(p) for p in sorted(Path(include_path).rglob("*.yaml"))
+                        if p.resolve() not in indexed]
         fail(f"unknown task(s) {', '.join(missing)}" + (
             f"; lm-eval left out these task files of --include_path, which it could not read: "
-            f"{', '.join(left_out)}" if left_out else ": list lm-eval's tasks with `lm-eval ls tasks`, or "
-            "give a folder of task YAML files with --include_path (a glob selects single tasks, not "
-            "groups or tags)"))
+            f"{', '.join(left_out)}" if left_out
+            else ": list lm-eval's tasks with `lm-eval ls tasks`, or "
+            "give a folder of task YAML files with --include_path (a glob selects single tasks, "
+            "not groups or tags)"))
     built = []
     for name in dict.fromkeys(t for found in selected.values() for t in found):
         entry = manager.task_index.get(name)
         where = f" ({entry.yaml_path})" if entry and entry.yaml_path else ""
         with lm_eval_says(f"task {name}{where}"):
             loaded = manager.load([name])
-        built += [loaded["groups"][name]] if name in loaded["groups"] else list(loaded["tasks"].values())
+        built += ([loaded["groups"][name]] if name in loaded["groups"]
+                  else list(loaded["tasks"].values()))
     with lm_eval_says("--tasks"):
         manager.load(built)  # lm-eval's own check that no task runs twice (alone and in a group)
     return manager, built
@@ -210,10 +230,11 @@ def one_line(e):
     return f"{type(e).__name__}: {' '.join(str(e).split())}"
 
 
-# ----------------------------------------------------------------------------- perplexity of a val.bin
+# -------------------------------------------------------------------------- perplexity of a val.bin
 
 def open_ppl_data(data_root, name):
-    """(folder, meta.json, val.bin memory-mapped) of the --ppl dataset, checked before anything is loaded."""
+    """(folder, meta.json, val.bin memory-mapped) of the --ppl dataset, checked before anything is
+    loaded."""
     data_dir = Path(data_root) / name
     try:
         meta = load_meta(data_dir)  # meta.json, and the .bin sizes it promises
@@ -228,29 +249,33 @@ def open_ppl_data(data_root, name):
 
 
 def check_ppl_data(data, loaded, init_from):
-    """--ppl data this model can score: in its tokenizer (else the perplexity measures nothing) and with no id
-    beyond its vocabulary (else the embedding raises an IndexError, or a device-side assert on CUDA)."""
+    """--ppl data this model can score: in its tokenizer (else the perplexity measures nothing) and
+    with no id beyond its vocabulary (else the embedding raises an IndexError, or a device-side
+    assert on CUDA)."""
     data_dir, meta, tokens = data
     vocab = loaded.model.config.vocab_size
     try:
         data_enc = get_tokenizer(meta["tokenizer"])
-    except (ValueError, RuntimeError) as e:  # a tokenizer folder gone, or gpt2's files not downloadable
+    except (ValueError, RuntimeError) as e:  # a tokenizer folder gone,
+                                             # or gpt2's files not downloadable
         fail(e)
     if meta["vocab_size"] > vocab or not same_tokenizer(data_enc, loaded.tokenizer):
-        fail(f"{data_dir} was tokenized with {meta['tokenizer']}, but {init_from} uses {loaded.tokenizer.name}, so "
-             f"its perplexity would mean nothing; prepare the data with the model's tokenizer (prepare_data.py "
-             f"SOURCE {tokenizer_flag(loaded.tokenizer, init_from)} --name NAME)")
+        fail(f"{data_dir} was tokenized with {meta['tokenizer']}, "
+             f"but {init_from} uses {loaded.tokenizer.name}, so "
+             f"its perplexity would mean nothing; prepare the data with the model's tokenizer "
+             f"(prepare_data.py SOURCE {tokenizer_flag(loaded.tokenizer, init_from)} --name NAME)")
     top = int(tokens.max())
     if top >= vocab:
-        fail(f"{data_dir / 'val.bin'} holds token id {top}, beyond the model's vocab_size {vocab}: the file does not "
+        fail(f"{data_dir / 'val.bin'} holds token id {top}, "
+             f"beyond the model's vocab_size {vocab}: the file does not "
              f"match its meta.json; rebuild it with prepare_data.py --force")
 
 
 def perplexity(model, data, batch_size, pad_id, limit=None):
-    """exp(mean NLL) over val.bin in non-overlapping windows of block_size predicted tokens: every token after
-    the first is predicted once, window w from the tokens of window w alone (its first input is the previous
-    window's last target). The paper's Pile validation perplexity when the data is the Pile (Table 1).
-    data: open_ppl_data's (folder, meta.json, val.bin memory-mapped)."""
+    """exp(mean NLL) over val.bin in non-overlapping windows of block_size predicted tokens: every
+    token after the first is predicted once, window w from the tokens of window w alone (its first
+    input is the previous window's last target). The paper's Pile validation perplexity when the
+    data is the Pile (Table 1). data: open_ppl_data's (folder, meta.json, val.bin memory-mapped)."""
     data_dir, _, tokens = data
     T = model.config.block_size
     starts = range(0, len(tokens) - 1, T)
@@ -266,8 +291,10 @@ def perplexity(model, data, batch_size, pad_id, limit=None):
 
 
 def print_table(results, num_fewshot, limited):
-    """acc and acc_norm per task (x100, as in the paper), two averages, and the paper's Table 1 beside them."""
-    rows = {t: m for t, m in results.get("results", {}).items() if t not in results.get("groups", {})}
+    """acc and acc_norm per task (x100, as in the paper), two averages, and the paper's Table 1
+    beside them."""
+    rows = {t: m for t, m in results.get("results", {}).items()
+            if t not in results.get("groups", {})}
     if rows:
         print(f"\n{'task':<20}{'acc':>8}{'acc_norm':>10}  other metrics ({num_fewshot}-shot)")
     accs, norm_or_acc = [], []
@@ -286,13 +313,15 @@ def print_table(results, num_fewshot, limited):
         print(f"{'average, acc_norm':<20}{'':>8}{mean:>10.2f}  acc_norm where a task has it, "
               f"else acc (the paper does not say which it averages)")
         if sorted(rows) == sorted(PAPER_TASKS) and num_fewshot in paper.TABLE1_AVG:
-            print(f"paper, Table 1, {num_fewshot}-shot average{' (this run: --limit, a subset)' if limited else ''}: "
+            print(f"paper, Table 1, {num_fewshot}-shot average"
+                  f"{' (this run: --limit, a subset)' if limited else ''}: "
                   + ", ".join(f"{k} {v:.2f}" for k, v in paper.TABLE1_AVG[num_fewshot].items()))
     if "ppl" in results:
         p = results["ppl"]
-        print(f"\nperplexity {p['ppl']:.4f} (mean NLL {p['nll']:.4f} over {p['tokens']:,} tokens of "
-              f"{p['dataset']}/val.bin, {p['windows']:,} windows)")
-        if Path(p["dataset"]).name.startswith("pile"):  # prepare_data.py's pile source, in any tokens
+        print(f"\nperplexity {p['ppl']:.4f} (mean NLL {p['nll']:.4f} over {p['tokens']:,} "
+              f"tokens of {p['dataset']}/val.bin, {p['windows']:,} windows)")
+        if Path(p["dataset"]).name.startswith("pile"):  # prepare_data.py's pile
+                                                        # source, in any tokens
             print("paper, Table 1, Pile validation perplexity (GPT-NeoX tokens): "
                   + ", ".join(f"{k} {v}" for k, v in paper.TABLE1_PPL.items()))
 
@@ -300,24 +329,35 @@ def print_table(results, num_fewshot, limited):
 # ----------------------------------------------------------------------------- the command line
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.error = lambda message: fail(f"{message} (python eval.py --help lists the flags)")  # one line, not usage
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.error = lambda message: fail(
+        f"{message} (python eval.py --help lists the flags)")  # one line, not usage
     p.add_argument("--init_from", required=True,
-                   help="a train.py out_dir (its ckpt.pt), a checkpoint file, a Hugging Face folder or hub id")
+                   help="a train.py out_dir (its ckpt.pt), a checkpoint file, "
+                        "a Hugging Face folder or hub id")
     p.add_argument("--tasks", default=",".join(PAPER_TASKS),
-                   help="comma-separated lm-eval task names or globs (quoted: 'arc_*' runs every single task whose "
-                        "name matches, not the groups); default: the paper's eight; empty: none")
-    p.add_argument("--num_fewshot", type=int, default=0, help="examples in each prompt (the paper: 0 and 5); default 0")
-    p.add_argument("--limit", type=float, help="score only this many examples per task (< 1: a fraction) and "
-                   "this many --ppl windows; for quick checks, not for reported numbers")
-    p.add_argument("--batch_size", type=int, default=16, help="sequences per forward pass; default 16")
+                   help="comma-separated lm-eval task names or globs (quoted: 'arc_*' runs every "
+                        "single task whose name matches, not the groups); default: the paper's "
+                        "eight; empty: none")
+    p.add_argument("--num_fewshot", type=int, default=0,
+                   help="examples in each prompt (the paper: 0 and 5); default 0")
+    p.add_argument("--limit", type=float,
+                   help="score only this many examples per task (< 1: a fraction) and "
+                        "this many --ppl windows; for quick checks, not for reported numbers")
+    p.add_argument("--batch_size", type=int, default=16,
+                   help="sequences per forward pass; default 16")
     p.add_argument("--device", default="auto", help="default auto: cuda, then mps, then cpu")
-    p.add_argument("--include_path", help="a folder of extra lm-eval task YAML files (lm-eval's own option)")
-    p.add_argument("--json", help="write lm-eval's results dictionary here (plus 'ppl' with --ppl); an existing "
-                   "file is replaced only if it holds an earlier result")
-    p.add_argument("--ppl", metavar="DATASET", help="also report the perplexity of <data_root>/DATASET/val.bin "
-                   "(a prepare_data.py output in the model's tokenizer), e.g. pile")
-    p.add_argument("--data_root", default="data", help="the folder that holds the --ppl dataset; default data")
+    p.add_argument("--include_path",
+                   help="a folder of extra lm-eval task YAML files (lm-eval's own option)")
+    p.add_argument("--json",
+                   help="write lm-eval's results dictionary here (plus 'ppl' with --ppl); "
+                        "an existing file is replaced only if it holds an earlier result")
+    p.add_argument("--ppl", metavar="DATASET",
+                   help="also report the perplexity of <data_root>/DATASET/val.bin "
+                        "(a prepare_data.py output in the model's tokenizer), e.g. pile")
+    p.add_argument("--data_root", default="data",
+                   help="the folder that holds the --ppl dataset; default data")
     return p.parse_args(argv)
 
 
@@ -330,24 +370,29 @@ def check_flags(args):
     try:
         check_ranges(vars(args), KEY_RANGES)
         if args.limit is not None and args.limit >= 1 and args.limit != int(args.limit):
-            raise ConfigError(f"--limit={args.limit:g}: give a whole number of examples, or a fraction below 1")
+            raise ConfigError(f"--limit={args.limit:g}: give a whole number of examples, "
+                              f"or a fraction below 1")
         device = resolve_device(args.device)
-        json_path = output_file(args.json, "--json", replaces=("results", "ppl")) if args.json else None
+        json_path = (output_file(args.json, "--json", replaces=("results", "ppl")) if args.json
+                     else None)
     except (ConfigError, ValueError) as e:
         fail(e)
     if names and lm_eval is None:
-        fail("the downstream tasks need lm-evaluation-harness: pip install lm-eval (or --tasks= with --ppl only)")
+        fail("the downstream tasks need lm-evaluation-harness: pip install lm-eval "
+             "(or --tasks= with --ppl only)")
     if args.include_path and not Path(args.include_path).is_dir():
         fail(f"--include_path {args.include_path} is not a folder of task YAML files")
     return names, device, json_path
 
 
 def evaluate(model, enc, tasks, manager, data, args):
-    """lm-eval's results for the tasks (already built), plus 'ppl' for --ppl data (already checked)."""
+    """lm-eval's results for the tasks (already built), plus 'ppl' for --ppl data (already
+    checked)."""
     results = {}
     try:
         if tasks:
-            limit = None if args.limit is None else int(args.limit) if args.limit >= 1 else args.limit
+            limit = (None if args.limit is None
+                     else int(args.limit) if args.limit >= 1 else args.limit)
             with lm_eval_says(f"lm-eval stopped on --tasks (--num_fewshot={args.num_fewshot})"):
                 results = lm_eval.simple_evaluate(EvalLM(model, enc, args.batch_size), tasks=tasks,
                                                   num_fewshot=args.num_fewshot, limit=limit,
@@ -374,7 +419,8 @@ def main(argv):
         fail(e)
     model, enc = loaded.model, loaded.tokenizer
     print(f"{loaded.source}: step {loaded.step}, {model.num_params() / 1e6:.2f}M parameters, "
-          f"depth_mode={model.config.depth_mode}, block_size {model.config.block_size}, {device}", file=sys.stderr)
+          f"depth_mode={model.config.depth_mode}, block_size {model.config.block_size}, {device}",
+          file=sys.stderr)
     if data:
         check_ppl_data(data, loaded, args.init_from)
 

@@ -4,9 +4,9 @@ Sample text from a checkpoint written by train.py, or from a Hugging Face folder
     python sample.py --init_from=out/shakespeare --prompt="ROMEO:" --num_samples=3 --max_new_tokens=200
     python sample.py --init_from=zeng123/Depth-attention-3B --prompt="The capital of France is"
 
-A train.py checkpoint is rebuilt from its stored config dict and decodes with the tokenizer its training
-data used; a Hugging Face folder brings config.json and tokenizer.json (checkpoint.load_model). Generation runs
-through model.generate and its KV cache.
+A train.py checkpoint is rebuilt from its stored config dict and decodes with the tokenizer its
+training data used; a Hugging Face folder brings config.json and tokenizer.json
+(checkpoint.load_model). Generation runs through model.generate and its KV cache.
 """
 import argparse
 import sys
@@ -19,7 +19,8 @@ from support.checkpoint import CheckpointError, load_model
 from support.cli import ConfigError, fail, resolve_device
 from support.config import check_ranges
 
-KEY_RANGES = {"num_samples": ">= 1", "max_new_tokens": ">= 0", "temperature": ">= 0", "top_k": ">= 0", "seed": ">= 0"}
+KEY_RANGES = {"num_samples": ">= 1", "max_new_tokens": ">= 0", "temperature": ">= 0",
+              "top_k": ">= 0", "seed": ">= 0"}
 
 
 def read_prompt(args) -> str:
@@ -28,15 +29,19 @@ def read_prompt(args) -> str:
     try:
         return Path(args.prompt_file).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        fail(f"--prompt_file {args.prompt_file}: {getattr(e, 'strerror', None) or e}; give a readable UTF-8 text file")
+        fail(f"--prompt_file {args.prompt_file}: {getattr(e, 'strerror', None) or e}; "
+             f"give a readable UTF-8 text file")
 
 
 def main(argv):
     p = argparse.ArgumentParser(description=__doc__.strip().split("\n")[0])
-    p.add_argument("--init_from", help="a train.py out_dir or ckpt.pt, a Hugging Face folder or hub id")
-    p.add_argument("--out_dir", default="out/shakespeare", help="a training run's folder (when no --init_from)")
+    p.add_argument("--init_from",
+                   help="a train.py out_dir or ckpt.pt, a Hugging Face folder or hub id")
+    p.add_argument("--out_dir", default="out/shakespeare",
+                   help="a training run's folder (when no --init_from)")
     p.add_argument("--ckpt", help="a checkpoint file (when no --init_from); overrides --out_dir")
-    p.add_argument("--prompt", default="", help="text to continue; empty = start a new document (end-of-text)")
+    p.add_argument("--prompt", default="",
+                   help="text to continue; empty = start a new document (end-of-text)")
     p.add_argument("--prompt_file", help="read the prompt from this file instead")
     p.add_argument("--num_samples", type=int, default=1)
     p.add_argument("--max_new_tokens", type=int, default=200)
@@ -63,15 +68,17 @@ def main(argv):
     gen = torch.Generator(device=device).manual_seed(args.seed)
     step = "" if loaded.step is None else f"step {loaded.step}, "
     print(f"{loaded.source}: {step}{model.num_params() / 1e6:.2f}M parameters, "
-          f"depth_mode={model.config.depth_mode}, residual={residual_of(model.config)}, tokenizer {enc.name}",
+          f"depth_mode={model.config.depth_mode}, residual={residual_of(model.config)}, "
+          f"tokenizer {enc.name}",
           file=sys.stderr)
     try:
-        out = model.generate(idx, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k or None,
-                             generator=gen)
+        out = model.generate(idx, args.max_new_tokens, temperature=args.temperature,
+                             top_k=args.top_k or None, generator=gen)
     except ValueError as e:  # e.g. the prompt plus the new tokens exceed the context length
         fail(e)
     for i, row in enumerate(out.tolist()):
-        print(f"--- sample {i + 1}/{args.num_samples}: {len(ids)} prompt + {len(row) - len(ids)} new tokens")
+        print(f"--- sample {i + 1}/{args.num_samples}: {len(ids)} prompt + "
+              f"{len(row) - len(ids)} new tokens")
         print(enc.decode(row))
 
 

@@ -1,9 +1,9 @@
 """
 The few helpers every script uses at its edges: `fail` (the one-line `error:` exit), `reason` (an
-exception's first line), `require` (an optional package, or its pip line), `resolve_device` (auto = cuda,
-then mps, then cpu), `table` (aligned plain-text columns), `output_file` (a result's path, checked before
-any work), `not_in_a_checkpoint` (nothing is written into a sharded checkpoint's folder), `read_json_object`
-and `write_atomically`.
+exception's first line), `require` (an optional package, or its pip line), `resolve_device` (auto =
+cuda, then mps, then cpu), `table` (aligned plain-text columns), `output_file` (a result's path,
+checked before any work), `not_in_a_checkpoint` (nothing is written into a sharded checkpoint's
+folder), `read_json_object` and `write_atomically`.
 """
 import importlib
 import json
@@ -20,7 +20,8 @@ class ConfigError(ValueError):
 
 
 def fail(msg):
-    """Stop a script on bad input: one `error: ...` line naming the fix, exit status 1, no traceback."""
+    """Stop a script on bad input: one `error: ...` line naming the fix, exit status 1, no
+    traceback."""
     raise SystemExit(f"error: {msg}")
 
 
@@ -30,25 +31,30 @@ def reason(e) -> str:
 
 
 def table(rows, header) -> str:
-    """Rows of values as aligned plain-text columns under header, two spaces apart (the scripts' printed tables)."""
+    """Rows of values as aligned plain-text columns under header, two spaces apart (the scripts'
+    printed tables)."""
     widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
-    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip() for r in [header] + rows)
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
+                     for r in [header] + rows)
 
 
 def require(module, purpose, pip=None):
-    """import module, or an ImportError that names the pip line: optional packages are imported where used."""
+    """import module, or an ImportError that names the pip line: optional packages are imported
+    where used."""
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise ImportError(f"{purpose} needs {module}: pip install {pip or module.split('.')[0]}") from e
+        raise ImportError(f"{purpose} needs {module}: "
+                          f"pip install {pip or module.split('.')[0]}") from e
 
 
 def resolve_device(name, local_rank=None, allowed=("cpu", "cuda", "cuda:N", "mps")) -> str:
-    """The device a script runs on: "auto" is the first of cuda, mps, cpu that this machine has and `allowed`
-    lists; a named device must exist here. Under torchrun (local_rank given), "cuda" is this process's GPU.
-    A ValueError says what the machine has."""
+    """The device a script runs on: "auto" is the first of cuda, mps, cpu that this machine has and
+    `allowed` lists; a named device must exist here. Under torchrun (local_rank given), "cuda" is
+    this process's GPU. A ValueError says what the machine has."""
     import torch  # this module stays importable without torch
-    have = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available(), "cpu": True}
+    have = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available(),
+            "cpu": True}
     if name == "auto":
         name = next(d for d in ("cuda", "mps", "cpu") if d in allowed and have[d])
     kind, _, index = name.partition(":")
@@ -57,66 +63,73 @@ def resolve_device(name, local_rank=None, allowed=("cpu", "cuda", "cuda:N", "mps
     if (kind + ":N" if index else kind) not in allowed:
         raise ValueError(f"this script runs on {', '.join(allowed)} (or auto), not {name!r}")
     if not have[kind]:
-        missing = "torch sees no CUDA GPU" if kind == "cuda" else "torch.backends.mps is not available"
+        missing = ("torch sees no CUDA GPU" if kind == "cuda"
+                   else "torch.backends.mps is not available")
         raise ValueError(f"device {name!r} but {missing} here; use --device=cpu (or auto)")
     if index and int(index) >= torch.cuda.device_count():
-        raise ValueError(f"device {name!r} but this machine has {torch.cuda.device_count()} CUDA GPU(s), "
-                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+        raise ValueError(f"device {name!r} but this machine has {torch.cuda.device_count()} "
+                         f"CUDA GPU(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     return f"cuda:{local_rank}" if name == "cuda" and local_rank is not None else name
 
 
 
 def output_file(path, flag, replaces=None) -> Path:
-    """Check before any work that `path` can be written as a file (its folder is created): a long evaluation or
-    benchmark must not end in an error about where to put its result. replaces: the keys of this script's own
-    result, one of which an existing file must hold to be replaced (a slip such as --json=out/RUN/ckpt.pt keeps
-    the checkpoint). Raises ConfigError naming `flag`."""
+    """Check before any work that `path` can be written as a file (its folder is created): a long
+    evaluation or benchmark must not end in an error about where to put its result. replaces: the
+    keys of this script's own result, one of which an existing file must hold to be replaced (a slip
+    such as --json=out/RUN/ckpt.pt keeps the checkpoint). Raises ConfigError naming `flag`."""
     p = Path(path)
     not_in_a_checkpoint(p, flag)
     if p.is_dir() or str(path).endswith(("/", "\\")):
-        raise ConfigError(f"{flag}={path} is a folder; give a file name such as {p / 'results.json'}")
+        raise ConfigError(f"{flag}={path} is a folder; "
+                          f"give a file name such as {p / 'results.json'}")
     try:
         p.parent.mkdir(parents=True, exist_ok=True)
         probe = p.parent / f".{p.name}.probe{os.getpid()}"
         probe.touch()
         probe.unlink()
     except (FileExistsError, NotADirectoryError):
-        raise ConfigError(f"cannot write {flag}={path}: part of its folder path is a file; pick another "
-                          f"path") from None
+        raise ConfigError(f"cannot write {flag}={path}: part of its folder path is a file; "
+                          f"pick another path") from None
     except OSError as e:
-        raise ConfigError(f"cannot write {flag}={path} ({e.strerror or e}); pick a writable path") from None
+        raise ConfigError(f"cannot write {flag}={path} ({e.strerror or e}); "
+                          f"pick a writable path") from None
     if replaces and p.is_file() and p.stat().st_size:
         try:  # an earlier result is far smaller than 64 MiB; a larger file is something else
             earlier = json.loads(p.read_bytes()) if p.stat().st_size <= 1 << 26 else None
         except ValueError:  # not UTF-8, not JSON
             earlier = None
         if not (isinstance(earlier, dict) and set(replaces) & earlier.keys()):
-            raise ConfigError(f"{flag}={path} exists and is not an earlier result of this script; pick another "
-                              f"path, or delete the file if it may go")
+            raise ConfigError(f"{flag}={path} exists and is not an earlier result of this script; "
+                              f"pick another path, or delete the file if it may go")
     return p
 
 
 def not_in_a_checkpoint(path, flag):
-    """A ConfigError naming `flag` if path is or lies inside a sharded checkpoint's folder: the run's
-    next save replaces that folder whole, and whatever else was written there with it."""
+    """A ConfigError naming `flag` if path is or lies inside a sharded checkpoint's folder: the
+    run's next save replaces that folder whole, and whatever else was written there with it."""
     for folder in [Path(path).resolve(), *Path(path).resolve().parents]:
         if folder.name in SHARDED_NAMES:
-            raise ConfigError(f"{flag}={path} lies inside {folder}, a sharded checkpoint that the run's "
-                              f"next save replaces whole; pick a path outside it")
+            raise ConfigError(f"{flag}={path} lies inside {folder}, a sharded checkpoint that "
+                              f"the run's next save replaces whole; pick a path outside it")
 
 
 def read_json_object(path) -> dict:
-    """A JSON file that must hold an object (config.json, an index): a ValueError naming the file otherwise."""
+    """A JSON file that must hold an object (config.json, an index): a ValueError naming the file
+    otherwise."""
     try:
         value = json.loads(Path(path).read_text())
     except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); the file is damaged: restore or re-create it") from e
+        raise ValueError(f"{path} is not valid JSON ({e}); "
+                         f"the file is damaged: restore or re-create it") from e
     if not isinstance(value, dict):
-        raise ValueError(f"{path} holds a JSON {type(value).__name__}, not the object it should; restore it")
+        raise ValueError(f"{path} holds a JSON {type(value).__name__}, "
+                         f"not the object it should; restore it")
     return value
 
 def write_atomically(path, text):
-    """Write text to path through a temporary file and a rename: an interrupted write leaves the old file."""
+    """Write text to path through a temporary file and a rename: an interrupted write leaves the old
+    file."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
