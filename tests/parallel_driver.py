@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from baselines import build_model, make_config  # noqa: E402
-from support.parallel import Parallel, checkpoint_activations  # noqa: E402
+from support.parallel import Parallel, Process, checkpoint_activations  # noqa: E402
 import train  # noqa: E402
 
 SHAPE = dict(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_kv_head=1, head_dim=8, n_embd=16, mlp_hidden=32,
@@ -67,7 +67,7 @@ def main(out_path, mode):
     if distributed:
         dist.init_process_group("gloo")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    proc = train.Process(rank, world, "cpu", False, distributed)
+    proc = Process(rank, world, "cpu", False, distributed)
     results = {name: run_case(keys, mode, proc) for name, keys in CASES.items()}
     if rank == 0:
         Path(out_path).write_text(json.dumps(results))

@@ -94,14 +94,14 @@ def test_every_evaluation_logs_the_depth_weights(reference):
 
 
 def test_wandb_gets_the_depth_weights_as_one_series_each(tmp_path):
-    import train
+    from support.runlog import log
 
     class Run:  # what train.py calls of a wandb run
         def log(self, values, step):
             self.logged = (values, step)
     run = Run()
     record = {"kind": "eval", "step": 8, "val_loss": 2.5, "depth_weights": {"2": {"0": 0.25, "2": 0.75}}}
-    train.log(record, tmp_path, run)
+    log(record, tmp_path, run)
     assert run.logged == ({"kind": "eval", "val_loss": 2.5, "depth_weight/2/0": 0.25,
                            "depth_weight/2/2": 0.75}, 8)
     assert json.loads((tmp_path / "log.jsonl").read_text()) == record

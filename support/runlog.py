@@ -1,0 +1,71 @@
+"""
+What a train.py run writes besides its checkpoints, and the lines that stop it: config.json,
+log.jsonl (cut back to the checkpoint's step on resume) and wandb; a divergence, a checkpoint that
+could not be written, a failure every rank hits and rank 0 alone reports.
+"""
+import json
+import sys
+
+import torch.distributed as dist
+
+from support.cli import fail, reason, require
+
+
+def start_log(cfg, history, out_dir, step):
+    """config.json, and log.jsonl cut back to the steps done: lines a killed run wrote after its
+    checkpoint go. Returns wandb when --wandb_log, else None."""
+    print(json.dumps(cfg, indent=1))
+    (out_dir / "config.json").write_text(json.dumps({**cfg, "resumes": history}, indent=1) + "\n")
+    log_path = out_dir / "log.jsonl"
+    old = log_path.read_text().splitlines() if step and log_path.exists() else []
+    kept = [line for line in old if json.loads(line)["step"] <= step]
+    log_path.write_text("".join(line + "\n" for line in kept))
+    if not cfg["wandb_log"]:
+        return None
+    try:
+        wandb = require("wandb", "--wandb_log=True")
+    except ImportError as e:
+        fail(f"{e} (or leave wandb_log off)")
+    wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"] or out_dir.name, config=cfg)
+    return wandb
+
+
+def log(record, out_dir, wandb):
+    """One line of log.jsonl (and wandb); the master process writes them."""
+    with open(out_dir / "log.jsonl", "a") as f:
+        f.write(json.dumps(record) + "\n")
+    if wandb:
+        flat = {f"depth_weight/{e}/{c}": w for e, row in record.get("depth_weights", {}).items()
+                for c, w in row.items()}  # layer e's weight on candidate c
+        plain = {k: v for k, v in record.items() if k not in ("step", "depth_weights")}
+        wandb.log({**plain, **flat}, step=record["step"])
+
+
+def diverged(step, what, lr, saved):
+    """Stop a run whose loss, gradients or weights stopped being finite, before any is saved."""
+    fix = (f"its last checkpoint (step {saved}) is kept: lower --learning_rate and continue it "
+           f"with --resume=True, or start over with --overwrite=True" if saved is not None
+           else "rerun with a lower --learning_rate")
+    fail(f"training diverged at step {step} ({what}, lr {lr:.3g}); {fix}")
+
+
+def save_failed(path, step, e, saved, master):
+    """Stop a run whose checkpoint could not be written, in one line that says why and what is
+    kept: a rank that stopped mid-write (its peers lose their connection to it), or a write that
+    failed (a full disk, a folder made read-only). Every rank hits it: rank 0 alone says it."""
+    kept, then = ((f"the checkpoint of step {saved} is kept", "--resume=True") if saved is not None
+                  else ("no checkpoint was written", "rerun"))
+    if isinstance(e, dist.DistError) or getattr(e, "peer_lost", False):
+        message = (f"a rank stopped while {path} of step {step} was written ({reason(e)}); "
+                   f"{kept}: {then}")
+    else:
+        message = (f"could not write {path} at step {step} ({reason(e)}); {kept}: free space or "
+                   f"make --out_dir writable, then {then}")
+    stop(message, master)
+
+
+def stop(message, master):
+    """fail() on rank 0; the other ranks, stopped by the same cause, exit without repeating it."""
+    if master:
+        fail(message)
+    sys.exit(1)
