@@ -11,7 +11,6 @@ Reading order: ModelConfig and the source rule; the method (the depth weights, D
 (Table 2). It imports only torch; the comparisons build on it in baselines.py (LIMe: "lime").
 """
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -288,7 +287,7 @@ class Attention(nn.Module):
     """Grouped-query attention with q/k-norm and RoPE (Qwen3) and the depth step between RoPE and
     the cache. A variant's forward reuses the steps below (baselines.LIMeAttention)."""
 
-    weights_sink = None  # GPT.capture_depth_weights: called with (e, alpha) while it runs
+    weights_sink = None  # support.depth_weights.capture: called with (e, alpha) while set
 
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
@@ -464,20 +463,6 @@ class GPT(nn.Module):
         p = self.lm_head.weight
         return KVCache(self.config, batch_size, max_len or self.config.block_size, p.device,
                        dtype or p.dtype)
-
-    @contextmanager
-    def capture_depth_weights(self):
-        """The depth weights of every forward inside the block: {effective layer e: (S(e), alpha
-        (B, n_kv_head, T, |S(e)| + 1) float32)}, with the decode kernel off (it has no weights)."""
-        sink, attns = {}, [m for m in self.modules() if isinstance(m, Attention)]
-        for m in attns:
-            m.weights_sink = lambda e, alpha: sink.__setitem__(
-                e, (self.depth_sources[e], alpha.detach().transpose(2, 3)))
-        try:
-            yield sink
-        finally:
-            for m in attns:
-                m.weights_sink = None
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # parameters() yields a tied weight once

@@ -1,6 +1,7 @@
 """The battery that makes model.py trustworthy: a naive reference straight from the paper's
 equations, cached decoding against the full forward, causality, parity across modes, the source
 rule, the paper's costs. tests/test_contract.py holds every variant to one contract besides."""
+import itertools
 import math
 
 import pytest
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 
 from conftest import tiny_config, tiny_model
 from model import DEPTH_MODES, GPT, KVCache, ModelConfig, apply_rope, depth_cost, depth_mix, rope_tables
+from support.depth_weights import capture
 
 # ----------------------------------------------------------------------------- naive reference
 
@@ -82,16 +84,17 @@ def ref_mlp(blk, c, x):
     return (F.silu(h @ mlp.gate_proj.weight.T) * (h @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
 
 
-def reference_forward(model: GPT, idx, k_norm_after_rope=None):
+def reference_forward(model: GPT, idx, k_norm_after_rope=None, weights=None):
     """Logits from loops over rows, layers, positions and heads, from the paper's section 2 and the
     Qwen3 block alone. It shares only the parameter tensors with the model (so gradients can be
-    compared). k_norm_after_rope: the order of k_norm and RoPE (default: the model's config)."""
+    compared). k_norm_after_rope: the order of k_norm and RoPE (default: the model's config).
+    weights: a dict that receives each depth weight vector, {(layer, row, position, KV head): alpha}."""
     c = model.config
     after = c.k_norm_after_rope if k_norm_after_rope is None else k_norm_after_rope
     spec, L, g = REFERENCE_MODES[c.depth_mode], c.n_eff_layer, c.n_head // c.n_kv_head
     stride = c.depth_stride if c.depth_stride is not None else max(1, L // 2)
     rows = []
-    for row in idx:
+    for b, row in enumerate(idx):
         x = model.embed_tokens.weight[row]                                        # (T, n_embd)
         stored = {}  # effective layer -> (K, V): lists over positions of lists over KV heads
         for e in range(L):
@@ -100,14 +103,17 @@ def reference_forward(model: GPT, idx, k_norm_after_rope=None):
             src = ref_sources(e, stride, c.depth_recent_window) if spec else []
             K, V = k, v
             if src:
-                weights, mixes = spec
+                rule, mixes = spec
                 K, V = [[None] * c.n_kv_head for _ in row], [[None] * c.n_kv_head for _ in row]
                 for t in range(len(row)):
                     for j in range(c.n_kv_head):
                         cand_k = [stored[s][0][t][j] for s in src] + [k[t][j]]
                         cand_v = [stored[s][1][t][j] for s in src] + [v[t][j]]
                         qbar = sum(q[t][j * g + i] for i in range(g)) / g  # heads of KV head j
-                        alpha = weights(qbar, cand_k)
+                        alpha = rule(qbar, cand_k)
+                        if weights is not None:
+                            weights[e, b, t, j] = torch.tensor([float(torch.as_tensor(a).detach())
+                                                                for a in alpha])
                         mk = sum(a * kk for a, kk in zip(alpha, cand_k))
                         mv = sum(a * vv for a, vv in zip(alpha, cand_v))
                         K[t][j] = mk if "k" in mixes else k[t][j]
@@ -345,7 +351,7 @@ def test_num_params_counts_tied_weights_once():
 def test_depth_weights_readout(mode):
     model = tiny_model(depth_mode=mode, n_layer=5, depth_stride=2)
     idx = torch.randint(0, 50, (2, 6))
-    with model.capture_depth_weights() as alphas:
+    with capture(model) as alphas:
         model(idx)
         with torch.no_grad():  # a decode step's weights come from the plain path meanwhile
             cache = model.new_cache(2, 6)
@@ -358,10 +364,14 @@ def test_depth_weights_readout(mode):
         assert torch.allclose(a.sum(-1), torch.ones(()))
         if mode == "uniform":
             assert torch.equal(a, torch.full_like(a, 1.0 / (len(src) + 1)))
-    with model.capture_depth_weights() as alphas:
+    with capture(model) as alphas:
         model(idx)
-    for e, (src, a) in alphas.items():
+    want = {}
+    reference_forward(model, idx, weights=want)
+    for e, (src, a) in alphas.items():  # each layer's own weights, row, position and KV head
         assert a.shape == (2, 2, 6, len(src) + 1)
+        for b, t, j in itertools.product(range(2), range(6), range(2)):
+            assert torch.allclose(a[b, j, t], want[e, b, t, j].float(), atol=1e-5), (e, b, t, j)
         assert mode == "uniform" or a.std() > 1e-3, "a random model's weights are not uniform"
     model(idx)
     assert len(alphas) == 4, "nothing is collected outside the context"

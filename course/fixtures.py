@@ -17,6 +17,7 @@ import torch
 
 import model
 from course.problems import PROBLEMS
+from support.depth_weights import capture
 
 FORMAT = 1  # bumped when the scenarios change: make.py rewrites the fixtures,
             # grade.py checks the number
@@ -232,6 +233,8 @@ def make(seed=0) -> dict:
         qbar, keys = 2 * randn(2, 2, 5, 3), [2 * randn(2, 2, 5, 3) for _ in range(C)]
         qbar, keys = qbar.to(dtype), [k.to(dtype) for k in keys]
         ref["softmax"].append((qbar, keys, model.softmax_weights(qbar, keys)))
+    # the bf16 case's weights from float32 scores: a float32 softmax of either scores is right
+    ref["softmax_wide"] = model.softmax_weights(qbar.float(), [k.float() for k in keys])
 
     ref["weighted_sum"] = []
     for C in (1, 3):
@@ -262,7 +265,7 @@ def make(seed=0) -> dict:
                 ref["models"][name] = (idx, logits)
                 if name in CACHED:
                     decode(gpt, idx)
-                    with gpt.capture_depth_weights():  # the decode steps without the fast path, too
+                    with capture(gpt):  # the decode steps without the fast path, too
                         decode(gpt, idx)
 
     T, L = 8, 3

@@ -24,10 +24,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
 
-from course.problems import EXPERIMENT, GRADED, PROBLEMS  # noqa: E402
+from course.problems import EXPERIMENT, FIXTURES, GRADED, MARKER, PROBLEMS  # noqa: E402
 from support.cli import ConfigError, fail, output_file, require, write_atomically  # noqa: E402
 
-MARKER, FIXTURES = "course/STUDENT", "course/fixtures/reference.pt"  # as course/make.py writes them
 PROCESS_TIMEOUT_S = 600  # one problem's whole pytest run (its tests take seconds)
 
 

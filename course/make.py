@@ -22,7 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from course.problems import PROBLEMS  # noqa: E402
+from course.problems import FIXTURES, MARKER, PROBLEMS  # noqa: E402
 from support.cli import fail  # noqa: E402
 
 # Left out of the copy: the loop references and the tests that check the method against them, CI,
@@ -31,8 +31,6 @@ LEFT_OUT = ("test_model.py", "conftest.py", "tests/", ".ci/", "course/make.py", 
 WITHHELD_PAGES = ("docs/cost.md", "docs/forking.md", "docs/tests.md")
 SKIPPED_DIRS = {".git", "out", "data", "runs", "wandb", ".venv", "venv", "__pycache__",
                 ".pytest_cache"}
-MARKER = "course/STUDENT"  # what makes a folder a student copy (grade.py reads it too)
-FIXTURES = "course/fixtures/reference.pt"
 
 
 def replace_bodies(source: str, bodies: dict) -> str:

@@ -44,6 +44,8 @@ PROBLEMS = (
             "reading and writing", graded=False),
 )
 GRADED = [p for p in PROBLEMS if p.graded]
+# A student copy: its marker file, and the fixtures make.py records (relative to the copy's root)
+MARKER, FIXTURES = "course/STUDENT", "course/fixtures/reference.pt"
 # Problem 5's runs, as the handout's command writes them (ablate.py's shared protocol on its CPU
 # base), and the mean final validation losses of the two seeds that this repository's code gives,
 # measured with that command; a correct solution lands within the tolerance on any machine.

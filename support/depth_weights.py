@@ -3,13 +3,33 @@ The depth weights as numbers (the paper's Figure 3): the mean weight each layer 
 candidates, its sources S(l) and itself. train.py logs them at every evaluation; `python ablate.py
 --depth_weights=RUN` prints a checkpoint's and draws them.
 """
+from contextlib import contextmanager
+
 import numpy as np
 import torch
+
+from model import Attention
+
+
+@contextmanager
+def capture(model):
+    """The depth weights of every forward of model inside the block: {effective layer e: (S(e),
+    alpha (B, n_kv_head, T, |S(e)| + 1) float32)}, with the decode kernel off (it has no weights);
+    empty for a model that computes none (vanilla, the baselines, LIMe's static router)."""
+    sink, attns = {}, [m for m in model.modules() if isinstance(m, Attention)]
+    for m in attns:
+        m.weights_sink = lambda e, alpha: sink.__setitem__(
+            e, (model.depth_sources[e], alpha.detach().transpose(2, 3)))
+    try:
+        yield sink
+    finally:
+        for m in attns:
+            m.weights_sink = None
 
 
 def weight_sums(alphas, rows=None) -> dict:
     """{(layer e, candidate c): the sum over the first `rows` windows of each window's mean weight
-    over the KV heads and positions}, from GPT.capture_depth_weights' record of a forward."""
+    over the KV heads and positions}, from capture's record of a forward."""
     return {(e, c): w for e, (src, alpha) in sorted(alphas.items())
             for c, w in zip(src + [e], alpha[:rows].double().mean(dim=(1, 2)).sum(0).tolist())}
 
@@ -18,10 +38,7 @@ def weight_sums(alphas, rows=None) -> dict:
 def mean_depth_weights(model, x) -> dict:
     """{(layer e, candidate c): mean weight} over the windows x (B, T); {} for a model that computes
     no per-token depth weights (vanilla, the baselines, LIMe's static router)."""
-    capture = getattr(model, "capture_depth_weights", None)
-    if capture is None:
-        return {}
-    with capture() as alphas:
+    with capture(model) as alphas:
         model(x)
     return {key: w / len(x) for key, w in weight_sums(alphas).items()}
 

@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from course.make import LEFT_OUT, WITHHELD_PAGES, blank, replace_bodies, stubs
-from course.problems import EXPERIMENT, GRADED, PROBLEMS
+from course.make import (LEFT_OUT, WITHHELD_PAGES, blank, replace_bodies, repository_files,
+                         stubs)
+from course.problems import EXPERIMENT, FIXTURES, GRADED, MARKER, PROBLEMS
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -98,7 +99,7 @@ def copy(tmp_path_factory):
 
 def recorded(copy):
     """The fixtures course/make.py recorded into the copy, from this repository's code."""
-    return copy / "course" / "fixtures" / "reference.pt"
+    return copy / FIXTURES
 
 
 def with_bodies(copy, tmp_path, bodies):
@@ -156,7 +157,7 @@ def test_a_fresh_copy_grades_zero_imports_and_trains_nothing_yet(copy):
                               "import model, baselines, train, sample, eval, ablate"],
                              cwd=copy, env=ENV, capture_output=True, text=True)
     assert imports.returncode == 0, imports.stderr
-    size = (copy / "course" / "fixtures" / "reference.pt").stat().st_size
+    size = recorded(copy).stat().st_size
     assert size < 500_000  # a few hundred kB
 
 
@@ -165,9 +166,9 @@ def test_the_copy_holds_no_solution(copy):
     pages that print the code, the answers) that the rest of the repository does not also hold: none
     is in any file of the copy, and there are enough such lines for the search to mean something."""
     blanked = stubs()
-    kept = {line.strip() for f in ROOT.rglob("*") if f.is_file() and f.suffix in (".py", ".md")
-            and not str(f.relative_to(ROOT)).startswith((*LEFT_OUT, *WITHHELD_PAGES, *blanked))
-            and ".git" not in f.parts for line in f.read_text(errors="replace").splitlines()}
+    kept = {line.strip() for f in repository_files() if f.endswith((".py", ".md"))  # as make.py
+            and not f.startswith((*WITHHELD_PAGES, *blanked))  # copies them
+            for line in (ROOT / f).read_text(errors="replace").splitlines()}
     for file, messages in blanked.items():  # what the copy keeps of the files it blanks
         kept |= {line.strip() for line in blank((ROOT / file).read_text(), messages).splitlines()}
     secret = set()
@@ -261,7 +262,7 @@ def test_make_refuses_destinations_that_would_lose_files(copy, tmp_path):
                 and "\n" not in err), (args, err)
     assert (mine / "notes.txt").read_text() == "mine" and not (ROOT / "student").exists()
     code, _ = make(copy, "--overwrite")
-    assert (code == 0 and (copy / "course" / "STUDENT").is_file()
+    assert (code == 0 and (copy / MARKER).is_file()
             and not list(copy.parent.glob(".student.*")))
 
 

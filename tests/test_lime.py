@@ -11,6 +11,7 @@ from conftest import tiny_config, tiny_model
 from model import ModelConfig, depth_cost
 import sample
 from support import hf, memory
+from support.depth_weights import capture
 from test_hf import TINY, eval_losses, train
 from test_model import (assert_matches_reference, ref_attention, ref_mlp, ref_positioned,
                         ref_projections, ref_sources, rms)
@@ -175,7 +176,7 @@ def test_looped_lime_round_trips_through_hugging_face(tmp_path):
     idx = torch.randint(0, 50, (2, 9))
     with torch.no_grad():
         assert torch.equal(back(idx)[0], model(idx)[0])
-    with model.capture_depth_weights() as alphas:  # a static router has no per-token weights to collect
+    with capture(model) as alphas:  # a static router has no per-token weights to collect
         model(idx)
     assert alphas == {}
 

@@ -218,9 +218,17 @@ def test_a_checkpoint_without_file_checksums_still_loads(fsdp_run, tmp_path, cap
     assert "has no file checksums" in capsys.readouterr().err
 
 
-def test_shards_are_read_into_the_model_itself(tmp_path):
+def test_shards_are_read_into_the_model_itself(tmp_path, monkeypatch):
     """model_from_checkpoint reads ckpt.dcp straight into the model's parameters (state_dict's tensors are their
-    storage): the weights are the saved ones, not the fresh model's, with no second copy made."""
+    storage): the weights are the saved ones, not the fresh model's, with no second copy made (the parameters'
+    storage is the one the model was built with)."""
+    built, build = [], checkpoint.build_model
+
+    def recording(config):  # where the model's parameters live when it is built
+        model = build(config)
+        built.append([p.data_ptr() for p in model.parameters()])
+        return model
+    monkeypatch.setattr(checkpoint, "build_model", recording)
     torch.manual_seed(0)
     saved = build_model(tiny_config(depth_mode="value"))
     with torch.no_grad():
@@ -233,3 +241,4 @@ def test_shards_are_read_into_the_model_itself(tmp_path):
     model = checkpoint.model_from_checkpoint({"model_config": asdict(saved.config),
                                               "shards": tmp_path / "ckpt.dcp", "files": files})
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), saved.state_dict().values()))
+    assert built == [[p.data_ptr() for p in model.parameters()]]

@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT))
 sys.modules["course"] = course = types.ModuleType("course")  # course.* from GRADER, never from ROOT
 course.__path__ = [str(GRADER / "course")]
 
-from course.problems import PROBLEMS  # noqa: E402
+from course.problems import FIXTURES, PROBLEMS  # noqa: E402
 
 # per test; the slowest takes about a second on a loaded 2-core machine (COURSE_TEST_TIMEOUT: the
 # grader's own tests, which try an endless loop)
@@ -103,8 +103,7 @@ def problems_pass():
 def ref():
     """The reference outputs course/make.py recorded from the living model.py (grade.py passes where
     they are for the repository itself, which has none of its own)."""
-    path = Path(os.environ.get("COURSE_FIXTURES")
-                or GRADER / "course" / "fixtures" / "reference.pt")
+    path = Path(os.environ.get("COURSE_FIXTURES") or GRADER / FIXTURES)
     if not path.is_file():
         pytest.fail(f"no reference fixtures at {path}: grade with python course/grade.py, "
                     f"or ask for a fresh copy (python course/make.py)")
