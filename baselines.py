@@ -35,8 +35,8 @@ from dataclasses import dataclass, fields
 import torch
 import torch.nn as nn
 
-from model import (DEPTH_MODES, GPT, Attention, DepthMode, ModelConfig, RMSNorm, config_check,
-                   fp32_or_wider)
+from model import (DEPTH_MODES, GPT, Attention, ConfigError, DepthMode, ModelConfig, RMSNorm,
+                   config_check, fp32_or_wider)
 
 
 @dataclass
@@ -82,11 +82,11 @@ def make_config(**keys) -> ModelConfig:
     """The config a flat dict of keys describes (train.py's namespace, a checkpoint's stored dict of
     any version, a Hugging Face record): a BaselineConfig for a baseline, else a ModelConfig, whose
     dict then carries no baseline keys. Every key is checked either way; an unknown one is a
-    ValueError."""
+    ConfigError."""
     known = [f.name for f in fields(BaselineConfig)]
     unknown = sorted(keys.keys() - set(known))
     if unknown:
-        raise ValueError(f"unknown model keys {unknown} (from a newer version of this code?); this "
+        raise ConfigError(f"unknown model keys {unknown} (from a newer version of this code?); this "
                          f"version knows {', '.join(known)}")
     config = BaselineConfig(**keys)
     if config.residual == "add":

@@ -20,11 +20,16 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 
+class ConfigError(ValueError):
+    """A config that describes no model; the message names the fix. The scripts print it as one
+    line (model.py imports only torch, so it cannot share their error base)."""
+
+
 def config_check(name):
-    """need(ok, msg): a ValueError "name: msg" unless ok; a config's checks read as rules."""
+    """need(ok, msg): a ConfigError "name: msg" unless ok; a config's checks read as rules."""
     def need(ok, msg):
         if not ok:
-            raise ValueError(f"{name}: {msg}")
+            raise ConfigError(f"{name}: {msg}")
     return need
 
 

@@ -7,5 +7,5 @@ sweep's records, the paper's numbers, the depth weights as numbers.
 It stands on model.py and baselines.py (imported from the root, where every script runs) and never on
 a script; within it, each module imports only those below it (tests/test_layout.py):
 
-    cli config paper depth_weights tokenizer data batches hf checkpoint parallel signals runlog memory sweep
+    errors cli config paper depth_weights tokenizer data batches hf checkpoint parallel signals runlog memory sweep
 """

@@ -27,6 +27,7 @@ from baselines import build_model, make_config
 from model import GPT
 from support import hf
 from support.cli import SHARDED, reason
+from support.errors import CheckpointError
 from support.tokenizer import folder_tokenizer, from_record, looks_like_hub_id, snapshot
 
 try:
@@ -39,10 +40,6 @@ TOKENIZER_KEYS = ("tokenizer", "tokenizer_json", "eot_token")  # tokenizer.token
 # An FSDP run's checkpoint (save_sharded) is the folder SHARDED: a torch.distributed.checkpoint folder of
 # the model and optimizer shards, plus run.pt, the rest of a checkpoint. train.py --parallel=ddp (and one
 # process) writes ckpt.pt.
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint that is missing, unreadable or inconsistent; the message names the file and the fix."""
 
 
 def _digest(value, h):

@@ -10,13 +10,12 @@ import json
 import os
 from pathlib import Path
 
+from support.errors import ConfigError
+
 # An FSDP run's checkpoint folder (checkpoint.save_sharded), and its names while a save replaces it.
 SHARDED = "ckpt.dcp"
 SHARDED_NAMES = (SHARDED, f"{SHARDED}.tmp", f"{SHARDED}.old")
 
-
-class ConfigError(ValueError):
-    """Bad input on the command line or in a config file; the message names the fix."""
 
 
 def fail(msg):
