@@ -116,7 +116,7 @@ def group_mean(q, n_kv_head):
 # softmax and each candidate's weights run along contiguous positions (2x faster, docs/cost.md).
 
 def softmax_weights(qbar, keys):
-    """The paper's depth weights (section 2.2): alpha_c = softmax_c(<qbar, K_c> / sqrt(D))."""
+    """The paper's depth weights (section 2.1): alpha_c = softmax_c(<qbar, K_c> / sqrt(D))."""
     scores = torch.stack([torch.linalg.vecdot(qbar, kc) for kc in keys], 2)  # (B, n_kv, C, T)
     return (fp32_or_wider(scores) / math.sqrt(qbar.shape[-1])).softmax(2)
 

@@ -19,7 +19,7 @@ from support.depth_weights import capture
 # which of K and V the mix replaces. docs/forking.md adds a row here for a new mode.
 
 
-def softmax_ref(qbar, cand_k):  # section 2.2: a softmax over depth of <qbar, K_c> / sqrt(D)
+def softmax_ref(qbar, cand_k):  # section 2.1: a softmax over depth of <qbar, K_c> / sqrt(D)
     scores = torch.stack([(qbar * kk).sum() / math.sqrt(len(qbar)) for kk in cand_k])
     return list(torch.softmax(scores, 0))
 

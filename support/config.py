@@ -6,19 +6,20 @@ Command-line configuration shared by train.py, bench_cache.py and ablate.py.
 Positional arguments are config files: plain Python assignments (`n_layer = 12`), applied in order.
 A file may start from another with `base_config = "other.py"` (a path relative to the file): the other
 file's assignments come first, so a variant states only the lines that differ. Then `--key=value`
-overrides. Every key must already exist in the defaults; values are parsed to the type of the default
-(an int is accepted where a float is expected; `None` is accepted anywhere, and a default of `None`
-accepts any literal). Anything else is an error that names the fix.
-`--help` (or `-h`) prints the script's docstring and every key with its default and the one-line comment
-written beside it in the source, so the help can never drift from the defaults.
+overrides, written `--key=value`, `--key value`, or a bare `--flag` for a boolean. Every key must
+already exist in the defaults (an unknown one is refused naming the nearest); values are parsed to
+the type of the default (an int is accepted where a float is expected; `None` is accepted anywhere,
+and a default of `None` accepts any literal). Anything else is a ConfigError that names the fix.
+`--help` (or `-h`) raises ShowHelp with the script's docstring and every key with its default and
+its help (run_main prints it and exits 0), so the help can never drift from the defaults.
 """
 import ast
+import difflib
 import math
 import re
-import sys
 from pathlib import Path
 
-from support.cli import ConfigError
+from support.errors import ConfigError, ShowHelp
 
 # The rules check_ranges knows, each a predicate on a number; every one also requires a finite value.
 RULES = {
@@ -58,7 +59,11 @@ def _coerce(key, value, default):
 
 
 def _unknown(key, known):
-    return ConfigError(f"unknown config key {key!r}; known keys: {', '.join(sorted(known))}")
+    """The error for an unknown key: the nearest known one, or all of them."""
+    near = difflib.get_close_matches(key, known, n=1)
+    hint = f"did you mean --{near[0]}? (--help lists every key)" if near else \
+        f"known keys: {', '.join(sorted(known))}"
+    return ConfigError(f"unknown config key {key!r}; {hint}")
 
 
 def _parse_literal(text):
@@ -110,31 +115,61 @@ def key_comments(sources) -> dict:
     return found
 
 
-def help_text(defaults: dict, doc: str, sources, choices=None) -> str:
-    """The usage: the script's docstring, then `--key=default  comment` for every key; choices:
-    {key: the values it takes}, listed after the key's comment (from the code, never stale)."""
-    comments = key_comments(sources)
+def help_text(defaults: dict, doc: str, helps: dict, choices=None) -> str:
+    """The usage: the script's docstring, then `--key=default  help` for every key; choices:
+    {key: the values it takes}, listed after the key's help (from the code, never stale)."""
+    helps = dict(helps)
     for key, values in (choices or {}).items():
-        comments[key] = f"{comments.get(key, '')}; one of {', '.join(values)}".lstrip("; ")
+        helps[key] = f"{helps.get(key, '')}; one of {', '.join(values)}".lstrip("; ")
     width = min(36, max(len(f"--{k}={v!r}") for k, v in defaults.items()))
-    keys = "\n".join(f"  {f'--{k}={v!r}':<{width}}  {comments.get(k, '')}".rstrip()
+    keys = "\n".join(f"  {f'--{k}={v!r}':<{width}}  {helps.get(k, '')}".rstrip()
                      for k, v in defaults.items())
-    return f"{doc.strip()}\n\nkeys (--key=value, typed like the default):\n{keys}"
+    return (f"{doc.strip()}\n\nkeys (--key=value or --key value, typed like the default; a bare "
+            f"--flag sets a boolean):\n{keys}")
 
 
-def parse_config(defaults: dict, argv: list, doc: str = "", sources=(), choices=None) -> dict:
+def parse_config(defaults: dict, argv: list, doc: str = "", sources=(), choices=None,
+                 helps=None) -> dict:
     """defaults overridden by the config files, then the --key=value arguments, in argv's order.
-    With -h/--help anywhere in argv, print help_text(defaults, doc, sources, choices), exit 0."""
+    With -h/--help anywhere in argv, ShowHelp with the help (helps: {key: text}, else the comments
+    beside the keys in sources)."""
     if "-h" in argv or "--help" in argv:
-        print(help_text(defaults, doc, sources, choices))
-        sys.exit(0)
+        raise ShowHelp(help_text(defaults, doc, key_comments(sources) if helps is None else helps,
+                                 choices))
     cfg = dict(defaults)
-    for arg in argv:
-        for key, value in arg_updates(arg, defaults).items():
+    for updates in argument_updates(argv, defaults):
+        for key, value in updates.items():
             if key not in defaults:
                 raise _unknown(key, defaults)
             cfg[key] = _coerce(key, value, defaults[key])
     return cfg
+
+
+BOOL_WORDS = ("true", "false", "1", "0")
+
+
+def argument_updates(argv, defaults):
+    """The keys each argument sets, uncoerced, in order: a config file's assignments, or one key
+    from `--key=value`, `--key value` or a bare `--flag` (True, for a boolean key)."""
+    i = 0
+    while i < len(argv):
+        arg, nxt = argv[i], argv[i + 1] if i + 1 < len(argv) else None
+        i += 1
+        if not arg.startswith("--") or "=" in arg:
+            yield arg_updates(arg, defaults)
+            continue
+        key = arg[2:]
+        if key not in defaults:
+            raise _unknown(key, defaults)
+        if isinstance(defaults[key], bool):
+            takes = nxt is not None and nxt.lower() in BOOL_WORDS
+            text = nxt if takes else "True"
+        elif nxt is not None and not nxt.startswith("--"):
+            takes, text = True, nxt
+        else:
+            raise ConfigError(f"--{key} needs a value: --{key}=VALUE or --{key} VALUE")
+        i += takes
+        yield {key: text if isinstance(defaults[key], str) else _parse_literal(text)}
 
 
 def arg_updates(arg, defaults=None) -> dict:
@@ -144,5 +179,5 @@ def arg_updates(arg, defaults=None) -> dict:
         return read_config_file(arg)
     key, eq, text = arg[2:].partition("=")
     if not eq:
-        raise ConfigError(f"argument {arg!r} must look like --key=value")
+        raise ConfigError(f"argument {arg!r} must look like --key=value, --key value or --flag")
     return {key: text if isinstance((defaults or {}).get(key), str) else _parse_literal(text)}

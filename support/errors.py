@@ -11,6 +11,7 @@ lets every other exception be a traceback, because anything else is a bug (in th
 model.py imports only torch, so its config checks raise model.ConfigError (a ValueError); the entry
 points treat it as a user error too (USER_ERRORS).
 """
+import os
 import sys
 
 from model import ConfigError as ModelConfigError
@@ -34,13 +35,23 @@ class DataError(UserError):
     """A dataset, corpus or tokenizer that cannot be used as asked."""
 
 
+class ShowHelp(Exception):
+    """-h/--help: the usage text, printed by run_main, which then exits 0 (no support/ module
+    ends the process)."""
+
+
 USER_ERRORS = (UserError, ModelConfigError)
 
 
 def run_main(main, argv=None):
-    """Run a script's main(argv): a user error is its one line on stderr and EXIT_USER_ERROR."""
+    """Run a script's main(argv): a user error is its one line on stderr (rank 0's, under
+    torchrun) and EXIT_USER_ERROR; anything else is a traceback."""
     try:
         return main(sys.argv[1:] if argv is None else argv)
+    except ShowHelp as e:
+        print(e)
+        sys.exit(0)
     except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank stops alike: one line
+            print(f"error: {e}", file=sys.stderr)
         sys.exit(EXIT_USER_ERROR)

@@ -1,14 +1,18 @@
 """
-What a train.py run writes besides its checkpoints, and the lines that stop it: config.json,
+What a train.py run writes besides its checkpoints, and the errors that stop it: config.json,
 log.jsonl (cut back to the checkpoint's step on resume) and wandb; a divergence, a checkpoint that
-could not be written, a failure every rank hits and rank 0 alone reports.
+could not be written. Every rank raises them; run_main prints rank 0's.
 """
 import json
-import sys
 
 import torch.distributed as dist
 
-from support.cli import fail, reason, require
+from support.cli import reason, require
+from support.errors import CheckpointError, ConfigError, UserError
+
+
+class Diverged(UserError):
+    """The loss, the gradients or the weights stopped being finite; nothing of it was saved."""
 
 
 def start_log(cfg, history, out_dir, step):
@@ -25,7 +29,7 @@ def start_log(cfg, history, out_dir, step):
     try:
         wandb = require("wandb", "--wandb_log=True")
     except ImportError as e:
-        fail(f"{e} (or leave wandb_log off)")
+        raise ConfigError(f"{e} (or leave wandb_log off)") from None
     wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"] or out_dir.name, config=cfg)
     return wandb
 
@@ -46,13 +50,13 @@ def diverged(step, what, lr, saved):
     fix = (f"its last checkpoint (step {saved}) is kept: lower --learning_rate and continue it "
            f"with --resume=True, or start over with --overwrite=True" if saved is not None
            else "rerun with a lower --learning_rate")
-    fail(f"training diverged at step {step} ({what}, lr {lr:.3g}); {fix}")
+    raise Diverged(f"training diverged at step {step} ({what}, lr {lr:.3g}); {fix}")
 
 
-def save_failed(path, step, e, saved, master):
+def save_failed(path, step, e, saved):
     """Stop a run whose checkpoint could not be written, in one line that says why and what is
     kept: a rank that stopped mid-write (its peers lose their connection to it), or a write that
-    failed (a full disk, a folder made read-only). Every rank hits it: rank 0 alone says it."""
+    failed (a full disk, a folder made read-only)."""
     kept, then = ((f"the checkpoint of step {saved} is kept", "--resume=True") if saved is not None
                   else ("no checkpoint was written", "rerun"))
     if isinstance(e, dist.DistError) or getattr(e, "peer_lost", False):
@@ -61,11 +65,4 @@ def save_failed(path, step, e, saved, master):
     else:
         message = (f"could not write {path} at step {step} ({reason(e)}); {kept}: free space or "
                    f"make --out_dir writable, then {then}")
-    stop(message, master)
-
-
-def stop(message, master):
-    """fail() on rank 0; the other ranks, stopped by the same cause, exit without repeating it."""
-    if master:
-        fail(message)
-    sys.exit(1)
+    raise CheckpointError(message) from None

@@ -1,6 +1,6 @@
 """The shared command-line config parser: typing, unknown keys, config files and base_config."""
 import pytest
-from support.cli import ConfigError
+from support.errors import ConfigError
 from support.config import parse_config
 
 
@@ -14,11 +14,31 @@ def test_overrides_are_typed_like_the_default():
     assert parse_config(DEFAULTS, ["--stride=None"])["stride"] is None
 
 
+def test_one_dialect_key_value_key_space_value_and_bare_flags():
+    """--key=value, --key value and a bare --flag (True for a boolean) mean the same; a boolean
+    takes a following true/false/1/0 as its value, and leaves anything else (a config file) alone."""
+    spelled = [["--n_layer=4", "--compile=True", "--name=x"], ["--n_layer", "4", "--compile", "--name", "x"],
+               ["--compile", "true", "--n_layer", "4", "--name=x"]]
+    for argv in spelled:
+        assert parse_config(DEFAULTS, argv) == {**DEFAULTS, "n_layer": 4, "compile": True, "name": "x"}, argv
+    assert parse_config(DEFAULTS, ["--compile", "0"])["compile"] is False
+    assert parse_config(DEFAULTS, ["--lr", "-1"])["lr"] == -1.0  # a negative number is a value, not a key
+    assert parse_config(DEFAULTS, ["--name", "123"])["name"] == "123"  # typed as the default: a string
+
+
+def test_a_bare_flag_before_a_config_file_leaves_the_file_alone(tmp_path):
+    (tmp_path / "c.py").write_text("n_layer = 3\n")
+    assert parse_config(DEFAULTS, ["--compile", str(tmp_path / "c.py")]) == {**DEFAULTS, "compile": True,
+                                                                             "n_layer": 3}
+
+
 @pytest.mark.parametrize("argv, fragment", [
-    (["--n_layers=4"], "unknown config key 'n_layers'; known keys: compile, lr, n_layer, name, stride"),
+    (["--n_layers=4"], "unknown config key 'n_layers'; did you mean --n_layer?"),
+    (["--zzz=4"], "unknown config key 'zzz'; known keys: compile, lr, n_layer, name, stride"),
+    (["--n_layer"], "--n_layer needs a value: --n_layer=VALUE or --n_layer VALUE"),
+    (["--n_layer", "--lr=1"], "--n_layer needs a value"),
     (["--n_layer=1.5"], "--n_layer: expected int"),
     (["--compile=maybe"], "--compile: expected bool"),
-    (["--n_layer"], "must look like --key=value"),
     (["missing.py"], "config file missing.py not found"),
 ])
 def test_bad_arguments_name_the_fix(argv, fragment):

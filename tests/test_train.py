@@ -6,7 +6,6 @@ its checkpoint must all reproduce its losses.
 import json
 import math
 import os
-import runpy
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +15,8 @@ import pytest
 import torch
 
 from baselines import make_config
-from support.config import parse_config
+from support import run_config
+from support.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # two ranks share two cores; same threads in every run
@@ -194,20 +194,19 @@ def test_config_files_resolve():
     """Every shipped config (ablations on top of their base) names only known keys and builds a ModelConfig;
     each vanilla twin differs from its value run in depth_mode, out_dir and the stride it has no use for;
     shakespeare.py is the default. None sets a key its model ignores (train.py would warn)."""
-    ns = runpy.run_path(str(ROOT / "train.py"))  # train.py's DEFAULTS, without running main
-    defaults, configs = ns["DEFAULTS"], ROOT / "configs"
+    defaults, configs = run_config.DEFAULTS, ROOT / "configs"
 
     def resolve(*names):
-        cfg = parse_config(defaults, [str(configs / n) for n in names])
-        make_config(**{k: cfg[k] for k in ns["MODEL_KEYS"]} | {"vocab_size": cfg["vocab_size"] or 257})
-        assert not ns["ignored_keys"](cfg), names
+        cfg = run_config.parse_args([str(configs / n) for n in names])
+        make_config(**{k: cfg[k] for k in run_config.MODEL_KEYS} | {"vocab_size": cfg["vocab_size"] or 257})
+        assert not run_config.ignored_keys(cfg), names
         return cfg
 
     runs = {p.name: resolve(p.name) for p in configs.glob("*.py")}
     assert runs["shakespeare.py"] == defaults
     for name, cfg in runs.items():  # torchrun --nproc_per_node=2 of any shipped config runs as it is
         for world in (1, 2, 8):
-            mb, accum, rows = ns["batch_layout"](cfg, world)
+            mb, accum, rows = run_config.batch_layout(cfg, world)
             assert mb * accum * world == rows == cfg["batch_tokens"] // cfg["block_size"], (name, world)
     for name in [n for n in runs if n.endswith("_vanilla.py")]:
         twin, ours = runs[name.replace("_vanilla", "_value")], runs[name]
@@ -223,13 +222,13 @@ def test_config_files_resolve():
 
 def test_micro_batch_follows_the_world_size():
     """micro_batch=None takes each rank's whole share; an explicit one that cannot divide it names the fix."""
-    layout = runpy.run_path(str(ROOT / "train.py"))["batch_layout"]
+    layout = run_config.batch_layout
     cfg = {"block_size": 256, "batch_tokens": 4096, "micro_batch": None}
     assert layout(cfg, 1) == (16, 1, 16) and layout(cfg, 2) == (8, 1, 16) and layout(cfg, 16) == (1, 1, 16)
     assert layout({**cfg, "micro_batch": 4}, 2) == (4, 2, 16)
-    with pytest.raises(SystemExit, match="--micro_batch=8 keeps the run identical"):
+    with pytest.raises(ConfigError, match="--micro_batch=8 keeps the run identical"):
         layout({**cfg, "micro_batch": 16}, 2)
-    with pytest.raises(SystemExit, match="--batch_tokens=4096 is the nearest"):
+    with pytest.raises(ConfigError, match="--batch_tokens=4096 is the nearest"):
         layout({**cfg, "batch_tokens": 4000}, 2)
 
 
@@ -241,13 +240,16 @@ def test_every_script_answers_help(script):
         assert proc.returncode == 0 and shown and "Traceback" not in proc.stderr, proc.stdout[-2000:] + proc.stderr
 
 
-def test_help_lists_every_key_with_its_comment():
-    ns = runpy.run_path(str(ROOT / "train.py"))
+def test_help_lists_every_key_with_its_help():
+    """--help is the key table (support/run_config.py): every key, its default, its help; the
+    model's keys say what the comment beside their field in model.py or baselines.py says."""
     text = run("train.py", "--help").stdout
-    for key, value in ns["DEFAULTS"].items():
+    for key, value in run_config.DEFAULTS.items():
         line = next((l for l in text.splitlines() if l.strip().startswith(f"--{key}={value!r}")), None)
-        assert line is not None and len(line.split(None, 1)) == 2, f"--{key} has no line or no comment in --help"
-    assert "None = at every evaluation; 0 = at the end" in text  # read from the comment in train.py
+        assert line is not None and len(line.split(None, 1)) == 2, f"--{key} has no line or no help in --help"
+        assert run_config.TRAIN_KEYS[key].help in line, key
+    assert "None = at every evaluation; 0 = at the end" in text
+    assert "distinct blocks (paper 3B: 48)" in text  # n_layer's comment in model.py
     from baselines import DEPTH_MODES  # the choices come from the table itself, LIMe's row included
     line = next(l for l in text.splitlines() if "--depth_mode='value'" in l)
     assert "a row of model.DEPTH_MODES" in line and line.endswith(f"one of {', '.join(DEPTH_MODES)}")

@@ -1,0 +1,269 @@
+"""
+Whether a train.py command is a valid run, in one place: the table of its keys (TRAIN_KEYS: each
+key's default, valid range or choices, whether it changes the run's results, and its help), the
+command line resolved against a checkpoint on --resume, and the checks that the model, the data and
+the batch layout must pass. Everything here raises support.errors types; train.py prints them.
+
+--help, the range checks, the warnings about keys a run ignores and ablate.py's "is this the run
+asked for" (support/sweep.py) all read TRAIN_KEYS.
+"""
+import sys
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Optional
+
+from baselines import DEPTH_MODES, KNOBS, RESIDUALS, BaselineConfig
+from support.cli import not_in_a_checkpoint, resolve_device
+from support.config import check_ranges, key_comments, parse_config
+from support.errors import CheckpointError, ConfigError
+from support.checkpoint import SHARDED, checkpoint_path, read_checkpoint, unfinished
+from support.parallel import PARALLEL
+
+
+@dataclass(frozen=True)
+class Key:
+    """One train.py key. result=False: the key changes no number the run reports (where and how
+    often it writes or prints, how the same computation is laid out), so a run recorded with another
+    value is still the run asked for. per_invocation: how this command runs rather than the run, so
+    it is never taken from a checkpoint and never a "change" on resume."""
+    default: object
+    help: str = ""
+    check: Optional[str] = None      # a range rule of support.config.RULES, e.g. "> 0"
+    choices: Optional[tuple] = None  # the values it takes
+    result: bool = True
+    per_invocation: bool = False
+
+
+def _model_keys() -> dict:
+    """The fields of model.ModelConfig and baselines.BaselineConfig, sized for the Shakespeare demo
+    (1.25M parameters); their help is the comment beside each field, their checks the configs'."""
+    demo = BaselineConfig(block_size=256, n_layer=6, n_head=4, n_kv_head=2, head_dim=32,
+                          n_embd=128, mlp_hidden=384, depth_mode="value")
+    sources = [sys.modules[cls.__module__].__file__ for cls in BaselineConfig.__mro__[:2]]
+    helps = key_comments(reversed(sources))  # model.py first: the field's own comment
+    choices = {"depth_mode": tuple(DEPTH_MODES), "residual": RESIDUALS}
+    keys = {f.name: Key(getattr(demo, f.name), helps.get(f.name, ""), choices=choices.get(f.name))
+            for f in fields(BaselineConfig)}
+    keys["vocab_size"] = Key(None, "None = the tokenizer's vocabulary (meta.json); larger values "
+                             "pad it")
+    return keys
+
+
+NO_RESULT = dict(result=False)
+TRAIN_KEYS = {
+    **_model_keys(),
+    # data and output
+    "dataset": Key("shakespeare", "<data_root>/<dataset>/: {train,val}.bin, meta.json "
+                   "(prepare_data)"),
+    "data_root": Key("data", "the folder that holds the prepared datasets"),
+    "out_dir": Key("out/shakespeare", "ckpt.pt, config.json, log.jsonl", result=False,
+                   per_invocation=True),
+    "seed": Key(1337, "model init and the batch sequence", ">= 0"),
+    # batch: gradient accumulation = batch_tokens / (micro_batch * block_size * world_size)
+    "batch_tokens": Key(4096, "tokens per optimizer step, all ranks together (paper: 1024 x "
+                        "2048)", ">= 1"),
+    "micro_batch": Key(None, "sequences per forward pass on one rank; None = the rank's share",
+                       ">= 1", result=False),
+    # the paper's recipe (section 3): AdamW, 2% warmup, cosine to 0.1 x peak, clip 1.0
+    "max_iters": Key(400, "optimizer steps; the LR schedule spans exactly these", ">= 1"),
+    "learning_rate": Key(3e-3, "peak LR (paper: 1e-3 at 1.5B/3B, 3e-4 at 410M)", "> 0"),
+    "weight_decay": Key(0.1, "on matrices only; norms and other 1-D parameters get none", ">= 0"),
+    "beta1": Key(0.9, "AdamW first-moment decay", "in [0, 1)"),
+    "beta2": Key(0.95, "AdamW second-moment decay", "in [0, 1)"),
+    "adam_eps": Key(1e-8, "AdamW epsilon", "> 0"),
+    "grad_clip": Key(1.0, "max global grad norm; 0 = no clipping", ">= 0"),
+    "lime_router_lr_mult": Key(10.0, "depth_mode=lime: the routers' LR / the scheduled LR, no "
+                               "decay (LIMe: 1e-2 at 1e-3)", "> 0"),
+    "warmup_frac": Key(0.02, "linear warmup over this fraction of max_iters", "in [0, 1]"),
+    "min_lr_ratio": Key(0.1, "cosine floor as a fraction of the peak LR", "in [0, 1]"),
+    # evaluation, logging, checkpoints
+    "eval_interval": Key(100, "steps between evaluations (also at step 0 and at the end)",
+                         ">= 0"),
+    "eval_seqs": Key(64, "fixed validation windows, evenly spaced over val.bin", ">= 1"),
+    "log_interval": Key(25, "steps between printed train lines (log.jsonl gets every step)",
+                        ">= 1", **NO_RESULT),
+    "ckpt_interval": Key(None, "steps between checkpoints; None = at every evaluation; 0 = at "
+                         "the end only", ">= 0", **NO_RESULT),
+    "stop_at_step": Key(0, "end early after this step with a checkpoint, keeping max_iters' "
+                        "schedule; 0 = off", ">= 0", **NO_RESULT),
+    "resume": Key(False, "continue from out_dir/ckpt.pt", result=False, per_invocation=True),
+    "init_from": Key("", "start from these weights, fresh optimizer: an out_dir, a ckpt.pt, a HF "
+                     "folder or a hub id"),
+    "overwrite": Key(False, "start over in an out_dir that holds a checkpoint, deleting it",
+                     result=False, per_invocation=True),
+    "sample_tokens": Key(200, "tokens of text sampled at the end of the run; 0 = none", ">= 0",
+                         **NO_RESULT),
+    "sample_prompt": Key("", "\"\" = start from the end-of-text token, like a new document",
+                         **NO_RESULT),
+    # hardware
+    "device": Key("auto", "auto = cuda, then mps, then cpu"),
+    "dtype": Key("auto", "auto = bfloat16 autocast on CUDA where supported, else float32",
+                 choices=("auto", "float32", "bfloat16")),
+    "compile": Key(False, "torch.compile the training forward (slow to start on CPU)",
+                   **NO_RESULT),
+    "parallel": Key("ddp", "under torchrun: ddp (each GPU the whole model) | fsdp (sharded: "
+                    "support/parallel.py)", choices=PARALLEL, **NO_RESULT),
+    "activation_checkpointing": Key(False, "recompute each block in the backward pass: less "
+                                    "memory, ~1/3 more compute", **NO_RESULT),
+    "memory_plan": Key(False, "print the per-GPU memory of ddp / fsdp, with and without "
+                       "checkpointing, and exit", result=False, per_invocation=True),
+    # experiment tracking
+    "wandb_log": Key(False, "log to Weights & Biases (pip install wandb)", **NO_RESULT),
+    "wandb_project": Key("depth-attention", "the wandb project", **NO_RESULT),
+    "wandb_run_name": Key("", "\"\" = the out_dir's name", **NO_RESULT),
+}
+DEFAULTS = {name: key.default for name, key in TRAIN_KEYS.items()}
+MODEL_KEYS = [f.name for f in fields(BaselineConfig)]  # the decoder's, the method's, the baselines'
+HELP = {name: key.help for name, key in TRAIN_KEYS.items()}
+RANGES = {name: key.check for name, key in TRAIN_KEYS.items() if key.check}
+CHOICES = {name: key.choices for name, key in TRAIN_KEYS.items() if key.choices}
+
+
+def parse_args(argv, doc="") -> dict:
+    """The config a command line asks for on a fresh run: DEFAULTS <- config files <- --key=value,
+    every key typed and in its range or choices. Reads no checkpoint and no data."""
+    cfg = parse_config(DEFAULTS, argv, doc, helps=HELP, choices=CHOICES)
+    check_keys(cfg)
+    return cfg
+
+
+def check_keys(cfg):
+    check_ranges(cfg, RANGES)
+    for key, values in CHOICES.items():
+        if key in MODEL_KEYS:  # the model's config names its own choices
+            continue
+        if cfg[key] not in values:
+            raise ConfigError(f"--{key} must be one of {', '.join(values)}, got {cfg[key]!r}")
+
+
+def resolve(argv, doc="", master=True):
+    """(cfg, ckpt): the run this command asks for, and with --resume its checkpoint. With resume,
+    the checkpoint's config replaces DEFAULTS, so `--out_dir=X --resume=True` alone continues the
+    run, and a repeated command line changes nothing."""
+    cfg = parse_args(argv, doc)
+    not_in_a_checkpoint(cfg["out_dir"], "--out_dir")
+    ckpt = None
+    if cfg["resume"]:
+        ckpt = resumable_checkpoint(cfg["out_dir"])
+        inherited = {k: v for k, v in ckpt["config"].items()
+                     if k in DEFAULTS and not TRAIN_KEYS[k].per_invocation}
+        cfg = parse_config({**DEFAULTS, **inherited}, argv)
+        check_keys(cfg)
+        check_same_model(cfg, ckpt)
+        check_same_start(cfg, ckpt)
+        if ("shards" in ckpt) != (cfg["parallel"] == "fsdp"):
+            written = "fsdp" if "shards" in ckpt else "ddp"
+            raise ConfigError(f"{cfg['out_dir']} holds a checkpoint written with --parallel="
+                              f"{written}; continue it with that --parallel (a checkpoint does "
+                              f"not convert between the two)")
+        if cfg["overwrite"]:
+            raise ConfigError("--resume=True continues the checkpoint and --overwrite=True "
+                              "deletes it; pass one of them")
+    resolve_device(cfg["device"])
+    if master:
+        for key, why in ignored_keys(cfg).items():
+            print(f"warning: --{key}={cfg[key]!r} does nothing in this run: {why}",
+                  file=sys.stderr)
+    return cfg, ckpt
+
+
+def resumable_checkpoint(out_dir) -> dict:
+    """The checkpoint --resume continues: it must exist and hold a whole run."""
+    path = checkpoint_path(out_dir)
+    if not path.exists():
+        where = f"{path} or {path.with_name(SHARDED)}" if path.name == "ckpt.pt" else path
+        raise CheckpointError(f"--resume=True but there is no checkpoint at {where}"
+                              f"{unfinished(path.parent)}; check --out_dir, or drop --resume to "
+                              f"start anew")
+    ckpt = read_checkpoint(path)
+    # (an FSDP run's optimizer state is in its shards)
+    missing = [k for k in ("config", "optimizer", "step", "best_val_loss", "rng")
+               if k not in ckpt and not (k == "optimizer" and "shards" in ckpt)]
+    if missing:
+        raise CheckpointError(f"{path} holds a model but not a run to continue (no "
+                              f"{', '.join(missing)}); train into a new --out_dir")
+    return ckpt
+
+
+def check_same_model(cfg, ckpt):
+    """A resumed run keeps its model; vocab_size None (a config file's "follow the data") is the
+    checkpoint's."""
+    saved = {**DEFAULTS, **ckpt["model_config"]}  # a field added since: its default
+    if cfg["vocab_size"] is None:
+        cfg["vocab_size"] = saved["vocab_size"]
+    changed = {k: (saved[k], cfg[k]) for k in shaping(saved, cfg) if cfg[k] != saved[k]}
+    if changed:
+        raise ConfigError(f"the checkpoint's model differs from the one asked for ({changed}, as "
+                          f"(checkpoint, now)); drop those overrides or train into a new "
+                          f"--out_dir")
+
+
+def check_same_start(cfg, ckpt):
+    """--init_from on resume must name the weights the run began from (they are never loaded)."""
+    started, asked = ckpt["config"].get("init_from", ""), cfg["init_from"]
+    if asked != started and not (asked and Path(asked).exists()
+                                 and Path(asked).resolve() == Path(started).resolve()):
+        began = f"from --init_from={started}" if started else "from scratch"
+        raise ConfigError(f"--resume=True continues {checkpoint_path(cfg['out_dir'])}, a run that "
+                          f"began {began}; --init_from={cfg['init_from']} would not be loaded: "
+                          f"drop it, or start a new --out_dir from those weights")
+
+
+def ignored_keys(cfg) -> dict:
+    """{key: why} for the keys set away from their default that this run's model has no use for."""
+    no_step = (not DEPTH_MODES[cfg["depth_mode"]].mixes,
+               f"depth_mode={cfg['depth_mode']} has no depth step")
+    why = {"lime_router_lr_mult": (cfg["depth_mode"] != "lime", "only depth_mode=lime has routers"),
+           "depth_stride": no_step, "depth_recent_window": no_step,
+           "k_norm_after_rope": (not cfg["qk_norm"], "--qk_norm=False has no k_norm")}
+    for knob in KNOBS:  # a baseline's own knobs, named after it
+        baseline = knob.split("_")[0]
+        why[knob] = (cfg["residual"] != baseline, f"only --residual={baseline} reads it")
+    return {k: text for k, (unused, text) in why.items() if unused and cfg[k] != DEFAULTS[k]}
+
+
+def shaping(*configs) -> list:
+    """The model keys that shape the models these flat dicts describe: a plain model (residual
+    add) has no use for the baselines' knobs, so its checkpoint does not store them and another
+    value changes nothing."""
+    return [k for k in MODEL_KEYS if k not in KNOBS or any(c["residual"] != "add" for c in configs)]
+
+
+def changed_settings(cfg, ckpt) -> dict:
+    """{key: [before, after]} for the run's keys a resume changes (per-invocation ones aside)."""
+    before = {**DEFAULTS, **ckpt["config"]}
+    return {k: [before[k], cfg[k]] for k in DEFAULTS
+            if not TRAIN_KEYS[k].per_invocation and before[k] != cfg[k]}
+
+
+def adopt_init_model(cfg, init_config, init_from):
+    """--init_from fixes the model keys: cfg takes init_config's, and a model setting asked for that
+    differs from them is a ConfigError."""
+    theirs = {**asdict(BaselineConfig()), **asdict(init_config)}  # a plain model: defaults
+    clash = {k: (theirs[k], cfg[k]) for k in shaping(theirs, cfg)
+             if cfg[k] not in (DEFAULTS[k], theirs[k])}
+    if clash:
+        raise ConfigError(f"--init_from={init_from} fixes the model, and these settings differ "
+                          f"from it: {clash} (as (model, asked)); drop them")
+    cfg.update({k: theirs[k] for k in shaping(theirs)})
+
+
+def batch_layout(cfg, world):
+    """(micro_batch, accumulation steps, rows): the global batch is rows = batch_tokens / block_size
+    sequences, each rank takes rows / world of them in accum passes of micro_batch. Any layout
+    gives the same run."""
+    T, tokens, mb = cfg["block_size"], cfg["batch_tokens"], cfg["micro_batch"]
+    if tokens % (T * world):
+        nearest = max(1, round(tokens / (T * world))) * T * world
+        raise ConfigError(f"batch_tokens={tokens} must be a multiple of block_size * world_size = "
+                          f"{T} * {world}; --batch_tokens={nearest} is the nearest (a different "
+                          f"run)")
+    rows = tokens // T
+    share = rows // world
+    mb = mb or share
+    if share % mb:
+        fits = max(d for d in range(1, min(mb, share) + 1) if share % d == 0)
+        raise ConfigError(f"micro_batch={mb} must divide this rank's share of the batch, "
+                          f"batch_tokens / block_size / world_size = {tokens} / {T} / {world} = "
+                          f"{share} sequences; --micro_batch={fits} keeps the run identical")
+    return mb, share // mb, rows
