@@ -34,6 +34,22 @@ def tiny_model(seed=0, dtype=torch.float32, **overrides) -> GPT:
     return model
 
 
+# The fast tier, `python -m pytest -m "not slow"`: the files that make a reader trust the model (the
+# naive reference, the contract every variant passes, the parser, the docs' code) in about a minute
+# on 2 cores. Every other test file is slow unless it is named here, so a new file cannot make the
+# fast tier slow unnoticed.
+FAST_FILES = {"test_model.py", "tests/test_contract.py", "tests/test_config.py",
+              "tests/test_docs.py", "tests/test_layout.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    slow = pytest.mark.slow
+    for item in items:
+        path = Path(item.path).resolve()
+        if not path.is_relative_to(ROOT) or path.relative_to(ROOT).as_posix() not in FAST_FILES:
+            item.add_marker(slow)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)
