@@ -15,10 +15,11 @@ from support.data import prepare  # noqa: E402
 
 
 def tiny_config(**overrides) -> ModelConfig:
-    """A model small enough for loops in Python. init_std is large on purpose: with the paper's 0.02 the
-    depth weights of a tiny random model are nearly uniform and a wrong mixing rule could hide."""
-    base = dict(vocab_size=50, block_size=32, n_layer=4, n_head=4, n_kv_head=2, head_dim=8, n_embd=24,
-                mlp_hidden=40, init_std=0.3, depth_mode="value", depth_stride=2)
+    """A model small enough for loops in Python. init_std is large on purpose: with the paper's
+    0.02 the depth weights of a tiny random model are nearly uniform and a wrong mixing rule could
+    hide."""
+    base = dict(vocab_size=50, block_size=32, n_layer=4, n_head=4, n_kv_head=2, head_dim=8,
+                n_embd=24, mlp_hidden=40, init_std=0.3, depth_mode="value", depth_stride=2)
     base.update(overrides)
     return make_config(**base)
 
@@ -34,6 +35,22 @@ def tiny_model(seed=0, dtype=torch.float32, **overrides) -> GPT:
     return model
 
 
+# The fast tier, `python -m pytest -m "not slow"`: the files that make a reader trust the model (the
+# naive reference, the contract every variant passes, the parser, the docs' code) in about a minute
+# on 2 cores. Every other test file is slow unless it is named here, so a new file cannot make the
+# fast tier slow unnoticed.
+FAST_FILES = {"test_model.py", "tests/test_contract.py", "tests/test_config.py",
+              "tests/test_docs.py", "tests/test_layout.py"}
+
+
+def pytest_collection_modifyitems(config, items):
+    slow = pytest.mark.slow
+    for item in items:
+        path = Path(item.path).resolve()
+        if not path.is_relative_to(ROOT) or path.relative_to(ROOT).as_posix() not in FAST_FILES:
+            item.add_marker(slow)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(1234)
@@ -41,7 +58,8 @@ def _seed():
 
 @pytest.fixture(scope="session")
 def data_root(tmp_path_factory):
-    """A tiny corpus from a small grammar, tokenized to bytes by prepare_data's text source: data_root/tiny."""
+    """A tiny corpus from a small grammar, tokenized to bytes by prepare_data's text source:
+    data_root/tiny."""
     root = tmp_path_factory.mktemp("data")
     rng = random.Random(0)
     words = "the a cat dog sat ran on under mat log and then".split()
@@ -49,7 +67,7 @@ def data_root(tmp_path_factory):
         text = "\n".join(" ".join(rng.choice(words) for _ in range(8)) + "." for _ in range(40))
         (root / f"doc{i}.txt").write_text(text)
     prepare("text", name="tiny", tokenizer="bytes", inputs=[str(root / "doc*.txt")],
-                         out_dir=root, num_proc=1)
+            out_dir=root, num_proc=1)
     return root
 
 

@@ -1,0 +1,253 @@
+"""The docs run: every Python import line and every command of a root script in the code blocks of
+README.md and docs/*.md is executed or parsed here, so a renamed module or flag fails a test instead
+of a reader. And the code reads beside a PDF: line lengths of every module."""
+import importlib.util
+import json
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+# Packages a doc may import that the test environment need not have: each is optional for users
+# and absent from requirements-dev.txt (checked below), so its ImportError is not a stale doc.
+OPTIONAL_PACKAGES = {"wandb": "train.py's --wandb_log=True"}
+
+IMPORT = re.compile(r"\s*(import\s+[\w.]|from\s+[\w.]+\s+import\s)")
+ENV_ASSIGNMENT = re.compile(r"[A-Za-z_]\w*=")
+SEPARATORS = {";", "&&", "||", "|", "&", "(", ")"}
+VARIABLE = re.compile(r"\$\{?(\w+)\}?")
+
+
+def code_blocks(path):
+    """(first line number, the block's lines) of every fenced code block of a Markdown file."""
+    blocks, lines, start = [], None, 0
+    for number, line in enumerate(path.read_text().splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            if lines is None:
+                lines, start = [], number + 1
+            else:
+                blocks.append((start, lines))
+                lines = None
+        elif lines is not None:
+            lines.append(line)
+    return blocks
+
+
+def where(path, number):
+    return f"{path.relative_to(ROOT)}:{number}"
+
+
+def import_lines():
+    """(where, statement) of every import line in the docs' code blocks, an import in parentheses
+    joined to one line."""
+    found = []
+    for path in DOCS:
+        for start, lines in code_blocks(path):
+            i = 0
+            while i < len(lines):
+                if IMPORT.match(lines[i]):
+                    statement, first = lines[i].split("#")[0].strip(), i
+                    while statement.count("(") > statement.count(")") and i + 1 < len(lines):
+                        i += 1
+                        statement += " " + lines[i].split("#")[0].strip()
+                    found.append((where(path, start + first), statement))
+                i += 1
+    return found
+
+
+def shell_lines(lines):
+    """A block's logical shell lines: continuations joined, a `$ ` prompt dropped."""
+    joined, pending = [], ""
+    for line in lines:
+        line = line.removeprefix("$ ")
+        if line.rstrip().endswith("\\"):
+            pending += line.rstrip()[:-1] + " "
+            continue
+        joined.append(pending + line)
+        pending = ""
+    return joined
+
+
+def script_commands():
+    """(where, script, argv, the command as written) of every command line in the docs' code blocks
+    that runs a root script: `python X.py ...` or `torchrun ... X.py ...`, env assignments and shell
+    comments stripped, a block's own `NAME=value` lines and a for loop's first word substituted."""
+    found = []
+    for path in DOCS:
+        for start, lines in code_blocks(path):
+            variables = {}
+            for offset, line in enumerate(shell_lines(lines)):
+                try:
+                    words = shell_words(line)
+                except ValueError:  # not shell: a Python or output line with an odd quote
+                    continue
+                for command in split_commands(words, variables):
+                    script = run_script(command)
+                    if script:
+                        found.append((where(path, start + offset), *script, " ".join(line.split())))
+    return found
+
+
+def shell_words(line):
+    """The words of a shell line as sh splits them: quotes removed, a comment dropped, and ; && |
+    words of their own even when written against a word (`a b; do`)."""
+    lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+    lexer.whitespace_split = True
+    return list(lexer)
+
+
+def split_commands(words, variables):
+    """The simple commands of one shell line, split at ; && || |, leading env assignments and shell
+    keywords stripped and $NAME substituted; a `NAME=value` line and a for loop's first word are
+    recorded in variables."""
+    commands, current = [], []
+    for word in words + [";"]:
+        if word not in SEPARATORS:
+            current.append(word)
+            continue
+        while current and (current[0] in ("do", "then", "else", "done", "fi")
+                           or ENV_ASSIGNMENT.match(current[0])):
+            name, _, value = current.pop(0).partition("=")
+            if value and not current:  # NAME=value alone sets a variable for the lines below
+                variables[name] = value
+        current = [VARIABLE.sub(lambda m: variables.get(m[1], m[0]), w) for w in current]
+        if current[:1] == ["for"] and len(current) >= 4 and current[2] == "in":
+            variables[current[1]] = current[3]
+        elif current:
+            commands.append(current)
+        current = []
+    return commands
+
+
+def run_script(words):
+    """(script, argv) if the command runs a root script, else None."""
+    if words[0] in ("python", "python3") and len(words) > 1:
+        script, argv = words[1], words[2:]
+    elif words[0] == "torchrun":
+        at = next((i for i, w in enumerate(words) if w.endswith(".py")), None)
+        if at is None:
+            return None
+        script, argv = words[at], words[at + 1:]
+    else:
+        return None
+    if not script.endswith(".py") or "/" in script or not (ROOT / script).is_file():
+        return None
+    return script, argv
+
+
+IMPORTS = import_lines()
+COMMANDS = script_commands()
+
+
+@pytest.fixture(scope="module")
+def import_results():
+    """Every import line run once, each on its own, in one fresh interpreter at the repository root
+    (as a reader runs them): {statement: None, or (the missing module's name, the error)}."""
+    program = (
+        "import json, sys\n"
+        "results = {}\n"
+        "for statement in json.loads(sys.argv[1]):\n"
+        "    try:\n"
+        "        exec(statement, {})\n"
+        "        results[statement] = None\n"
+        "    except Exception as e:\n"
+        "        results[statement] = (getattr(e, 'name', None), f'{type(e).__name__}: {e}')\n"
+        "print(json.dumps(results))\n")
+    statements = sorted({statement for _, statement in IMPORTS})
+    done = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, ''); {program}",
+                           json.dumps(statements)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_the_docs_have_imports_and_commands_to_check():
+    assert len(IMPORTS) >= 5 and len(COMMANDS) >= 20, (len(IMPORTS), len(COMMANDS))
+
+
+@pytest.mark.parametrize("place, statement", IMPORTS, ids=[w for w, _ in IMPORTS])
+def test_every_import_line_of_the_docs_runs(import_results, place, statement):
+    result = import_results[statement]
+    if result is None:
+        return
+    missing, error = result
+    top = (missing or "").split(".")[0]
+    if top in OPTIONAL_PACKAGES:
+        pytest.skip(f"{top} is optional ({OPTIONAL_PACKAGES[top]}) and not installed")
+    pytest.fail(f"{place}: `{statement}` raises {error}")
+
+
+def requirement_names():
+    names = set()
+    for line in (ROOT / "requirements-dev.txt").read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line and not line.startswith("-"):
+            names.add(re.split(r"[<>=!~\[ ]", line)[0].lower().replace("_", "-"))
+    return names
+
+
+def test_optional_packages_are_not_requirements():
+    """A package the tests need cannot be excused as optional."""
+    listed = {name.replace("_", "-") for name in OPTIONAL_PACKAGES} & requirement_names()
+    assert not listed, f"{sorted(listed)} are in requirements-dev.txt: drop them from OPTIONAL"
+
+
+SCRIPTS = {}
+
+
+def parse_args_of(script):
+    """The script's module-level parse_args, the script loaded once as a module (its main is
+    guarded by __main__, so nothing runs)."""
+    if script not in SCRIPTS:
+        spec = importlib.util.spec_from_file_location(f"docs_{script[:-3]}", ROOT / script)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        SCRIPTS[script] = getattr(module, "parse_args", None)
+    return SCRIPTS[script]
+
+
+@pytest.mark.parametrize("place, script, argv, command", COMMANDS,
+                         ids=[f"{w}:{s}" for w, s, _, _ in COMMANDS])
+def test_every_command_of_the_docs_parses(place, script, argv, command, capsys):
+    """parse_args only parses and checks the command's syntax (a placeholder like out/RUN is fine:
+    it touches no file); a bad command raises support.errors.UserError or model.ConfigError."""
+    parse_args = parse_args_of(script)
+    assert callable(parse_args), f"{script} has no module-level parse_args(argv) to check " \
+                                 f"{place}: {command}"
+    try:
+        parse_args(argv)
+    except SystemExit as e:  # --help prints and exits 0; anything else is a refused command
+        assert e.code in (0, None) and {"-h", "--help"} & set(argv), \
+            f"{script} refuses {place}: {command}\n(exit {e.code}) {capsys.readouterr().err}"
+    except Exception as e:
+        pytest.fail(f"{script} refuses {place}: {command}\n{type(e).__name__}: {e}")
+
+
+SOURCE_DIRS = ("support", "course", "tests")
+LONG, TOO_LONG, SHARE = 100, 120, 20  # columns; at most 1 line in SHARE over LONG
+
+
+def python_modules():
+    return sorted([*ROOT.glob("*.py"), *(p for d in SOURCE_DIRS for p in (ROOT / d).rglob("*.py"))])
+
+
+def test_every_module_fits_beside_a_pdf():
+    """At most 1 line in 20 over 100 columns and none over 120, in every module (a comment that does
+    not fit goes above its line)."""
+    bad = []
+    for path in python_modules():
+        lines = path.read_text().splitlines()
+        long = sum(len(line) > LONG for line in lines)
+        too_long = sum(len(line) > TOO_LONG for line in lines)
+        if too_long or long * SHARE > len(lines):
+            bad.append((long / max(len(lines), 1), path.relative_to(ROOT).as_posix(), long,
+                        len(lines), too_long))
+    worst = "\n".join(f"  {name}: {long} of {n} lines over {LONG} ({share:.0%}), {over} over "
+                      f"{TOO_LONG}" for share, name, long, n, over in sorted(bad, reverse=True))
+    assert not bad, f"{len(bad)} modules do not fit beside a PDF, worst first:\n{worst}"
