@@ -49,6 +49,12 @@ SAMPLE_TEMPERATURE, SAMPLE_TOP_K = 0.8, 200  # the end-of-run preview; sample.py
 # support/run_config.py decides whether a command is a valid run (its table of keys: defaults,
 # ranges, help) and raises, naming the fix; run_main prints that as one line.
 
+def parse_args(argv) -> dict:
+    """The config a command line asks for, checked (keys, types, ranges, choices) without reading
+    a checkpoint or data: --resume takes the rest from the checkpoint when the run starts."""
+    return run_config.parse_args(argv, __doc__)
+
+
 def main(argv):
     cfg, ckpt = run_config.resolve(argv, __doc__, master=os.environ.get("RANK", "0") == "0")
     if cfg["memory_plan"]:  # the micro batch as train.py would take it, at this launch's world size
