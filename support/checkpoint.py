@@ -1,8 +1,8 @@
 """
 Saving and loading trained models: train.py's atomic checkpoints (ckpt.pt, and an FSDP run's sharded
 ckpt.dcp), and `load_model(init_from)`, the one way every script that reads a trained model (sample.py,
-eval.py, export.py, train.py --init_from) turns a path into a model and its tokenizer. Errors from below
-(hf.py, tokenizer.py) become one CheckpointError here.
+eval.py, export.py, train.py --init_from) turns a path into a model and its tokenizer. What the user can
+fix is a UserError (CheckpointError here and in hf.py, DataError from tokenizer.py); anything else is a bug.
 
     init_from = "out/shakespeare"             a train.py out_dir (reads its ckpt.pt or ckpt.dcp)
               = "out/shakespeare/ckpt.pt"     a checkpoint file
@@ -279,22 +279,19 @@ def checkpoint_path(init_from) -> Path:
 
 
 def load_model(init_from, device="cpu") -> Loaded:
-    """The model and tokenizer behind init_from (see the module docstring), ready for inference. Every failure
-    is a CheckpointError whose message names the file and the fix."""
-    try:
-        if hf.is_hf_folder(init_from) or looks_like_hub_id(init_from):
-            folder = snapshot(init_from)
-            model = hf.from_pretrained(folder)
-            tokenizer = folder_tokenizer(folder)
-            if tokenizer is None:
-                raise CheckpointError(f"{folder} has no tokenizer.json; copy the model's tokenizer.json into it")
-            return Loaded(model.to(device).eval(), tokenizer, str(folder), None)
-        path = checkpoint_path(init_from)
-        ckpt = read_checkpoint(path, verify=("model", "model_config", "files", *TOKENIZER_KEYS))  # not the optimizer
-        model = model_from_checkpoint(ckpt).to(device).eval()
-        return Loaded(model, from_record(ckpt), str(path), ckpt.get("step"))
-    except (ValueError, ImportError, OSError) as e:  # from hf.py and tokenizer.py: bad folders, missing packages
-        raise CheckpointError(str(e)) from e
+    """The model and tokenizer behind init_from (see the module docstring), ready for inference. A folder,
+    file or hub id that cannot be used is a UserError whose message names the file and the fix."""
+    if hf.is_hf_folder(init_from) or looks_like_hub_id(init_from):
+        folder = snapshot(init_from)
+        model = hf.from_pretrained(folder)
+        tokenizer = folder_tokenizer(folder)
+        if tokenizer is None:
+            raise CheckpointError(f"{folder} has no tokenizer.json; copy the model's tokenizer.json into it")
+        return Loaded(model.to(device).eval(), tokenizer, str(folder), None)
+    path = checkpoint_path(init_from)
+    ckpt = read_checkpoint(path, verify=("model", "model_config", "files", *TOKENIZER_KEYS))  # not the optimizer
+    model = model_from_checkpoint(ckpt).to(device).eval()
+    return Loaded(model, from_record(ckpt), str(path), ckpt.get("step"))
 
 
 # ----------------------------------------------------------------------------- sharded checkpoints
@@ -351,7 +348,7 @@ def save_sharded(model, optimizer, run, out_dir, master):
     dist.barrier()
 
 
-class SaveError(RuntimeError):
+class SaveError(CheckpointError):
     """A sharded checkpoint that could not be written, raised on every rank with the same message;
     peer_lost when a rank stopped (its peers lost their connection to it) rather than a write failed."""
 

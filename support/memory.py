@@ -45,8 +45,9 @@ from torch.profiler import ProfilerActivity, profile
 from torch.utils._pytree import tree_leaves, tree_map
 
 from baselines import build_model, make_config
-from support.cli import fail, table
+from support.cli import table
 from support.data import load_meta
+from support.errors import ConfigError, DataError
 from support.parallel import PARALLEL, checkpointing, wrap_units
 
 GIB = 2 ** 30
@@ -326,9 +327,9 @@ def plan(model_config, micro_batch, block_size, world, parallel, activation_chec
     for `world` GPUs under `parallel` (ddp or fsdp), micro batches of micro_batch x block_size tokens, with bf16
     on CUDA (train.py's default there) or float32. The module docstring gives the model."""
     if parallel not in PARALLEL:
-        raise ValueError(f"parallel must be one of {', '.join(PARALLEL)}, got {parallel!r}")
+        raise ConfigError(f"parallel must be one of {', '.join(PARALLEL)}, got {parallel!r}")
     if world < 1 or micro_batch < 1:
-        raise ValueError(f"world and micro_batch must be positive, got {world} and {micro_batch}")
+        raise ConfigError(f"world and micro_batch must be positive, got {world} and {micro_batch}")
     t = traced(model_config, micro_batch, block_size, parallel, bf16)
     n = t["params"]
     shards = world if parallel == "fsdp" else 1
@@ -407,14 +408,13 @@ def print_plan(cfg, model_keys):
     if os.environ.get("RANK", "0") != "0":
         return
     if cfg["micro_batch"] is None:
-        fail("--memory_plan needs --micro_batch (the sequences of one forward pass on one GPU)")
+        raise ConfigError("--memory_plan needs --micro_batch (the sequences of one forward pass on one "
+                          "GPU)")
     if cfg["vocab_size"] is None:
         try:
             cfg["vocab_size"] = load_meta(Path(cfg["data_root"]) / cfg["dataset"])["vocab_size"]
-        except (FileNotFoundError, RuntimeError):
-            fail(f"--memory_plan needs --vocab_size, or the prepared data of --dataset={cfg['dataset']} to read it")
-    try:
-        config = make_config(**{k: cfg[k] for k in model_keys})
-    except ValueError as e:
-        fail(e)
+        except DataError as e:
+            raise ConfigError(f"--memory_plan needs --vocab_size, or the prepared data of "
+                              f"--dataset={cfg['dataset']} to read it") from e
+    config = make_config(**{k: cfg[k] for k in model_keys})  # a bad shape: model.ConfigError
     print(report(config, cfg["micro_batch"], cfg["block_size"], bf16=cfg["dtype"] != "float32"))

@@ -8,8 +8,8 @@ eot_token, n_vocab, name.
 
 Also where a Hugging Face hub id becomes a local folder (`snapshot`), for the tokenizer and the weights alike.
 No torch here, so prepare_data.py and its tokenizer processes never import it. tokenizers and huggingface_hub
-are optional, imported where used. Errors are ValueError (ImportError with the pip line for a missing package;
-RuntimeError when the gpt2 files cannot be downloaded).
+are optional, imported where used. A tokenizer that cannot be had is a DataError (a MissingPackage with the pip
+line for a missing package).
 """
 import re
 from functools import lru_cache
@@ -18,6 +18,7 @@ from pathlib import Path
 import tiktoken
 
 from support.cli import read_json_object, reason, require
+from support.errors import DataError, UserError
 
 
 EOT = "<|endoftext|>"
@@ -35,14 +36,14 @@ def get_tokenizer(name):
     if name == "gpt2":
         try:
             return tiktoken.get_encoding("gpt2")
-        except Exception as e:
-            raise RuntimeError(f"could not load the gpt2 tokenizer ({type(e).__name__}): tiktoken downloads its "
+        except Exception as e:  # one call, whose errors are the network's or tiktoken's cache's
+            raise DataError(f"could not load the gpt2 tokenizer ({type(e).__name__}): tiktoken downloads its "
                                "BPE files on first use, so run once with network access (they are cached "
                                "afterwards), or use --tokenizer=bytes") from e
     try:
         return load_tokenizer(name)
-    except (ValueError, ImportError, OSError) as e:
-        raise ValueError(f"unknown tokenizer {name!r}: use 'gpt2', 'bytes' or a Hugging Face folder, "
+    except UserError as e:
+        raise DataError(f"unknown tokenizer {name!r}: use 'gpt2', 'bytes' or a Hugging Face folder, "
                          f"tokenizer.json or hub id ({e})") from e
 
 
@@ -58,15 +59,15 @@ class HFTokenizer:
             self.text = Path(path).read_text() if text is None else text
             self._tok = tokenizers.Tokenizer.from_str(self.text)
             self._plain = tokenizers.Tokenizer.from_str(self.text)
-        except Exception as e:  # unreadable, not JSON, or JSON that is not a tokenizer
-            raise ValueError(f"{path}: not a readable tokenizer.json ({reason(e)})") from e
+        except Exception as e:  # unreadable, not JSON, or JSON that is not a tokenizer: a file
+            raise DataError(f"{path}: not a readable tokenizer.json ({reason(e)})") from e
         self._plain.encode_special_tokens = True  # special-token text is encoded as plain text
         self.name = name or str(path)
         self.n_vocab = self._tok.get_vocab_size(with_added_tokens=True)
         self.special = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
         self.eot_token = eot_token if eot_token is not None else self._tok.token_to_id(EOT)
         if self.eot_token is None:
-            raise ValueError(f"{path}: no end-of-text token (no eos_token_id in config.json and no {EOT} in the "
+            raise DataError(f"{path}: no end-of-text token (no eos_token_id in config.json and no {EOT} in the "
                              f"tokenizer)")
 
     def encode(self, text, allowed_special=()):
@@ -127,7 +128,7 @@ def load_tokenizer(name_or_path):
     folder = snapshot(name_or_path, patterns=("tokenizer*", "config.json", "special_tokens_map.json"))
     tok = folder_tokenizer(folder) if folder.is_dir() else None
     if tok is None:
-        raise ValueError(f"no tokenizer.json in {folder}")
+        raise DataError(f"no tokenizer.json in {folder}")
     return tok
 
 
@@ -135,7 +136,7 @@ def folder_tokenizer(folder):
     """A folder's tokenizer: the tiktoken encoding our export recorded (its tokenizer.json, if any, is the
     same one written out for transformers), else its tokenizer.json; None if neither."""
     folder = Path(folder)
-    cfg = read_json_object(folder / "config.json") if (folder / "config.json").is_file() else {}
+    cfg = read_json_object(folder / "config.json", DataError) if (folder / "config.json").is_file() else {}
     if "tokenizer" in cfg:
         return get_tokenizer(cfg["tokenizer"])
     if (folder / "tokenizer.json").is_file():
@@ -174,7 +175,7 @@ def snapshot(path_or_hub_id, patterns=("*.json", "*.safetensors", "*.txt", "*.mo
     hub = require("huggingface_hub", f"downloading {path_or_hub_id} from the Hugging Face hub (it is not a local path)")
     try:
         return Path(hub.snapshot_download(str(path_or_hub_id), allow_patterns=list(patterns)))
-    except Exception as e:
-        raise ValueError(f"{path_or_hub_id} is not a local path, and downloading it from the Hugging Face hub "
+    except Exception as e:  # one call, whose errors are the network's or the hub's
+        raise DataError(f"{path_or_hub_id} is not a local path, and downloading it from the Hugging Face hub "
                          f"failed ({reason(e)}); check the path (a train.py out_dir exists once `python train.py` "
                          f"has run) or the hub id and the network") from e
