@@ -34,9 +34,9 @@ from baselines import BASELINES, DEPTH_MODES, BaselineConfig, build_model, make_
 from model import GPT, depth_cost
 from support import hf, paper
 from support.memory import allocator_peak
-from support.cli import (ConfigError, fail, output_file, reason, require, resolve_device, table,
-                         write_atomically)
+from support.cli import output_file, reason, require, resolve_device, table, write_atomically
 from support.config import check_ranges, parse_config, read_config_file
+from support.errors import USER_ERRORS, ConfigError, run_main
 
 ROOT = Path(__file__).resolve().parent
 # The paper's shapes (section 3), read from their training configs. The 3B one also feeds Table 2
@@ -85,6 +85,16 @@ def preset(name) -> dict:
 
 
 def resolve(argv):
+    """The run's config, checked, and its --json path (written at the end) checked writable now."""
+    cfg = parse_args(argv)
+    if cfg["json"]:  # now, not after a benchmark that can take many minutes
+        output_file(cfg["json"], "--json", replaces=("modes",))
+    return cfg
+
+
+def parse_args(argv):
+    """The command line as a config, checked (keys, types, ranges, modes, the device) without
+    writing or loading anything."""
     cfg = parse_config(DEFAULTS, argv, __doc__,
                        [__file__, inspect.getfile(BaselineConfig), inspect.getfile(GPT)],
                        {"modes": [*DEPTH_MODES, *OTHER_MODES], "preset": PRESETS})
@@ -102,10 +112,8 @@ def resolve(argv):
                           f"--{unset}={DEFAULTS[unset]!r}")
     if cfg["dtype"] not in DTYPES:
         raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {cfg['dtype']!r}")
-    try:  # "cuda" is the current GPU (CUDA_VISIBLE_DEVICES picks another); mps is not measured
-        cfg["device"] = resolve_device(cfg["device"], allowed=("cpu", "cuda"))
-    except ValueError as e:
-        raise ConfigError(e) from e
+    # "cuda" is the current GPU (CUDA_VISIBLE_DEVICES picks another); mps is not measured
+    cfg["device"] = resolve_device(cfg["device"], allowed=("cpu", "cuda"))
     if cfg["dtype"] == "auto":
         cfg["dtype"] = ("bfloat16" if cfg["device"] == "cuda" and torch.cuda.is_bf16_supported()
                         else "float32")
@@ -117,15 +125,13 @@ def resolve(argv):
     for label in labels:
         try:
             model_config(cfg, label)
-        except ValueError as e:
+        except USER_ERRORS as e:  # model.ConfigError
             raise ConfigError(f"mode {label}: {e}") from e
     # a valid mode's baseline is valid: the same shape and loops, vanilla attention
     for label in list(labels):
         if baseline(label) not in labels:
             labels.insert(labels.index(label), baseline(label))
     check_limits(cfg)
-    if cfg["json"]:  # now, not after a benchmark that can take many minutes
-        output_file(cfg["json"], "--json", replaces=("modes",))
     cfg["modes"] = ",".join(labels)
     return cfg
 
@@ -465,19 +471,16 @@ def report(res):
 
 
 def main(argv):
-    try:
-        cfg = resolve(argv)
-    except ConfigError as e:
-        fail(e)
+    cfg = resolve(argv)
     print("config:", json.dumps(cfg))
     try:
         samples, num_params = measure(cfg)
     except (MemoryError, RuntimeError) as e:
         if not out_of_memory(e):
             raise
-        fail(f"out of memory on {cfg['device']} at --batch={cfg['batch']}, "
-             f"--prompt_len={cfg['prompt_len']}, --new_tokens={cfg['new_tokens']} "
-             f"({reason(e)[:200]}); lower them or the model's size")
+        raise ConfigError(f"out of memory on {cfg['device']} at --batch={cfg['batch']}, "
+                          f"--prompt_len={cfg['prompt_len']}, --new_tokens={cfg['new_tokens']} "
+                          f"({reason(e)[:200]}); lower them or the model's size") from e
     res = summarize(cfg, samples, num_params)
     report(res)
     if cfg["json"]:
@@ -487,4 +490,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_main(main)

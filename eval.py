@@ -16,13 +16,14 @@ on first use (then cached); tasks defined by local files (--include_path) need n
 
 Bad input stops with one `error:` line: the flags, the --json path and the --ppl data are checked first,
 then lm-eval builds the tasks (reading their files and data) and what it raises is one line too, then the
-model is loaded and the --ppl data checked against its tokenizer; only then does scoring start.
+model is loaded and the --ppl data checked against its tokenizer; only then does scoring start. A failure
+in this file's code, even one lm-eval called, is a bug and a traceback.
 """
 import argparse
+import functools
 import json
 import math
 import sys
-import traceback
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -33,10 +34,11 @@ from tqdm import tqdm
 
 from model import fp32_or_wider
 from support import paper
-from support.checkpoint import CheckpointError, load_model
-from support.cli import ConfigError, fail, output_file, resolve_device, write_atomically
+from support.checkpoint import load_model
+from support.cli import ArgumentParser, MissingPackage, output_file, resolve_device, write_atomically
 from support.config import check_ranges
-from support.data import load_meta
+from support.data import NotPrepared, load_meta
+from support.errors import USER_ERRORS, ConfigError, DataError, run_main
 from support.tokenizer import get_tokenizer, same_tokenizer, tokenizer_flag
 
 try:  # optional: only the downstream tasks need it; --ppl works without
@@ -53,7 +55,6 @@ PAPER_TASKS = ("lambada_openai", "piqa", "winogrande", "sciq", "hellaswag", "arc
                "arc_challenge", "race")
 KEY_RANGES = {"batch_size": ">= 1", "num_fewshot": ">= 0", "limit": "> 0"}
 GLOB_CHARACTERS = set("*?[")  # fnmatch's: a --tasks name with one of them is a pattern
-REPOSITORY = Path(__file__).resolve().parent
 
 
 @torch.no_grad()
@@ -83,6 +84,19 @@ def token_logprobs(model, rows, batch_size, pad_id, progress=False):
     return out
 
 
+def ours(method):
+    """An EvalLM method lm-eval calls: what it raises is marked as raised here, so lm_eval_says lets
+    it through (a UserError as its line, anything else as the bug it is, with its traceback)."""
+    @functools.wraps(method)
+    def marked(*args, **kwargs):
+        try:
+            return method(*args, **kwargs)
+        except Exception as e:
+            e.raised_in_eval_py = True
+            raise
+    return marked
+
+
 class EvalLM(TemplateLM):
     """Our model as an lm-eval language model. lm-eval's TemplateLM tokenizes (context,
     continuation) pairs and hands us token ids; every score comes from `token_logprobs`."""
@@ -94,15 +108,19 @@ class EvalLM(TemplateLM):
 
     # The tokenizer's one interface here: encode(text, allowed_special=...), decode(ids), eot_token.
     @property
+    @ours
     def eot_token_id(self):
         return self.enc.eot_token
 
+    @ours
     def tok_encode(self, string, add_special_tokens=None, **kwargs):
         return self.enc.encode(string, allowed_special="all")
 
+    @ours
     def tok_decode(self, ids):
         return self.enc.decode(ids)
 
+    @ours
     def _loglikelihood_tokens(self, requests, disable_tqdm=False):
         """requests: (strings, context ids, continuation ids). Returns (log p(continuation |
         context), whether greedy decoding gives the continuation) per request. Context +
@@ -112,15 +130,16 @@ class EvalLM(TemplateLM):
         for _, context, continuation in requests:
             if len(continuation) > self.max_length:  # a task this model cannot score:
                                                      # no truncation is right
-                fail(f"a task's answer of {len(continuation)} tokens does not fit the model's "
-                     f"context of {self.max_length} tokens (block_size); "
-                     f"leave that task out of --tasks")
+                raise ConfigError(f"a task's answer of {len(continuation)} tokens does not fit "
+                                  f"the model's context of {self.max_length} tokens (block_size); "
+                                  f"leave that task out of --tasks")
             rows.append((context + continuation)[-(self.max_length + 1):])
         scored = token_logprobs(self.model, rows, self.batch_size, self.eot_token_id,
                                 progress=not disable_tqdm)
         return [(logp[-len(cont):].sum().item(), bool(greedy[-len(cont):].all()))
                 for (_, _, cont), (logp, greedy) in zip(requests, scored)]
 
+    @ours
     def loglikelihood_rolling(self, requests, disable_tqdm=False):
         """The log-likelihood of each whole document (perplexity tasks), in lm-eval's rolling
         windows of block_size tokens: every token is predicted once, the first one after the
@@ -137,6 +156,7 @@ class EvalLM(TemplateLM):
             totals[i] += logp
         return totals
 
+    @ours
     def generate_until(self, requests, disable_tqdm=False):
         """Greedy (or, with do_sample, sampled) continuations through model.generate and its KV
         cache, cut at the first stop string or end-of-text. The prompt is left-truncated to leave
@@ -164,24 +184,28 @@ class EvalLM(TemplateLM):
 @contextmanager
 def lm_eval_says(what):
     """The one boundary around lm-eval: what it raises for a task (a file it cannot build, missing
-    data, a template field the data lacks, a document its metrics cannot take) becomes one error
-    line, its own message and the error under it. A traceback through this repository's code is a
-    bug: it stays whole."""
+    data, a template field the data lacks, a document its metrics cannot take) becomes one
+    ConfigError, its own message and the error under it. What EvalLM raised (`ours`) passes
+    through as it is: a UserError is its own line, anything else a bug with its traceback."""
     try:
         yield
+    except USER_ERRORS:
+        raise
     except ConnectionError as e:  # datasets raises this when the Hub is out of reach
-        fail(f"{what}: its data could not be downloaded ({one_line(e)}); run once with network "
-             f"access (it is cached), or use local task files with --include_path")
+        raise DataError(f"{what}: its data could not be downloaded ({one_line(e)}); run once with "
+                        f"network access (it is cached), or use local task files with "
+                        f"--include_path") from e
+    # lm-eval has no error type of its own: a bad task file or data reaches us as a ValueError, a
+    # KeyError, a jinja2 or datasets error... So this one catch takes any Exception, and only
+    # those that did not come out of our code.
     except Exception as e:
-        ours = [Path(f.filename).parent == REPOSITORY
-                for f in traceback.extract_tb(e.__traceback__)]
-        if False not in ours or True in ours[ours.index(False):]:  # our code failed, not lm-eval's
+        if getattr(e, "raised_in_eval_py", False):
             raise
         root = e
-        while root.__cause__ or root.__context__:  # datasets may fail again
-                                                   # while wording its own error
+        while root.__cause__ or root.__context__:  # datasets may fail again wording its own error
             root = root.__cause__ or root.__context__
-        fail(f"{what}: {one_line(e)}" + (f", from {one_line(root)}" if root is not e else ""))
+        raise ConfigError(f"{what}: {one_line(e)}"
+                          + (f", from {one_line(root)}" if root is not e else "")) from e
 
 
 def build_tasks(names, include_path):
@@ -206,7 +230,7 @@ def build_tasks(names, include_path):
             indexed = {e.yaml_path.resolve() for e in manager.task_index.values() if e.yaml_path}
             left_out = [str(p) for p in sorted(Path(include_path).rglob("*.yaml"))
                         if p.resolve() not in indexed]
-        fail(f"unknown task(s) {', '.join(missing)}" + (
+        raise ConfigError(f"unknown task(s) {', '.join(missing)}" + (
             f"; lm-eval left out these task files of --include_path, which it could not read: "
             f"{', '.join(left_out)}" if left_out
             else ": list lm-eval's tasks with `lm-eval ls tasks`, or "
@@ -238,13 +262,12 @@ def open_ppl_data(data_root, name):
     data_dir = Path(data_root) / name
     try:
         meta = load_meta(data_dir)  # meta.json, and the .bin sizes it promises
-    except FileNotFoundError as e:
-        fail(f"{e}; or set --data_root to the folder that holds {name}/")
-    except RuntimeError as e:
-        fail(e)
+    except NotPrepared as e:
+        raise NotPrepared(f"{e}; or set --data_root to the folder that holds {name}/") from e
     val = data_dir / "val.bin"
     if not val.is_file() or val.stat().st_size < 4:  # two uint16 ids: one input, one target
-        fail(f"{val} holds fewer than 2 tokens: rebuild {data_dir} with prepare_data.py --force")
+        raise DataError(f"{val} holds fewer than 2 tokens: rebuild {data_dir} with "
+                        f"prepare_data.py --force")
     return data_dir, meta, np.memmap(val, dtype=np.uint16, mode="r")
 
 
@@ -254,19 +277,15 @@ def check_ppl_data(data, loaded, init_from):
     assert on CUDA)."""
     data_dir, meta, tokens = data
     vocab = loaded.model.config.vocab_size
-    try:
-        data_enc = get_tokenizer(meta["tokenizer"])
-    except (ValueError, RuntimeError) as e:  # a tokenizer folder gone,
-                                             # or gpt2's files not downloadable
-        fail(e)
+    data_enc = get_tokenizer(meta["tokenizer"])  # a DataError if its folder is gone
     if meta["vocab_size"] > vocab or not same_tokenizer(data_enc, loaded.tokenizer):
-        fail(f"{data_dir} was tokenized with {meta['tokenizer']}, "
+        raise DataError(f"{data_dir} was tokenized with {meta['tokenizer']}, "
              f"but {init_from} uses {loaded.tokenizer.name}, so "
              f"its perplexity would mean nothing; prepare the data with the model's tokenizer "
              f"(prepare_data.py SOURCE {tokenizer_flag(loaded.tokenizer, init_from)} --name NAME)")
     top = int(tokens.max())
     if top >= vocab:
-        fail(f"{data_dir / 'val.bin'} holds token id {top}, "
+        raise DataError(f"{data_dir / 'val.bin'} holds token id {top}, "
              f"beyond the model's vocab_size {vocab}: the file does not "
              f"match its meta.json; rebuild it with prepare_data.py --force")
 
@@ -329,10 +348,10 @@ def print_table(results, num_fewshot, limited):
 # ----------------------------------------------------------------------------- the command line
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.error = lambda message: fail(
-        f"{message} (python eval.py --help lists the flags)")  # one line, not usage
+    """The command line, checked (flags, types, ranges, something to evaluate) without reading a
+    file or loading anything."""
+    p = ArgumentParser("eval.py", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--init_from", required=True,
                    help="a train.py out_dir (its ckpt.pt), a checkpoint file, "
                         "a Hugging Face folder or hub id")
@@ -358,31 +377,29 @@ def parse_args(argv):
                         "(a prepare_data.py output in the model's tokenizer), e.g. pile")
     p.add_argument("--data_root", default="data",
                    help="the folder that holds the --ppl dataset; default data")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.names = list(dict.fromkeys(t.strip() for t in args.tasks.split(",") if t.strip()))
+    if not args.names and not args.ppl:
+        raise ConfigError("nothing to evaluate: give --tasks, --ppl=DATASET, or both")
+    check_ranges(vars(args), KEY_RANGES)
+    if args.limit is not None and args.limit >= 1 and args.limit != int(args.limit):
+        raise ConfigError(f"--limit={args.limit:g}: give a whole number of examples, "
+                          f"or a fraction below 1")
+    return args
 
 
 def check_flags(args):
     """Every check that needs neither the model nor the tasks, so that a typo costs no loading:
-    (task names, device, the --json path or None)."""
-    names = list(dict.fromkeys(t.strip() for t in args.tasks.split(",") if t.strip()))
-    if not names and not args.ppl:
-        fail("nothing to evaluate: give --tasks, --ppl=DATASET, or both")
-    try:
-        check_ranges(vars(args), KEY_RANGES)
-        if args.limit is not None and args.limit >= 1 and args.limit != int(args.limit):
-            raise ConfigError(f"--limit={args.limit:g}: give a whole number of examples, "
-                              f"or a fraction below 1")
-        device = resolve_device(args.device)
-        json_path = (output_file(args.json, "--json", replaces=("results", "ppl")) if args.json
-                     else None)
-    except (ConfigError, ValueError) as e:
-        fail(e)
-    if names and lm_eval is None:
-        fail("the downstream tasks need lm-evaluation-harness: pip install lm-eval "
-             "(or --tasks= with --ppl only)")
+    (device, the --json path or None)."""
+    device = resolve_device(args.device)
+    json_path = (output_file(args.json, "--json", replaces=("results", "ppl")) if args.json
+                 else None)
+    if args.names and lm_eval is None:
+        raise MissingPackage("the downstream tasks need lm-evaluation-harness: pip install lm-eval "
+                             "(or --tasks= with --ppl only)")
     if args.include_path and not Path(args.include_path).is_dir():
-        fail(f"--include_path {args.include_path} is not a folder of task YAML files")
-    return names, device, json_path
+        raise ConfigError(f"--include_path {args.include_path} is not a folder of task YAML files")
+    return device, json_path
 
 
 def evaluate(model, enc, tasks, manager, data, args):
@@ -401,22 +418,19 @@ def evaluate(model, enc, tasks, manager, data, args):
             results["ppl"] = perplexity(model, data, args.batch_size, enc.eot_token, args.limit)
     except RuntimeError as e:  # torch.OutOfMemoryError (CUDA, MPS) is one; the CPU allocator's too
         if "out of memory" in str(e) or "can't allocate memory" in str(e):
-            fail(f"out of memory scoring {args.batch_size} sequences of up to "
-                 f"{model.config.block_size} tokens at once; lower --batch_size")
+            raise ConfigError(f"out of memory scoring {args.batch_size} sequences of up to "
+                              f"{model.config.block_size} tokens at once; lower --batch_size") from e
         raise
     return results
 
 
 def main(argv):
     args = parse_args(argv)
-    names, device, json_path = check_flags(args)
+    device, json_path = check_flags(args)
     data = open_ppl_data(args.data_root, args.ppl) if args.ppl else None
-    manager, tasks = build_tasks(names, args.include_path) if names else (None, [])
+    manager, tasks = build_tasks(args.names, args.include_path) if args.names else (None, [])
 
-    try:
-        loaded = load_model(args.init_from, device)
-    except CheckpointError as e:
-        fail(e)
+    loaded = load_model(args.init_from, device)
     model, enc = loaded.model, loaded.tokenizer
     print(f"{loaded.source}: step {loaded.step}, {model.num_params() / 1e6:.2f}M parameters, "
           f"depth_mode={model.config.depth_mode}, block_size {model.config.block_size}, {device}",
@@ -433,4 +447,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_main(main)

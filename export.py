@@ -9,45 +9,43 @@ any model but a vanilla one, the code transformers runs it with (support/hf.py, 
 The folder is written whole beside OUT_DIR and renamed into place, so an interrupted export leaves
 no partial folder; an existing folder is refused, or replaced whole with --overwrite.
 """
-import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
 from support import hf
-from support.checkpoint import CheckpointError, checkpoint_path, load_model
-from support.cli import fail
+from support.checkpoint import checkpoint_path, load_model
+from support.cli import ArgumentParser
+from support.errors import CheckpointError, run_main
 
 
-def main(argv):
-    p = argparse.ArgumentParser(description=__doc__.strip().split("\n")[0],
-                                epilog="python export.py SRC OUT_DIR [--dtype=...] [--overwrite]")
+def parse_args(argv):
+    """The command line, checked (flags, choices) without reading a file."""
+    p = ArgumentParser("export.py", description=__doc__.strip().split("\n")[0],
+                       epilog="python export.py SRC OUT_DIR [--dtype=...] [--overwrite]")
     p.add_argument("src", help="a train.py out_dir, a ckpt.pt or ckpt.dcp, or a Hugging Face "
                                "folder / hub id")
     p.add_argument("out_dir", help="a new or empty folder (not a train.py out_dir)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"),
                    help="convert the weights (default: unchanged)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace the files already in OUT_DIR, all of them")
-    args = p.parse_args(argv)
+    p.add_flag("--overwrite", help="replace the files already in OUT_DIR, all of them")
+    return p.parse_args(argv)
+
+
+def main(argv):
+    args = parse_args(argv)
     out = Path(args.out_dir).resolve()
     src = Path(args.src).resolve()
     if src.exists():  # a folder or a file of ours (a hub id is not a path)
         home = src if hf.is_hf_folder(src) else checkpoint_path(src).resolve().parent
         if out == home or home in out.parents or out in home.parents:
-            fail(f"{args.out_dir} is, holds or lies inside {home}, where the model comes from; "
-                 f"export into a folder outside it")
-    try:
-        hf.check_export_dir(Path(args.out_dir), args.overwrite)  # before loading: refusing is free
-        loaded = load_model(args.src)
-        model = loaded.model.to(getattr(torch, args.dtype)) if args.dtype else loaded.model
-        hf.save_pretrained(model, out, loaded.tokenizer, overwrite=args.overwrite)
-    except (CheckpointError, ImportError, ValueError) as e:
-        fail(e)
-    except OSError as e:
-        fail(f"cannot write {args.out_dir} ({e.strerror or e}); pick a folder you can write to")
+            raise CheckpointError(f"{args.out_dir} is, holds or lies inside {home}, where the "
+                                  f"model comes from; export into a folder outside it")
+    hf.check_export_dir(Path(args.out_dir), args.overwrite)  # before loading: refusing is free
+    loaded = load_model(args.src)
+    model = loaded.model.to(getattr(torch, args.dtype)) if args.dtype else loaded.model
+    hf.save_pretrained(model, out, loaded.tokenizer, overwrite=args.overwrite)
     cfg = json.loads((out / "config.json").read_text())
     code = (" (its code is in the folder: transformers loads it with trust_remote_code=True)"
             if "auto_map" in cfg else "")
@@ -56,4 +54,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_main(main)

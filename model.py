@@ -442,10 +442,10 @@ class GPT(nn.Module):
         greedy). cache_dtype: K and V's dtype where not the parameters' (FSDP's bf16 compute)."""
         B, T = idx.shape
         if T + max_new_tokens > self.config.block_size:
-            raise ValueError(f"prompt ({T} tokens) + max_new_tokens ({max_new_tokens}) = "
-                             f"{T + max_new_tokens} exceeds the context length block_size="
-                             f"{self.config.block_size}; shorten the prompt or ask for fewer "
-                             f"tokens")
+            raise ConfigError(f"prompt ({T} tokens) + max_new_tokens ({max_new_tokens}) = "
+                              f"{T + max_new_tokens} exceeds the context length block_size="
+                              f"{self.config.block_size}; shorten the prompt or ask for fewer "
+                              f"tokens")
         cache = self.new_cache(B, T + max_new_tokens, dtype=cache_dtype)
         logits, _ = self(idx, cache=cache)
         out = [idx]

@@ -10,14 +10,14 @@ Writes <out_dir>/<name>/train.bin, val.bin (uint16 token ids) and meta.json; sup
 how the documents are split and tokenized, and why an interrupted run never leaves a half-written
 dataset.
 """
-import argparse
+from support.cli import ArgumentParser
+from support.data import SOURCES, check_request, prepare
+from support.errors import run_main
 
-from support.cli import fail
-from support.data import SOURCES, prepare
 
-
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def parse_args(argv):
+    """The command line, checked (flags, types, choices) without reading a file."""
+    parser = ArgumentParser("prepare_data.py", description=__doc__.split("\n")[0])
     parser.add_argument("source", choices=SOURCES, help="corpus to prepare")
     parser.add_argument("--input", nargs="+", dest="inputs", metavar="PATH",
                         help="local files, globs or directories (minipile: parquet; "
@@ -37,20 +37,21 @@ def main():
                         help="tokenizer processes (default: min(8, CPU count))")
     parser.add_argument("--shards", type=int, default=1,
                         help="pile download only: train shards to fetch (00, 01, ...)")
-    parser.add_argument("--force", action="store_true",
-                        help="rebuild even if meta.json says the output is finished "
-                             "(the old dataset stays until the new one is complete)")
+    parser.add_flag("--force",
+                    help="rebuild even if meta.json says the output is finished "
+                         "(the old dataset stays until the new one is complete)")
     parser.add_argument("--decode_errors", choices=("strict", "replace"), default="strict",
                         help="a text file that is not UTF-8: strict = stop and name it; "
                              "replace = read each invalid byte as U+FFFD, with a warning that "
                              "counts them")
-    args = parser.parse_args()
-    try:
-        prepare(**vars(args))
-    except (ValueError, OSError, ImportError, RuntimeError) as e:  # bad input, a missing package,
-                                                                   # no network
-        fail(e)
+    args = parser.parse_args(argv)
+    check_request(args.source, args.name, args.val_fraction)
+    return args
+
+
+def main(argv):
+    prepare(**vars(parse_args(argv)))  # bad input, a missing package, no network: a UserError
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -8,16 +8,16 @@ A train.py checkpoint is rebuilt from its stored config dict and decodes with th
 training data used; a Hugging Face folder brings config.json and tokenizer.json
 (checkpoint.load_model). Generation runs through model.generate and its KV cache.
 """
-import argparse
 import sys
 from pathlib import Path
 
 import torch
 
 from baselines import residual_of
-from support.checkpoint import CheckpointError, load_model
-from support.cli import ConfigError, fail, resolve_device
+from support.checkpoint import load_model
+from support.cli import ArgumentParser, resolve_device
 from support.config import check_ranges
+from support.errors import ConfigError, run_main
 
 KEY_RANGES = {"num_samples": ">= 1", "max_new_tokens": ">= 0", "temperature": ">= 0",
               "top_k": ">= 0", "seed": ">= 0"}
@@ -29,12 +29,14 @@ def read_prompt(args) -> str:
     try:
         return Path(args.prompt_file).read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
-        fail(f"--prompt_file {args.prompt_file}: {getattr(e, 'strerror', None) or e}; "
-             f"give a readable UTF-8 text file")
+        raise ConfigError(f"--prompt_file {args.prompt_file}: "
+                          f"{getattr(e, 'strerror', None) or e}; "
+                          f"give a readable UTF-8 text file") from None
 
 
-def main(argv):
-    p = argparse.ArgumentParser(description=__doc__.strip().split("\n")[0])
+def parse_args(argv):
+    """The command line, checked (flags, types, ranges) without reading a file."""
+    p = ArgumentParser("sample.py", description=__doc__.strip().split("\n")[0])
     p.add_argument("--init_from",
                    help="a train.py out_dir or ckpt.pt, a Hugging Face folder or hub id")
     p.add_argument("--out_dir", default="out/shakespeare",
@@ -50,17 +52,15 @@ def main(argv):
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--device", default="auto", help="auto = cuda, then mps, then cpu")
     args = p.parse_args(argv)
+    check_ranges(vars(args), KEY_RANGES)
+    return args
 
-    try:
-        check_ranges(vars(args), KEY_RANGES)
-        device = resolve_device(args.device)
-    except (ConfigError, ValueError) as e:
-        fail(e)
+
+def main(argv):
+    args = parse_args(argv)
+    device = resolve_device(args.device)
     prompt = read_prompt(args)
-    try:
-        loaded = load_model(args.init_from or args.ckpt or args.out_dir, device)
-    except CheckpointError as e:
-        fail(e)
+    loaded = load_model(args.init_from or args.ckpt or args.out_dir, device)
     model, enc = loaded.model, loaded.tokenizer
 
     ids = enc.encode(prompt, allowed_special="all") or [enc.eot_token]
@@ -71,11 +71,9 @@ def main(argv):
           f"depth_mode={model.config.depth_mode}, residual={residual_of(model.config)}, "
           f"tokenizer {enc.name}",
           file=sys.stderr)
-    try:
-        out = model.generate(idx, args.max_new_tokens, temperature=args.temperature,
-                             top_k=args.top_k or None, generator=gen)
-    except ValueError as e:  # e.g. the prompt plus the new tokens exceed the context length
-        fail(e)
+    # a prompt and new tokens beyond the context: model.ConfigError, a user error (run_main)
+    out = model.generate(idx, args.max_new_tokens, temperature=args.temperature,
+                         top_k=args.top_k or None, generator=gen)
     for i, row in enumerate(out.tolist()):
         print(f"--- sample {i + 1}/{args.num_samples}: {len(ids)} prompt + "
               f"{len(row) - len(ids)} new tokens")
@@ -83,4 +81,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_main(main)

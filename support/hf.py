@@ -4,19 +4,21 @@ Hugging Face folders: load the authors' released checkpoints, save ours in the s
     model = hf.from_pretrained("zeng123/Depth-attention-3B")   # a folder or a hub id
     hf.save_pretrained(model, "out/my_hf", tokenizer)            # `python export.py SRC OUT` from a shell
 
-An export is a complete transformers model: a vanilla one is a plain Qwen3 (or Llama) folder; any other (a
-Depth-Attention mode, a looped model, a baseline) claims our architecture, DepthAttentionForCausalLM, and carries
-the code transformers runs for it with trust_remote_code=True: model.py and baselines.py as they are here, and the
-two classes in hf_remote/ (write_remote_code).
+An export is a complete transformers model: a vanilla one is a plain Qwen3 (or Llama) folder; any
+other (a Depth-Attention mode, a looped model, a baseline) claims our architecture,
+DepthAttentionForCausalLM, and carries the code transformers runs for it with
+trust_remote_code=True: model.py and baselines.py as they are here, and the two classes in
+hf_remote/ (write_remote_code).
 
-The authors released 3B models (paper section 3, Table 1) as Hugging Face folders in the Llama layout:
-zeng123/Depth-attention-3B, zeng123/AttnRes-3B, zeng123/DenseFormer-3B, zeng123/mHC-3B. A folder holds
-config.json, model.safetensors (or shards listed by model.safetensors.index.json) and tokenizer.json. Their
-parameter names are ours under "model.", except lm_head.
+The authors released 3B models (paper section 3, Table 1) as Hugging Face folders in the Llama
+layout: zeng123/Depth-attention-3B, zeng123/AttnRes-3B, zeng123/DenseFormer-3B, zeng123/mHC-3B. A
+folder holds config.json, model.safetensors (or shards listed by model.safetensors.index.json) and
+tokenizer.json. Their parameter names are ours under "model.", except lm_head.
 
-Errors are ValueError (ImportError for a missing optional package: safetensors, tokenizers, huggingface_hub,
-each imported where used); checkpoint.load_model turns them into the scripts' one-line error.
+A folder that cannot be used is a CheckpointError (a MissingPackage for an optional package:
+safetensors, tokenizers, huggingface_hub, each imported where used), the scripts' one-line error.
 """
+
 import inspect
 import json
 import os
@@ -30,6 +32,7 @@ import torch
 from baselines import KNOBS, build_model, make_config, residual_of
 from model import GPT, ModelConfig
 from support.cli import SHARDED_NAMES, read_json_object, require
+from support.errors import USER_ERRORS, CheckpointError
 from support.tokenizer import HFTokenizer, bytes_tokenizer_json, snapshot
 
 OUR_CONFIG = "model_config"  # our exports also record asdict(config) under this config.json key
@@ -37,17 +40,30 @@ OUR_CONFIG = "model_config"  # our exports also record asdict(config) under this
 # architecture and carries its code (REMOTE_CODE), so transformers runs it with trust_remote_code=True and refuses
 # it without, rather than loading the weights into a Llama that skips the depth step.
 REMOTE_ARCH, REMOTE_MODEL_TYPE = "DepthAttentionForCausalLM", "depth_attention"
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3", REMOTE_ARCH: REMOTE_MODEL_TYPE}
-REMOTE_CODE = Path(__file__).resolve().parent / "hf_remote"  # its config and model classes, copied verbatim
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "Qwen3ForCausalLM": "qwen3",
+    REMOTE_ARCH: REMOTE_MODEL_TYPE,
+}
+# its config and model classes, copied verbatim
+REMOTE_CODE = Path(__file__).resolve().parent / "hf_remote"
 AUTO_MAP = {"AutoConfig": "configuration_depth_attention.DepthAttentionConfig",
             "AutoModelForCausalLM": "modeling_depth_attention.DepthAttentionForCausalLM"}
 RUN_MARKERS = ("train.lock", "ckpt.pt", "ckpt.dcp")  # what train.py writes into its out_dir
-IGNORED = re.compile(r"(^|\.)lm_head_layernorm\.weight$|rotary_emb\.inv_freq$")  # unused / recomputed on the fly
+# unused / recomputed on the fly
+IGNORED = re.compile(r"(^|\.)lm_head_layernorm\.weight$|rotary_emb\.inv_freq$")
 # The authors' `baseline_mode` values (their code accepts these spellings) -> our `residual`. Their baseline
 # knobs carry our names (KNOBS).
-AUTHORS_BASELINE_MODES = {"denseformer": "denseformer", "densetransformer": "denseformer", "attnres": "attnres",
-                          "block_attnres": "attnres", "block-attnres": "attnres", "attention_residual": "attnres",
-                          "attention-residual": "attnres", "mhc": "mhc"}
+AUTHORS_BASELINE_MODES = {
+    "denseformer": "denseformer",
+    "densetransformer": "denseformer",
+    "attnres": "attnres",
+    "block_attnres": "attnres",
+    "block-attnres": "attnres",
+    "attention_residual": "attnres",
+    "attention-residual": "attnres",
+    "mhc": "mhc",
+}
 
 
 def _safetensors(module="safetensors"):
@@ -73,54 +89,82 @@ def is_hf_folder(path) -> bool:
 # ----------------------------------------------------------------------------- config.json <-> ModelConfig
 
 def config_from_hf(cfg: dict, where="config.json") -> ModelConfig:
-    """ModelConfig from a config.json (Llama, Qwen3 or our DepthAttentionForCausalLM): our own record when present,
-    else the authors' Llama keys (Qwen3's too)."""
+    """ModelConfig from a config.json (Llama, Qwen3 or our DepthAttentionForCausalLM): our own
+    record when present, else the authors' Llama keys (Qwen3's too)."""
     arch = (cfg.get("architectures") or ["?"])[0]
-    if arch not in ARCHITECTURES or cfg.get("model_type", ARCHITECTURES[arch]) != ARCHITECTURES[arch]:
-        raise ValueError(f"{where}: unknown architecture {arch} (model_type {cfg.get('model_type')!r}); "
-                         f"this loader reads {', '.join(ARCHITECTURES)} folders")
+    if (
+        arch not in ARCHITECTURES
+        or cfg.get("model_type", ARCHITECTURES[arch]) != ARCHITECTURES[arch]
+    ):
+        raise CheckpointError(
+            f"{where}: unknown architecture {arch} (model_type {cfg.get('model_type')!r}); "
+            f"this loader reads {', '.join(ARCHITECTURES)} folders"
+        )
     if OUR_CONFIG in cfg:
         return _config(cfg[OUR_CONFIG], where)
-    unsupported = {k: cfg[k] for k, ok in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False),
-                                           ("scale_embeds", False), ("rope_scaling", None),
-                                           ("use_sliding_window", False)) if cfg.get(k, ok) != ok}
+    unsupported = {
+        k: cfg[k]
+        for k, ok in (
+            ("hidden_act", "silu"),
+            ("attention_bias", False),
+            ("mlp_bias", False),
+            ("scale_embeds", False),
+            ("rope_scaling", None),
+            ("use_sliding_window", False),
+        )
+        if cfg.get(k, ok) != ok
+    }
     rope = cfg.get("rope_parameters") or {}  # transformers 5 keeps rope_theta here
     if rope.get("rope_type", "default") != "default":
         unsupported["rope_parameters"] = rope
     if unsupported:
-        raise ValueError(f"{where}: settings this model does not implement: {unsupported}")
+        raise CheckpointError(f"{where}: settings this model does not implement: {unsupported}")
     try:
         n_head = cfg["num_attention_heads"]
         depth = bool(cfg.get("use_depth_attention", False))
-        qk_norm = bool(cfg.get("use_qk_norm", arch == "Qwen3ForCausalLM"))  # Qwen3 always has q/k-norm
-        kw = dict(vocab_size=cfg["vocab_size"], block_size=cfg["max_position_embeddings"],
-                  n_layer=cfg["num_hidden_layers"], n_head=n_head, n_kv_head=cfg.get("num_key_value_heads") or n_head,
-                  head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_head, n_embd=cfg["hidden_size"],
-                  mlp_hidden=cfg["intermediate_size"],
-                  rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 1e4))), qk_norm=qk_norm,
-                  tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                  norm_eps=cfg.get("rms_norm_eps", 1e-6), init_std=cfg.get("initializer_range", 0.02),
-                  depth_mode="value" if depth else "vanilla",
-                  depth_stride=cfg.get("depth_attention_stride") if depth else None,
-                  depth_recent_window=cfg.get("depth_attention_recent_window") or 0,
-                  # The authors' Depth-Attention model applies k_norm after RoPE (their SDPA path); a
-                  # "k_norm_after_rope" key in config.json overrides this guess.
-                  k_norm_after_rope=bool(cfg.get("k_norm_after_rope", depth and qk_norm)))
+        # Qwen3 always has q/k-norm
+        qk_norm = bool(cfg.get("use_qk_norm", arch == "Qwen3ForCausalLM"))
+        kw = dict(
+            vocab_size=cfg["vocab_size"],
+            block_size=cfg["max_position_embeddings"],
+            n_layer=cfg["num_hidden_layers"],
+            n_head=n_head,
+            n_kv_head=cfg.get("num_key_value_heads") or n_head,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_head,
+            n_embd=cfg["hidden_size"],
+            mlp_hidden=cfg["intermediate_size"],
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 1e4))),
+            qk_norm=qk_norm,
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            init_std=cfg.get("initializer_range", 0.02),
+            depth_mode="value" if depth else "vanilla",
+            depth_stride=cfg.get("depth_attention_stride") if depth else None,
+            depth_recent_window=cfg.get("depth_attention_recent_window") or 0,
+            # The authors' Depth-Attention model applies k_norm after RoPE (their SDPA path); a
+            # "k_norm_after_rope" key in config.json overrides this guess.
+            k_norm_after_rope=bool(cfg.get("k_norm_after_rope", depth and qk_norm)),
+        )
     except KeyError as e:
-        raise ValueError(f"{where} lacks the key {e.args[0]!r}") from e
-    except (TypeError, ValueError) as e:  # a value of the wrong type: "hidden_size": "2048"
-        raise ValueError(f"{where}: a value of the wrong type ({e})") from e
-    if cfg.get("baseline_mode") not in (None, "", "none"):  # a hidden-state baseline (paper Table 1)
+        raise CheckpointError(f"{where} lacks the key {e.args[0]!r}") from e
+    # int() or // of a value of the wrong type: "hidden_size": "2048"
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{where}: a value of the wrong type ({e})") from e
+    # a hidden-state baseline (paper Table 1)
+    if cfg.get("baseline_mode") not in (None, "", "none"):
         kw.update(_authors_baseline(cfg, where))
     return _config(kw, where)
 
 
 def _authors_baseline(cfg: dict, where) -> dict:
-    """A baseline's keys from the authors' config.json: residual, depth_mode="vanilla" and the knobs it gives."""
+    """A baseline's keys from the authors' config.json: residual, depth_mode="vanilla" and the knobs
+    it gives."""
     mode = str(cfg.get("baseline_mode") or "").strip().lower()
     if mode not in AUTHORS_BASELINE_MODES:
-        raise ValueError(f"{where}: baseline_mode={cfg.get('baseline_mode')!r} is not one of the paper's baselines "
-                         f"({', '.join(sorted(AUTHORS_BASELINE_MODES))})")
+        raise CheckpointError(
+            f"{where}: baseline_mode={cfg.get('baseline_mode')!r} is not one of the paper's baselines "
+            f"({', '.join(sorted(AUTHORS_BASELINE_MODES))})"
+        )
     knobs = {k: cfg[k] for k in KNOBS if k in cfg}
     return {"residual": AUTHORS_BASELINE_MODES[mode], "depth_mode": "vanilla", **knobs}
 
@@ -128,27 +172,49 @@ def _authors_baseline(cfg: dict, where) -> dict:
 def _config(kw: dict, where) -> ModelConfig:
     try:
         return make_config(**kw)
-    except ValueError as e:  # a key this code does not know, or a bad value
-        raise ValueError(f"{where}: {e}") from e
+    except USER_ERRORS as e:  # model.ConfigError: a key this code does not know, or a bad value
+        raise CheckpointError(f"{where}: {e}") from e
 
 
 def hf_config(c: ModelConfig, dtype: torch.dtype, eos_token_id=None) -> dict:
-    """config.json for a model: Qwen3's (Llama's without q/k-norm) when transformers' own class computes it
-    exactly (vanilla, plain residual, one pass, q/k-norm before RoPE), else our architecture with the auto_map to
-    its code. Either way the authors' Llama keys are written and asdict(c) is recorded, so nothing is lost."""
+    """config.json for a model: Qwen3's (Llama's without q/k-norm) when transformers' own class
+    computes it exactly (vanilla, plain residual, one pass, q/k-norm before RoPE), else our
+    architecture with the auto_map to its code. Either way the authors' Llama keys are written and
+    asdict(c) is recorded, so nothing is lost."""
     baseline = residual_of(c) != "add"
-    plain = not baseline and c.depth_mode == "vanilla" and c.n_loops == 1 and not (c.qk_norm and c.k_norm_after_rope)
+    plain = (
+        not baseline
+        and c.depth_mode == "vanilla"
+        and c.n_loops == 1
+        and not (c.qk_norm and c.k_norm_after_rope)
+    )
     arch = ("Qwen3ForCausalLM" if c.qk_norm else "LlamaForCausalLM") if plain else REMOTE_ARCH
     return {
-        "architectures": [arch], "model_type": ARCHITECTURES[arch], "vocab_size": c.vocab_size,
-        "hidden_size": c.n_embd, "head_dim": c.head_dim, "intermediate_size": c.mlp_hidden,
-        "num_hidden_layers": c.n_layer, "num_attention_heads": c.n_head, "num_key_value_heads": c.n_kv_head,
-        "hidden_act": "silu", "max_position_embeddings": c.block_size, "initializer_range": c.init_std,
-        "rms_norm_eps": c.norm_eps, "tie_word_embeddings": c.tie_embeddings, "rope_theta": c.rope_theta,
-        "attention_bias": False, "mlp_bias": False, "bos_token_id": eos_token_id, "eos_token_id": eos_token_id,
-        "use_depth_attention": c.depth_mode != "vanilla", "depth_attention_stride": c.stride,
-        "depth_attention_recent_window": c.depth_recent_window, "use_qk_norm": c.qk_norm,
-        "torch_dtype": str(dtype).removeprefix("torch."), OUR_CONFIG: asdict(c),
+        "architectures": [arch],
+        "model_type": ARCHITECTURES[arch],
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.n_embd,
+        "head_dim": c.head_dim,
+        "intermediate_size": c.mlp_hidden,
+        "num_hidden_layers": c.n_layer,
+        "num_attention_heads": c.n_head,
+        "num_key_value_heads": c.n_kv_head,
+        "hidden_act": "silu",
+        "max_position_embeddings": c.block_size,
+        "initializer_range": c.init_std,
+        "rms_norm_eps": c.norm_eps,
+        "tie_word_embeddings": c.tie_embeddings,
+        "rope_theta": c.rope_theta,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "bos_token_id": eos_token_id,
+        "eos_token_id": eos_token_id,
+        "use_depth_attention": c.depth_mode != "vanilla",
+        "depth_attention_stride": c.stride,
+        "depth_attention_recent_window": c.depth_recent_window,
+        "use_qk_norm": c.qk_norm,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        OUR_CONFIG: asdict(c),
         # a baseline's keys as the authors' config.json spells them: their baseline_mode, same-named knobs
         **({"baseline_mode": c.residual, **{k: getattr(c, k) for k in KNOBS}} if baseline else {}),
         **({"auto_map": AUTO_MAP} if arch == REMOTE_ARCH else {}),
@@ -156,17 +222,21 @@ def hf_config(c: ModelConfig, dtype: torch.dtype, eos_token_id=None) -> dict:
 
 
 def write_remote_code(folder: Path):
-    """The code transformers runs for REMOTE_ARCH: model.py and baselines.py as this repository holds them now,
-    and hf_remote/'s two classes. transformers loads the folder as a package and follows relative imports only
-    (an absolute `from model import` is refused as a missing package), so baselines.py's import becomes relative;
-    nothing else changes."""
+    """The code transformers runs for REMOTE_ARCH: model.py and baselines.py as this repository
+    holds them now, and hf_remote/'s two classes. transformers loads the folder as a package and
+    follows relative imports only (an absolute `from model import` is refused as a missing package),
+    so baselines.py's import becomes relative; nothing else changes."""
     model_py, baselines_py = Path(inspect.getfile(GPT)), Path(inspect.getfile(build_model))
     shutil.copyfile(model_py, folder / model_py.name)
     source = baselines_py.read_text()
     if source.count("\nfrom model import ") != 1:
-        raise ValueError(f"{baselines_py} must import model.py in exactly one `from model import ...` line, which "
-                         f"the export makes relative; restore that line")
-    (folder / baselines_py.name).write_text(source.replace("\nfrom model import ", "\nfrom .model import "))
+        raise CheckpointError(
+            f"{baselines_py} must import model.py in exactly one `from model import ...` line, which "
+            f"the export makes relative; restore that line"
+        )
+    (folder / baselines_py.name).write_text(
+        source.replace("\nfrom model import ", "\nfrom .model import ")
+    )
     for code in sorted(REMOTE_CODE.glob("*.py")):
         shutil.copyfile(code, folder / code.name)
 
@@ -174,47 +244,64 @@ def write_remote_code(folder: Path):
 # ----------------------------------------------------------------------------- weights
 
 def read_safetensors(folder: Path) -> dict:
-    """Every tensor of a folder's safetensors (one file, or the shards its index lists), memory-mapped."""
+    """Every tensor of a folder's safetensors (one file, or the shards its index lists),
+    memory-mapped."""
     safetensors = _safetensors()
     index = folder / "model.safetensors.index.json"
     present = [p.name for p in sorted(folder.glob("*.safetensors"))]
     if index.is_file():
-        weight_map = read_json_object(index).get("weight_map")
+        weight_map = read_json_object(index, CheckpointError).get("weight_map")
         if not isinstance(weight_map, dict):
-            raise ValueError(f"{index} has no weight_map; restore it, or delete it if the folder has one file")
+            raise CheckpointError(
+                f"{index} has no weight_map; restore it, or delete it if the folder has one file"
+            )
         files = sorted(set(weight_map.values()))
         unlisted = sorted(set(present) - set(files))
-        if unlisted:  # transformers would read model.safetensors, we the index: refuse rather than guess
-            raise ValueError(f"{folder} holds {', '.join(unlisted)} beside an index that lists other files, the "
-                             f"remains of two exports; delete the stale ones, or export again with --overwrite")
+        # transformers would read model.safetensors, we the index: refuse rather than guess
+        if unlisted:
+            raise CheckpointError(
+                f"{folder} holds {', '.join(unlisted)} beside an index that lists other files, the "
+                f"remains of two exports; delete the stale ones, or export again with --overwrite"
+            )
     else:
         weight_map, files = None, present
     if not files:
-        raise ValueError(f"{folder} holds no *.safetensors weights")
+        raise CheckpointError(f"{folder} holds no *.safetensors weights")
     tensors = {}
     for name in files:
         if not (folder / name).is_file():
-            raise ValueError(f"{index} lists {name}, which is not in {folder}; the download is incomplete")
+            raise CheckpointError(
+                f"{index} lists {name}, which is not in {folder}; the download is incomplete"
+            )
         try:
-            with safetensors.safe_open(folder / name, framework="pt") as f:  # tensors stay views of the file
+            # tensors stay views of the file
+            with safetensors.safe_open(folder / name, framework="pt") as f:
                 for key in f.keys():
                     tensors[key] = f.get_tensor(key)
-        except Exception as e:  # SafetensorError: truncated or foreign bytes
-            raise ValueError(f"{folder / name} is not a readable safetensors file ({e}); it may be truncated: "
-                             f"download or export it again") from e
+        except (safetensors.SafetensorError, OSError) as e:  # truncated or foreign bytes
+            raise CheckpointError(
+                f"{folder / name} is not a readable safetensors file ({e}); it may be truncated: "
+                f"download or export it again"
+            ) from e
     if weight_map is not None and weight_map.keys() != tensors.keys():
-        raise ValueError(f"{index} and the shards disagree on {sorted(weight_map.keys() ^ tensors.keys())[:5]}")
+        raise CheckpointError(
+            f"{index} and the shards disagree on {sorted(weight_map.keys() ^ tensors.keys())[:5]}"
+        )
     return tensors
 
 
 def from_pretrained(path_or_hub_id, dtype=None) -> GPT:
-    """The model in a Hugging Face folder (or hub id): the authors' released checkpoints (Llama layout, a baseline's
-    too) or our export. Built on the meta device and given the memory-mapped safetensors weights by assignment,
-    so a model is never held twice; dtype None keeps the file's (the embedding's) dtype: bf16 stays bf16."""
+    """The model in a Hugging Face folder (or hub id): the authors' released checkpoints (Llama
+    layout, a baseline's too) or our export. Built on the meta device and given the memory-mapped
+    safetensors weights by assignment, so a model is never held twice; dtype None keeps the file's
+    (the embedding's) dtype: bf16 stays bf16."""
     folder = snapshot(path_or_hub_id)
     if not is_hf_folder(folder):
-        raise ValueError(f"{folder} is not a Hugging Face model folder (config.json + *.safetensors)")
-    config = config_from_hf(read_json_object(folder / "config.json"), f"{folder}/config.json")
+        raise CheckpointError(
+            f"{folder} is not a Hugging Face model folder (config.json + *.safetensors)"
+        )
+    config = config_from_hf(read_json_object(folder / "config.json", CheckpointError),
+                            f"{folder}/config.json")
     with torch.device("meta"):
         model = build_model(config)
     expected = {k: v.shape for k, v in model.state_dict().items()}
@@ -226,16 +313,22 @@ def from_pretrained(path_or_hub_id, dtype=None) -> GPT:
         if IGNORED.search(name) or (ours == "lm_head.weight" and config.tie_embeddings):
             continue
         if ours not in expected:
-            raise ValueError(f"{folder}: unknown tensor {name} (shape {tuple(t.shape)}) for this config; "
-                             f"the folder and config.json do not match this model")
+            raise CheckpointError(
+                f"{folder}: unknown tensor {name} (shape {tuple(t.shape)}) for this config; "
+                f"the folder and config.json do not match this model"
+            )
         if t.shape != expected[ours]:
-            raise ValueError(f"{folder}: tensor {name} has shape {tuple(t.shape)}, config.json implies "
-                             f"{tuple(expected[ours])}")
+            raise CheckpointError(
+                f"{folder}: tensor {name} has shape {tuple(t.shape)}, config.json implies "
+                f"{tuple(expected[ours])}"
+            )
         state[ours] = t
     missing = sorted(hf_name(k) for k in expected.keys() - state.keys())
     if missing:
-        raise ValueError(f"{folder}: missing tensor{'s' * (len(missing) > 1)} {', '.join(missing[:5])}"
-                         f"{f' and {len(missing) - 5} more' if len(missing) > 5 else ''}")
+        raise CheckpointError(
+            f"{folder}: missing tensor{'s' * (len(missing) > 1)} {', '.join(missing[:5])}"
+            f"{f' and {len(missing) - 5} more' if len(missing) > 5 else ''}"
+        )
     dtype = dtype or state["embed_tokens.weight"].dtype
     state = {k: v if v.dtype == dtype else v.to(dtype) for k, v in state.items()}
     if config.tie_embeddings:
@@ -247,23 +340,27 @@ def from_pretrained(path_or_hub_id, dtype=None) -> GPT:
 
 
 def save_pretrained(model: GPT, out_dir, tokenizer, overwrite=False):
-    """config.json + model.safetensors + the tokenizer, a folder that loads from anywhere: a tokenizer.json is
-    written out (its contents, not a path), a tiktoken encoding's name is recorded (our loader rebuilds it).
-    tokenizer=None writes the weights alone (from_pretrained reads them; the scripts then need a tokenizer.json
-    added). A vanilla model is a Qwen3 folder that transformers loads; any other carries its code (hf_config's
-    auto_map, write_remote_code); from_pretrained reads any of them exactly.
+    """config.json + model.safetensors + the tokenizer, a folder that loads from anywhere: a
+    tokenizer.json is written out (its contents, not a path), a tiktoken encoding's name is recorded
+    (our loader rebuilds it). tokenizer=None writes the weights alone (from_pretrained reads them;
+    the scripts then need a tokenizer.json added). A vanilla model is a Qwen3 folder that
+    transformers loads; any other carries its code (hf_config's auto_map, write_remote_code);
+    from_pretrained reads any of them exactly.
 
-    The folder is written beside out_dir and renamed into place, so an interrupted export leaves nothing half
-    written, and a replaced folder (overwrite=True) keeps no file of the earlier one (a stale shard index would
-    otherwise be read before the new weights)."""
+    The folder is written beside out_dir and renamed into place, so an interrupted export leaves
+    nothing half written, and a replaced folder (overwrite=True) keeps no file of the earlier one (a
+    stale shard index would otherwise be read before the new weights)."""
     safetensors_torch = _safetensors("safetensors.torch")
     out = Path(out_dir)
     check_export_dir(out, overwrite)
     if tokenizer is not None and tokenizer.n_vocab > model.config.vocab_size:
-        raise ValueError(f"the tokenizer {tokenizer.name} has {tokenizer.n_vocab} tokens, more than the model's "
-                         f"vocab_size {model.config.vocab_size}: it is not this model's tokenizer")
+        raise CheckpointError(
+            f"the tokenizer {tokenizer.name} has {tokenizer.n_vocab} tokens, more than the model's "
+            f"vocab_size {model.config.vocab_size}: it is not this model's tokenizer"
+        )
     state = {hf_name(k): v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()
-             if not (k == "lm_head.weight" and model.config.tie_embeddings)}  # a tied head is not stored twice
+             # a tied head is not stored twice
+             if not (k == "lm_head.weight" and model.config.tie_embeddings)}
     dtype = model.embed_tokens.weight.dtype
     cfg = hf_config(model.config, dtype, getattr(tokenizer, "eot_token", None))
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
@@ -276,14 +373,23 @@ def save_pretrained(model: GPT, out_dir, tokenizer, overwrite=False):
             bytes_tokenizer_json() if getattr(tokenizer, "name", None) == "bytes" else None
         if text:  # tokenizer_config.json: what transformers' AutoTokenizer needs beside it
             (tmp / "tokenizer.json").write_text(text)
-            (tmp / "tokenizer_config.json").write_text(json.dumps(
-                {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": tokenizer.decode([tokenizer.eot_token]),
-                 "model_max_length": model.config.block_size}, indent=2) + "\n")
+            (tmp / "tokenizer_config.json").write_text(
+                json.dumps(
+                    {
+                        "tokenizer_class": "PreTrainedTokenizerFast",
+                        "eos_token": tokenizer.decode([tokenizer.eot_token]),
+                        "model_max_length": model.config.block_size,
+                    },
+                    indent=2,
+                )
+                + "\n"
+            )
         safetensors_torch.save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         if "auto_map" in cfg:
             write_remote_code(tmp)
-        mask = os.umask(0)  # the usual modes, which safetensors' own (0600) would not give the weights
+        # the usual modes, which safetensors' own (0600) would not give the weights
+        mask = os.umask(0)
         os.umask(mask)
         for f in tmp.iterdir():
             f.chmod(0o666 & ~mask)
@@ -293,33 +399,45 @@ def save_pretrained(model: GPT, out_dir, tokenizer, overwrite=False):
             os.replace(out, old)
         os.replace(tmp, out)
         shutil.rmtree(old, ignore_errors=True)
+    except OSError as e:  # only files are written here: a full disk, a folder made read-only
+        raise CheckpointError(f"cannot write {out_dir} ({e.strerror or e}); "
+                              f"pick a folder you can write to") from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
 def check_export_dir(out: Path, overwrite):
-    """Refuse a folder save_pretrained must not replace: a file, a train.py out_dir, anything with subfolders
-    (never deleted wholesale), or files of any kind unless overwrite."""
+    """Refuse a folder save_pretrained must not replace: a file, a train.py out_dir, anything with
+    subfolders (never deleted wholesale), or files of any kind unless overwrite."""
     if out.exists() and not out.is_dir():
-        raise ValueError(f"{out} is a file; export into a folder")
-    if out.resolve() == Path.cwd().resolve():  # replaced whole, it would leave this process in a deleted folder
-        raise ValueError(f"{out} is the current folder; export into a folder inside it")
+        raise CheckpointError(f"{out} is a file; export into a folder")
+    # replaced whole, it would leave this process in a deleted folder
+    if out.resolve() == Path.cwd().resolve():
+        raise CheckpointError(f"{out} is the current folder; export into a folder inside it")
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-    for folder in [out.resolve(), *out.resolve().parents]:  # a run's folder, its checkpoint, or within
+    # a run's folder, its checkpoint, or within
+    for folder in [out.resolve(), *out.resolve().parents]:
         if folder.name in SHARDED_NAMES or any((folder / name).exists() for name in RUN_MARKERS):
             where = "is" if folder == out.resolve() else f"lies inside {folder},"
-            raise ValueError(f"{out} {where} a train.py run or checkpoint; export into a folder "
-                             f"outside it")
+            raise CheckpointError(
+                f"{out} {where} a train.py run or checkpoint; export into a folder " f"outside it"
+            )
     if any((out / name).is_dir() for name in held):
-        raise ValueError(f"{out} holds folders ({', '.join(n for n in held if (out / n).is_dir())}); export into an "
-                         f"empty or new folder")
+        raise CheckpointError(
+            f"{out} holds folders ({', '.join(n for n in held if (out / n).is_dir())}); export into an "
+            f"empty or new folder"
+        )
     if held and not overwrite:
-        raise ValueError(f"{out} already holds {', '.join(held[:3])}{' ...' if len(held) > 3 else ''}; replace it "
-                         f"whole with --overwrite (overwrite=True in Python), or export into a new folder")
+        raise CheckpointError(
+            f"{out} already holds {', '.join(held[:3])}{' ...' if len(held) > 3 else ''}; replace it "
+            f"whole with --overwrite (overwrite=True in Python), or export into a new folder"
+        )
     try:  # the folder is written beside out_dir: check before a large model is loaded for nothing
         out.parent.mkdir(parents=True, exist_ok=True)
         writable = os.access(out.parent, os.W_OK | os.X_OK)
     except OSError:
         writable = False
     if not writable:
-        raise ValueError(f"cannot write into {out.parent}; export into a folder you can write to")
+        raise CheckpointError(
+            f"cannot write into {out.parent}; export into a folder you can write to"
+        )

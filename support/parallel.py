@@ -27,7 +27,8 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from baselines import residual_of
-from support.cli import fail, resolve_device
+from support.cli import resolve_device
+from support.errors import ConfigError
 
 PARALLEL = ("ddp", "fsdp")
 
@@ -215,10 +216,11 @@ def setup_process(cfg) -> Process:
     local_rank = int(os.environ.get("LOCAL_RANK", 0)) if distributed else None
     device = resolve_device(cfg["device"], local_rank)
     if distributed and device == "mps":
-        fail("multi-process training on mps is not supported; use --device=cpu or a single process")
+        raise ConfigError("multi-process training on mps is not supported; use --device=cpu or a "
+                          "single process")
     if cfg["parallel"] == "fsdp" and not distributed:
-        fail("--parallel=fsdp shards the model over torchrun's processes: launch with "
-             "`torchrun --standalone --nproc_per_node=N train.py ...` (N = 1 works too)")
+        raise ConfigError("--parallel=fsdp shards the model over torchrun's processes: launch with "
+                          "`torchrun --standalone --nproc_per_node=N train.py ...` (N = 1 works too)")
     if distributed:
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     if device.startswith("cuda"):

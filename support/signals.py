@@ -15,9 +15,10 @@ except ImportError:
 
 
 class StopSignals:
-    """Ctrl-C (SIGINT) and SIGTERM (what a scheduler sends before preemption) ask the run to stop: the step in
-    flight finishes, a checkpoint is written, and the process exits with 128 + the signal's number. A second
-    Ctrl-C stops at once (KeyboardInterrupt: the last checkpoint stays)."""
+    """Ctrl-C (SIGINT) and SIGTERM (what a scheduler sends before preemption) ask the run to stop:
+    the step in flight finishes, a checkpoint is written, and the process exits with 128 + the
+    signal's number. A second Ctrl-C stops at once (KeyboardInterrupt: the last checkpoint
+    stays)."""
 
     def __init__(self):
         self.received = 0
@@ -29,8 +30,9 @@ class StopSignals:
         self.received = self.received or signum
 
     def agreed(self, proc) -> int:
-        """The signal any rank received, 0 for none: under torchrun every rank stops after the same step (one
-        that stopped alone would leave the others waiting in a collective), often only some got the signal."""
+        """The signal any rank received, 0 for none: under torchrun every rank stops after the same
+        step (one that stopped alone would leave the others waiting in a collective), often only
+        some got the signal."""
         if not proc.distributed:
             return self.received
         flag = torch.tensor(self.received, device=proc.device)
@@ -43,7 +45,8 @@ class StopSignals:
 
 
 def peak_memory(device) -> str:
-    """This process's peak memory: what torch allocated on the GPU, or the resident size on the CPU."""
+    """This process's peak memory: what torch allocated on the GPU, or the resident size on the
+    CPU."""
     if device.startswith("cuda"):
         return f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB allocated on the GPU"
     kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss if resource else 0

@@ -15,6 +15,7 @@ from baselines import build_model, make_config
 from conftest import tiny_config, tiny_model, tiny_variant
 from model import GPT, ModelConfig
 from support import hf
+from support.errors import CheckpointError
 from test_model import ref_attention, ref_mlp, ref_positioned, ref_projections, rms
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -255,7 +256,7 @@ def test_authors_config_keys():
                                 "hidden_size": 2048}, "config.json")
     assert got == {"residual": "denseformer", "depth_mode": "vanilla", "denseformer_dwa_period": 2}
     assert hf._authors_baseline({"baseline_mode": "MHC", "mhc_num_streams": 4}, "config.json")["residual"] == "mhc"
-    with pytest.raises(ValueError, match="not one of the paper's baselines"):
+    with pytest.raises(CheckpointError, match="not one of the paper's baselines"):
         hf._authors_baseline({"baseline_mode": "densenet"}, "config.json")
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import bench_cache
+from support.errors import USER_ERRORS
 
 ROOT = Path(__file__).resolve().parent.parent
 GiB = 2 ** 30
@@ -72,9 +73,9 @@ def refused(args, monkeypatch):
     def measure(cfg):
         raise AssertionError("measured before the input was checked")
     monkeypatch.setattr(bench_cache, "measure", measure)
-    with pytest.raises(SystemExit) as stop:
+    with pytest.raises(USER_ERRORS) as stop:
         bench_cache.main(args)
-    msg = str(stop.value.code)
+    msg = f"error: {stop.value}"  # the one line run_main prints
     assert msg.startswith("error: ") and "\n" not in msg, msg
     return msg
 
@@ -111,9 +112,9 @@ def test_json_path_is_checked_before_measuring(case, tmp_path, monkeypatch):
 
 def test_out_of_memory_is_one_line(monkeypatch):
     """A batch no machine holds: the allocation error becomes one line, not a traceback."""
-    with pytest.raises(SystemExit) as stop:
+    with pytest.raises(USER_ERRORS) as stop:
         bench_cache.main(TINY + ["--batch=1000000000000"])
-    msg = str(stop.value.code)
+    msg = f"error: {stop.value}"
     assert msg.startswith("error: out of memory") and "--batch=1000000000000" in msg and "\n" not in msg, msg
 
 

@@ -20,6 +20,7 @@ from conftest import tiny_model
 import eval as eval_py
 from support.checkpoint import load_model, save_checkpoint
 from support.tokenizer import get_tokenizer
+from support.errors import USER_ERRORS
 from test_train import ROOT
 
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
@@ -233,14 +234,14 @@ def local_tasks_only(monkeypatch):
     (["--include_path=nowhere"], "--include_path nowhere is not a folder"),
 ])
 def test_bad_inputs_fail_with_one_line(args, message, trained, task_dir, data_root, local_tasks_only):
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(USER_ERRORS) as e:
         eval_py.main([f"--init_from={trained}", f"--include_path={task_dir[0]}", f"--data_root={data_root}", *args])
-    assert str(e.value).startswith("error: ") and message in str(e.value) and "\n" not in str(e.value), e.value
+    assert message in str(e.value) and "\n" not in str(e.value), e.value
 
 
 def test_missing_lm_eval_names_the_install(monkeypatch, trained):
     monkeypatch.setattr(eval_py, "lm_eval", None)
-    with pytest.raises(SystemExit, match="error: the downstream tasks need lm-evaluation-harness: pip install lm-eval"):
+    with pytest.raises(USER_ERRORS, match="the downstream tasks need lm-evaluation-harness: pip install lm-eval"):
         eval_py.main([f"--init_from={trained}"])
 
 

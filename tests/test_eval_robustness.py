@@ -20,6 +20,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from conftest import tiny_model
 import eval as eval_py
 from support.checkpoint import save_checkpoint
+from support.errors import USER_ERRORS
 import test_eval
 from test_train import ROOT
 
@@ -57,8 +58,8 @@ def run(*args):
     """eval.main as `python eval.py args` runs it; the exit message, None on success."""
     try:
         eval_py.main([str(a) for a in args])
-    except SystemExit as e:
-        return str(e.code)
+    except USER_ERRORS as e:  # the one line run_main prints
+        return f"error: {e}"
     return None
 
 

@@ -19,6 +19,7 @@ from support import checkpoint, hf
 from support.checkpoint import CheckpointError, load_model
 from support.data import prepare
 from support.tokenizer import get_tokenizer
+from support.errors import USER_ERRORS, DataError
 from test_hf import make_tokenizer_json
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,8 +32,8 @@ def export(*args):
     """export.py as a user runs it; the exit message, or None on success."""
     try:
         export_py.main([*map(str, args)])
-    except SystemExit as e:
-        return str(e.code)
+    except USER_ERRORS as e:  # the one line run_main prints
+        return f"error: {e}"
     return None
 
 
@@ -123,7 +124,7 @@ def test_an_interrupted_export_leaves_the_old_folder(run_dir, tmp_path, monkeypa
 
 def test_a_mismatched_tokenizer_is_refused(tmp_path):
     model = tiny_model(vocab_size=50)
-    with pytest.raises(ValueError, match="257 tokens, more than the model's vocab_size 50"):
+    with pytest.raises(CheckpointError, match="257 tokens, more than the model's vocab_size 50"):
         hf.save_pretrained(model, tmp_path / "x", get_tokenizer("bytes"))
     assert not (tmp_path / "x").exists()
 
@@ -173,7 +174,7 @@ def test_save_pretrained_writes_what_the_export_writes(run_dir, tmp_path):
     hf.save_pretrained(loaded.model, tmp_path / "py", loaded.tokenizer)
     for name in ("config.json", "model.safetensors"):
         assert (tmp_path / "cli" / name).read_bytes() == (tmp_path / "py" / name).read_bytes(), name
-    with pytest.raises(ValueError, match="already holds"):
+    with pytest.raises(CheckpointError, match="already holds"):
         hf.save_pretrained(loaded.model, tmp_path / "py", loaded.tokenizer)
 
 
@@ -197,9 +198,9 @@ def test_a_damaged_folder_is_one_error_line(run_dir, tmp_path, damage, fragment,
     damage(folder)
     with pytest.raises(CheckpointError, match=fragment):
         load_model(folder)
-    with pytest.raises(SystemExit) as e:
+    with pytest.raises(USER_ERRORS) as e:
         sample.main([f"--init_from={folder}", "--max_new_tokens=2"])
-    assert fragment in one_error_line(str(e.value.code))
+    assert fragment in one_error_line(f"error: {e.value}")
     monkeypatch.setattr(sys, "argv", ["train.py", f"--init_from={folder}", f"--out_dir={tmp_path / 'x'}"])
     with pytest.raises(SystemExit) as e:
         runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
@@ -210,7 +211,7 @@ def test_a_foreign_tokenizer_json_is_one_error_line(tmp_path):
     folder = tmp_path / "hf"
     assert export_with_tokenizer(folder) is None
     (folder / "tokenizer.json").write_text('{"not": "a tokenizer"}')
-    with pytest.raises(CheckpointError, match="not a readable tokenizer.json"):
+    with pytest.raises(DataError, match="not a readable tokenizer.json"):
         load_model(folder)
 
 

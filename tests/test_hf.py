@@ -164,7 +164,7 @@ def test_loading_maps_the_file_instead_of_copying_it(tmp_path):
         "bad-config"])
 def test_bad_folders_fail_with_a_clear_error(tmp_path, drop, extra, changes, fragment):
     folder = write_authors_folder(tmp_path, tiny_model(), drop=drop, extra=extra, **changes)
-    with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(CheckpointError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
         hf.from_pretrained(folder)
 
 

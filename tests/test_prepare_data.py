@@ -10,6 +10,8 @@ import prepare_data
 from support import data
 from support.data import load_meta, prepare
 from support.tokenizer import get_tokenizer
+from support.cli import MissingPackage
+from support.errors import DataError
 
 EOT = 256  # the bytes tokenizer's end-of-text id
 DOCS = ["First document.\n", "Ünïcödé: 日本語, emoji 🎉, and a literal <|endoftext|> that stays text.",
@@ -138,7 +140,7 @@ def test_finished_output_is_skipped_and_checked(tmp_path, monkeypatch):
     assert prepare("text", **kwargs) == data_dir
     with open(data_dir / "train.bin", "ab") as f:
         f.write(b"\0\0")
-    with pytest.raises(RuntimeError, match="--force"):
+    with pytest.raises(DataError, match="--force"):
         load_meta(data_dir)
 
 
@@ -149,7 +151,7 @@ def test_finished_output_is_skipped_and_checked(tmp_path, monkeypatch):
 def test_missing_optional_package_names_the_install(tmp_path, monkeypatch, source, module, pip):
     monkeypatch.setitem(sys.modules, module, None)  # makes `import module` raise ImportError
     inputs = [str(tmp_path)] if module in ("zstandard", "pyarrow.parquet") else None
-    with pytest.raises(ImportError, match=pip):
+    with pytest.raises(MissingPackage, match=pip):
         prepare(source, tokenizer="bytes", inputs=inputs, out_dir=tmp_path / "out")
 
 
@@ -158,7 +160,7 @@ def test_gpt2_download_failure_suggests_bytes(monkeypatch):
         raise ConnectionError("no network")
 
     monkeypatch.setattr("support.tokenizer.tiktoken.get_encoding", offline)
-    with pytest.raises(RuntimeError, match="--tokenizer=bytes"):
+    with pytest.raises(DataError, match="--tokenizer=bytes"):
         get_tokenizer.__wrapped__("gpt2")  # bypass the cache so no earlier success can hide the failure
 
 

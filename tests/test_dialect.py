@@ -1,0 +1,124 @@
+"""One error hierarchy and one command-line dialect for sample.py, export.py, prepare_data.py,
+eval.py and bench_cache.py: --key=value and --key value, a bare --flag or --flag=True/False for a
+boolean, an unknown key refused with the nearest known one in one line; a user error is that one
+line, and a bug (any other exception, even a ValueError deep in support/) stays a traceback."""
+import contextlib
+import io
+
+import pytest
+
+import bench_cache
+import eval as eval_py
+import export
+import prepare_data
+import sample
+from support.errors import EXIT_USER_ERROR, UserError, run_main
+
+SCRIPTS = {"sample.py": sample, "export.py": export, "prepare_data.py": prepare_data,
+           "eval.py": eval_py, "bench_cache.py": bench_cache}
+
+
+def entry_point(module, argv):
+    """(exit status, stderr) of `python SCRIPT argv` as its entry point runs it."""
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit) as stop:
+        run_main(module.main, argv)
+    return stop.value.code, err.getvalue()
+
+
+@pytest.mark.parametrize("script, both", [
+    ("sample.py", (["--prompt=hi", "--num_samples=2"], ["--prompt", "hi", "--num_samples", "2"])),
+    ("export.py", (["A", "B", "--dtype=bfloat16"], ["A", "B", "--dtype", "bfloat16"])),
+    ("prepare_data.py", (["text", "--name=x", "--val_fraction=0.2"],
+                         ["text", "--name", "x", "--val_fraction", "0.2"])),
+    ("eval.py", (["--init_from=out/RUN", "--tasks=", "--ppl=pile", "--limit=0.5"],
+                 ["--init_from", "out/RUN", "--tasks", "", "--ppl", "pile", "--limit", "0.5"])),
+])
+def test_both_dialects_give_one_command(script, both):
+    equals, spaced = (vars(SCRIPTS[script].parse_args(argv)) for argv in both)
+    assert equals == spaced
+
+
+@pytest.mark.xfail(reason="support.config.parse_config takes --key value once the lead's change lands",
+                   strict=False)
+def test_bench_cache_takes_both_dialects():
+    assert bench_cache.parse_args(["--repeats=3"]) == bench_cache.parse_args(["--repeats", "3"])
+
+
+@pytest.mark.parametrize("script, argv, flag", [
+    ("export.py", ["A", "B"], "overwrite"),
+    ("prepare_data.py", ["text"], "force"),
+])
+def test_a_boolean_is_a_bare_flag_or_a_value(script, argv, flag):
+    parse = SCRIPTS[script].parse_args
+    assert getattr(parse(argv), flag) is False
+    for spelling, value in ((f"--{flag}", True), (f"--{flag}=True", True), (f"--{flag}=1", True),
+                            (f"--{flag}=False", False), (f"--{flag}=0", False)):
+        assert getattr(parse([*argv, spelling]), flag) is value, spelling
+    assert getattr(parse([f"--{flag}", *argv]), flag) is True  # before the positionals, too
+    with pytest.raises(UserError, match=f"--{flag}=maybe: give --{flag} alone"):
+        parse([*argv, f"--{flag}=maybe"])
+
+
+@pytest.mark.parametrize("script, argv, nearest", [
+    ("sample.py", ["--temprature=0.5"], "--temperature"),
+    ("sample.py", ["--max_new_token", "5"], "--max_new_tokens"),
+    ("export.py", ["A", "B", "--overwrit"], "--overwrite"),
+    ("export.py", ["A", "B", "--over"], "--overwrite"),  # no abbreviations: a typo picks no flag
+    ("prepare_data.py", ["text", "--val_frac=0.2"], "--val_fraction"),
+    ("eval.py", ["--init_from=x", "--num_fewshots=5"], "--num_fewshot"),
+])
+def test_an_unknown_key_names_the_nearest_in_one_line(script, argv, nearest):
+    code, err = entry_point(SCRIPTS[script], argv)
+    assert code == EXIT_USER_ERROR and err.count("\n") == 1 and err.startswith("error: "), err
+    assert f"did you mean {nearest}?" in err and f"python {script} --help" in err
+
+
+def test_bench_cache_refuses_an_unknown_key_in_one_line():
+    code, err = entry_point(bench_cache, ["--modez=value"])
+    assert code == EXIT_USER_ERROR and err.count("\n") == 1 and "modez" in err, err
+
+
+def test_parse_args_reads_no_file(tmp_path, monkeypatch):
+    """A documented command can be checked without its files: nothing is opened or made."""
+    monkeypatch.chdir(tmp_path)
+    sample.parse_args(["--init_from=out/RUN", "--prompt_file=nowhere.txt"])
+    export.parse_args(["out/RUN", "out/RUN_hf", "--overwrite"])
+    prepare_data.parse_args(["text", "--input", "a.txt", "b.txt", "--name", "mydata"])
+    eval_py.parse_args(["--init_from=out/RUN", "--json=out/RUN/eval.json"])
+    bench_cache.parse_args(["--json=out/bench.json"])
+    assert not list(tmp_path.iterdir())
+
+
+# ----------------------------------------------------------------------------- a bug is a traceback
+
+def bug(*args, **kwargs):
+    raise ValueError("a bug in a fork's new mode")
+
+
+@pytest.mark.parametrize("script, where, argv", [
+    ("sample.py", "load_model", ["--init_from=out/RUN"]),
+    ("export.py", "load_model", ["nowhere", "out_hf"]),
+    ("prepare_data.py", "prepare", ["text"]),
+    ("eval.py", "load_model", ["--init_from=out/RUN", "--tasks=", "--ppl=tiny"]),
+])
+def test_a_bug_below_a_script_is_a_traceback_not_a_user_error(script, where, argv, monkeypatch,
+                                                              tmp_path):
+    monkeypatch.chdir(tmp_path)
+    module = SCRIPTS[script]
+    monkeypatch.setattr(module, where, bug)
+    if script == "eval.py":  # the --ppl data is checked before the model loads
+        monkeypatch.setattr(module, "open_ppl_data", lambda *a: None)
+    with pytest.raises(ValueError, match="a bug in a fork's new mode"):
+        run_main(module.main, argv)
+    monkeypatch.setattr(module, where, lambda *a, **k: (_ for _ in ()).throw(RuntimeError("bug")))
+    with pytest.raises(RuntimeError, match="bug"):
+        run_main(module.main, argv)
+
+
+def test_a_bug_inside_support_is_a_traceback(monkeypatch, tmp_path):
+    """Deeper down: checkpoint.load_model no longer turns a ValueError into a CheckpointError."""
+    from support import checkpoint
+    monkeypatch.setattr(checkpoint, "read_checkpoint", bug)
+    with pytest.raises(ValueError, match="a bug in a fork's new mode"):
+        run_main(sample.main, [f"--init_from={tmp_path}"])
