@@ -1,11 +1,13 @@
 """ablate.py end to end on a tiny config: two runs x one seed, a couple of steps, the table and both figures;
 and what it does with the runs already in --out, and with bad input: one `error:` line before anything trains."""
 import contextlib
+import dataclasses
 import io
 import json
 import os
 import shutil
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -15,6 +17,10 @@ import numpy as np
 import pytest
 
 import ablate as ablate_py
+from support import depth_weights_view, sweep as sweep_records
+from support.depth_weights_view import depth_weight_matrix
+from support.errors import UserError, run_main
+from support.report import MAIN, collect, gap_markdown, markdown, summarize
 
 
 def ablate(*args):
@@ -26,11 +32,12 @@ def ablate(*args):
 
 
 def refused(*args):
-    """The one `error:` line ablate.py stops with."""
-    with pytest.raises(SystemExit) as stop:
-        ablate(*args)
-    msg = str(stop.value.code)
-    assert msg.startswith("error: ") and "\n" not in msg, msg
+    """The one `error:` line ablate.py's entry point (run_main) stops with, exit status 1."""
+    err = io.StringIO()
+    with pytest.raises(SystemExit) as stop, contextlib.redirect_stderr(err):
+        run_main(ablate_py.main, [str(a) for a in args])
+    msg = err.getvalue().strip()
+    assert stop.value.code == 1 and msg.startswith("error: ") and "\n" not in msg, msg
     return msg
 
 
@@ -96,7 +103,6 @@ def test_rerun_skips_finished_runs(sweep):
 
 
 def test_depth_weight_matrix_rows_are_distributions(sweep):
-    from ablate import depth_weight_matrix
     m = depth_weight_matrix(sweep[0] / "value" / "seed0" / "ckpt.pt", n_windows=2)
     assert np.isnan(m[0]).all()  # layer 0 only stores
     assert np.allclose(np.nansum(m[1:], 1), 1.0)
@@ -109,7 +115,7 @@ def test_depth_weights_of_one_run_printed_and_drawn(sweep, tmp_path):
     run = sweep[0] / "value" / "seed0"
     before = files(sweep[0])
     printed = ablate(f"--depth_weights={run}", f"--figure={tmp_path / 'w.png'}")
-    m = ablate_py.depth_weight_matrix(run / "ckpt.pt")
+    m = depth_weight_matrix(run / "ckpt.pt")
     rows = [line.split("|") for line in printed.splitlines()[2:] if "|" in line]
     assert [int(e) for e, _ in rows] == [1, 2, 3]  # layer 0 only stores
     for e, cells in rows:
@@ -132,6 +138,77 @@ def test_depth_weights_of_one_run_printed_and_drawn(sweep, tmp_path):
     ablate(f"--depth_weights={run}", f"--figure={tmp_path / 'w.png'}")  # its own figure: replaced
     (copy / "ckpt.pt").write_bytes((copy / "ckpt.pt").read_bytes()[:1000])
     assert "truncated or corrupt" in refused(f"--depth_weights={copy}")
+
+
+def test_the_viewer_module_and_ablate_py_show_the_same(sweep, tmp_path):
+    """The depth-weight viewer is support.depth_weights_view.show; ablate.py --depth_weights=RUN
+    hands it the run: the same table printed and the same figure drawn."""
+    run = sweep[0] / "value" / "seed0"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        depth_weights_view.show(run, tmp_path / "module.png")
+    via_ablate = ablate(f"--depth_weights={run}", f"--figure={tmp_path / 'ablate.png'}")
+    assert "layer |" in via_ablate and via_ablate.endswith(f"figure: {tmp_path / 'ablate.png'}\n")
+    assert printed.getvalue().replace("module.png", "ablate.png") == via_ablate
+    assert (tmp_path / "module.png").read_bytes() == (tmp_path / "ablate.png").read_bytes()
+
+
+def test_staleness_reads_the_key_table_and_starts_no_process(sweep, tmp_path, monkeypatch):
+    """Whether a finished run is the one asked for comes from support.run_config's table: a key
+    marked result=False (log_interval) may differ, one marked True may not. Nothing asks
+    `python train.py --help` (whose scraped text a two-space default once broke): no process
+    starts while the sweep plans and reports its finished runs."""
+    def no_process(*args, **kwargs):
+        raise AssertionError(f"a process was started: {args}")
+    monkeypatch.setattr(subprocess, "run", no_process)
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    out = tmp_path / "out"
+    shutil.copytree(sweep[0], out)
+    args = [a for a in sweep[1] if not a.startswith("--out=")] + [f"--out={out}"]
+    runs = {run: files(out / run) for run in ("vanilla", "value")}
+    log_interval = sweep_records.TRAIN_KEYS["log_interval"]
+    assert not log_interval.result
+    assert ablate(*args, "--", "--log_interval=7").count("done already") == 2
+    assert {run: files(out / run) for run in runs} == runs
+    monkeypatch.setitem(sweep_records.TRAIN_KEYS, "log_interval",
+                        dataclasses.replace(log_interval, result=True))
+    assert "log_interval 25 -> 7" in refused(*args, "--", "--log_interval=7")
+    eval_seqs = sweep_records.TRAIN_KEYS["eval_seqs"]
+    assert eval_seqs.result and "eval_seqs 4 -> 8" in refused(*args, "--", "--eval_seqs=8")
+    monkeypatch.setitem(sweep_records.TRAIN_KEYS, "eval_seqs",
+                        dataclasses.replace(eval_seqs, result=False))
+    assert ablate(*args, "--", "--eval_seqs=8").count("done already") == 2
+    assert {run: files(out / run) for run in runs} == runs
+
+
+def test_parse_args_checks_the_command_alone(tmp_path, monkeypatch):
+    """ablate.parse_args, what a docs test runs on every command the docs show: the syntax and the
+    values, no file read (the --base need not exist) and nothing written; a bad value is a
+    UserError (never SystemExit), --help prints the usage and exits 0."""
+    monkeypatch.chdir(tmp_path)
+    cfg, extra, lrs, names = ablate_py.parse_args(["--base=nowhere.py", "--runs=main",
+                                                   "--lrs=2e-3,1e-3", "--", "--compile=True"])
+    assert (cfg["base"], names, lrs, extra) == ("nowhere.py", MAIN, [1e-3, 2e-3], ["--compile=True"])
+    assert not any(tmp_path.iterdir())
+    for bad in (["--lrs=fast"], ["--lrs=0"], ["--runs=nope"], ["--protocol=slow"], ["--seeds=0"],
+                ["--figure=a.png"], ["--", "--seed=1"]):
+        with pytest.raises(UserError):
+            ablate_py.parse_args(bad)
+    usage = io.StringIO()
+    with pytest.raises(SystemExit) as stop, contextlib.redirect_stdout(usage):
+        ablate_py.parse_args(["--help"])
+    assert stop.value.code == 0 and "--depth_weights=''" in usage.getvalue()
+
+
+def test_a_failed_train_py_run_is_one_line_naming_its_log(sweep, tmp_path):
+    """A train.py job that exits with an error stops the sweep with ablate's own TrainFailed (a
+    UserError): its last line and its train.out, no traceback of ablate.py's."""
+    out = tmp_path / "out"
+    msg = refused(sweep[1][0], f"--out={out}", "--runs=vanilla", "--seeds=1", "--jobs=1", "--",
+                  f"--data_root={tmp_path / 'no_data'}")
+    log = out / "vanilla" / "seed0" / "train.out"
+    assert "vanilla seed 0 failed (exit 1: error: " in msg and f"see {log}" in msg, msg
+    assert log.read_text().strip().splitlines()[-1] in msg
 
 
 @pytest.fixture(scope="module")
@@ -200,7 +277,6 @@ def test_long_runs_give_the_gap_against_tokens(protocols):
 
 def test_gap_table_shows_the_short_runs_only_at_their_end():
     """An unfinished short pair's last evaluation is mid-schedule: it must not be labelled as the short runs' end."""
-    from ablate import gap_markdown
     long = {"value": [(0, 0.0, None, 2), (256, -0.02, 0.01, 2), (512, -0.01, 0.005, 2)]}
     unfinished = {"value": [(0, 0.0, None, 2), (256, -0.05, 0.02, 2)]}
     finished = {"value": unfinished["value"] + [(512, -0.04, 0.01, 2)]}
@@ -216,7 +292,7 @@ def test_best_lr_without_a_sweep_fails_clearly(tmp_path):
 
 def test_main_comparison_table(tmp_path):
     """Table 1 at CPU scale: the six runs paired by seed, with perplexity = exp(val loss) and the paper's 3B figures."""
-    from ablate import MAIN, RUN_SETS, collect, markdown, summarize
+    RUN_SETS = ablate_py.RUN_SETS
     assert RUN_SETS["main"] == ["vanilla", "value", "lime", "denseformer", "attnres", "mhc"]
     assert set(RUN_SETS["main"]) | set(RUN_SETS["ablations"]) == set(RUN_SETS["all"])
     losses = {"vanilla": [2.0, 2.2], "value": [1.9, 2.0], "lime": [1.92, 2.05], "denseformer": [1.95, 2.1],
