@@ -7,10 +7,12 @@ nothing:
 
 It lives here, beside support/depth_weights.py (the numbers: what train.py logs at each evaluation)
 because the viewer is the part that reads a checkpoint and its validation data and draws: train.py
-imports the numbers for every run and none of this. A root script would be a tenth command at the
-root, which holds the design card's files; `--depth_weights` is the flag the docs and the course
-have always named, and ablate.py hands it straight here. ablate's report (support/report.py) draws
-its sweep's Figure 3 with the same two functions, depth_weight_matrix and plot_depth_weights.
+imports the numbers for every run and none of this. Not a root script `depth_weights.py`: the root
+holds the design card's files and the paper's comparisons (tests/test_layout.py pins it), and the
+command users already know, in the docs and the course, is ablate.py's `--depth_weights`, which
+hands the run straight to show() here; a reader who greps for that flag lands in this file.
+ablate's report (support/report.py) draws its sweep's Figure 3 with the same two functions,
+depth_weight_matrix and plot_depth_weights.
 """
 from pathlib import Path
 
