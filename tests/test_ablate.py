@@ -1,11 +1,14 @@
-"""ablate.py end to end on a tiny config: two runs x one seed, a couple of steps, the table and both figures;
-and what it does with the runs already in --out, and with bad input: one `error:` line before anything trains."""
+"""ablate.py end to end on a tiny config: two runs x one seed, a couple of steps, the table and both
+figures; and what it does with the runs already in --out, and with bad input: one `error:` line
+before anything trains."""
 import contextlib
+import dataclasses
 import io
 import json
 import os
 import shutil
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -15,6 +18,10 @@ import numpy as np
 import pytest
 
 import ablate as ablate_py
+from support import depth_weights_view, sweep as sweep_records
+from support.depth_weights_view import depth_weight_matrix
+from support.errors import UserError, run_main
+from support.report import MAIN, collect, gap_markdown, markdown, summarize
 
 
 def ablate(*args):
@@ -26,20 +33,28 @@ def ablate(*args):
 
 
 def refused(*args):
-    """The one `error:` line ablate.py stops with."""
-    with pytest.raises(SystemExit) as stop:
-        ablate(*args)
-    msg = str(stop.value.code)
-    assert msg.startswith("error: ") and "\n" not in msg, msg
+    """The one `error:` line ablate.py's entry point (run_main) stops with, exit status 1."""
+    err = io.StringIO()
+    with pytest.raises(SystemExit) as stop, contextlib.redirect_stderr(err):
+        run_main(ablate_py.main, [str(a) for a in args])
+    msg = err.getvalue().strip()
+    assert stop.value.code == 1 and msg.startswith("error: ") and "\n" not in msg, msg
     return msg
 
 
 def files(folder):
-    return {p.relative_to(folder): p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+    return {p.relative_to(folder): p.read_bytes()
+            for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+def records(run):
+    """A run folder's log.jsonl, a record a line."""
+    return [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
 
 
 def started(out):
-    """Where the sweep fixture keeps its runs as they were when interrupted: the tests of a started run."""
+    """Where the sweep fixture keeps its runs as they were when interrupted: the tests of a started
+    run."""
     return out.with_name(out.name + "_started")
 
 
@@ -47,13 +62,15 @@ def started(out):
 def sweep(data_root, tmp_path_factory):
     out = tmp_path_factory.mktemp("sweep")
     base = out / "base.py"  # the CPU base, shrunk further
-    # vocab_size = None as in the shipped bases: a resumed run must accept it (the data's vocabulary)
-    base.write_text(f'dataset = "tiny"\ndata_root = "{data_root}"\nvocab_size = None\nn_layer = 4\nn_head = 2\n'
-                    f'n_kv_head = 1\nhead_dim = 8\nn_embd = 16\nmlp_hidden = 32\nblock_size = 32\nmicro_batch = 4\n'
+    # vocab_size = None as in the shipped bases: a resumed run must accept it (the data's
+    # vocabulary)
+    base.write_text(f'dataset = "tiny"\ndata_root = "{data_root}"\nvocab_size = None\nn_layer = 4\n'
+                    f'n_head = 2\nn_kv_head = 1\nhead_dim = 8\nn_embd = 16\nmlp_hidden = 32\n'
+                    f'block_size = 32\nmicro_batch = 4\n'
                     f'batch_tokens = 128\nmax_iters = 3\neval_interval = 2\neval_seqs = 4\n')
     args = [f"--base={base}", f"--out={out}", "--runs=vanilla,value", "--seeds=1", "--jobs=2"]
     ablate(*args, "--", "--stop_at_step=2")  # an interrupted sweep: every run stops after step 2
-    interrupted = {run: [json.loads(l)["step"] for l in (out / run / "seed0" / "log.jsonl").read_text().splitlines()]
+    interrupted = {run: [r["step"] for r in records(out / run / "seed0")]
                    for run in ("vanilla", "value")}
     shutil.copytree(out, started(out))
     return out, args, ablate(*args), interrupted
@@ -63,7 +80,7 @@ def test_a_partial_sweep_is_resumed(sweep):
     out, _, _, interrupted = sweep
     for run, steps in interrupted.items():
         assert max(steps) == 2, f"{run} should have stopped at step 2"
-        log = [json.loads(l) for l in (out / run / "seed0" / "log.jsonl").read_text().splitlines()]
+        log = records(out / run / "seed0")
         assert [r["step"] for r in log if r["kind"] == "train"] == [1, 2, 3], "resumed, not restarted"
         assert "starting fresh" not in (out / run / "seed0" / "train.out").read_text()
 
@@ -75,11 +92,13 @@ def test_sweep_writes_the_table_and_figures(sweep):
     mixing = next(t for t in results["tables"] if t["title"].startswith("Mixing rule"))
     assert [r["run"] for r in mixing["rows"]] == ["vanilla", "value"]
     for run in ("vanilla", "value"):
-        evals = [json.loads(l) for l in (out / run / "seed0" / "log.jsonl").read_text().splitlines()]
+        evals = records(out / run / "seed0")
         final = [r["val_loss"] for r in evals if r["kind"] == "eval" and r["step"] == 3]
-        assert results["runs"][run]["losses"] == final  # the table reads the runs' own final evaluations
+        # the table reads the runs' own final evaluations
+        assert results["runs"][run]["losses"] == final
     value = next(r for r in mixing["rows"] if r["run"] == "value")
-    assert value["diff"] == pytest.approx(results["runs"]["value"]["mean"] - results["runs"]["vanilla"]["mean"])
+    runs = results["runs"]
+    assert value["diff"] == pytest.approx(runs["value"]["mean"] - runs["vanilla"]["mean"])
     assert value["paper"] == 2.2115 and value["std"] is None  # one seed: no spread to report
     assert "| value | 1 |" in (out / "results.md").read_text() and "| value | 1 |" in stdout
     for png in ("curves.png", "depth_weights.png"):
@@ -89,18 +108,20 @@ def test_sweep_writes_the_table_and_figures(sweep):
 
 def test_rerun_skips_finished_runs(sweep):
     out, args, _, _ = sweep
-    before, results = (out / "value" / "seed0" / "log.jsonl").read_text(), (out / "results.json").read_text()
+    before = (out / "value" / "seed0" / "log.jsonl").read_text()
+    results = (out / "results.json").read_text()
     assert "value seed 0: done already" in ablate(*args)
     assert (out / "value" / "seed0" / "log.jsonl").read_text() == before
-    assert (out / "results.json").read_text() == results  # the same command reports the same numbers
+    # the same command reports the same numbers
+    assert (out / "results.json").read_text() == results
 
 
 def test_depth_weight_matrix_rows_are_distributions(sweep):
-    from ablate import depth_weight_matrix
     m = depth_weight_matrix(sweep[0] / "value" / "seed0" / "ckpt.pt", n_windows=2)
     assert np.isnan(m[0]).all()  # layer 0 only stores
     assert np.allclose(np.nansum(m[1:], 1), 1.0)
-    assert not np.isnan(m[3, [0, 2, 3]]).any() and np.isnan(m[3, 1])  # 4 layers, stride 2: layer 3 reads 0, 2
+    # 4 layers, stride 2: layer 3 reads 0, 2
+    assert not np.isnan(m[3, [0, 2, 3]]).any() and np.isnan(m[3, 1])
 
 
 def test_depth_weights_of_one_run_printed_and_drawn(sweep, tmp_path):
@@ -109,7 +130,7 @@ def test_depth_weights_of_one_run_printed_and_drawn(sweep, tmp_path):
     run = sweep[0] / "value" / "seed0"
     before = files(sweep[0])
     printed = ablate(f"--depth_weights={run}", f"--figure={tmp_path / 'w.png'}")
-    m = ablate_py.depth_weight_matrix(run / "ckpt.pt")
+    m = depth_weight_matrix(run / "ckpt.pt")
     rows = [line.split("|") for line in printed.splitlines()[2:] if "|" in line]
     assert [int(e) for e, _ in rows] == [1, 2, 3]  # layer 0 only stores
     for e, cells in rows:
@@ -121,7 +142,8 @@ def test_depth_weights_of_one_run_printed_and_drawn(sweep, tmp_path):
     shutil.copytree(run, copy)
     assert f"figure: {copy / 'depth_weights.png'}" in ablate(f"--depth_weights={copy}")
     assert (copy / "depth_weights.png").is_file()
-    assert "no per-token depth weights" in refused(f"--depth_weights={sweep[0] / 'vanilla' / 'seed0'}")
+    vanilla = sweep[0] / "vanilla" / "seed0"
+    assert "no per-token depth weights" in refused(f"--depth_weights={vanilla}")
     assert "no checkpoint at" in refused(f"--depth_weights={tmp_path / 'nothing'}")
     assert "give the run too" in refused(f"--figure={tmp_path / 'w.png'}")
     assert "is a folder" in refused(f"--depth_weights={run}", f"--figure={tmp_path}")
@@ -134,15 +156,89 @@ def test_depth_weights_of_one_run_printed_and_drawn(sweep, tmp_path):
     assert "truncated or corrupt" in refused(f"--depth_weights={copy}")
 
 
+def test_the_viewer_module_and_ablate_py_show_the_same(sweep, tmp_path):
+    """The depth-weight viewer is support.depth_weights_view.show; ablate.py --depth_weights=RUN
+    hands it the run: the same table printed and the same figure drawn."""
+    run = sweep[0] / "value" / "seed0"
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        depth_weights_view.show(run, tmp_path / "module.png")
+    via_ablate = ablate(f"--depth_weights={run}", f"--figure={tmp_path / 'ablate.png'}")
+    assert "layer |" in via_ablate and via_ablate.endswith(f"figure: {tmp_path / 'ablate.png'}\n")
+    assert printed.getvalue().replace("module.png", "ablate.png") == via_ablate
+    assert (tmp_path / "module.png").read_bytes() == (tmp_path / "ablate.png").read_bytes()
+
+
+def test_staleness_reads_the_key_table_and_starts_no_process(sweep, tmp_path, monkeypatch):
+    """Whether a finished run is the one asked for comes from support.run_config's table: a key
+    marked result=False (log_interval) may differ, one marked True may not. Nothing asks
+    `python train.py --help` (whose scraped text a two-space default once broke): no process
+    starts while the sweep plans and reports its finished runs."""
+    def no_process(*args, **kwargs):
+        raise AssertionError(f"a process was started: {args}")
+    monkeypatch.setattr(subprocess, "run", no_process)
+    monkeypatch.setattr(subprocess, "Popen", no_process)
+    out = tmp_path / "out"
+    shutil.copytree(sweep[0], out)
+    args = [a for a in sweep[1] if not a.startswith("--out=")] + [f"--out={out}"]
+    runs = {run: files(out / run) for run in ("vanilla", "value")}
+    log_interval = sweep_records.TRAIN_KEYS["log_interval"]
+    assert not log_interval.result
+    assert ablate(*args, "--", "--log_interval=7").count("done already") == 2
+    assert {run: files(out / run) for run in runs} == runs
+    monkeypatch.setitem(sweep_records.TRAIN_KEYS, "log_interval",
+                        dataclasses.replace(log_interval, result=True))
+    assert "log_interval 25 -> 7" in refused(*args, "--", "--log_interval=7")
+    eval_seqs = sweep_records.TRAIN_KEYS["eval_seqs"]
+    assert eval_seqs.result and "eval_seqs 4 -> 8" in refused(*args, "--", "--eval_seqs=8")
+    monkeypatch.setitem(sweep_records.TRAIN_KEYS, "eval_seqs",
+                        dataclasses.replace(eval_seqs, result=False))
+    assert ablate(*args, "--", "--eval_seqs=8").count("done already") == 2
+    assert {run: files(out / run) for run in runs} == runs
+
+
+def test_parse_args_checks_the_command_alone(tmp_path, monkeypatch):
+    """ablate.parse_args, what a docs test runs on every command the docs show: the syntax and the
+    values, no file read (the --base need not exist) and nothing written; a bad value is a
+    UserError (never SystemExit), --help prints the usage and exits 0."""
+    monkeypatch.chdir(tmp_path)
+    cfg, extra, lrs, names = ablate_py.parse_args(["--base=nowhere.py", "--runs=main",
+                                                   "--lrs=2e-3,1e-3", "--", "--compile=True"])
+    assert (cfg["base"], names, lrs) == ("nowhere.py", MAIN, [1e-3, 2e-3])
+    assert extra == ["--compile=True"]
+    assert not any(tmp_path.iterdir())
+    for bad in (["--lrs=fast"], ["--lrs=0"], ["--runs=nope"], ["--protocol=slow"], ["--seeds=0"],
+                ["--figure=a.png"], ["--", "--seed=1"]):
+        with pytest.raises(UserError):
+            ablate_py.parse_args(bad)
+    usage = io.StringIO()
+    with pytest.raises(SystemExit) as stop, contextlib.redirect_stdout(usage):
+        ablate_py.parse_args(["--help"])
+    assert stop.value.code == 0 and "--depth_weights=''" in usage.getvalue()
+
+
+def test_a_failed_train_py_run_is_one_line_naming_its_log(sweep, tmp_path):
+    """A train.py job that exits with an error stops the sweep with ablate's own TrainFailed (a
+    UserError): its last line and its train.out, no traceback of ablate.py's."""
+    out = tmp_path / "out"
+    msg = refused(sweep[1][0], f"--out={out}", "--runs=vanilla", "--seeds=1", "--jobs=1", "--",
+                  f"--data_root={tmp_path / 'no_data'}")
+    log = out / "vanilla" / "seed0" / "train.out"
+    assert "vanilla seed 0 failed (exit 1: error: " in msg and f"see {log}" in msg, msg
+    assert log.read_text().strip().splitlines()[-1] in msg
+
+
 @pytest.fixture(scope="module")
 def protocols(data_root, tmp_path_factory):
     """The per-method learning-rate protocols on the tiny config: sweep, best rate, longer runs."""
     out = tmp_path_factory.mktemp("protocols")
     base = out / "base.py"
-    base.write_text(f'dataset = "tiny"\ndata_root = "{data_root}"\nn_layer = 4\nn_head = 2\nn_kv_head = 1\n'
-                    f'head_dim = 8\nn_embd = 16\nmlp_hidden = 32\nblock_size = 32\nbatch_tokens = 128\n'
+    base.write_text(f'dataset = "tiny"\ndata_root = "{data_root}"\nn_layer = 4\nn_head = 2\n'
+                    f'n_kv_head = 1\nhead_dim = 8\nn_embd = 16\nmlp_hidden = 32\nblock_size = 32\n'
+                    f'batch_tokens = 128\n'
                     f'max_iters = 4\neval_interval = 2\neval_seqs = 4\nlearning_rate = 1e-2\n')
-    common = [f"--base={base}", f"--out={out}", "--runs=vanilla,value", "--lrs=1e-3,1e-2", "--jobs=2"]
+    common = [f"--base={base}", f"--out={out}", "--runs=vanilla,value", "--lrs=1e-3,1e-2",
+              "--jobs=2"]
     ablate(*common, "--protocol=lr_sweep")
     best_lr = ablate(*common, "--protocol=best_lr", "--seeds=2")
     ablate(*common, "--protocol=long", "--long_runs=vanilla,value", "--long_factor=2", "--seeds=2")
@@ -150,7 +246,7 @@ def protocols(data_root, tmp_path_factory):
 
 
 def final(out, run, lr, seed, sub="lr"):
-    log = [json.loads(l) for l in (out / run / f"{sub}{lr:g}" / f"seed{seed}" / "log.jsonl").read_text().splitlines()]
+    log = records(out / run / f"{sub}{lr:g}" / f"seed{seed}")
     return [r for r in log if r["kind"] == "eval"]
 
 
@@ -184,11 +280,13 @@ def test_long_runs_give_the_gap_against_tokens(protocols):
     best = res["best"]
     curve = res["gaps"]["value"]
     runs = {r: [final(out, r, best[r], s, sub="long2x_lr") for s in (0, 1)] for r in ("vanilla", "value")}
-    assert [p[0] for p in curve] == [r["step"] * 128 for r in runs["value"][0]]  # steps 0, 2, ..., 8 in tokens
+    # steps 0, 2, ..., 8 in tokens
+    assert [p[0] for p in curve] == [r["step"] * 128 for r in runs["value"][0]]
     assert runs["value"][0][-1]["step"] == 8  # twice the base's 4 steps
     d = [runs["value"][s][-1]["val_loss"] - runs["vanilla"][s][-1]["val_loss"] for s in (0, 1)]
     assert curve[-1][1] == pytest.approx(np.mean(d)) and curve[-1][3] == 2
-    # beside them, the finished short runs at the same best rates (best_lr's), ending at the base's 4 steps
+    # beside them, the finished short runs at the same best rates (best_lr's), ending at the
+    # base's 4 steps
     short = res["gaps_short"]["value"][-1]
     d = [final(out, "value", best["value"], s)[-1]["val_loss"] - final(out, "vanilla", best["vanilla"], s)[-1]
          ["val_loss"] for s in (0, 1)]
@@ -199,8 +297,8 @@ def test_long_runs_give_the_gap_against_tokens(protocols):
 
 
 def test_gap_table_shows_the_short_runs_only_at_their_end():
-    """An unfinished short pair's last evaluation is mid-schedule: it must not be labelled as the short runs' end."""
-    from ablate import gap_markdown
+    """An unfinished short pair's last evaluation is mid-schedule: it must not be labelled as the
+    short runs' end."""
     long = {"value": [(0, 0.0, None, 2), (256, -0.02, 0.01, 2), (512, -0.01, 0.005, 2)]}
     unfinished = {"value": [(0, 0.0, None, 2), (256, -0.05, 0.02, 2)]}
     finished = {"value": unfinished["value"] + [(512, -0.04, 0.01, 2)]}
@@ -215,11 +313,13 @@ def test_best_lr_without_a_sweep_fails_clearly(tmp_path):
 
 
 def test_main_comparison_table(tmp_path):
-    """Table 1 at CPU scale: the six runs paired by seed, with perplexity = exp(val loss) and the paper's 3B figures."""
-    from ablate import MAIN, RUN_SETS, collect, markdown, summarize
+    """Table 1 at CPU scale: the six runs paired by seed, with perplexity = exp(val loss) and the
+    paper's 3B figures."""
+    RUN_SETS = ablate_py.RUN_SETS
     assert RUN_SETS["main"] == ["vanilla", "value", "lime", "denseformer", "attnres", "mhc"]
     assert set(RUN_SETS["main"]) | set(RUN_SETS["ablations"]) == set(RUN_SETS["all"])
-    losses = {"vanilla": [2.0, 2.2], "value": [1.9, 2.0], "lime": [1.92, 2.05], "denseformer": [1.95, 2.1],
+    losses = {"vanilla": [2.0, 2.2], "value": [1.9, 2.0], "lime": [1.92, 2.05],
+              "denseformer": [1.95, 2.1],
               "attnres": [2.0, 2.1],
               "mhc": [2.05, 2.15]}
     for run, per_seed in losses.items():
@@ -227,18 +327,21 @@ def test_main_comparison_table(tmp_path):
             d = tmp_path / run / f"seed{seed}"
             d.mkdir(parents=True)
             (d / "config.json").write_text(json.dumps({"max_iters": 10}))
-            (d / "log.jsonl").write_text(json.dumps({"kind": "eval", "step": 10, "val_loss": loss}) + "\n")
+            record = {"kind": "eval", "step": 10, "val_loss": loss}
+            (d / "log.jsonl").write_text(json.dumps(record) + "\n")
     _, tables = summarize(collect(tmp_path, MAIN, 2))
     main = tables[0]
     assert main["main"] and [r["run"] for r in main["rows"]] == MAIN
     value = main["rows"][1]
-    assert value["diff"] == pytest.approx(-0.15) and value["ppl"] == pytest.approx((np.exp(1.9) + np.exp(2.0)) / 2)
+    assert value["diff"] == pytest.approx(-0.15)
+    assert value["ppl"] == pytest.approx((np.exp(1.9) + np.exp(2.0)) / 2)
     md = markdown(tables)
-    assert "| value | 2 | 1.9500 ± 0.0707 | -0.1500 ± 0.0707 | -3.0 | 7.037 ± 0.497 | 7.25 | 55.69 |" in md
+    assert ("| value | 2 | 1.9500 ± 0.0707 | -0.1500 ± 0.0707 | -3.0 | 7.037 ± 0.497 | 7.25 | 55.69 |"
+            in md)
     assert "| mhc | 2 |" in md and "| n/a | 54.68 |" in md
 
 
-# ----------------------------------------------------------------------------- the runs already in --out
+# ------------------------------------------------------------------------ the runs already in --out
 
 def edit_config(run, **changes):
     """Rewrite a run's config.json as train.py would have written it for another command."""
@@ -246,10 +349,11 @@ def edit_config(run, **changes):
     (run / "config.json").write_text(json.dumps({**cfg, **changes}, indent=1) + "\n")
 
 
-@pytest.mark.parametrize("case", ["override", "learning_rate", "dropped_override", "base_edited", "mixed_resume"])
+@pytest.mark.parametrize("case", ["override", "learning_rate", "dropped_override", "base_edited",
+                                  "mixed_resume"])
 def test_a_rerun_with_other_settings_is_refused_before_training(sweep, tmp_path, case):
-    """A finished run is reused only when train.py recorded the config asked for (it used to say "done already"
-    and report the old run's numbers as the new ones)."""
+    """A finished run is reused only when train.py recorded the config asked for (it used to say
+    "done already" and report the old run's numbers as the new ones)."""
     src, args, _, _ = sweep
     out = tmp_path / "out"
     shutil.copytree(src, out)
@@ -266,7 +370,8 @@ def test_a_rerun_with_other_settings_is_refused_before_training(sweep, tmp_path,
         base.write_text(Path(args[0].partition("=")[2]).read_text() + "eval_seqs = 8\n")
         args[0] = f"--base={base}"
     if case == "mixed_resume":  # half trained at another rate, then resumed at the asked one
-        edit_config(out / "value" / "seed0", resumes=[{"step": 2, "changed": {"learning_rate": [0.01, 0.003]}}])
+        resumed = {"step": 2, "changed": {"learning_rate": [0.01, 0.003]}}
+        edit_config(out / "value" / "seed0", resumes=[resumed])
     before = files(out)
     msg = refused(*args, *extra)
     assert expected in msg and "--overwrite=True" in msg and "new --out" in msg, msg
@@ -278,21 +383,22 @@ def test_a_started_run_with_other_settings_is_not_resumed(sweep, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(started(sweep[0]), out)
     before = files(out)
-    msg = refused(*sweep[1][:1], f"--out={out}", "--runs=vanilla,value", "--seeds=1", "--", "--learning_rate=0.01")
+    msg = refused(*sweep[1][:1], f"--out={out}", "--runs=vanilla,value", "--seeds=1", "--",
+                  "--learning_rate=0.01")
     assert "vanilla seed 0 (checkpoint at step 2; learning_rate 0.003 -> 0.01)" in msg, msg
     assert files(out) == before
 
 
 @pytest.mark.parametrize("case", ["torn_log", "empty_config", "started_ckpt", "finished_ckpt"])
 def test_an_unreadable_run_is_named_before_training(sweep, tmp_path, case):
-    """A run's log, config or checkpoint cut short: one line naming the file and the fix, never a traceback, a
-    failed train.py after the other runs, or a figure that breaks the report."""
+    """A run's log, config or checkpoint cut short: one line naming the file and the fix, never a
+    traceback, a failed train.py after the other runs, or a figure that breaks the report."""
     interrupted = case == "started_ckpt"
     out = tmp_path / "out"
     shutil.copytree(started(sweep[0]) if interrupted else sweep[0], out)
     broken = out / ("value" if "ckpt" in case else "vanilla") / "seed0" / {
         "torn_log": "log.jsonl", "empty_config": "config.json"}.get(case, "ckpt.pt")
-    broken.write_bytes(broken.read_bytes()[:len(broken.read_bytes()) - 20] if case == "torn_log" else b"")
+    broken.write_bytes(broken.read_bytes()[:-20] if case == "torn_log" else b"")
     before = files(out)
     msg = refused(*sweep[1][:1], f"--out={out}", "--runs=vanilla,value", "--seeds=1")
     assert str(broken) in msg and "--overwrite=True" in msg, msg
@@ -300,21 +406,23 @@ def test_an_unreadable_run_is_named_before_training(sweep, tmp_path, case):
 
 
 def test_overwrite_replaces_a_stale_run_wholly_from_any_folder(sweep, tmp_path, monkeypatch):
-    """--overwrite=True deletes the stale run's folder and trains it from scratch; the same command again reuses
-    it and reports the same numbers. Relative --base and --out mean the folder ablate.py runs in (train.py runs
-    in the repository)."""
+    """--overwrite=True deletes the stale run's folder and trains it from scratch; the same command
+    again reuses it and reports the same numbers. Relative --base and --out mean the folder
+    ablate.py runs in (train.py runs in the repository)."""
     src, args, _, _ = sweep
     shutil.copytree(src, tmp_path / "out")
     shutil.copy(args[0].partition("=")[2], tmp_path / "base.py")
     monkeypatch.chdir(tmp_path)
     (tmp_path / "out" / "vanilla" / "seed0" / "notes.txt").write_text("left by the stale run")
     value = files(tmp_path / "out" / "value")
-    cmd = ["--base=base.py", "--out=out", "--runs=vanilla", "--seeds=1", "--jobs=1", "--overwrite=True", "--",
+    cmd = ["--base=base.py", "--out=out", "--runs=vanilla", "--seeds=1", "--jobs=1",
+           "--overwrite=True", "--",
            "--max_iters=4"]
     ablate(*cmd)
     run = tmp_path / "out" / "vanilla" / "seed0"
-    assert sorted(p.name for p in run.iterdir()) == ["ckpt.pt", "config.json", "log.jsonl", "train.lock", "train.out"]
-    log = [json.loads(line) for line in (run / "log.jsonl").read_text().splitlines()]
+    assert sorted(p.name for p in run.iterdir()) == ["ckpt.pt", "config.json", "log.jsonl",
+                                                     "train.lock", "train.out"]
+    log = records(run)
     assert [r["step"] for r in log if r["kind"] == "train"] == [1, 2, 3, 4]
     results = (tmp_path / "out" / "results.json").read_text()
     assert json.loads(results)["runs"]["vanilla"]["losses"] == [log[-1]["val_loss"]]
@@ -345,15 +453,18 @@ def test_output_paths_are_checked_before_training(sweep, tmp_path, case):
 
 
 @pytest.mark.parametrize("flags, expected", [
-    (["--", "--max_iter=20"], "unknown config key 'max_iter'"),  # used to fail in every train.py run, one by one
-    (["--", "--seed=5"], "--seed after -- is ablate.py's to set"),  # used to be silently replaced by --seeds
+    # used to fail in every train.py run, one by one
+    (["--", "--max_iter=20"], "unknown config key 'max_iter'"),
+    # used to be silently replaced by --seeds
+    (["--", "--seed=5"], "--seed after -- is ablate.py's to set"),
     (["--", "--out_dir=elsewhere"], "--out_dir after -- is ablate.py's to set"),
     (["--", "--max_iters=None"], "--max_iters=None"),
     (["--threads=100000"], "cores"),
     (["--seeds=None"], "--seeds=None"),  # was a TypeError
     (["--protocol=long", "--long_runs=value"], "--long_runs"),
     (["--protocol=long", "--long_factor=1"], "a factor of 2 or more"),
-], ids=["unknown_key", "seed", "out_dir", "max_iters_none", "threads", "seeds_none", "one_long_run", "long_factor"])
+], ids=["unknown_key", "seed", "out_dir", "max_iters_none", "threads", "seeds_none", "one_long_run",
+        "long_factor"])
 def test_bad_flags_are_one_line_before_training(sweep, tmp_path, flags, expected):
     out = tmp_path / "out"
     shutil.copytree(sweep[0], out)
@@ -370,19 +481,23 @@ def test_an_empty_out_is_refused(sweep, tmp_path, monkeypatch):
 
 
 def test_ctrl_c_starts_no_further_run(sweep, tmp_path, monkeypatch):
-    """Ctrl-C mid-sweep: one line, and the queued runs never start (they used to run on after the interrupt)."""
+    """Ctrl-C mid-sweep: one line, and the queued runs never start (they used to run on after the
+    interrupt)."""
     started, finish = [], threading.Event()
 
     def train_one(job, *_):
         started.append(job)
         if len(started) == 1:
-            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C reaches the main thread while this run goes on
+            # Ctrl-C reaches the main thread while this run goes on
+            os.kill(os.getpid(), signal.SIGINT)
             finish.wait(5)
         return "trained"
     monkeypatch.setattr(ablate_py, "train_one", train_one)
-    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's Ctrl-C, whatever ran before
+    # Python's Ctrl-C, whatever ran before
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        msg = refused(*sweep[1][:1], f"--out={tmp_path / 'out'}", "--runs=vanilla,value", "--seeds=2", "--jobs=1")
+        msg = refused(*sweep[1][:1], f"--out={tmp_path / 'out'}", "--runs=vanilla,value",
+                      "--seeds=2", "--jobs=1")
     except KeyboardInterrupt:
         pytest.fail("Ctrl-C escaped as a traceback")
     finally:
@@ -393,7 +508,8 @@ def test_ctrl_c_starts_no_further_run(sweep, tmp_path, monkeypatch):
 
 
 def test_best_lr_takes_no_rate_from_runs_trained_otherwise(protocols, tmp_path):
-    """best_lr and long read the learning-rate sweep's runs: stale ones stop them, pointing at the sweep."""
+    """best_lr and long read the learning-rate sweep's runs: stale ones stop them, pointing at the
+    sweep."""
     out = tmp_path / "out"
     shutil.copytree(protocols[0], out)
     before = files(out)

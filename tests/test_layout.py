@@ -60,7 +60,7 @@ def test_the_import_graph_is_layered():
     graph = {name: imports(path) for name, path in MODULES.items()}
     assert graph["model"] == set(), f"model.py imports {graph['model']}"
     assert graph["baselines"] == {"model"}, f"baselines.py imports {graph['baselines']}"
-    order = ast.get_docstring(ast.parse((ROOT / "support" / "__init__.py").read_text())).splitlines()[-1].split()
+    order = ast.get_docstring(ast.parse((ROOT / "support" / "__init__.py").read_text())).split("\n\n")[-1].split()
     assert sorted(order) == sorted(m.removeprefix("support.") for m in PACKAGE), order
     for name in PACKAGE:  # on model.py, baselines.py and the package's modules listed before it
         below = {"model", "baselines"} | {f"support.{m}" for m in order[:order.index(name[8:])]}

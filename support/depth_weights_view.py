@@ -1,0 +1,104 @@
+"""
+One run's depth weights (the paper's Figure 3), printed as a table and drawn as a heatmap, training
+nothing:
+
+    python ablate.py --depth_weights=out/ablate_cpu/value/seed0   # the command a user types
+    show("out/ablate_cpu/value/seed0")                            # the same, from Python
+
+It lives here, beside support/depth_weights.py (the numbers: what train.py logs at each evaluation)
+because the viewer is the part that reads a checkpoint and its validation data and draws: train.py
+imports the numbers for every run and none of this. Not a root script `depth_weights.py`: the root
+holds the design card's files and the paper's comparisons (tests/test_layout.py pins it), and the
+command users already know, in the docs and the course, is ablate.py's `--depth_weights`, which
+hands the run straight to show() here; a reader who greps for that flag lands in this file.
+ablate's report (support/report.py) draws its sweep's Figure 3 with the same two functions,
+depth_weight_matrix and plot_depth_weights.
+"""
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from support.checkpoint import checkpoint_path, model_from_checkpoint, read_checkpoint
+from support.cli import output_file, require
+from support.depth_weights import as_matrix, mean_depth_weights, table
+from support.errors import CheckpointError, ConfigError, DataError
+
+ROOT = Path(__file__).resolve().parent.parent  # train.py runs there: a run's data_dir starts there
+DEPTH_WINDOWS = 16  # the figures' validation windows (train.py's log: its eval_seqs windows)
+PNG = b"\x89PNG\r\n\x1a\n"  # the first bytes of every PNG file
+
+
+def pyplot():
+    """matplotlib's pyplot drawing to files (no display); an ImportError with the pip line without
+    it."""
+    require("matplotlib", "drawing figures").use("Agg")
+    return require("matplotlib.pyplot", "drawing figures", pip="matplotlib")
+
+
+def can_draw(missing) -> bool:
+    """Whether matplotlib is here; without it, print `<missing>: <its pip line>` (the tables stand
+    alone). Asked before drawing, so that no ImportError is caught around the drawing code."""
+    try:
+        pyplot()
+    except ImportError as e:
+        print(f"{missing}: {e}")
+        return False
+    return True
+
+
+def depth_weight_matrix(ckpt_path, n_windows=DEPTH_WINDOWS):
+    """Average depth weight each effective layer puts on each candidate (its sources, then itself),
+    over fixed validation windows, batch rows, KV heads and positions: (L, L), NaN where not a
+    candidate."""
+    ckpt = read_checkpoint(ckpt_path, verify=("model", "model_config", "files"))
+    model = model_from_checkpoint(ckpt).eval()
+    T = model.config.block_size
+    path = ROOT / ckpt["data_dir"] / "val.bin"
+    if not path.is_file():
+        raise DataError(f"{path} is missing: the depth weights are read on the run's validation "
+                        f"data; prepare it again (python prepare_data.py) where the run found it")
+    val = np.memmap(path, dtype=np.uint16, mode="r")
+    starts = np.linspace(0, len(val) - T - 1, n_windows).astype(np.int64)
+    x = torch.from_numpy(np.stack([val[s:s + T].astype(np.int64) for s in starts]))
+    return as_matrix(mean_depth_weights(model, x), model.config.n_eff_layer)
+
+
+def plot_depth_weights(m, path, title):
+    """Figure 3's heatmap of depth_weight_matrix's m: layer by candidate, the weight in each
+    cell."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 5))
+    im = ax.imshow(m, cmap="viridis", vmin=0, vmax=1, origin="upper")
+    for (i, j), v in np.ndenumerate(m):
+        if not np.isnan(v):
+            ax.text(j, i, f"{v:.2f}", ha="center", va="center", fontsize=7,
+                    color="w" if v < 0.6 else "k")
+    ax.set(xlabel="candidate layer (diagonal = the layer itself)", ylabel="layer", title=title)
+    fig.colorbar(im, ax=ax, label="mean depth weight")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def show(source, figure=""):
+    """Print a run's (a run folder or a checkpoint) depth weights as a table and draw them at figure
+    (default <run>/depth_weights.png, replaced only if it is a PNG). A UserError names the fix."""
+    path = checkpoint_path(source)
+    figure = output_file(figure or path.parent / "depth_weights.png", "--figure")
+    if figure.is_file() and figure.stat().st_size and figure.read_bytes()[:len(PNG)] != PNG:
+        raise ConfigError(f"--figure={figure} exists and is not a figure; pick another path, or "
+                          f"delete the file if it may go")
+    m = depth_weight_matrix(path)
+    if np.isnan(m).all():
+        raise CheckpointError(f"{source}'s model computes no per-token depth weights (vanilla, "
+                              f"the baselines and LIMe have none); give a run of a "
+                              f"Depth-Attention mode")
+    print(f"mean depth weights of {path} over {DEPTH_WINDOWS} validation windows "
+          f"(row: layer, column: candidate)")
+    print(table(m))
+    if not can_draw("no figure"):
+        return
+    run = path.parent.resolve()
+    plot_depth_weights(m, figure, f"Depth weights, {run.parent.name}/{run.name}")
+    print("figure:", figure)
