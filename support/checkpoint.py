@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from baselines import build_model, make_config
 from model import GPT
+from model import ConfigError as ModelConfigError
 from support import hf
 from support.cli import SHARDED, reason
 from support.errors import CheckpointError
@@ -348,7 +349,10 @@ def load_model(init_from, device="cpu") -> Loaded:
     path = checkpoint_path(init_from)
     # not the optimizer
     ckpt = read_checkpoint(path, verify=("model", "model_config", "files", *TOKENIZER_KEYS))
-    model = model_from_checkpoint(ckpt).to(device).eval()
+    try:
+        model = model_from_checkpoint(ckpt).to(device).eval()
+    except ModelConfigError as e:  # a stored config this code cannot build
+        raise CheckpointError(f"{path}: {e}") from None
     return Loaded(model, from_record(ckpt), str(path), ckpt.get("step"))
 
 

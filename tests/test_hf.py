@@ -5,6 +5,8 @@ config.json with their depth keys, Llama parameter names, their unused lm_head_l
 does not use hf.py, so the loader is checked against the published format rather than against itself.
 """
 import copy
+import contextlib
+import io
 import json
 import os
 import runpy
@@ -322,12 +324,14 @@ TINY = ["--dataset=tiny", "--n_layer=2", "--n_head=2", "--n_kv_head=1", "--head_
 
 def train(monkeypatch, *args):
     """train.py as a user runs it (as __main__), in this process: a subprocess would spend most of its time
-    importing torch. Returns the exit message, None on success."""
+    importing torch. Returns the error line it printed when it exits, None on success."""
     monkeypatch.setattr(sys, "argv", ["train.py", *map(str, args)])
+    err = io.StringIO()
     try:
-        runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+        with contextlib.redirect_stderr(err):
+            runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
     except SystemExit as e:
-        return str(e.code)
+        return err.getvalue().strip().splitlines()[-1] if e.code else str(e.code)
     return None
 
 

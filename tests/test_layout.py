@@ -171,5 +171,5 @@ def test_the_gpu_command_names_only_known_flags():
     trains = next(c for c in commands if "python train.py" in c)
     args = trains[trains.index("python train.py") + len("python train.py"):].split()
     for mode in ("value", "vanilla"):
-        cfg, _ = train.resolve_config([a.replace("$mode", mode) for a in args])
+        cfg = train.parse_args([a.replace("$mode", mode) for a in args])
         assert cfg["depth_mode"] == mode and cfg["n_embd"] == 1536 and cfg["max_iters"] == 12
