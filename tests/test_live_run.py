@@ -1,0 +1,133 @@
+"""A run read while it trains, resumed onto other data, or stopped at the door (issue 36): a reader
+takes one consistent snapshot of a live run (never a false "damaged", never weights of another
+step), a lone ckpt.dcp.old is the checkpoint, resume is as strict as init, and the entry points
+say one line."""
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from support import checkpoint
+from support.checkpoint import CheckpointError, load_model
+from test_sharded import FSDP_RUN, TORCHRUN
+from test_train import ENV, ROOT, TINY
+
+# The writer: train.py, with every save followed by a line "step digest" of the weights it saved
+# (the full state dict, gathered under FSDP), so a reader's weights can be checked against the
+# steps that were really written.
+RECORDING = """
+import os, sys
+sys.path.insert(0, os.getcwd())
+import torch.distributed as dist
+import support.checkpoint as checkpoint
+import train
+record = sys.argv.pop(1)
+save = train.save
+
+def digest(model):
+    if dist.is_initialized():
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                  cpu_offload=True))
+    else:
+        sd = model.state_dict()
+    return checkpoint.checksums({"model": {k: sd[k] for k in sorted(sd)}})["model"]
+
+def recording(run, lr):
+    save(run, lr)
+    d = digest(run.par.model)
+    if run.proc.master:
+        with open(record, "a") as f:
+            f.write(f"{run.step} {d}\\n")
+
+train.save = recording
+train.run_main(train.interruptible, sys.argv[1:])
+"""
+
+
+def weights_digest(model):
+    sd = model.state_dict()
+    return checkpoint.checksums({"model": {k: sd[k] for k in sorted(sd)}})["model"]
+
+
+def hammer(out, writer, reads=100):
+    """load_model(out) `reads` times while writer trains into out: the count of "replaced while
+    being read" answers, and every other outcome checked (no error, weights of the step they say)."""
+    seen, retried = [], 0
+    try:
+        while len(seen) + retried < reads:
+            assert writer.poll() is None, f"the run stopped: {writer.stderr.read()[-2000:]}"
+            if not any((out / n).exists() for n in ("ckpt.pt", checkpoint.SHARDED,
+                                                      "ckpt.dcp.old")):
+                time.sleep(0.05)
+                continue
+            try:
+                loaded = load_model(out)
+            except CheckpointError as e:
+                assert "replaced while being read" in str(e), f"a false alarm on a live run: {e}"
+                retried += 1
+                continue
+            seen.append((loaded.step, weights_digest(loaded.model)))
+    finally:  # SIGTERM: the run saves, records and stops (torchrun passes it on to its ranks)
+        writer.terminate()
+        writer.wait(timeout=120)
+    return seen, retried
+
+
+def check_reads(out, record, seen, retried, reads=100):
+    saved = {}
+    for line in (out.parent / record).read_text().splitlines():
+        step, d = line.split()
+        saved[int(step)] = d
+    assert len(seen) + retried >= reads, f"the run ended after {len(seen) + retried} reads"
+    print(f"{len(seen)} reads of {len(set(s for s, _ in seen))} steps, {retried} asked to retry")
+    wrong = [(s, d) for s, d in seen if saved.get(s) != d]
+    assert not wrong, f"{len(wrong)} of {len(seen)} reads gave weights not saved at their step"
+    assert retried <= reads // 10, f"{retried} of {reads} reads were asked to try again"
+    assert len({s for s, _ in seen}) > 5, "the reads did not overlap the run's saves"
+
+
+def start_writer(tmp_path, data_root, *args, launcher=(sys.executable,)):
+    script = tmp_path / "recording.py"
+    script.write_text(RECORDING)
+    out = tmp_path / "run"
+    cmd = [*launcher, str(script), str(tmp_path / "saved.txt"), *TINY, f"--data_root={data_root}",
+           f"--out_dir={out}", "--ckpt_interval=1", "--eval_interval=0", *args]
+    return out, subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, text=True)
+
+
+def test_reading_a_run_while_it_saves_every_step_never_misreads(data_root, tmp_path):
+    """1 in 85 load_model calls on a live ckpt.pt said "damaged": torch.load(mmap=True) opened the
+    file twice, with the run's rename between."""
+    out, writer = start_writer(tmp_path, data_root, "--max_iters=100000", "--micro_batch=4",
+                               "--batch_tokens=256")
+    seen, retried = hammer(out, writer)
+    check_reads(out, "saved.txt", seen, retried)
+
+
+def test_reading_a_sharded_run_while_it_saves_every_step_never_misreads(data_root, tmp_path):
+    """2 of 3 sample.py calls on an FSDP run checkpointing every step said "damaged": run.pt and the
+    shards were read at two moments with the run's renames between."""
+    out, writer = start_writer(tmp_path, data_root, *FSDP_RUN[len(TINY):], "--max_iters=100000",
+                               launcher=TORCHRUN)
+    seen, retried = hammer(out, writer)
+    check_reads(out, "saved.txt", seen, retried)
+
+
+def test_a_lone_old_checkpoint_is_the_checkpoint_for_readers_and_resume(data_root, tmp_path):
+    """Killed between save_sharded's two renames: --resume said there was no checkpoint, a fresh
+    run that there was one, and sample/export said "train one"."""
+    out = tmp_path / "run"
+    run = [sys.executable, "train.py", *TINY, *FSDP_RUN[len(TINY):], f"--data_root={data_root}",
+           f"--out_dir={out}"]
+    subprocess.run([*TORCHRUN, *run[1:], "--stop_at_step=4"], cwd=ROOT, env=ENV, check=True,
+                   capture_output=True, timeout=300)
+    (out / checkpoint.SHARDED).rename(out / "ckpt.dcp.old")
+    assert load_model(out).step == 4
+    proc = subprocess.run([*TORCHRUN, *run[1:], "--resume=True"], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert load_model(out).step == 16 and not (out / "ckpt.dcp.old").exists()
