@@ -3,6 +3,7 @@ takes one consistent snapshot of a live run (never a false "damaged", never weig
 step), a lone ckpt.dcp.old is the checkpoint, resume is as strict as init, and the entry points
 say one line."""
 import json
+import shutil
 import subprocess
 import sys
 import time
@@ -131,3 +132,71 @@ def test_a_lone_old_checkpoint_is_the_checkpoint_for_readers_and_resume(data_roo
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert load_model(out).step == 16 and not (out / "ckpt.dcp.old").exists()
+
+
+# ----------------------------------------------------------------------------- resume as strict as init
+
+def train(*args):
+    return subprocess.run([sys.executable, "train.py", *map(str, args)], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+
+
+def error_line(proc):
+    """The one error line of a refused command (no traceback)."""
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def vanilla_run(data_root, tmp_path_factory):
+    """A vanilla 3-layer run stopped at step 2 (TINY: n_layer=3; the defaults: 6, depth_mode=value)."""
+    out = tmp_path_factory.mktemp("vanilla") / "run"
+    proc = train(*TINY, f"--data_root={data_root}", f"--out_dir={out}", "--depth_mode=vanilla",
+                 "--stop_at_step=2", "--micro_batch=4", "--batch_tokens=256")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def copy_run(run_dir, tmp_path):
+    shutil.copytree(run_dir, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def test_resume_onto_data_of_another_tokenizer_is_refused(vanilla_run, data_root, tmp_path):
+    """--resume=True --dataset=OTHER with a vocabulary the model holds trained on ids that mean other
+    text, and rewrote the checkpoint's tokenizer record."""
+    from support.data import prepare
+    from test_eval_robustness import word_tokenizer
+    out = copy_run(vanilla_run, tmp_path)
+    words = word_tokenizer(tmp_path / "tokenizer.json", 200)  # fewer ids than bytes' 257
+    prepare("text", name="words", tokenizer=str(words), inputs=[str(data_root / "doc*.txt")],
+            out_dir=tmp_path / "data", num_proc=1)
+    before = (out / "ckpt.pt").read_bytes()
+    line = error_line(train(f"--out_dir={out}", "--resume=True", "--dataset=words",
+                            f"--data_root={tmp_path / 'data'}"))
+    assert "tokenizer bytes" in line and str(words) in line and "--dataset" in line, line
+    assert (out / "ckpt.pt").read_bytes() == before
+
+
+def test_a_torn_last_log_line_is_dropped_on_resume(vanilla_run, tmp_path):
+    """kill -9 mid-write left half a line in log.jsonl: every --resume was a JSONDecodeError."""
+    out = copy_run(vanilla_run, tmp_path)
+    with open(out / "log.jsonl", "a") as f:
+        f.write('{"kind": "train", "st')
+    proc = train(f"--out_dir={out}", "--resume=True")
+    assert proc.returncode == 0 and "last line was cut short" in proc.stderr, proc.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in (out / "log.jsonl").read_text().splitlines()]
+    assert steps[-1] == 16
+
+
+@pytest.mark.parametrize("setting", ["--depth_mode=value", "--n_layer=6"])
+def test_init_from_refuses_a_typed_setting_that_equals_the_default(setting, vanilla_run, data_root,
+                                                                    tmp_path):
+    """--depth_mode=value on a vanilla run trained vanilla, --n_layer=6 on a 3-layer run trained 3
+    layers: the clash check compared with the defaults, not with what was typed."""
+    line = error_line(train(f"--init_from={vanilla_run}", setting, "--dataset=tiny",
+                            f"--data_root={data_root}", f"--out_dir={tmp_path / 'new'}"))
+    key = setting[2:].split("=")[0]
+    assert "fixes the model" in line and key in line, line
