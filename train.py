@@ -36,7 +36,7 @@ from support import checkpoint as ckpts
 from support import run_config
 from support.data import SOURCES, load_meta, prepare
 from support.depth_weights import as_record, capture, weight_sums
-from support.errors import CheckpointError, ConfigError, DataError, UserError, run_main
+from support.errors import CheckpointError, ConfigError, DataError, run_main
 from support.parallel import Parallel, Process, checkpoint_activations, setup_process
 from support.runlog import diverged, log, save_failed, start_log
 from support.signals import StopSignals, peak_memory
@@ -480,8 +480,8 @@ def interruptible(argv):
     try:
         main(argv)
     except KeyboardInterrupt:
-        raise UserError("interrupted; the last checkpoint written (if any) is intact: continue "
-                        "with --resume=True") from None
+        raise KeyboardInterrupt("the last checkpoint written (if any) is intact: continue with "
+                                "--resume=True") from None
 
 
 if __name__ == "__main__":

@@ -58,7 +58,7 @@ TRAIN_KEYS = {
     "data_root": Key("data", "the folder that holds the prepared datasets"),
     "out_dir": Key("out/shakespeare", "ckpt.pt, config.json, log.jsonl", result=False,
                    per_invocation=True),
-    "seed": Key(1337, "model init and the batch sequence", ">= 0"),
+    "seed": Key(1337, "model init and the batch sequence", "in [0, 2**63)"),
     # batch: gradient accumulation = batch_tokens / (micro_batch * block_size * world_size)
     "batch_tokens": Key(4096, "tokens per optimizer step, all ranks together (paper: 1024 x "
                         "2048)", ">= 1"),

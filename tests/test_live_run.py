@@ -12,6 +12,7 @@ import pytest
 
 from support import checkpoint
 from support.checkpoint import CheckpointError, load_model
+from support.errors import ConfigError, run_main
 from test_sharded import FSDP_RUN, TORCHRUN
 from test_train import ENV, ROOT, TINY
 
@@ -200,3 +201,43 @@ def test_init_from_refuses_a_typed_setting_that_equals_the_default(setting, vani
                             f"--data_root={data_root}", f"--out_dir={tmp_path / 'new'}"))
     key = setting[2:].split("=")[0]
     assert "fixes the model" in line and key in line, line
+
+
+# ----------------------------------------------------------------------------- the entry-point guard
+
+def test_ctrl_c_is_one_line_and_exit_130(capsys):
+    def main(argv):
+        raise KeyboardInterrupt("the last checkpoint is intact")
+    with pytest.raises(SystemExit) as stop:
+        run_main(main, [])
+    err = capsys.readouterr().err
+    assert stop.value.code == 130 and err == "interrupted; the last checkpoint is intact\n", err
+
+
+def test_a_user_error_exits_2(capsys):
+    def main(argv):
+        raise ConfigError("--x must be 1")
+    with pytest.raises(SystemExit) as stop:
+        run_main(main, [])
+    assert stop.value.code == 2 and capsys.readouterr().err == "error: --x must be 1\n"
+
+
+def test_a_closed_pipe_is_silent(vanilla_run):
+    """`python sample.py ... | head -1` ended in a BrokenPipeError traceback."""
+    proc = subprocess.Popen([sys.executable, "sample.py", f"--init_from={vanilla_run}",
+                             "--num_samples=3", "--max_new_tokens=8"], cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # the reader is gone before the first line
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141 and "BrokenPipe" not in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("script", ["train.py", "sample.py"])
+def test_a_seed_beyond_64_bits_is_refused_naming_the_flag(script, vanilla_run, tmp_path):
+    """A traceback from torch's generator (train.py's after creating its lock file)."""
+    where = [f"--out_dir={tmp_path / 'new'}"] if script == "train.py" else [
+        f"--init_from={vanilla_run}"]
+    proc = subprocess.run([sys.executable, script, *where, f"--seed={2**63}"], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=120)
+    line = error_line(proc)
+    assert proc.returncode == 2 and "--seed" in line and not (tmp_path / "new").exists(), line
