@@ -241,3 +241,15 @@ def test_a_seed_beyond_64_bits_is_refused_naming_the_flag(script, vanilla_run, t
                           capture_output=True, text=True, timeout=120)
     line = error_line(proc)
     assert proc.returncode == 2 and "--seed" in line and not (tmp_path / "new").exists(), line
+
+
+def test_export_overwrite_replaces_only_an_earlier_export(vanilla_run, tmp_path):
+    """export.py --overwrite deleted a folder of the user's own files, after the refusal itself
+    suggested --overwrite."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    proc = subprocess.run([sys.executable, "export.py", str(vanilla_run), str(mine), "--overwrite"],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert "not an earlier export" in error_line(proc)
+    assert (mine / "notes.txt").read_text() == "mine"
