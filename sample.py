@@ -20,7 +20,7 @@ from support.config import check_ranges
 from support.errors import ConfigError, run_main
 
 KEY_RANGES = {"num_samples": ">= 1", "max_new_tokens": ">= 0", "temperature": ">= 0",
-              "top_k": ">= 0", "seed": ">= 0"}
+              "top_k": ">= 0", "seed": "in [0, 2**63)"}
 
 
 def read_prompt(args) -> str:

@@ -36,11 +36,12 @@ from support import checkpoint as ckpts
 from support import run_config
 from support.data import SOURCES, load_meta, prepare
 from support.depth_weights import as_record, capture, weight_sums
-from support.errors import CheckpointError, DataError, UserError, run_main
+from support.errors import CheckpointError, ConfigError, DataError, run_main
 from support.parallel import Parallel, Process, checkpoint_activations, setup_process
 from support.runlog import diverged, log, save_failed, start_log
 from support.signals import StopSignals, peak_memory
-from support.tokenizer import get_tokenizer, same_tokenizer, tokenizer_flag, tokenizer_record
+from support.tokenizer import (from_record, get_tokenizer, same_tokenizer, tokenizer_flag,
+                               tokenizer_record)
 
 SAMPLE_TEMPERATURE, SAMPLE_TOP_K = 0.8, 200  # the end-of-run preview; sample.py has every knob
 
@@ -64,7 +65,7 @@ def main(argv):
         return memory.print_plan(cfg, run_config.MODEL_KEYS)
     proc = setup_process(cfg)
     lock = claim(cfg, ckpt) if proc.master else None  # held until the process exits
-    run = start(cfg, ckpt, proc)
+    run = start(cfg, ckpt, proc, run_config.typed_keys(argv))
     del ckpt
     stopped_by = train_loop(run)
     finish(run, stopped_by)
@@ -134,10 +135,16 @@ def get_batch(data, offsets, T, device, vocab_size):
 
 # ----------------------------------------------------------------------------- the model and optimizer
 
-def build(cfg, meta, data_dir, ckpt):
+def build(cfg, meta, data_dir, ckpt, asked=None):
     """The model (unwrapped: eval, sampling and checkpoints use it) initialised from the seed, or
     with --init_from's weights (a resumed run's come from its checkpoint later), and its config."""
-    init = load_init(cfg, meta) if cfg["init_from"] and ckpt is None else None  # resume: kept
+    init = load_init(cfg, meta, asked) if cfg["init_from"] and ckpt is None else None  # resume: kept
+    if ckpt is not None and not data_fits(meta, from_record(ckpt),
+                                          ckpt["model_config"]["vocab_size"]):
+        raise DataError(f"--resume=True continues {cfg['out_dir']}, trained on {ckpt['data_dir']} "
+                        f"(tokenizer {ckpt['tokenizer']}), but {data_dir} was tokenized with "
+                        f"{meta['tokenizer']}: its ids mean other text to this model; resume with "
+                        f"the run's --dataset, or start a new --out_dir from it with --init_from")
     if cfg["vocab_size"] is None:
         cfg["vocab_size"] = meta["vocab_size"]
     model_config = make_config(**{k: cfg[k] for k in run_config.MODEL_KEYS})
@@ -153,17 +160,24 @@ def build(cfg, meta, data_dir, ckpt):
     return model, model_config
 
 
-def load_init(cfg, meta):
+def data_fits(meta, enc, vocab_size) -> bool:
+    """Whether data (its meta.json) was tokenized by enc, a model's tokenizer, into ids the model's
+    vocab_size holds: --init_from and --resume both ask."""
+    return (meta["vocab_size"] <= vocab_size
+            and same_tokenizer(get_tokenizer(meta["tokenizer"]), enc))
+
+
+def load_init(cfg, meta, asked=None):
     """--init_from: the weights to start from (fine-tuning or continued pretraining, fresh
-    optimizer). They fix the model keys, so a model setting that differs from them is an error,
-    and so is data whose tokenizer is not the model's."""
+    optimizer). They fix the model keys, so a model setting asked for (asked: the keys the command
+    line set) that differs from them is an error, and so is data whose tokenizer is not the
+    model's."""
     init = ckpts.load_model(cfg["init_from"])
-    if (meta["vocab_size"] > init.model.config.vocab_size
-            or not same_tokenizer(get_tokenizer(meta["tokenizer"]), init.tokenizer)):
+    if not data_fits(meta, init.tokenizer, init.model.config.vocab_size):
         raise DataError(f"the data was tokenized with {meta['tokenizer']}, but {cfg['init_from']} "
                         f"uses {init.tokenizer.name}; prepare the data with the model's tokenizer "
                         f"(prepare_data.py {tokenizer_flag(init.tokenizer, cfg['init_from'])})")
-    run_config.adopt_init_model(cfg, init.model.config, cfg["init_from"])
+    run_config.adopt_init_model(cfg, init.model.config, cfg["init_from"], asked)
     return init.model
 
 
@@ -228,12 +242,12 @@ class Run:
     last_ckpt: object = None  # the step of the last checkpoint written, or None
 
 
-def start(cfg, ckpt, proc) -> Run:
+def start(cfg, ckpt, proc, asked=None) -> Run:
     """The data, the model (--init_from sets the model keys) on its device and in its parallel
     wrapper, the optimizer, the state of a resumed run, config.json and the log."""
     history = config_history(cfg, ckpt, proc.master)
     data_dir, meta, train, val = open_data(cfg, proc.master)
-    model, model_config = build(cfg, meta, data_dir, ckpt)
+    model, model_config = build(cfg, meta, data_dir, ckpt, asked)
     model.to(proc.device)
     mb, accum, rows = run_config.batch_layout(cfg, proc.world)
     if cfg["activation_checkpointing"]:
@@ -466,8 +480,8 @@ def interruptible(argv):
     try:
         main(argv)
     except KeyboardInterrupt:
-        raise UserError("interrupted; the last checkpoint written (if any) is intact: continue "
-                        "with --resume=True") from None
+        raise KeyboardInterrupt("the last checkpoint written (if any) is intact: continue with "
+                                "--resume=True") from None
 
 
 if __name__ == "__main__":

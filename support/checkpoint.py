@@ -40,6 +40,7 @@ except ImportError:
 
 
 TOKENIZER_KEYS = ("tokenizer", "tokenizer_json", "eot_token")  # tokenizer.tokenizer_record's keys
+OLD = SHARDED + ".old"  # the previous ckpt.dcp between save_sharded's two renames
 # An FSDP run's checkpoint (save_sharded) is the folder SHARDED: a torch.distributed.checkpoint folder of
 # the model and optimizer shards, plus run.pt, the rest of a checkpoint. train.py --parallel=ddp (and one
 # process) writes ckpt.pt.
@@ -156,10 +157,8 @@ def claim_out_dir(out_dir, resuming, overwrite):
     for torn in out_dir.glob("ckpt.pt.tmp*"):
         torn.unlink()
     shutil.rmtree(out_dir / f"{SHARDED}.tmp", ignore_errors=True)
-    # killed between the renames
-    if (out_dir / f"{SHARDED}.old").is_dir() and not (out_dir / SHARDED).exists():
-        (out_dir / f"{SHARDED}.old").rename(out_dir / SHARDED)
-    shutil.rmtree(out_dir / f"{SHARDED}.old", ignore_errors=True)
+    recover_sharded(out_dir)
+    shutil.rmtree(out_dir / OLD, ignore_errors=True)  # the new ckpt.dcp is whole: the old one goes
     held = [out_dir / name for name in ("ckpt.pt", SHARDED) if (out_dir / name).exists()]
     if held and not resuming:
         if not overwrite:
@@ -176,13 +175,34 @@ def claim_out_dir(out_dir, resuming, overwrite):
     return lock
 
 
+def recover_sharded(out_dir):
+    """Put back the checkpoint a save killed between save_sharded's two renames left as a lone
+    ckpt.dcp.old (every reader already takes it for the checkpoint: checkpoint_path). Only under the
+    out_dir lock: a live run between its renames would lose its save."""
+    old = Path(out_dir) / OLD
+    if old.is_dir() and not old.with_name(SHARDED).exists():
+        old.rename(old.with_name(SHARDED))
+
+
+def _torch_load(path):
+    """torch.load of a file through one open file: the run may rename a new checkpoint over path
+    at any moment, and torch.load(path, mmap=True) opens it twice (the archive, then the map), so
+    the two could be two checkpoints. Memory-mapped through /proc/self/fd (the open file itself)
+    where there is one, else read through the file object."""
+    with open(path, "rb") as f:
+        pinned = f"/proc/self/fd/{f.fileno()}"
+        if os.path.exists(pinned):
+            return torch.load(pinned, map_location="cpu", weights_only=True, mmap=True)
+        return torch.load(f, map_location="cpu", weights_only=True)
+
+
 def read_checkpoint(path, verify=None) -> dict:
     """torch.load a train.py checkpoint on the CPU and check the stored checksums of the entries in
     verify (None = all). Memory-mapped, so a large optimizer state beside the model is never read
     unless verified or used; only tensors and plain values, so the safe loader suffices."""
     path = Path(path)
     # an FSDP run's: run.pt here, the tensors in the shards
-    if path.is_dir() and path.name == SHARDED:
+    if path.is_dir() and path.name in (SHARDED, OLD):
         ckpt = read_checkpoint(path / "run.pt", verify)
         return {**ckpt, "shards": str(path)}
     if not path.is_file():
@@ -190,7 +210,7 @@ def read_checkpoint(path, verify=None) -> dict:
         raise CheckpointError(f"no checkpoint at {where}{unfinished(path.parent)}; train one with "
                               f"`python train.py` or check the path")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        ckpt = _torch_load(path)
     except Exception as e:  # truncated, random or foreign bytes
         raise CheckpointError(f"{path} is not a readable checkpoint ({type(e).__name__}); "
                               f"it may be truncated or corrupt: retrain or restore it") from e
@@ -247,6 +267,8 @@ def read_shards(state, ckpt, rank=0, world=1):
     # a BaseException, not an Exception
     from torch.distributed.checkpoint.api import CheckpointException
     path = Path(ckpt["shards"])
+    if path.name == OLD and not path.exists():  # put back since by the run's lock holder
+        path = path.with_name(SHARDED)
     if "files" in ckpt:
         bad = verify_shards(path, ckpt["files"], rank, world)
         if world > 1:  # every rank hears of every rank's findings, and all stop together
@@ -321,16 +343,57 @@ class Loaded:
 
 
 def checkpoint_path(init_from) -> Path:
-    """An out_dir means its checkpoint (ckpt.pt, or an FSDP run's ckpt.dcp); a file or a ckpt.dcp is
-    itself."""
+    """An out_dir means its checkpoint (ckpt.pt, or an FSDP run's ckpt.dcp, or a lone ckpt.dcp.old:
+    a save between its two renames, or killed there); a file or a ckpt.dcp is itself."""
     p = Path(init_from)
-    if p.is_dir() and p.name != SHARDED:
-        return (
-            p / SHARDED
-            if (p / SHARDED).is_dir() and not (p / "ckpt.pt").exists()
-            else p / "ckpt.pt"
-        )
+    if p.is_dir() and p.name not in (SHARDED, OLD):
+        if not (p / "ckpt.pt").exists():
+            for name in (SHARDED, OLD):
+                if (p / name).is_dir():
+                    return p / name
+        return p / "ckpt.pt"
     return p
+
+
+def read_snapshot(find, read):
+    """read(path) of the checkpoint path = find() as one snapshot. A run replaces its checkpoint by
+    renames while it trains: a file is read through one open file (_torch_load), which is one
+    snapshot; for a folder (ckpt.dcp: run.pt and the shards) a reader checks that path is, after the
+    read, the folder it held open before (held, its inode cannot be reused by a newer one). When the
+    run replaced it meanwhile, the read (or its failure: the files it was reading went) counts for
+    nothing and is tried once more, and a second replacement says so."""
+    for attempt in range(2):
+        path = find()
+        if not path.is_dir():
+            return read(path)
+        try:
+            held = os.open(path, os.O_RDONLY)
+        except OSError:  # nothing there (read says so), or gone between find and open
+            if attempt:
+                return read(path)
+            continue
+        try:
+            try:
+                result = read(path)
+            except CheckpointError:
+                if _unchanged(held, path):
+                    raise
+                continue
+            if _unchanged(held, path):
+                return result
+        finally:
+            os.close(held)
+    raise CheckpointError(f"{path} was replaced while being read (a run is writing it); try again")
+
+
+def _unchanged(held, path) -> bool:
+    """Whether path still names the file or folder open as held."""
+    try:
+        now = os.stat(path)
+    except OSError:
+        return False
+    was = os.fstat(held)
+    return (now.st_dev, now.st_ino) == (was.st_dev, was.st_ino)
 
 
 def load_model(init_from, device="cpu") -> Loaded:
@@ -346,14 +409,18 @@ def load_model(init_from, device="cpu") -> Loaded:
                 f"{folder} has no tokenizer.json; copy the model's tokenizer.json into it"
             )
         return Loaded(model.to(device).eval(), tokenizer, str(folder), None)
-    path = checkpoint_path(init_from)
-    # not the optimizer
+    path, ckpt, model = read_snapshot(lambda: checkpoint_path(init_from), read_model)
+    return Loaded(model.to(device).eval(), from_record(ckpt), str(path), ckpt.get("step"))
+
+
+def read_model(path):
+    """(path, its checkpoint's entries, the model they describe), the model's entries verified (not
+    the optimizer's)."""
     ckpt = read_checkpoint(path, verify=("model", "model_config", "files", *TOKENIZER_KEYS))
     try:
-        model = model_from_checkpoint(ckpt).to(device).eval()
+        return path, ckpt, model_from_checkpoint(ckpt)
     except ModelConfigError as e:  # a stored config this code cannot build
         raise CheckpointError(f"{path}: {e}") from None
-    return Loaded(model, from_record(ckpt), str(path), ckpt.get("step"))
 
 
 # ----------------------------------------------------------------------------- sharded checkpoints

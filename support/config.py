@@ -28,6 +28,7 @@ RULES = {
     ">= 1": lambda v: v >= 1,
     "in [0, 1)": lambda v: 0 <= v < 1,
     "in [0, 1]": lambda v: 0 <= v <= 1,
+    "in [0, 2**63)": lambda v: 0 <= v < 2**63,  # a seed: torch's generators take 64 signed bits
 }
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from support.checkpoint import checkpoint_path, model_from_checkpoint, read_checkpoint
+from support.checkpoint import checkpoint_path, read_model, read_snapshot
 from support.cli import output_file, require
 from support.depth_weights import as_matrix, mean_depth_weights, table
 from support.errors import CheckpointError, ConfigError, DataError
@@ -51,8 +51,8 @@ def depth_weight_matrix(ckpt_path, n_windows=DEPTH_WINDOWS):
     """Average depth weight each effective layer puts on each candidate (its sources, then itself),
     over fixed validation windows, batch rows, KV heads and positions: (L, L), NaN where not a
     candidate."""
-    ckpt = read_checkpoint(ckpt_path, verify=("model", "model_config", "files"))
-    model = model_from_checkpoint(ckpt).eval()
+    _, ckpt, model = read_snapshot(lambda: Path(ckpt_path), read_model)  # a live run's too
+    model.eval()
     T = model.config.block_size
     path = ROOT / ckpt["data_dir"] / "val.bin"
     if not path.is_file():

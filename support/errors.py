@@ -16,7 +16,11 @@ import sys
 
 from model import ConfigError as ModelConfigError
 
-EXIT_USER_ERROR = 1  # the status of a run stopped by bad input (a signal's is 128 + its number)
+# The status of a run stopped by bad input: 2, a usage error's, as argparse's (1 is left to bugs, a
+# traceback); a signal's is 128 + its number: Ctrl-C 130, a closed pipe 141.
+EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130
+EXIT_CLOSED_PIPE = 141
 
 
 class UserError(Exception):
@@ -45,13 +49,29 @@ USER_ERRORS = (UserError, ModelConfigError)
 
 def run_main(main, argv=None):
     """Run a script's main(argv): a user error is its one line on stderr (rank 0's, under
-    torchrun) and EXIT_USER_ERROR; anything else is a traceback."""
+    torchrun) and EXIT_USER_ERROR; Ctrl-C one line (KeyboardInterrupt's text: what is kept) and
+    EXIT_INTERRUPTED; a reader that closed the pipe (`| head`) nothing; anything else is a
+    traceback."""
     try:
-        return main(sys.argv[1:] if argv is None else argv)
+        result = main(sys.argv[1:] if argv is None else argv)
+        sys.stdout.flush()  # here, where a closed pipe is caught, not in the interpreter's exit
+        return result
     except ShowHelp as e:
         print(e)
         sys.exit(0)
     except USER_ERRORS as e:
-        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank stops alike: one line
-            print(f"error: {e}", file=sys.stderr)
+        say(f"error: {e}")
         sys.exit(EXIT_USER_ERROR)
+    except KeyboardInterrupt as e:
+        say(f"interrupted{f'; {e}' if str(e) else ''}")
+        sys.exit(EXIT_INTERRUPTED)
+    except BrokenPipeError:
+        # the reader wanted no more; the interpreter's last flush of stdout would fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(EXIT_CLOSED_PIPE)
+
+
+def say(line):
+    """One line on stderr, from rank 0 only: under torchrun every rank stops alike."""
+    if os.environ.get("RANK", "0") == "0":
+        print(line, file=sys.stderr)

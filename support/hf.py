@@ -427,6 +427,12 @@ def check_export_dir(out: Path, overwrite):
             f"{out} holds folders ({', '.join(n for n in held if (out / n).is_dir())}); export into an "
             f"empty or new folder"
         )
+    if held and overwrite and not is_hf_folder(out):  # --overwrite replaces an export, not files
+        raise CheckpointError(
+            f"{out} holds {', '.join(held[:3])}{' ...' if len(held) > 3 else ''}, not an earlier "
+            f"export (no config.json and *.safetensors): --overwrite replaces only those; export "
+            f"into a new folder"
+        )
     if held and not overwrite:
         raise CheckpointError(
             f"{out} already holds {', '.join(held[:3])}{' ...' if len(held) > 3 else ''}; replace it "

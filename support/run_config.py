@@ -14,7 +14,7 @@ from typing import Optional
 
 from baselines import DEPTH_MODES, KNOBS, RESIDUALS, BaselineConfig
 from support.cli import not_in_a_checkpoint, resolve_device
-from support.config import check_ranges, key_comments, parse_config
+from support.config import argument_updates, check_ranges, key_comments, parse_config
 from support.errors import CheckpointError, ConfigError
 from support.checkpoint import SHARDED, checkpoint_path, read_checkpoint, unfinished
 from support.parallel import PARALLEL
@@ -58,7 +58,7 @@ TRAIN_KEYS = {
     "data_root": Key("data", "the folder that holds the prepared datasets"),
     "out_dir": Key("out/shakespeare", "ckpt.pt, config.json, log.jsonl", result=False,
                    per_invocation=True),
-    "seed": Key(1337, "model init and the batch sequence", ">= 0"),
+    "seed": Key(1337, "model init and the batch sequence", "in [0, 2**63)"),
     # batch: gradient accumulation = batch_tokens / (micro_batch * block_size * world_size)
     "batch_tokens": Key(4096, "tokens per optimizer step, all ranks together (paper: 1024 x "
                         "2048)", ">= 1"),
@@ -236,12 +236,21 @@ def changed_settings(cfg, ckpt) -> dict:
             if not TRAIN_KEYS[k].per_invocation and before[k] != cfg[k]}
 
 
-def adopt_init_model(cfg, init_config, init_from):
-    """--init_from fixes the model keys: cfg takes init_config's, and a model setting asked for that
-    differs from them is a ConfigError."""
+def typed_keys(argv) -> set:
+    """The keys a command line sets (its config files' and its --key=value's), whatever their
+    values: --n_layer=6 is asked for even where 6 is the default."""
+    return {key for updates in argument_updates(argv, DEFAULTS) for key in updates}
+
+
+def adopt_init_model(cfg, init_config, init_from, asked=None):
+    """--init_from fixes the model keys: cfg takes init_config's, and a model setting asked for
+    (asked: typed_keys; None: those away from their default) that differs from them is a
+    ConfigError (until issue 39 makes --depth_mode on a vanilla model an upcycling)."""
     theirs = {**asdict(BaselineConfig()), **asdict(init_config)}  # a plain model: defaults
+    if asked is None:
+        asked = {k for k in cfg if cfg[k] != DEFAULTS[k]}
     clash = {k: (theirs[k], cfg[k]) for k in shaping(theirs, cfg)
-             if cfg[k] not in (DEFAULTS[k], theirs[k])}
+             if k in asked and cfg[k] is not None and cfg[k] != theirs[k]}
     if clash:
         raise ConfigError(f"--init_from={init_from} fixes the model, and these settings differ "
                           f"from it: {clash} (as (model, asked)); drop them")

@@ -4,6 +4,7 @@ log.jsonl (cut back to the checkpoint's step on resume) and wandb; a divergence,
 could not be written. Every rank raises them; run_main prints rank 0's.
 """
 import json
+import sys
 
 import torch.distributed as dist
 
@@ -22,6 +23,10 @@ def start_log(cfg, history, out_dir, step):
     (out_dir / "config.json").write_text(json.dumps({**cfg, "resumes": history}, indent=1) + "\n")
     log_path = out_dir / "log.jsonl"
     old = log_path.read_text().splitlines() if step and log_path.exists() else []
+    if old and not whole(old[-1]):  # after the checkpoint by construction: lose nothing kept
+        print(f"warning: {log_path}'s last line was cut short (a kill or a full disk mid-write); "
+              f"dropped it", file=sys.stderr)
+        old.pop()
     kept = [line for line in old if json.loads(line)["step"] <= step]
     log_path.write_text("".join(line + "\n" for line in kept))
     if not cfg["wandb_log"]:
@@ -32,6 +37,14 @@ def start_log(cfg, history, out_dir, step):
         raise ConfigError(f"{e} (or leave wandb_log off)") from None
     wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"] or out_dir.name, config=cfg)
     return wandb
+
+
+def whole(line) -> bool:
+    """Whether a log.jsonl line is a whole record."""
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
 
 
 def log(record, out_dir, wandb):

@@ -33,12 +33,12 @@ def ablate(*args):
 
 
 def refused(*args):
-    """The one `error:` line ablate.py's entry point (run_main) stops with, exit status 1."""
+    """The one `error:` line ablate.py's entry point (run_main) stops with, exit status 2."""
     err = io.StringIO()
     with pytest.raises(SystemExit) as stop, contextlib.redirect_stderr(err):
         run_main(ablate_py.main, [str(a) for a in args])
     msg = err.getvalue().strip()
-    assert stop.value.code == 1 and msg.startswith("error: ") and "\n" not in msg, msg
+    assert stop.value.code == 2 and msg.startswith("error: ") and "\n" not in msg, msg
     return msg
 
 
@@ -224,7 +224,7 @@ def test_a_failed_train_py_run_is_one_line_naming_its_log(sweep, tmp_path):
     msg = refused(sweep[1][0], f"--out={out}", "--runs=vanilla", "--seeds=1", "--jobs=1", "--",
                   f"--data_root={tmp_path / 'no_data'}")
     log = out / "vanilla" / "seed0" / "train.out"
-    assert "vanilla seed 0 failed (exit 1: error: " in msg and f"see {log}" in msg, msg
+    assert "vanilla seed 0 failed (exit 2: error: " in msg and f"see {log}" in msg, msg
     assert log.read_text().strip().splitlines()[-1] in msg
 
 

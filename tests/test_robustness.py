@@ -262,7 +262,7 @@ def test_the_interpreter_prints_the_same_one_line(world, tmp_path, script, args,
     flip(copy_run({**world, "tmp": tmp_path}), "model")
     proc = subprocess.run([sys.executable, script, *(a.format(**world, tmp=tmp_path) for a in args)], cwd=ROOT,
                           env=ENV, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1 and proc.stderr.splitlines() == [proc.stderr.strip()], proc.stderr[-2000:]
+    assert proc.returncode == 2 and proc.stderr.splitlines() == [proc.stderr.strip()], proc.stderr[-2000:]
     assert_one_error_line(proc.returncode, proc.stdout, proc.stderr, fragment)
 
 

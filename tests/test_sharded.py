@@ -175,7 +175,7 @@ def test_a_checkpoint_resumes_only_under_its_own_parallel_mode(fsdp_run, data_ro
     copy = copy_of(fsdp_run, tmp_path)
     proc = subprocess.run([sys.executable, "train.py", f"--out_dir={copy}", "--resume=True", "--parallel=ddp",
                            "--max_iters=20"], cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1 and "written with --parallel=fsdp" in proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "written with --parallel=fsdp" in proc.stderr.strip().splitlines()[-1]
 
 
 def test_a_kill_during_a_sharded_save_keeps_the_previous_checkpoint(fsdp_run, tmp_path):

@@ -1,0 +1,255 @@
+"""A run read while it trains, resumed onto other data, or stopped at the door (issue 36): a reader
+takes one consistent snapshot of a live run (never a false "damaged", never weights of another
+step), a lone ckpt.dcp.old is the checkpoint, resume is as strict as init, and the entry points
+say one line."""
+import json
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+from support import checkpoint
+from support.checkpoint import CheckpointError, load_model
+from support.errors import ConfigError, run_main
+from test_sharded import FSDP_RUN, TORCHRUN
+from test_train import ENV, ROOT, TINY
+
+# The writer: train.py, with every save followed by a line "step digest" of the weights it saved
+# (the full state dict, gathered under FSDP), so a reader's weights can be checked against the
+# steps that were really written.
+RECORDING = """
+import os, sys
+sys.path.insert(0, os.getcwd())
+import torch.distributed as dist
+import support.checkpoint as checkpoint
+import train
+record = sys.argv.pop(1)
+save = train.save
+
+def digest(model):
+    if dist.is_initialized():
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        sd = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                  cpu_offload=True))
+    else:
+        sd = model.state_dict()
+    return checkpoint.checksums({"model": {k: sd[k] for k in sorted(sd)}})["model"]
+
+def recording(run, lr):
+    save(run, lr)
+    d = digest(run.par.model)
+    if run.proc.master:
+        with open(record, "a") as f:
+            f.write(f"{run.step} {d}\\n")
+
+train.save = recording
+train.run_main(train.interruptible, sys.argv[1:])
+"""
+
+
+def weights_digest(model):
+    sd = model.state_dict()
+    return checkpoint.checksums({"model": {k: sd[k] for k in sorted(sd)}})["model"]
+
+
+def hammer(out, writer, reads=100):
+    """load_model(out) `reads` times while writer trains into out: the count of "replaced while
+    being read" answers, and every other outcome checked (no error, weights of the step they say)."""
+    seen, retried = [], 0
+    try:
+        while len(seen) + retried < reads:
+            assert writer.poll() is None, f"the run stopped: {writer.stderr.read()[-2000:]}"
+            if not any((out / n).exists() for n in ("ckpt.pt", checkpoint.SHARDED,
+                                                      "ckpt.dcp.old")):
+                time.sleep(0.05)
+                continue
+            try:
+                loaded = load_model(out)
+            except CheckpointError as e:
+                assert "replaced while being read" in str(e), f"a false alarm on a live run: {e}"
+                retried += 1
+                continue
+            seen.append((loaded.step, weights_digest(loaded.model)))
+    finally:  # SIGTERM: the run saves, records and stops (torchrun passes it on to its ranks)
+        writer.terminate()
+        writer.wait(timeout=120)
+    return seen, retried
+
+
+def check_reads(out, record, seen, retried, reads=100):
+    saved = {}
+    for line in (out.parent / record).read_text().splitlines():
+        step, d = line.split()
+        saved[int(step)] = d
+    assert len(seen) + retried >= reads, f"the run ended after {len(seen) + retried} reads"
+    print(f"{len(seen)} reads of {len(set(s for s, _ in seen))} steps, {retried} asked to retry")
+    wrong = [(s, d) for s, d in seen if saved.get(s) != d]
+    assert not wrong, f"{len(wrong)} of {len(seen)} reads gave weights not saved at their step"
+    assert retried <= reads // 10, f"{retried} of {reads} reads were asked to try again"
+    assert len({s for s, _ in seen}) > 5, "the reads did not overlap the run's saves"
+
+
+def start_writer(tmp_path, data_root, *args, launcher=(sys.executable,)):
+    script = tmp_path / "recording.py"
+    script.write_text(RECORDING)
+    out = tmp_path / "run"
+    cmd = [*launcher, str(script), str(tmp_path / "saved.txt"), *TINY, f"--data_root={data_root}",
+           f"--out_dir={out}", "--ckpt_interval=1", "--eval_interval=0", *args]
+    return out, subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE, text=True)
+
+
+def test_reading_a_run_while_it_saves_every_step_never_misreads(data_root, tmp_path):
+    """1 in 85 load_model calls on a live ckpt.pt said "damaged": torch.load(mmap=True) opened the
+    file twice, with the run's rename between."""
+    out, writer = start_writer(tmp_path, data_root, "--max_iters=100000", "--micro_batch=4",
+                               "--batch_tokens=256")
+    seen, retried = hammer(out, writer)
+    check_reads(out, "saved.txt", seen, retried)
+
+
+def test_reading_a_sharded_run_while_it_saves_every_step_never_misreads(data_root, tmp_path):
+    """2 of 3 sample.py calls on an FSDP run checkpointing every step said "damaged": run.pt and the
+    shards were read at two moments with the run's renames between."""
+    out, writer = start_writer(tmp_path, data_root, *FSDP_RUN[len(TINY):], "--max_iters=100000",
+                               launcher=TORCHRUN)
+    seen, retried = hammer(out, writer)
+    check_reads(out, "saved.txt", seen, retried)
+
+
+def test_a_lone_old_checkpoint_is_the_checkpoint_for_readers_and_resume(data_root, tmp_path):
+    """Killed between save_sharded's two renames: --resume said there was no checkpoint, a fresh
+    run that there was one, and sample/export said "train one"."""
+    out = tmp_path / "run"
+    run = [sys.executable, "train.py", *TINY, *FSDP_RUN[len(TINY):], f"--data_root={data_root}",
+           f"--out_dir={out}"]
+    subprocess.run([*TORCHRUN, *run[1:], "--stop_at_step=4"], cwd=ROOT, env=ENV, check=True,
+                   capture_output=True, timeout=300)
+    (out / checkpoint.SHARDED).rename(out / "ckpt.dcp.old")
+    assert load_model(out).step == 4
+    proc = subprocess.run([*TORCHRUN, *run[1:], "--resume=True"], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert load_model(out).step == 16 and not (out / "ckpt.dcp.old").exists()
+
+
+# ----------------------------------------------------------------------------- resume as strict as init
+
+def train(*args):
+    return subprocess.run([sys.executable, "train.py", *map(str, args)], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+
+
+def error_line(proc):
+    """The one error line of a refused command (no traceback)."""
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def vanilla_run(data_root, tmp_path_factory):
+    """A vanilla 3-layer run stopped at step 2 (TINY: n_layer=3; the defaults: 6, depth_mode=value)."""
+    out = tmp_path_factory.mktemp("vanilla") / "run"
+    proc = train(*TINY, f"--data_root={data_root}", f"--out_dir={out}", "--depth_mode=vanilla",
+                 "--stop_at_step=2", "--micro_batch=4", "--batch_tokens=256")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def copy_run(run_dir, tmp_path):
+    shutil.copytree(run_dir, tmp_path / "run")
+    return tmp_path / "run"
+
+
+def test_resume_onto_data_of_another_tokenizer_is_refused(vanilla_run, data_root, tmp_path):
+    """--resume=True --dataset=OTHER with a vocabulary the model holds trained on ids that mean other
+    text, and rewrote the checkpoint's tokenizer record."""
+    from support.data import prepare
+    from test_eval_robustness import word_tokenizer
+    out = copy_run(vanilla_run, tmp_path)
+    words = word_tokenizer(tmp_path / "tokenizer.json", 200)  # fewer ids than bytes' 257
+    prepare("text", name="words", tokenizer=str(words), inputs=[str(data_root / "doc*.txt")],
+            out_dir=tmp_path / "data", num_proc=1)
+    before = (out / "ckpt.pt").read_bytes()
+    line = error_line(train(f"--out_dir={out}", "--resume=True", "--dataset=words",
+                            f"--data_root={tmp_path / 'data'}"))
+    assert "tokenizer bytes" in line and str(words) in line and "--dataset" in line, line
+    assert (out / "ckpt.pt").read_bytes() == before
+
+
+def test_a_torn_last_log_line_is_dropped_on_resume(vanilla_run, tmp_path):
+    """kill -9 mid-write left half a line in log.jsonl: every --resume was a JSONDecodeError."""
+    out = copy_run(vanilla_run, tmp_path)
+    with open(out / "log.jsonl", "a") as f:
+        f.write('{"kind": "train", "st')
+    proc = train(f"--out_dir={out}", "--resume=True")
+    assert proc.returncode == 0 and "last line was cut short" in proc.stderr, proc.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in (out / "log.jsonl").read_text().splitlines()]
+    assert steps[-1] == 16
+
+
+@pytest.mark.parametrize("setting", ["--depth_mode=value", "--n_layer=6"])
+def test_init_from_refuses_a_typed_setting_that_equals_the_default(setting, vanilla_run, data_root,
+                                                                    tmp_path):
+    """--depth_mode=value on a vanilla run trained vanilla, --n_layer=6 on a 3-layer run trained 3
+    layers: the clash check compared with the defaults, not with what was typed."""
+    line = error_line(train(f"--init_from={vanilla_run}", setting, "--dataset=tiny",
+                            f"--data_root={data_root}", f"--out_dir={tmp_path / 'new'}"))
+    key = setting[2:].split("=")[0]
+    assert "fixes the model" in line and key in line, line
+
+
+# ----------------------------------------------------------------------------- the entry-point guard
+
+def test_ctrl_c_is_one_line_and_exit_130(capsys):
+    def main(argv):
+        raise KeyboardInterrupt("the last checkpoint is intact")
+    with pytest.raises(SystemExit) as stop:
+        run_main(main, [])
+    err = capsys.readouterr().err
+    assert stop.value.code == 130 and err == "interrupted; the last checkpoint is intact\n", err
+
+
+def test_a_user_error_exits_2(capsys):
+    def main(argv):
+        raise ConfigError("--x must be 1")
+    with pytest.raises(SystemExit) as stop:
+        run_main(main, [])
+    assert stop.value.code == 2 and capsys.readouterr().err == "error: --x must be 1\n"
+
+
+def test_a_closed_pipe_is_silent(vanilla_run):
+    """`python sample.py ... | head -1` ended in a BrokenPipeError traceback."""
+    proc = subprocess.Popen([sys.executable, "sample.py", f"--init_from={vanilla_run}",
+                             "--num_samples=3", "--max_new_tokens=8"], cwd=ROOT, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # the reader is gone before the first line
+    err = proc.stderr.read()
+    assert proc.wait(timeout=120) == 141 and "BrokenPipe" not in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("script", ["train.py", "sample.py"])
+def test_a_seed_beyond_64_bits_is_refused_naming_the_flag(script, vanilla_run, tmp_path):
+    """A traceback from torch's generator (train.py's after creating its lock file)."""
+    where = [f"--out_dir={tmp_path / 'new'}"] if script == "train.py" else [
+        f"--init_from={vanilla_run}"]
+    proc = subprocess.run([sys.executable, script, *where, f"--seed={2**63}"], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=120)
+    line = error_line(proc)
+    assert proc.returncode == 2 and "--seed" in line and not (tmp_path / "new").exists(), line
+
+
+def test_export_overwrite_replaces_only_an_earlier_export(vanilla_run, tmp_path):
+    """export.py --overwrite deleted a folder of the user's own files, after the refusal itself
+    suggested --overwrite."""
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    proc = subprocess.run([sys.executable, "export.py", str(vanilla_run), str(mine), "--overwrite"],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert "not an earlier export" in error_line(proc)
+    assert (mine / "notes.txt").read_text() == "mine"
