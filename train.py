@@ -36,7 +36,7 @@ from support import checkpoint as ckpts
 from support import run_config
 from support.data import SOURCES, load_meta, prepare
 from support.depth_weights import as_record, capture, weight_sums
-from support.errors import CheckpointError, ConfigError, DataError, run_main
+from support.errors import CheckpointError, DataError, run_main
 from support.parallel import Parallel, Process, checkpoint_activations, setup_process
 from support.runlog import diverged, log, save_failed, start_log
 from support.signals import StopSignals, peak_memory
@@ -316,19 +316,10 @@ def one_step(run: Run) -> float:
     set_lr(run.optimizer, lr, cfg)
     mine = slice(proc.rank * run.mb * run.accum, (proc.rank + 1) * run.mb * run.accum)
     offsets = train_offsets(cfg["seed"], run.step, run.rows, len(run.train), T)[mine]
-    loss_sum = torch.zeros((), device=proc.device)
-    for micro in range(run.accum):  # gradients reduced once, on the last micro-step
-        x, y = get_batch(run.train, offsets[micro * run.mb:(micro + 1) * run.mb], T, proc.device,
-                         run.model.config.vocab_size)
-        with run.par.gradient_sync(micro == run.accum - 1):
-            with proc.autocast():
-                _, loss = run.fwd(x, y)
-            (loss / run.accum).backward()
-        loss_sum += loss.detach()
-    if proc.distributed:
-        dist.all_reduce(loss_sum)
-    train_loss = loss_sum.item() / (run.accum * proc.world)
-    grad_norm = run.par.clip(cfg["grad_clip"])  # the global norm before clipping
+    batches = (get_batch(run.train, offsets[m * run.mb:(m + 1) * run.mb], T, proc.device,
+                         run.model.config.vocab_size) for m in range(run.accum))
+    train_loss, grad_norm = train_step(run.fwd, run.par, batches, run.accum, cfg["grad_clip"],
+                                       proc)
     if not math.isfinite(train_loss + grad_norm):  # before the update reaches the weights
         diverged(run.step + 1, f"train_loss {train_loss}, grad_norm {grad_norm}", lr,
                  run.last_ckpt)
@@ -343,6 +334,22 @@ def one_step(run: Run) -> float:
             tqdm.write(f"step {run.step} | train_loss {train_loss:.4f} | lr {lr:.2e} | "
                        f"grad_norm {grad_norm:.3f} | tok/s {tok_per_s:.0f}")
     return lr
+
+
+def train_step(fwd, par, batches, accum, grad_clip, proc):
+    """Forward and backward over the micro-batches, gradients reduced once (on the last), then
+    clipped to grad_clip. Returns (the mean train loss over all ranks, the global grad norm before
+    clipping). tests/parallel_driver.py runs it under every --parallel."""
+    loss_sum = torch.zeros((), device=proc.device)
+    for micro, (x, y) in enumerate(batches):
+        with par.gradient_sync(micro == accum - 1):
+            with proc.autocast():
+                _, loss = fwd(x, y)
+            (loss / accum).backward()
+        loss_sum += loss.detach()
+    if proc.distributed:
+        dist.all_reduce(loss_sum)
+    return loss_sum.item() / (accum * proc.world), par.clip(grad_clip)
 
 
 # ----------------------------------------------------------------------------- evaluation

@@ -17,6 +17,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from baselines import build_model, make_config  # noqa: E402
 from support.parallel import Parallel, Process, checkpoint_activations  # noqa: E402
+from support.run_config import DEFAULTS  # noqa: E402
 import train  # noqa: E402
 
 SHAPE = dict(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_kv_head=1, head_dim=8, n_embd=16, mlp_hidden=32,
@@ -31,7 +32,7 @@ CASES = {
     "mhc": dict(depth_mode="vanilla", residual="mhc", mhc_num_streams=2),
     "mhc+ac": dict(depth_mode="vanilla", residual="mhc", mhc_num_streams=2, activation_checkpointing=True),
 }
-CFG = {**train.DEFAULTS, "learning_rate": 3e-2, "grad_clip": 0.5}
+CFG = {**DEFAULTS, "learning_rate": 3e-2, "grad_clip": 0.5}
 STEPS, ROWS, ACCUM = 3, 8, 2  # a global batch of 8 sequences, 2 micro-steps on every rank
 
 

@@ -19,7 +19,7 @@ from support import checkpoint, hf
 from support.checkpoint import CheckpointError, load_model
 from support.data import prepare
 from support.tokenizer import get_tokenizer
-from support.errors import USER_ERRORS, DataError
+from support.errors import EXIT_USER_ERROR, USER_ERRORS, DataError
 from test_hf import make_tokenizer_json
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -202,9 +202,10 @@ def test_a_damaged_folder_is_one_error_line(run_dir, tmp_path, damage, fragment,
         sample.main([f"--init_from={folder}", "--max_new_tokens=2"])
     assert fragment in one_error_line(f"error: {e.value}")
     monkeypatch.setattr(sys, "argv", ["train.py", f"--init_from={folder}", f"--out_dir={tmp_path / 'x'}"])
+    capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
-    assert fragment in one_error_line(str(e.value.code))
+    assert e.value.code == EXIT_USER_ERROR and fragment in one_error_line(capsys.readouterr().err.strip())
 
 
 def test_a_foreign_tokenizer_json_is_one_error_line(tmp_path):
@@ -222,7 +223,7 @@ def export_with_tokenizer(folder):
     return None if (folder / "tokenizer.json").is_file() else "no tokenizer.json"
 
 
-def test_init_from_hint_names_a_tokenizer_prepare_data_takes(run_dir, tmp_path, monkeypatch):
+def test_init_from_hint_names_a_tokenizer_prepare_data_takes(run_dir, tmp_path, monkeypatch, capsys):
     """The hint said --tokenizer=out/RUN, which prepare_data.py refuses for a train.py out_dir."""
     corpus = tmp_path / "c.txt"
     corpus.write_text("the cat sat on the mat. " * 400)
@@ -230,12 +231,14 @@ def test_init_from_hint_names_a_tokenizer_prepare_data_takes(run_dir, tmp_path, 
     make_tokenizer_json(tok)
     prepare("text", name="other", tokenizer=str(tok), inputs=[str(corpus)],
                          out_dir=str(tmp_path / "data"), num_proc=1)
+    capsys.readouterr()  # prepare's progress
     monkeypatch.setattr(sys, "argv", ["train.py", f"--init_from={run_dir}", "--dataset=other",
                                       f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / 'x'}",
                                       "--block_size=32"])
     with pytest.raises(SystemExit) as e:
         runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
-    message = one_error_line(str(e.value.code))
+    message = one_error_line(capsys.readouterr().err.strip())
+    assert e.value.code == EXIT_USER_ERROR
     assert "prepare_data.py --tokenizer=bytes" in message
     prepare("text", name="ok", tokenizer="bytes", inputs=[str(corpus)],
                          out_dir=str(tmp_path / "data"), num_proc=1)  # the hint's tokenizer is accepted

@@ -163,7 +163,8 @@ def train_py(monkeypatch, capsys, *args):
     try:
         runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
     except SystemExit as e:
-        return str(e.code), capsys.readouterr().out
+        captured = capsys.readouterr()
+        return (captured.err.strip().splitlines()[-1] if e.code else None), captured.out
     return None, capsys.readouterr().out
 
 

@@ -74,11 +74,12 @@ def test_activation_checkpointing_lowers_the_peak_memory(residual):
     (["--parallel=fsdp"], "launch with `torchrun"),
     (["--parallel=zero3"], "--parallel must be one of ddp, fsdp"),
 ])
-def test_bad_parallel_settings_fail_clearly(data_root, tmp_path, args, message, monkeypatch):
+def test_bad_parallel_settings_fail_clearly(data_root, tmp_path, args, message, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["train.py", *TINY, f"--data_root={data_root}", f"--out_dir={tmp_path}", *args])
     with pytest.raises(SystemExit) as e:
         runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
-    assert str(e.value.code).startswith("error: ") and message in str(e.value.code)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and err.startswith("error: ") and message in err, err
 
 
 def test_fsdp_mixed_precision_trains_and_samples(data_root, tmp_path):
