@@ -2,10 +2,6 @@
 (loops over rows, positions and sources) on logits and gradients at several shapes, DenseFormer = vanilla at
 init, the extra parameter counts at the 3B shape, the authors' names, and train.py / sample.py end to end.
 Cached decoding, causality, the KV cache and the round trips are tests/test_contract.py's, for every variant."""
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,9 +12,9 @@ from conftest import tiny_config, tiny_model, tiny_variant
 from model import GPT, ModelConfig
 from support import hf
 from support.errors import CheckpointError
+from helpers import TINY_SHAPE, run
 from test_model import ref_attention, ref_mlp, ref_positioned, ref_projections, rms
 
-ROOT = Path(__file__).resolve().parent.parent
 BASELINES = ["denseformer", "attnres", "mhc"]
 
 
@@ -276,24 +272,19 @@ def test_bad_configs_raise_clear_errors(overrides, fragment):
         tiny_config(**overrides)
 
 
-TINY = ["--dataset=tiny", "--n_layer=2", "--n_head=2", "--n_kv_head=1", "--head_dim=8", "--n_embd=16",
-        "--mlp_hidden=32", "--block_size=32", "--max_iters=2", "--eval_interval=2", "--eval_seqs=2",
+TINY_BASELINE = ["--dataset=tiny", "--n_layer=2", *TINY_SHAPE, "--max_iters=2", "--eval_interval=2", "--eval_seqs=2",
         "--micro_batch=2", "--batch_tokens=64", "--sample_tokens=0"]
-
-
-def run(*args):
-    return subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 def test_train_and_sample_a_baseline(data_root, tmp_path):
     """End to end as a user runs it (mHC, the most involved; the others differ only in build_model's pick)."""
-    proc = run("train.py", *TINY, f"--data_root={data_root}", f"--out_dir={tmp_path}", "--residual=mhc")
+    proc = run("train.py", *TINY_BASELINE, f"--data_root={data_root}", f"--out_dir={tmp_path}", "--residual=mhc",
+               check=False)
     assert proc.returncode != 0 and "use --depth_mode=vanilla with --residual=mhc" in proc.stderr
-    proc = run("train.py", *TINY, f"--data_root={data_root}", f"--out_dir={tmp_path}", "--residual=mhc",
-               "--depth_mode=vanilla")
+    proc = run("train.py", *TINY_BASELINE, f"--data_root={data_root}", f"--out_dir={tmp_path}", "--residual=mhc",
+               "--depth_mode=vanilla", check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["model_config"]["residual"] == "mhc"
-    proc = run("sample.py", f"--out_dir={tmp_path}", "--prompt=the", "--max_new_tokens=6", "--device=cpu")
+    proc = run("sample.py", f"--out_dir={tmp_path}", "--prompt=the", "--max_new_tokens=6", "--device=cpu", check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "residual=mhc" in proc.stderr and "3 prompt + 6 new tokens" in proc.stdout

@@ -11,20 +11,20 @@ import torch
 
 import bench_cache
 from support.errors import USER_ERRORS
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 GiB = 2 ** 30
 
 # A big vocabulary on purpose: the prefill's logits (2 x 32 x 50304 floats, 12 MiB) must raise the RSS of the
 # measuring process well above page noise, or a peak of 0 would pass for "measured".
-TINY = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=2", "--head_dim=16", "--mlp_hidden=128",
+TINY_BENCH = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=2", "--head_dim=16", "--mlp_hidden=128",
         "--block_size=64", "--batch=2", "--prompt_len=32", "--new_tokens=4", "--warmup=1", "--repeats=1",
         "--device=cpu", "--modes=vanilla,value,mhc"]
 
 
 def test_bench_cache_json(tmp_path):
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, str(ROOT / "bench_cache.py"), *TINY, f"--json={out}"],
+    proc = subprocess.run([sys.executable, str(ROOT / "bench_cache.py"), *TINY_BENCH, f"--json={out}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
@@ -90,11 +90,11 @@ def refused(args, monkeypatch):
     (["--modes=value@0"], "mode value@0: "),  # it used to name the baseline added for it, vanilla@0
 ], ids=["prompt_and_new_tokens", "prompt_at_block_size", "huge", "threads", "seed", "batch_none", "loops_0"])
 def test_out_of_range_flags_are_one_line(flags, expected, monkeypatch):
-    assert expected in refused(TINY + flags, monkeypatch)
+    assert expected in refused(TINY_BENCH + flags, monkeypatch)
 
 
 def test_prompt_and_new_tokens_may_fill_the_context():
-    assert bench_cache.resolve(TINY + ["--prompt_len=60", "--new_tokens=4"])["prompt_len"] == 60
+    assert bench_cache.resolve(TINY_BENCH + ["--prompt_len=60", "--new_tokens=4"])["prompt_len"] == 60
 
 
 @pytest.mark.parametrize("case", ["folder", "under_a_file", "unwritable", "a_user_file"])
@@ -105,7 +105,7 @@ def test_json_path_is_checked_before_measuring(case, tmp_path, monkeypatch):
     path = {"folder": tmp_path, "under_a_file": tmp_path / "a_file" / "bench.json",
             "unwritable": Path("/proc/bench.json"),  # /proc takes no new file, even from root
             "a_user_file": tmp_path / "a_file"}[case]
-    msg = refused(TINY + [f"--json={path}"], monkeypatch)
+    msg = refused(TINY_BENCH + [f"--json={path}"], monkeypatch)
     assert f"--json={path}" in msg, msg
     assert (tmp_path / "a_file").read_text() == "mine"
 
@@ -113,7 +113,7 @@ def test_json_path_is_checked_before_measuring(case, tmp_path, monkeypatch):
 def test_out_of_memory_is_one_line(monkeypatch):
     """A batch no machine holds: the allocation error becomes one line, not a traceback."""
     with pytest.raises(USER_ERRORS) as stop:
-        bench_cache.main(TINY + ["--batch=1000000000000"])
+        bench_cache.main(TINY_BENCH + ["--batch=1000000000000"])
     msg = f"error: {stop.value}"
     assert msg.startswith("error: out of memory") and "--batch=1000000000000" in msg and "\n" not in msg, msg
 
@@ -121,7 +121,7 @@ def test_out_of_memory_is_one_line(monkeypatch):
 def test_transformers_mode_computes_what_vanilla_computes():
     """--modes=transformers times transformers' Qwen3 with vanilla's weights: the same logits and loss, and its
     cached decode (DynamicCache) the same as its full forward, so the timings compare like with like."""
-    cfg = bench_cache.resolve(TINY + ["--modes=vanilla,transformers"])
+    cfg = bench_cache.resolve(TINY_BENCH + ["--modes=vanilla,transformers"])
     ours, theirs = bench_cache.build(cfg, "vanilla").eval(), bench_cache.build(cfg, "transformers").eval()
     toks = bench_cache.tokens(cfg)
     P = cfg["prompt_len"]
@@ -137,13 +137,13 @@ def test_transformers_mode_computes_what_vanilla_computes():
 
 
 def test_transformers_mode_refuses_what_qwen3_cannot_compute(monkeypatch):
-    assert "transformers' Qwen3" in refused(TINY + ["--modes=vanilla,transformers", "--n_loops=2"], monkeypatch)
+    assert "transformers' Qwen3" in refused(TINY_BENCH + ["--modes=vanilla,transformers", "--n_loops=2"], monkeypatch)
 
 
 def test_transformers_mode_shares_vanilla_weights(tmp_path):
     """One set of weights serves every mode: transformers' Qwen3 is given vanilla's parameters (a tied head
     under both names), so a 1.5B comparison holds one copy and one optimizer state."""
-    cfg = bench_cache.resolve(TINY + ["--modes=vanilla,transformers", "--tie_embeddings=True"])
+    cfg = bench_cache.resolve(TINY_BENCH + ["--modes=vanilla,transformers", "--tie_embeddings=True"])
     ref, theirs = bench_cache.build(cfg, "vanilla"), bench_cache.build(cfg, "transformers")
     assert bench_cache.share_weights(theirs.hf, ref, bench_cache.hf.our_name) == []
     ours = {id(p) for p in ref.parameters()}

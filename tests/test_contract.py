@@ -9,7 +9,6 @@ test time and run through every clause (test_the_forking_example_passes_the_whol
 import itertools
 import re
 from dataclasses import asdict
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,13 +20,13 @@ from model import DEPTH_MODES, KVCache
 import model as model_py
 from support import checkpoint, hf
 from support.tokenizer import tokenizer_record
+from helpers import ROOT
 from test_baselines import REFERENCES as BASELINE_REFERENCES
 from test_baselines import reference_forward as baseline_reference
 from test_lime import lime_reference
 from test_model import REFERENCE_MODES, assert_matches_reference, reference_forward
 import test_model
 
-ROOT = Path(__file__).resolve().parent.parent
 # The variant's keys beyond conftest.tiny_config's: LIMe reads every earlier layer, as published;
 # AttnRes takes a snapshot at every layer, so caching exercises its snapshots.
 SHAPES = {"lime": dict(depth_stride=None), "attnres": dict(attnres_block_size=2)}

@@ -4,22 +4,19 @@ bodies pasted back grade full; each known wrong solution costs its own problem's
 the recorded replays, no other's; a crash or an endless loop costs only the problem it is in."""
 import ast
 import json
-import os
 import shutil
 import subprocess
 import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
 from course.make import (LEFT_OUT, WITHHELD_PAGES, blank, replace_bodies, repository_files,
                          stubs)
 from course.problems import EXPERIMENT, FIXTURES, GRADED, MARKER, PROBLEMS
+from helpers import ENV, ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 CODE = [p for p in GRADED if p.functions]  # problems 1-4
 # Wrong solutions students write, as bodies of the functions they belong to; grouped so that each
 # copy breaks problems whose replays keep the others whole:

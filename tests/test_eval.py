@@ -7,9 +7,7 @@ import os
 import random
 import subprocess
 import sys
-from dataclasses import asdict
 
-import lm_eval.tasks
 import numpy as np
 import pytest
 import torch
@@ -18,13 +16,12 @@ from lm_eval.api.instance import Instance
 
 from conftest import tiny_model
 import eval as eval_py
-from support.checkpoint import load_model, save_checkpoint
+from support.checkpoint import load_model
 from support.tokenizer import get_tokenizer
 from support.errors import USER_ERRORS
-from test_train import ROOT
+from helpers import ROOT, WORDS, local_tasks_only, trained  # noqa: F401 (fixtures)
 
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-WORDS = "the a cat dog sat ran on under mat log and then".split()
 
 
 @torch.no_grad()
@@ -106,16 +103,6 @@ def test_generate_until_is_greedy_generation_cut_at_the_stop_string(lm):
 
 
 # ----------------------------------------------------------------------------- eval.py end to end
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """An out_dir with a ckpt.pt in train.py's format (building the model here is faster than training one)."""
-    out = tmp_path_factory.mktemp("eval_run")
-    model = tiny_model(vocab_size=257, block_size=32)
-    save_checkpoint({"model": model.state_dict(), "model_config": asdict(model.config), "tokenizer": "bytes",
-                     "step": 0}, out / "ckpt.pt")
-    return out
-
 
 @pytest.fixture(scope="module")
 def task_dir(tmp_path_factory):
@@ -215,15 +202,6 @@ def test_help_documents_every_flag(capsys):
                  "ppl", "data_root"):
         assert f"--{name}" in text
     assert "python eval.py --init_from=out/RUN --num_fewshot=5" in text  # the examples of the docstring
-
-
-@pytest.fixture
-def local_tasks_only(monkeypatch):
-    """lm-eval's TaskManager without its ~15,000 built-in tasks (indexing them takes ~15 s)."""
-    class LocalOnly(lm_eval.tasks.TaskManager):
-        def __init__(self, include_path=None, include_defaults=True, **kwargs):
-            super().__init__(include_path=include_path, include_defaults=False, **kwargs)
-    monkeypatch.setattr(lm_eval.tasks, "TaskManager", LocalOnly)
 
 
 @pytest.mark.parametrize("args, message", [

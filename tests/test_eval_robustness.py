@@ -21,10 +21,7 @@ from conftest import tiny_model
 import eval as eval_py
 from support.checkpoint import save_checkpoint
 from support.errors import USER_ERRORS
-import test_eval
-from test_train import ROOT
-
-trained, local_tasks_only = test_eval.trained, test_eval.local_tasks_only  # test_eval.py's fixtures, shared
+from helpers import ROOT, WORDS, local_tasks_only, trained  # noqa: F401 (eval.py's fixtures, shared)
 
 TASK = ROOT / "docs" / "eval_tasks" / "shakespeare_last_word.yaml"
 DOCS = [json.loads(line) for line in (ROOT / "docs" / "eval_tasks" / "shakespeare_last_word.jsonl").open()][:4]
@@ -75,7 +72,7 @@ def digest(path):
 
 def word_tokenizer(path, size):
     """A tokenizer.json of `size` whole words, <|endoftext|> = 0: not the bytes tokenizer of the data."""
-    vocab = {"<|endoftext|>": 0, "[UNK]": 1, **{w: i + 2 for i, w in enumerate(test_eval.WORDS)}}
+    vocab = {"<|endoftext|>": 0, "[UNK]": 1, **{w: i + 2 for i, w in enumerate(WORDS)}}
     vocab.update({f"w{i}": i for i in range(len(vocab), size)})
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()

@@ -20,11 +20,9 @@ from support.checkpoint import CheckpointError, load_model
 from support.data import prepare
 from support.tokenizer import get_tokenizer
 from support.errors import USER_ERRORS, DataError
-from test_hf import make_tokenizer_json
+from helpers import ROOT, TINY_SHAPE, make_tokenizer_json
 
-ROOT = Path(__file__).resolve().parent.parent
-TINY = ["--n_layer=2", "--n_head=2", "--n_kv_head=1", "--head_dim=8", "--n_embd=16", "--mlp_hidden=32",
-        "--block_size=32", "--eval_seqs=4", "--sample_tokens=0", "--micro_batch=4", "--batch_tokens=128",
+TINY_EXPORT = ["--n_layer=2", *TINY_SHAPE, "--eval_seqs=4", "--sample_tokens=0", "--micro_batch=4", "--batch_tokens=128",
         "--max_iters=3", "--eval_interval=0", "--depth_mode=value"]
 
 
@@ -139,7 +137,7 @@ def tokenizer_run(tmp_path, monkeypatch):
     Path("corpus.txt").write_text("the cat sat on the mat. a dog ran under the log.\n" * 60)
     prepare("text", name="tk", tokenizer="tok/tokenizer.json", inputs=["corpus.txt"],
                          out_dir="data", num_proc=1)
-    monkeypatch.setattr(sys, "argv", ["train.py", *TINY, "--dataset=tk", "--data_root=data", "--out_dir=run"])
+    monkeypatch.setattr(sys, "argv", ["train.py", *TINY_EXPORT, "--dataset=tk", "--data_root=data", "--out_dir=run"])
     runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
     return tmp_path
 

@@ -5,11 +5,8 @@ config.json with their depth keys, Llama parameter names, their unused lm_head_l
 does not use hf.py, so the loader is checked against the published format rather than against itself.
 """
 import copy
-import contextlib
-import io
 import json
 import os
-import runpy
 import subprocess
 import sys
 from dataclasses import asdict
@@ -17,8 +14,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from baselines import DEPTH_MODES
 from conftest import tiny_model
@@ -26,48 +21,8 @@ import export
 import sample
 from support import hf, tokenizer
 from support.checkpoint import CheckpointError, load_model
+from helpers import ROOT, TINY_SHORT, eval_losses, make_tokenizer_json, train, write_authors_folder
 from test_model import reference_forward
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def write_authors_folder(folder, model, *, depth=True, shards=1, dtype=None, drop=(), extra=None, **changes):
-    """model's weights in the published layout: the authors' config.json keys and Llama names (plus their unused
-    lm_head_layernorm), one safetensors file or `shards` files with an index."""
-    c = model.config
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": c.vocab_size,
-           "hidden_size": c.n_embd, "head_dim": c.head_dim, "intermediate_size": c.mlp_hidden,
-           "num_hidden_layers": c.n_layer, "num_attention_heads": c.n_head, "num_key_value_heads": c.n_kv_head,
-           "hidden_act": "silu", "max_position_embeddings": c.block_size, "initializer_range": 0.01,
-           "rms_norm_eps": 1e-5, "pretraining_tp": 1, "use_cache": True, "pad_token_id": 1, "bos_token_id": 0,
-           "eos_token_id": 0, "tie_word_embeddings": False, "rope_theta": c.rope_theta, "attention_bias": False,
-           "attention_dropout": 0.0, "mlp_bias": False, "use_depth_attention": depth, "use_qk_norm": True,
-           "scale_embeds": False, "torch_dtype": "bfloat16", "transformers_version": "4.46.1"}
-    if depth:
-        cfg |= {"depth_attention_stride": c.depth_stride, "depth_attention_recent_window": c.depth_recent_window}
-    cfg |= changes
-    tensors = {("" if k.startswith("lm_head") else "model.") + k: v.detach().to(dtype or v.dtype).contiguous()
-               for k, v in model.state_dict().items()}
-    tensors["lm_head_layernorm.weight"] = torch.ones(c.n_embd, dtype=dtype or torch.float32)
-    tensors |= extra or {}
-    for name in drop:
-        del tensors[name]
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    if shards == 1:
-        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    else:
-        names, weight_map = sorted(tensors), {}
-        for i in range(shards):
-            file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-            save_file({n: tensors[n] for n in names[i::shards]}, folder / file, metadata={"format": "pt"})
-            weight_map |= dict.fromkeys(names[i::shards], file)
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        (folder / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
-    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
-    return folder
-
 
 def max_diff(a, b):
     return (a - b).abs().max().item()
@@ -257,19 +212,6 @@ def test_transformers_loads_a_vanilla_export(tmp_path, overrides, arch):
 
 # ----------------------------------------------------------------------------- tokenizer and load_model
 
-def make_tokenizer_json(path):
-    """A byte-level BPE trained here on a few lines, with <|endoftext|> as id 0 like the GPT-NeoX tokenizer."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|padding|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["the cat sat on the mat", "a dog ran under the log", "and then the cat ran"] * 20,
-                            trainer)
-    tok.save(str(path))
-    return tok.get_vocab_size()
-
-
 def test_tokenizer_json_behind_the_tiktoken_interface(tmp_path):
     make_tokenizer_json(tmp_path / "tokenizer.json")
     enc = tokenizer.load_tokenizer(tmp_path / "tokenizer.json")
@@ -317,32 +259,9 @@ def test_sample_runs_from_a_released_folder(released, capsys):
 
 # ----------------------------------------------------------------------------- the scripts, end to end
 
-TINY = ["--dataset=tiny", "--n_layer=2", "--n_head=2", "--n_kv_head=1", "--head_dim=8", "--n_embd=16",
-        "--mlp_hidden=32", "--block_size=32", "--learning_rate=1e-2", "--eval_seqs=6", "--log_interval=4",
-        "--sample_tokens=0", "--micro_batch=4", "--batch_tokens=128"]
-
-
-def train(monkeypatch, *args):
-    """train.py as a user runs it (as __main__), in this process: a subprocess would spend most of its time
-    importing torch. Returns the error line it printed when it exits, None on success."""
-    monkeypatch.setattr(sys, "argv", ["train.py", *map(str, args)])
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
-    except SystemExit as e:
-        return err.getvalue().strip().splitlines()[-1] if e.code else str(e.code)
-    return None
-
-
-def eval_losses(out_dir):
-    lines = [json.loads(line) for line in (Path(out_dir) / "log.jsonl").read_text().splitlines()]
-    return {r["step"]: r["val_loss"] for r in lines if r["kind"] == "eval"}
-
-
 def test_export_then_init_from_continues_from_the_same_weights(data_root, tmp_path, monkeypatch, capsys):
     src, exported, tuned = tmp_path / "src", tmp_path / "src_hf", tmp_path / "tuned"
-    assert train(monkeypatch, *TINY, f"--data_root={data_root}", f"--out_dir={src}", "--max_iters=6",
+    assert train(monkeypatch, *TINY_SHORT, f"--data_root={data_root}", f"--out_dir={src}", "--max_iters=6",
                  "--eval_interval=0") is None
     export.main([str(src), str(exported)])
     assert "DepthAttentionForCausalLM" in capsys.readouterr().out and (exported / "model.safetensors").is_file()

@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -26,9 +25,8 @@ import export as export_py
 from support import hf
 from support.checkpoint import load_model
 from support.tokenizer import get_tokenizer
-from test_hf import make_tokenizer_json, write_authors_folder
+from helpers import ROOT, make_tokenizer_json, write_authors_folder
 
-ROOT = Path(__file__).resolve().parent.parent
 SIZE = dict(vocab_size=256, block_size=64, n_layer=4, n_embd=64, n_head=4, n_kv_head=2, head_dim=16, mlp_hidden=128)
 BASELINE = dict(depth_mode="vanilla", depth_stride=None)
 MODES = {"value": dict(depth_mode="value", depth_stride=2),

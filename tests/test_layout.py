@@ -6,7 +6,6 @@ Face folders written before the baselines' keys left ModelConfig still load and 
 import ast
 import json
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +18,8 @@ from support import hf
 from support.checkpoint import CheckpointError, load_model, model_from_checkpoint, save_checkpoint
 from support.config import read_config_file
 from support.tokenizer import get_tokenizer
+from helpers import ROOT, TINY_SHORT, train
 
-ROOT = Path(__file__).resolve().parent.parent
 # The root holds the design card's files, the paper's comparisons and the commands a user runs; the rest
 # is the package support/, which the scripts import and nobody runs.
 CARD = {"model", "baselines", "train", "sample", "prepare_data", "bench_cache", "eval", "ablate", "export"}
@@ -126,8 +125,7 @@ def test_an_export_in_the_old_format_loads_as_before(tmp_path, overrides):
 def test_a_plain_run_with_a_baseline_knob_set_resumes(data_root, tmp_path, monkeypatch):
     """A plain model's checkpoint stores no baseline keys, so a knob the run set (and the run's config.json keeps)
     is no difference from the checkpoint's model: the run resumes, and only a real change is refused."""
-    from test_hf import TINY, train
-    run = [*TINY, f"--data_root={data_root}", f"--out_dir={tmp_path}", "--max_iters=4", "--eval_interval=2"]
+    run = [*TINY_SHORT, f"--data_root={data_root}", f"--out_dir={tmp_path}", "--max_iters=4", "--eval_interval=2"]
     assert train(monkeypatch, *run, "--attnres_block_size=4", "--stop_at_step=2") is None
     assert "attnres_block_size" not in torch.load(tmp_path / "ckpt.pt", weights_only=True)["model_config"]
     assert train(monkeypatch, f"--out_dir={tmp_path}", "--resume=True") is None

@@ -12,7 +12,7 @@ from model import ModelConfig, depth_cost
 import sample
 from support import hf, memory
 from support.depth_weights import capture
-from test_hf import TINY, eval_losses, train
+from helpers import TINY_SHORT, eval_losses, train
 from test_model import (assert_matches_reference, ref_attention, ref_mlp, ref_positioned,
                         ref_projections, ref_sources, rms)
 import train as train_script
@@ -183,7 +183,7 @@ def test_looped_lime_round_trips_through_hugging_face(tmp_path):
 
 def test_train_lowers_the_loss_and_sample_reads_the_run(data_root, tmp_path, monkeypatch, capsys):
     out = tmp_path / "lime"
-    args = [*TINY, "--n_layer=3", f"--data_root={data_root}", "--depth_mode=lime", "--max_iters=20",
+    args = [*TINY_SHORT, "--n_layer=3", f"--data_root={data_root}", "--depth_mode=lime", "--max_iters=20",
             "--eval_interval=10"]
     assert train(monkeypatch, *args, f"--out_dir={out}") is None
     losses = eval_losses(out)

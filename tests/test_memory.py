@@ -5,7 +5,6 @@ micro batch grows with the card."""
 import runpy
 import sys
 from dataclasses import asdict, fields
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +14,8 @@ from baselines import BaselineConfig, build_model, make_config
 from conftest import tiny_config
 from support import memory
 from support.config import read_config_file
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 # Every depth mode and baseline, small (a meta trace runs its element-wise ops in Python).
 MODES = [dict(depth_mode="value", n_layer=3, depth_stride=1), dict(depth_mode="kv", n_layer=2, n_loops=2),
          dict(depth_mode="key", n_layer=2), dict(depth_mode="uniform", n_layer=2, tie_embeddings=True),

@@ -11,7 +11,7 @@ import torch
 
 from baselines import build_model, make_config
 from support import memory
-from test_train import ROOT, TINY, run
+from helpers import ROOT, TINY, run
 
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
 DRIVER = ROOT / "tests" / "parallel_driver.py"

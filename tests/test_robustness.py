@@ -28,7 +28,7 @@ import tiktoken.registry
 import torch
 
 from support.checkpoint import read_checkpoint
-from test_train import ENV, ROOT, SINGLE, TINY  # the tiny model and batch of the end-to-end tests
+from helpers import ENV, ROOT, SINGLE, TINY  # the tiny model and batch of the end-to-end tests
 
 SHORT = [*TINY, *SINGLE, "--max_iters=4", "--eval_interval=2", "--ckpt_interval=2", "--eval_seqs=2"]
 TRAIN = [*SHORT, "--data_root={data_root}", "--out_dir={tmp}/new"]  # a fresh out_dir: only the case is wrong

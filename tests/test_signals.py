@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_train import ENV, ROOT, TINY, max_diff, read_log, run
+from helpers import ENV, ROOT, TINY, max_diff, read_log, run
 
 RUN = [*TINY, "--max_iters=400", "--eval_interval=10", "--ckpt_interval=0"]  # long enough to be interrupted
 UNTIL = 40  # every run is compared up to this step

@@ -5,8 +5,6 @@ its checkpoint must all reproduce its losses.
 """
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,34 +15,7 @@ import torch
 from baselines import make_config
 from support import run_config
 from support.errors import ConfigError
-
-ROOT = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # two ranks share two cores; same threads in every run
-TINY = ["--dataset=tiny", "--n_layer=3", "--n_head=2", "--n_kv_head=1", "--head_dim=8", "--n_embd=16",
-        "--mlp_hidden=32", "--block_size=32", "--learning_rate=1e-2", "--max_iters=16", "--eval_interval=4",
-        "--eval_seqs=6", "--log_interval=4", "--ckpt_interval=4", "--sample_tokens=0"]
-SINGLE = ["--micro_batch=4", "--batch_tokens=256"]  # 8 sequences per step: 2 micro-steps in one process
-
-
-def run(*args, launcher=(sys.executable,), check=True):
-    proc = subprocess.run([*launcher, *map(str, args)], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                          timeout=300)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return proc
-
-
-def read_log(out_dir):
-    """{(kind, step): loss} from out_dir/log.jsonl, asserting each step was logged once."""
-    records = [json.loads(line) for line in (Path(out_dir) / "log.jsonl").read_text().splitlines()]
-    losses = {(r["kind"], r["step"]): r.get("train_loss", r.get("val_loss")) for r in records}
-    assert len(losses) == len(records), "a step was logged twice"
-    return losses
-
-
-def max_diff(a, b):
-    assert a.keys() == b.keys(), f"different steps logged: {sorted(a.keys() ^ b.keys())}"
-    return max(abs(a[k] - b[k]) for k in a)
+from helpers import ROOT, SINGLE, TINY, log_records, max_diff, read_log, run
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +38,7 @@ def test_training_lowers_loss(reference):
 
 def eval_weights(out_dir):
     """{step: the depth_weights of its eval record} from out_dir/log.jsonl."""
-    records = [json.loads(line) for line in (Path(out_dir) / "log.jsonl").read_text().splitlines()]
-    return {r["step"]: r.get("depth_weights") for r in records if r["kind"] == "eval"}
+    return {r["step"]: r.get("depth_weights") for r in log_records(out_dir) if r["kind"] == "eval"}
 
 
 def test_every_evaluation_logs_the_depth_weights(reference):
