@@ -312,7 +312,8 @@ def test_problem_5s_reference_was_measured_with_todays_recipe():
     for run in EXPERIMENT["runs"]:
         asked = train_config([str(ROOT / EXPERIMENT["base"]),
                               str(ROOT / "configs" / "ablations" / f"mode_{run}.py"), "--seed=0"])
-        assert not differences(measured[run], [], asked), (run, differences(measured[run], [], asked))
+        assert not differences(measured[run], [], asked), (run, differences(measured[run], [],
+                                                                            asked))
     results = json.loads((ROOT / "course" / "expected" / "results.json").read_text())
     assert {run: round(results["runs"][run]["mean"], 4) for run in EXPERIMENT["runs"]} \
         == EXPERIMENT["reference"]
