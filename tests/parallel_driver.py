@@ -29,7 +29,8 @@ CASES = {
     "denseformer": dict(depth_mode="vanilla", residual="denseformer"),
     "attnres": dict(depth_mode="vanilla", residual="attnres", attnres_block_size=2),
     "mhc": dict(depth_mode="vanilla", residual="mhc", mhc_num_streams=2),
-    "mhc+ac": dict(depth_mode="vanilla", residual="mhc", mhc_num_streams=2, activation_checkpointing=True),
+    "mhc+ac": dict(depth_mode="vanilla", residual="mhc", mhc_num_streams=2,
+                   activation_checkpointing=True),
 }
 CFG = {**train.DEFAULTS, "learning_rate": 3e-2, "grad_clip": 0.5}
 STEPS, ROWS, ACCUM = 3, 8, 2  # a global batch of 8 sequences, 2 micro-steps on every rank

@@ -367,7 +367,8 @@ def test_a_rerun_with_other_settings_is_refused_before_training(sweep, tmp_path,
     shutil.copytree(src, out)
     args = [a for a in args if not a.startswith("--out=")] + [f"--out={out}"]
     extra, expected = {"override": (["--", "--max_iters=4"], "max_iters 3 -> 4"),
-                       "learning_rate": (["--", "--learning_rate=0.01"], "learning_rate 0.003 -> 0.01"),
+                       "learning_rate": (["--", "--learning_rate=0.01"],
+                                         "learning_rate 0.003 -> 0.01"),
                        "dropped_override": ([], "weight_decay 0.0 -> 0.1"),
                        "base_edited": ([], "eval_seqs 4 -> 8"),
                        "mixed_resume": ([], "resumed at step 2 with learning_rate 0.01 -> 0.003")}[case]

@@ -46,7 +46,8 @@ def test_released_depth_attention_layout_gives_the_reference_with_k_norm_after_r
         # the order stated here, not read from c
         ref = reference_forward(model, idx, k_norm_after_rope=True)
         wrong = reference_forward(model, idx, k_norm_after_rope=False)
-    assert max_diff(logits, ref) < 1e-10, f"logits differ from the k_norm-after-RoPE reference by {max_diff(logits, ref):.3e}"
+    assert max_diff(logits, ref) < 1e-10, \
+        f"logits differ from the k_norm-after-RoPE reference by {max_diff(logits, ref):.3e}"
     assert max_diff(logits, wrong) > 1e-2, "the test cannot tell the two k_norm orders apart"
 
 
@@ -112,13 +113,15 @@ def test_loading_maps_the_file_instead_of_copying_it(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     grew = json.loads(proc.stdout)
     assert file_kib > 30_000
-    assert grew["None"] < 0.1 * file_kib, f"bf16 load added {grew['None']} KiB of anonymous memory ({file_kib} KiB file)"
+    assert grew["None"] < 0.1 * file_kib, \
+        f"bf16 load added {grew['None']} KiB of anonymous memory ({file_kib} KiB file)"
     assert grew["torch.float32"] > 1.5 * file_kib, f"the control did not copy ({grew})"
 
 
 @pytest.mark.parametrize("drop, extra, changes, fragment", [
     (["model.layers.1.self_attn.k_norm.weight"], None, {}, "missing tensor model.layers.1.self_attn.k_norm.weight"),
-    ([], {"model.layers.0.self_attn.v_norm.weight": torch.ones(8)}, {}, "unknown tensor model.layers.0.self_attn.v_norm.weight"),
+    ([], {"model.layers.0.self_attn.v_norm.weight": torch.ones(8)}, {},
+     "unknown tensor model.layers.0.self_attn.v_norm.weight"),
     ([], None, {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "unknown architecture GPT2LMHeadModel"),
     ([], None, {"baseline_mode": "densenet"}, "not one of the paper's baselines"),
     ([], None, {"baseline_mode": "mhc", "use_depth_attention": False}, "missing tensors model.layers.0.attn_residual"),
@@ -261,7 +264,8 @@ def test_load_model_reads_a_folder_and_a_hub_id(released, monkeypatch):
     hub = pytest.importorskip("huggingface_hub")
     monkeypatch.setattr(hub, "snapshot_download", lambda repo_id, **kw: calls.append(repo_id)
                         or str(released))
-    assert tokenizer.looks_like_hub_id("zeng123/Depth-attention-3B") and not tokenizer.looks_like_hub_id("tests/nothing")
+    assert tokenizer.looks_like_hub_id("zeng123/Depth-attention-3B")
+    assert not tokenizer.looks_like_hub_id("tests/nothing")
     loaded = load_model("zeng123/Depth-attention-3B")
     assert calls == ["zeng123/Depth-attention-3B"] and loaded.model.config.depth_mode == "value"
     with pytest.raises(CheckpointError, match="no checkpoint at tests/nothing"):

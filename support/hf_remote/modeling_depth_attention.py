@@ -24,8 +24,8 @@ from .configuration_depth_attention import DepthAttentionConfig
 # generate() passes the cache as `cache` (before 5.24: past_key_values); tested on 5.24
 MIN_TRANSFORMERS = (5, 24)
 if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < MIN_TRANSFORMERS:
-    raise ImportError(f"this model's code needs transformers>=5.24 (found {transformers.__version__}): "
-                      f"pip install -U 'transformers>=5.24,<6'")
+    raise ImportError(f"this model's code needs transformers>=5.24 "
+                      f"(found {transformers.__version__}): pip install -U 'transformers>=5.24,<6'")
 
 
 class DepthAttentionCache(Cache):
@@ -68,8 +68,8 @@ class DepthAttentionCache(Cache):
         self.kv = None
 
     def _unsupported(self, *args, **kwargs):
-        raise NotImplementedError("DepthAttentionCache supports greedy and sampled generation and beam search; "
-                                  "run other decoding strategies with use_cache=False")
+        raise NotImplementedError("DepthAttentionCache supports greedy and sampled generation and "
+                                  "beam search; run other decoding strategies with use_cache=False")
 
     crop = batch_repeat_interleave = batch_select_indices = _unsupported
 
@@ -113,18 +113,20 @@ class DepthAttentionForCausalLM(PreTrainedModel, GenerationMixin):
         if inputs_embeds is not None:
             raise ValueError("this model takes input_ids, not inputs_embeds")
         if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
-            raise ValueError("this model returns the logits, the loss and the cache; no attentions or hidden states")
+            raise ValueError("this model returns the logits, the loss and the cache; no attentions or "
+                             "hidden states")
         if cache is None and use_cache:
             cache = DepthAttentionCache()
         if cache is not None and not isinstance(cache, DepthAttentionCache):
-            raise ValueError(f"this model runs on its own KV cache, not a {type(cache).__name__}: pass no cache "
-                             f"(generate makes one) or the cache a previous call returned")
+            raise ValueError(f"this model runs on its own KV cache, not a {type(cache).__name__}: "
+                             f"pass no cache (generate makes one) or the cache a previous call returned")
         # Padding can only be in a prompt: a decode step (one token after the prefill) skips the
         # check, which on a GPU would wait for the device at every token.
         prompt = cache is None or cache.get_seq_length() == 0 or input_ids.shape[1] > 1
         if attention_mask is not None and prompt and not bool(attention_mask.all()):
-            raise ValueError("padded batches are not supported (the KV cache keeps one length for the whole "
-                             "batch): pass sequences of equal length without padding, or one at a time")
+            raise ValueError("padded batches are not supported (the KV cache keeps one length for the "
+                             "whole batch): pass sequences of equal length without padding, or one at "
+                             "a time")
         targets = None
         if labels is not None:  # GPT's targets: the next token at each position, -1 where ignored
             targets = F.pad(labels[:, 1:], (0, 1), value=-100)
