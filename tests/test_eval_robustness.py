@@ -42,8 +42,8 @@ def offline_datasets(tmp_path_factory, monkeypatch):
 @pytest.fixture
 def no_loading(monkeypatch):
     """The model must not be loaded: the case is decidable before."""
-    monkeypatch.setattr(eval_py, "load_model", lambda *a,
-                        **k: pytest.fail("eval.py loaded the model first"))
+    monkeypatch.setattr(eval_py, "load_model",
+                        lambda *a, **k: pytest.fail("eval.py loaded the model first"))
 
 
 def write_task(folder, docs=DOCS, name="shakespeare_last_word", edit=lambda yaml: yaml, data=None):
