@@ -5,8 +5,9 @@ Face folders (and hf_remote/, the code an export carries), DDP/FSDP, signals, a 
 memory plan, the ablation sweep's records and report, the paper's numbers, the depth weights as
 numbers and their viewer.
 
-It stands on model.py and baselines.py (imported from the root, where every script runs) and never on
-a script; within it, each module imports only those below it (tests/test_layout.py), in this order:
+It stands on model.py and baselines.py (imported from the root, where every script runs) and never
+on a script; within it, each module imports only those below it (tests/test_layout.py), in this
+order:
 
     errors cli config paper depth_weights tokenizer data hf checkpoint parallel run_config
     signals runlog memory sweep depth_weights_view report

@@ -4,14 +4,15 @@ Command-line configuration shared by train.py, bench_cache.py and ablate.py.
     python train.py configs/minipile_value.py --n_layer=8 --depth_mode=vanilla
 
 Positional arguments are config files: plain Python assignments (`n_layer = 12`), applied in order.
-A file may start from another with `base_config = "other.py"` (a path relative to the file): the other
-file's assignments come first, so a variant states only the lines that differ. Then `--key=value`
-overrides, written `--key=value`, `--key value`, or a bare `--flag` for a boolean. Every key must
-already exist in the defaults (an unknown one is refused naming the nearest); values are parsed to
-the type of the default (an int is accepted where a float is expected; `None` is accepted anywhere,
-and a default of `None` accepts any literal). Anything else is a ConfigError that names the fix.
-`--help` (or `-h`) raises ShowHelp with the script's docstring and every key with its default and
-its help (run_main prints it and exits 0), so the help can never drift from the defaults.
+A file may start from another with `base_config = "other.py"` (a path relative to the file): the
+other file's assignments come first, so a variant states only the lines that differ. Then
+`--key=value` overrides, written `--key=value`, `--key value`, or a bare `--flag` for a boolean.
+Every key must already exist in the defaults (an unknown one is refused naming the nearest); values
+are parsed to the type of the default (an int is accepted where a float is expected; `None` is
+accepted anywhere, and a default of `None` accepts any literal). Anything else is a ConfigError that
+names the fix. `--help` (or `-h`) raises ShowHelp with the script's docstring and every key with its
+default and its help (run_main prints it and exits 0), so the help can never drift from the
+defaults.
 """
 import ast
 import difflib
@@ -21,7 +22,8 @@ from pathlib import Path
 
 from support.errors import ConfigError, ShowHelp
 
-# The rules check_ranges knows, each a predicate on a number; every one also requires a finite value.
+# The rules check_ranges knows, each a predicate on a number; every one also requires a finite
+# value.
 RULES = {
     "> 0": lambda v: v > 0,
     ">= 0": lambda v: v >= 0,
@@ -33,8 +35,8 @@ RULES = {
 
 
 def check_ranges(cfg: dict, rules: dict):
-    """Raise ConfigError for the first key whose value is outside its range, e.g. rules = {"beta1": "in [0, 1)"}.
-    None (where a default allows it) passes: it means "derive this"."""
+    """Raise ConfigError for the first key whose value is outside its range, e.g. rules = {"beta1":
+    "in [0, 1)"}. None (where a default allows it) passes: it means "derive this"."""
     for key, rule in rules.items():
         value = cfg[key]
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -52,9 +54,11 @@ def _coerce(key, value, default):
             return value.lower() in ("true", "1")
         if isinstance(value, int) and value in (0, 1):
             return bool(value)
-    elif isinstance(default, float) and isinstance(value, (int, float)) and not isinstance(value, bool):
+    elif isinstance(default, float) and isinstance(value, (int, float)) and not isinstance(value,
+                                                                                           bool):
         return float(value)
-    elif isinstance(value, type(default)) and not (isinstance(value, bool) and not isinstance(default, bool)):
+    elif isinstance(value, type(default)) and not (isinstance(value, bool)
+                                                   and not isinstance(default, bool)):
         return value
     raise ConfigError(f"--{key}: expected {type(default).__name__} like the default {default!r}, got {value!r}")
 
@@ -75,7 +79,8 @@ def _parse_literal(text):
 
 
 def read_config_file(path, _seen=()) -> dict:
-    """The assignments of a config file (after those of its base_config), evaluated in an empty scope."""
+    """The assignments of a config file (after those of its base_config), evaluated in an empty
+    scope."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} not found; the configs/ folder lists the ones that ship")
@@ -90,11 +95,12 @@ def read_config_file(path, _seen=()) -> dict:
                           f"assignments such as `n_layer = 12`") from e
     own = {k: v for k, v in scope.items() if not k.startswith("_")}
     base = own.pop("base_config", None)
-    return {**read_config_file(path.parent / base, (*_seen, path.resolve())), **own} if base else own
+    return {**read_config_file(path.parent / base, (*_seen, path.resolve())),
+            **own} if base else own
 
 
-# `"key": value,  # comment` (a dict literal), `key=value,  # comment` (dict()) or `key: type = value  # comment`
-# (a dataclass field), and the comment-only lines that continue it.
+# `"key": value,  # comment` (a dict literal), `key=value,  # comment` (dict()) or
+# `key: type = value  # comment` (a dataclass field), and the comment-only lines that continue it.
 _KEY_LINE = re.compile(r'^\s*"?(\w+)"?\s*(?::\s*[^=#]+?)?\s*[:=][^#]*#\s?(.*)$')
 _MORE_LINE = re.compile(r"^\s*#\s?(.*)$")
 
@@ -174,8 +180,8 @@ def argument_updates(argv, defaults):
 
 
 def arg_updates(arg, defaults=None) -> dict:
-    """The keys one argument sets, uncoerced: a config file's assignments, or `--key=value`'s literal (the text
-    as typed where the default is a string: --name=123 is the name "123")."""
+    """The keys one argument sets, uncoerced: a config file's assignments, or `--key=value`'s
+    literal (the text as typed where the default is a string: --name=123 is the name "123")."""
     if not arg.startswith("--"):
         return read_config_file(arg)
     key, eq, text = arg[2:].partition("=")

@@ -1,6 +1,6 @@
-"""A few training steps of several tiny models through train.py's own step (train_step, parallel.Parallel), as
-one process or under torchrun with --parallel=ddp|fsdp, writing {case: {"steps": [(loss, grad_norm), ...],
-"grads": {parameter: the first step's gradient}}} as JSON.
+"""A few training steps of several tiny models through train.py's own step (train_step,
+parallel.Parallel), as one process or under torchrun with --parallel=ddp|fsdp, writing {case:
+{"steps": [(loss, grad_norm), ...], "grads": {parameter: the first step's gradient}}} as JSON.
 tests/test_parallel.py runs it both ways and compares: one torchrun launch covers every case.
 
     python tests/parallel_driver.py OUT.json single
@@ -20,8 +20,8 @@ from support.parallel import Parallel, Process, checkpoint_activations  # noqa: 
 from support.run_config import DEFAULTS  # noqa: E402
 import train  # noqa: E402
 
-SHAPE = dict(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_kv_head=1, head_dim=8, n_embd=16, mlp_hidden=32,
-             init_std=0.1)
+SHAPE = dict(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_kv_head=1, head_dim=8, n_embd=16,
+             mlp_hidden=32, init_std=0.1)
 CASES = {
     "value": dict(depth_mode="value", depth_stride=2),
     "value+ac": dict(depth_mode="value", depth_stride=2, activation_checkpointing=True),
@@ -30,7 +30,8 @@ CASES = {
     "denseformer": dict(depth_mode="vanilla", residual="denseformer"),
     "attnres": dict(depth_mode="vanilla", residual="attnres", attnres_block_size=2),
     "mhc": dict(depth_mode="vanilla", residual="mhc", mhc_num_streams=2),
-    "mhc+ac": dict(depth_mode="vanilla", residual="mhc", mhc_num_streams=2, activation_checkpointing=True),
+    "mhc+ac": dict(depth_mode="vanilla", residual="mhc", mhc_num_streams=2,
+                   activation_checkpointing=True),
 }
 CFG = {**DEFAULTS, "learning_rate": 3e-2, "grad_clip": 0.5}
 STEPS, ROWS, ACCUM = 3, 8, 2  # a global batch of 8 sequences, 2 micro-steps on every rank
@@ -52,10 +53,12 @@ def run_case(keys, mode, proc):
     out = []
     for step in range(STEPS):
         rows = data[step, proc.rank * per_rank:(proc.rank + 1) * per_rank]
-        batches = ((rows[m * mb:(m + 1) * mb, :-1], rows[m * mb:(m + 1) * mb, 1:]) for m in range(ACCUM))
+        batches = ((rows[m * mb:(m + 1) * mb, :-1], rows[m * mb:(m + 1) * mb, 1:])
+                   for m in range(ACCUM))
         loss, norm = train.train_step(par.forward, par, batches, ACCUM, CFG["grad_clip"], proc)
         if step == 0:  # the whole clipped gradient (FSDP: gathered from the shards, by every rank)
-            grads = {name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).tolist()
+            grads = {name: (p.grad.full_tensor() if hasattr(p.grad,
+                                                            "full_tensor") else p.grad).tolist()
                      for name, p in model.named_parameters() if p.grad is not None}
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -81,7 +81,8 @@ def test_a_partial_sweep_is_resumed(sweep):
     for run, steps in interrupted.items():
         assert max(steps) == 2, f"{run} should have stopped at step 2"
         log = records(out / run / "seed0")
-        assert [r["step"] for r in log if r["kind"] == "train"] == [1, 2, 3], "resumed, not restarted"
+        assert [r["step"] for r in log if r["kind"] == "train"] == [1, 2,
+                                                                    3], "resumed, not restarted"
         assert "starting fresh" not in (out / run / "seed0" / "train.out").read_text()
 
 
@@ -265,10 +266,13 @@ def test_best_lr_reports_both_protocols_paired(protocols):
     out, _ = protocols
     res = json.loads((out / "results_best_lr.json").read_text())
     assert res["shared_rate"] == 1e-2
-    for key, rates in (("tables_shared", {"vanilla": 1e-2, "value": 1e-2}), ("tables_best", res["best"])):
+    for key, rates in (("tables_shared", {"vanilla": 1e-2, "value": 1e-2}), ("tables_best",
+                                                                             res["best"])):
         row = next(r for r in res[key][0]["rows"] if r["run"] == "value")
-        d = [final(out, "value", rates["value"], s)[-1]["val_loss"] - final(out, "vanilla", rates["vanilla"], s)[-1]
-             ["val_loss"] for s in (0, 1)]
+        d = [final(out, "value", rates["value"], s)[-1]["val_loss"] - final(out, "vanilla",
+                                                                            rates["vanilla"],
+                                                                            s)[-1] ["val_loss"]
+             for s in (0, 1)]
         assert row["n"] == 2 and row["diff"] == pytest.approx(np.mean(d)), key
     assert "each at its best peak rate" in (out / "results_best_lr.md").read_text()
 
@@ -278,7 +282,8 @@ def test_long_runs_give_the_gap_against_tokens(protocols):
     res = json.loads((out / "results_long.json").read_text())
     best = res["best"]
     curve = res["gaps"]["value"]
-    runs = {r: [final(out, r, best[r], s, sub="long2x_lr") for s in (0, 1)] for r in ("vanilla", "value")}
+    runs = {r: [final(out, r, best[r], s, sub="long2x_lr") for s in (0, 1)] for r in ("vanilla",
+                                                                                      "value")}
     # steps 0, 2, ..., 8 in tokens
     assert [p[0] for p in curve] == [r["step"] * 128 for r in runs["value"][0]]
     assert runs["value"][0][-1]["step"] == 8  # twice the base's 4 steps
@@ -287,8 +292,10 @@ def test_long_runs_give_the_gap_against_tokens(protocols):
     # beside them, the finished short runs at the same best rates (best_lr's), ending at the
     # base's 4 steps
     short = res["gaps_short"]["value"][-1]
-    d = [final(out, "value", best["value"], s)[-1]["val_loss"] - final(out, "vanilla", best["vanilla"], s)[-1]
-         ["val_loss"] for s in (0, 1)]
+    d = [final(out, "value", best["value"], s)[-1]["val_loss"] - final(out, "vanilla",
+                                                                       best["vanilla"],
+                                                                       s)[-1] ["val_loss"]
+         for s in (0, 1)]
     assert short[0] == 4 * 128 and short[1] == pytest.approx(np.mean(d)) and short[3] == 2
     assert f"| value | short | 0.00 | {short[1]:+.4f} |" in (out / "results_long.md").read_text()
     img = matplotlib.image.imread(out / "gap_vs_tokens.png")
@@ -307,7 +314,8 @@ def test_gap_table_shows_the_short_runs_only_at_their_end():
 
 
 def test_best_lr_without_a_sweep_fails_clearly(tmp_path):
-    assert "run `python ablate.py --protocol=lr_sweep`" in refused(f"--out={tmp_path}", "--runs=vanilla",
+    assert "run `python ablate.py --protocol=lr_sweep`" in refused(f"--out={tmp_path}",
+                                                                   "--runs=vanilla",
                                                                    "--protocol=best_lr")
 
 
@@ -358,7 +366,8 @@ def test_a_rerun_with_other_settings_is_refused_before_training(sweep, tmp_path,
     shutil.copytree(src, out)
     args = [a for a in args if not a.startswith("--out=")] + [f"--out={out}"]
     extra, expected = {"override": (["--", "--max_iters=4"], "max_iters 3 -> 4"),
-                       "learning_rate": (["--", "--learning_rate=0.01"], "learning_rate 0.003 -> 0.01"),
+                       "learning_rate": (["--", "--learning_rate=0.01"],
+                                         "learning_rate 0.003 -> 0.01"),
                        "dropped_override": ([], "weight_decay 0.0 -> 0.1"),
                        "base_edited": ([], "eval_seqs 4 -> 8"),
                        "mixed_resume": ([], "resumed at step 2 with learning_rate 0.01 -> 0.003")}[case]
@@ -447,7 +456,8 @@ def test_output_paths_are_checked_before_training(sweep, tmp_path, case):
     before = files(tmp_path)
     msg = refused(*sweep[1][:1], f"--out={out}", "--runs=vanilla,value", "--seeds=1")
     assert {"out_is_a_file": "is a file", "results_md": "results.md is a folder",
-            "curves_png": "curves.png is a folder", "run_folder": "part of its folder path is a file"}[case] in msg, msg
+            "curves_png": "curves.png is a folder",
+            "run_folder": "part of its folder path is a file"}[case] in msg, msg
     assert files(tmp_path) == before
 
 
@@ -512,7 +522,7 @@ def test_best_lr_takes_no_rate_from_runs_trained_otherwise(protocols, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(protocols[0], out)
     before = files(out)
-    msg = refused(f"--base={out / 'base.py'}", f"--out={out}", "--runs=vanilla,value", "--lrs=1e-3,1e-2",
-                  "--protocol=best_lr", "--seeds=2", "--", "--max_iters=5")
+    msg = refused(f"--base={out / 'base.py'}", f"--out={out}", "--runs=vanilla,value",
+                  "--lrs=1e-3,1e-2", "--protocol=best_lr", "--seeds=2", "--", "--max_iters=5")
     assert "max_iters 4 -> 5" in msg and "rerun the protocols that train them" in msg, msg
     assert files(out) == before

@@ -1,11 +1,8 @@
-"""The paper's baselines (baselines.py) held to model.py's standard: a naive reference written from the equations
-(loops over rows, positions and sources) on logits and gradients at several shapes, DenseFormer = vanilla at
-init, the extra parameter counts at the 3B shape, the authors' names, and train.py / sample.py end to end.
-Cached decoding, causality, the KV cache and the round trips are tests/test_contract.py's, for every variant."""
-import os
-import subprocess
-import sys
-from pathlib import Path
+"""The paper's baselines (baselines.py) held to model.py's standard: a naive reference written from
+the equations (loops over rows, positions and sources) on logits and gradients at several shapes,
+DenseFormer = vanilla at init, the extra parameter counts at the 3B shape, the authors' names, and
+train.py / sample.py end to end. Cached decoding, causality, the KV cache and the round trips are
+tests/test_contract.py's, for every variant."""
 
 import pytest
 import torch
@@ -16,33 +13,37 @@ from conftest import tiny_config, tiny_model, tiny_variant
 from model import GPT, ModelConfig
 from support import hf
 from support.errors import CheckpointError
+from helpers import TINY_SHAPE, run
 from test_model import ref_attention, ref_mlp, ref_positioned, ref_projections, rms
 
-ROOT = Path(__file__).resolve().parent.parent
 BASELINES = ["denseformer", "attnres", "mhc"]
 
 
 def vanilla_names(config: ModelConfig) -> set:
     with torch.device("meta"):
-        return {n for n, _ in GPT(make_config(**{**config.__dict__, "residual": "add"})).named_parameters()}
+        return {n for n, _ in GPT(make_config(**{**config.__dict__,
+                                                 "residual": "add"})).named_parameters()}
 
 
 def baseline_model(residual, seed=0, dtype=torch.float64, **overrides):
-    """A tiny baseline with every parameter of its own moved off its init (zeros, ones, a 3.0 bias, a
-    near-identity matrix), so that no term of the equations can hide behind a special value."""
+    """A tiny baseline with every parameter of its own moved off its init (zeros, ones, a 3.0 bias,
+    a near-identity matrix), so that no term of the equations can hide behind a special value."""
     return tiny_variant(seed, dtype, residual=residual, depth_mode="vanilla", **overrides)
 
 
-# ----------------------------------------------------------------------------- naive reference, one row at a time
+# ----------------------------------------------------------------------------- naive reference, one
+# row at a time
 
 def attend(blk, c, x):
-    """The block's vanilla attention sublayer at its input x (T, n_embd): norm, project, RoPE, attend."""
+    """The block's vanilla attention sublayer at its input x (T, n_embd): norm, project, RoPE,
+    attend."""
     q, k, v = ref_positioned(blk.self_attn, c, *ref_projections(blk, c, x), c.k_norm_after_rope)
     return ref_attention(blk.self_attn, c, q, k, v)
 
 
 def ref_denseformer(model, x):
-    """y_d = sum_k alpha_{d-1}[k] * H[s + k * dilation] (s = d % dilation) if d % period == 0, else b_d."""
+    """y_d = sum_k alpha_{d-1}[k] * H[s + k * dilation] (s = d % dilation) if d % period == 0, else
+    b_d."""
     c, dwa = model.config, model.densetransformer_dwa
     history, y = [x], x
     for i, blk in enumerate(model.layers):
@@ -54,8 +55,8 @@ def ref_denseformer(model, x):
             y = b
             continue
         alpha, s = dwa.alphas[i], d % c.denseformer_dwa_dilation
-        y = torch.stack([sum(alpha[k] * history[s + k * c.denseformer_dwa_dilation][t] for k in range(len(alpha)))
-                         for t in range(x.shape[0])])
+        y = torch.stack([sum(alpha[k] * history[s + k * c.denseformer_dwa_dilation][t]
+                             for k in range(len(alpha))) for t in range(x.shape[0])])
     return y
 
 
@@ -105,7 +106,8 @@ def ref_mhc(model, x):
             mats.append(M)
             reads.append(sum(h_pre[j] * X[t, j] for j in range(n)))
         u = f(torch.stack(reads))
-        return torch.stack([torch.stack([sum(mats[t][i, j] * X[t, j] for j in range(n)) + posts[t][i] * u[t]
+        return torch.stack([torch.stack([sum(mats[t][i, j] * X[t, j]
+                                             for j in range(n)) + posts[t][i] * u[t]
                                          for i in range(n)]) for t in range(T)])
 
     X = torch.stack([x] * n, 1)
@@ -121,21 +123,27 @@ REFERENCES = {"denseformer": ref_denseformer, "attnres": ref_attnres, "mhc": ref
 
 def reference_forward(model, idx):
     c = model.config
-    rows = [REFERENCES[c.residual](model, model.embed_tokens.weight[idx[b]]) for b in range(idx.shape[0])]
-    return torch.stack([rms(h, model.norm.weight, c.norm_eps) @ model.lm_head.weight.T for h in rows])
+    rows = [REFERENCES[c.residual](model, model.embed_tokens.weight[idx[b]])
+            for b in range(idx.shape[0])]
+    return torch.stack([rms(h, model.norm.weight, c.norm_eps) @ model.lm_head.weight.T
+                        for h in rows])
 
 
 REFERENCE_CASES = [
     dict(residual="denseformer"), dict(residual="denseformer", denseformer_dwa_dilation=2, denseformer_dwa_period=2),
     dict(residual="denseformer", n_layer=5, denseformer_dwa_dilation=3),
-    dict(residual="attnres"),                                  # 8 sublayers < 12: the embedding is the only snapshot
-    dict(residual="attnres", attnres_block_size=2, n_kv_head=1),  # a snapshot after every layer, MQA
-    dict(residual="attnres", attnres_block_size=3, qk_norm=False, tie_embeddings=True),  # n reaches 4 >= 3
+    # 8 sublayers < 12: the embedding is the only snapshot
+    dict(residual="attnres"),
+    # a snapshot after every layer, MQA
+    dict(residual="attnres", attnres_block_size=2, n_kv_head=1),
+    # n reaches 4 >= 3
+    dict(residual="attnres", attnres_block_size=3, qk_norm=False, tie_embeddings=True),
     dict(residual="mhc"), dict(residual="mhc", mhc_num_streams=2, mhc_sinkhorn_iters=3, n_kv_head=4),
 ]
 
 
-@pytest.mark.parametrize("overrides", REFERENCE_CASES, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+@pytest.mark.parametrize("overrides", REFERENCE_CASES, ids=lambda o: "-".join(f"{k}={v}" for k,
+                                                                              v in o.items()))
 def test_matches_naive_reference_logits_and_gradients(overrides):
     model = baseline_model(**overrides)
     idx = torch.randint(0, model.config.vocab_size, (2, 6))
@@ -157,7 +165,8 @@ def test_matches_naive_reference_logits_and_gradients(overrides):
 
 @pytest.mark.parametrize("residual", BASELINES)
 def test_baselines_change_the_output(residual):
-    """The reference test would pass trivially if run_layers were vanilla's: check that it is not."""
+    """The reference test would pass trivially if run_layers were vanilla's: check that it is
+    not."""
     idx = torch.randint(0, 50, (2, 9))
     base, _ = tiny_model(depth_mode="vanilla")(idx)
     out, _ = baseline_model(residual, dtype=torch.float32)(idx)
@@ -185,14 +194,16 @@ def test_denseformer_equals_vanilla_exactly_at_init():
         torch.manual_seed(0)
         model = build_model(tiny_config(depth_mode="vanilla", residual=residual))
         cache = model.new_cache(2, 9)
-        outs.append((model(idx)[0], model(idx[:, :5], cache=cache)[0], model(idx[:, 5:], cache=cache)[0]))
+        outs.append((model(idx)[0], model(idx[:, :5], cache=cache)[0], model(idx[:, 5:],
+                                                                             cache=cache)[0]))
     for a, b in zip(*outs):
         assert torch.equal(a, b), f"DenseFormer at init differs from vanilla by {(a - b).abs().max():.3e}"
 
 
 @pytest.mark.parametrize("residual", BASELINES)
 def test_a_seed_gives_the_backbone_vanillas_weights(residual):
-    """ablate.py pairs runs by seed: the shared weights must start equal, the baseline's own drawn after them."""
+    """ablate.py pairs runs by seed: the shared weights must start equal, the baseline's own drawn
+    after them."""
     torch.manual_seed(3)
     vanilla = GPT(tiny_config(depth_mode="vanilla")).state_dict()
     torch.manual_seed(3)
@@ -201,8 +212,8 @@ def test_a_seed_gives_the_backbone_vanillas_weights(residual):
     assert len(model) > len(vanilla)
 
 
-PAPER_3B = dict(vocab_size=50304, n_embd=2048, mlp_hidden=6912, n_layer=48, n_head=32, n_kv_head=8, head_dim=64,
-                depth_mode="vanilla")
+PAPER_3B = dict(vocab_size=50304, n_embd=2048, mlp_hidden=6912, n_layer=48, n_head=32, n_kv_head=8,
+                head_dim=64, depth_mode="vanilla")
 
 
 @pytest.mark.parametrize("residual, extra", [("denseformer", 1_224), ("attnres", 397_409), ("mhc", 19_663_396)])
@@ -216,20 +227,23 @@ def test_extra_parameters_at_the_paper_3b_shape(residual, extra):
 
 
 def authors_names(residual, L, D, n=4):
-    """The names and shapes of the authors' checkpoints (their modeling code), written out independently of ours."""
+    """The names and shapes of the authors' checkpoints (their modeling code), written out
+    independently of ours."""
     names = {}
     if residual == "denseformer":
         names.update({f"model.densetransformer_dwa.alphas.{i}": (i + 2,) for i in range(L)})
     elif residual == "attnres":
-        for prefix in [f"model.layers.{i}.attnres_{s}_aggregator" for i in range(L) for s in ("attn", "mlp")] + [
-                "model.attnres_final_aggregator"]:
-            names.update({f"{prefix}.pseudo_query": (D,), f"{prefix}.norm.weight": (D,), f"{prefix}.recency_bias": ()})
+        for prefix in [f"model.layers.{i}.attnres_{s}_aggregator" for i in range(L)
+                       for s in ("attn", "mlp")] + ["model.attnres_final_aggregator"]:
+            names.update({f"{prefix}.pseudo_query": (D,), f"{prefix}.norm.weight": (D,),
+                          f"{prefix}.recency_bias": ()})
     else:
         for i in range(L):
             for s in ("attn", "mlp"):
                 p = f"model.layers.{i}.{s}_residual_connector"
-                names.update({f"{p}.pre_logits": (n,), f"{p}.post_logits": (n,), f"{p}.residual_logits": (n, n),
-                              f"{p}.alpha_pre": (), f"{p}.alpha_post": (), f"{p}.alpha_res": (),
+                names.update({f"{p}.pre_logits": (n,), f"{p}.post_logits": (n,),
+                              f"{p}.residual_logits": (n, n), f"{p}.alpha_pre": (),
+                              f"{p}.alpha_post": (), f"{p}.alpha_res": (),
                               f"{p}.mhc_input_norm.weight": (n * D,),
                               f"{p}.mhc_dynamic_projection.weight": (n * n + 2 * n, n * D)})
         names["model.residual_stream_projector.reduce_logits"] = (n,)
@@ -240,12 +254,16 @@ def authors_names(residual, L, D, n=4):
 def test_authors_checkpoint_loads_with_the_name_map(residual):
     c = tiny_config(depth_mode="vanilla", residual=residual)
     model = build_model(c)
-    shapes = {f"model.{k}": tuple(v.shape) for k, v in GPT(tiny_config(depth_mode="vanilla")).state_dict().items()
+    shapes = {f"model.{k}": tuple(v.shape) for k,
+              v in GPT(tiny_config(depth_mode="vanilla")).state_dict().items()
               if k != "lm_head.weight"}
-    shapes.update({"lm_head.weight": (c.vocab_size, c.n_embd), "lm_head_layernorm.weight": (c.n_embd,)})
+    shapes.update({"lm_head.weight": (c.vocab_size, c.n_embd),
+                   "lm_head_layernorm.weight": (c.n_embd,)})
     shapes.update(authors_names(residual, c.n_layer, c.n_embd))
-    theirs = {k: torch.randn(s, dtype=torch.float64) for k, s in shapes.items()}  # a synthetic release
-    ours = {hf.our_name(k): v for k, v in theirs.items() if not hf.IGNORED.search(k)}  # the loader's name map
+    # a synthetic release
+    theirs = {k: torch.randn(s, dtype=torch.float64) for k, s in shapes.items()}
+    # the loader's name map
+    ours = {hf.our_name(k): v for k, v in theirs.items() if not hf.IGNORED.search(k)}
     model.load_state_dict(ours, strict=True)  # no reshaping, nothing missing or left
     for k, v in ours.items():
         assert torch.equal(model.state_dict()[k], v.float()), k
@@ -255,12 +273,14 @@ def test_authors_config_keys():
     got = hf._authors_baseline({"baseline_mode": "densetransformer", "denseformer_dwa_period": 2,
                                 "hidden_size": 2048}, "config.json")
     assert got == {"residual": "denseformer", "depth_mode": "vanilla", "denseformer_dwa_period": 2}
-    assert hf._authors_baseline({"baseline_mode": "MHC", "mhc_num_streams": 4}, "config.json")["residual"] == "mhc"
+    assert hf._authors_baseline({"baseline_mode": "MHC", "mhc_num_streams": 4},
+                                "config.json")["residual"] == "mhc"
     with pytest.raises(CheckpointError, match="not one of the paper's baselines"):
         hf._authors_baseline({"baseline_mode": "densenet"}, "config.json")
 
 
-# ----------------------------------------------------------------------------- errors and the scripts
+# ----------------------------------------------------------------------------- errors and the
+# scripts
 
 @pytest.mark.parametrize("overrides, fragment", [
     (dict(residual="mhc"), "use --depth_mode=vanilla with --residual=mhc"),
@@ -276,24 +296,21 @@ def test_bad_configs_raise_clear_errors(overrides, fragment):
         tiny_config(**overrides)
 
 
-TINY = ["--dataset=tiny", "--n_layer=2", "--n_head=2", "--n_kv_head=1", "--head_dim=8", "--n_embd=16",
-        "--mlp_hidden=32", "--block_size=32", "--max_iters=2", "--eval_interval=2", "--eval_seqs=2",
-        "--micro_batch=2", "--batch_tokens=64", "--sample_tokens=0"]
-
-
-def run(*args):
-    return subprocess.run([sys.executable, *map(str, args)], cwd=ROOT, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+TINY_BASELINE = ["--dataset=tiny", "--n_layer=2", *TINY_SHAPE, "--max_iters=2", "--eval_interval=2",
+                 "--eval_seqs=2", "--micro_batch=2", "--batch_tokens=64", "--sample_tokens=0"]
 
 
 def test_train_and_sample_a_baseline(data_root, tmp_path):
-    """End to end as a user runs it (mHC, the most involved; the others differ only in build_model's pick)."""
-    proc = run("train.py", *TINY, f"--data_root={data_root}", f"--out_dir={tmp_path}", "--residual=mhc")
+    """End to end as a user runs it (mHC, the most involved; the others differ only in build_model's
+    pick)."""
+    proc = run("train.py", *TINY_BASELINE, f"--data_root={data_root}", f"--out_dir={tmp_path}",
+               "--residual=mhc", check=False)
     assert proc.returncode != 0 and "use --depth_mode=vanilla with --residual=mhc" in proc.stderr
-    proc = run("train.py", *TINY, f"--data_root={data_root}", f"--out_dir={tmp_path}", "--residual=mhc",
-               "--depth_mode=vanilla")
+    proc = run("train.py", *TINY_BASELINE, f"--data_root={data_root}", f"--out_dir={tmp_path}",
+               "--residual=mhc", "--depth_mode=vanilla", check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["model_config"]["residual"] == "mhc"
-    proc = run("sample.py", f"--out_dir={tmp_path}", "--prompt=the", "--max_new_tokens=6", "--device=cpu")
+    proc = run("sample.py", f"--out_dir={tmp_path}", "--prompt=the", "--max_new_tokens=6",
+               "--device=cpu", check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "residual=mhc" in proc.stderr and "3 prompt + 6 new tokens" in proc.stdout

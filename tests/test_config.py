@@ -8,7 +8,8 @@ DEFAULTS = {"n_layer": 12, "lr": 1e-3, "stride": None, "name": "run", "compile":
 
 
 def test_overrides_are_typed_like_the_default():
-    cfg = parse_config(DEFAULTS, ["--n_layer=4", "--lr=1", "--stride=3", "--name=123", "--compile=True"])
+    cfg = parse_config(DEFAULTS, ["--n_layer=4", "--lr=1", "--stride=3", "--name=123",
+                                  "--compile=True"])
     assert cfg == {"n_layer": 4, "lr": 1.0, "stride": 3, "name": "123", "compile": True}
     assert isinstance(cfg["lr"], float)
     assert parse_config(DEFAULTS, ["--stride=None"])["stride"] is None
@@ -16,19 +17,26 @@ def test_overrides_are_typed_like_the_default():
 
 def test_one_dialect_key_value_key_space_value_and_bare_flags():
     """--key=value, --key value and a bare --flag (True for a boolean) mean the same; a boolean
-    takes a following true/false/1/0 as its value, and leaves anything else (a config file) alone."""
-    spelled = [["--n_layer=4", "--compile=True", "--name=x"], ["--n_layer", "4", "--compile", "--name", "x"],
-               ["--compile", "true", "--n_layer", "4", "--name=x"]]
+    takes a following true/false/1/0 as its value, and leaves anything else (a config file)
+    alone."""
+    spelled = [["--n_layer=4", "--compile=True", "--name=x"], ["--n_layer", "4", "--compile",
+                                                               "--name", "x"], ["--compile", "true",
+                                                                                "--n_layer", "4",
+                                                                                "--name=x"]]
     for argv in spelled:
-        assert parse_config(DEFAULTS, argv) == {**DEFAULTS, "n_layer": 4, "compile": True, "name": "x"}, argv
+        assert parse_config(DEFAULTS, argv) == {**DEFAULTS, "n_layer": 4, "compile": True,
+                                                "name": "x"}, argv
     assert parse_config(DEFAULTS, ["--compile", "0"])["compile"] is False
-    assert parse_config(DEFAULTS, ["--lr", "-1"])["lr"] == -1.0  # a negative number is a value, not a key
-    assert parse_config(DEFAULTS, ["--name", "123"])["name"] == "123"  # typed as the default: a string
+    # a negative number is a value, not a key
+    assert parse_config(DEFAULTS, ["--lr", "-1"])["lr"] == -1.0
+    # typed as the default: a string
+    assert parse_config(DEFAULTS, ["--name", "123"])["name"] == "123"
 
 
 def test_a_bare_flag_before_a_config_file_leaves_the_file_alone(tmp_path):
     (tmp_path / "c.py").write_text("n_layer = 3\n")
-    assert parse_config(DEFAULTS, ["--compile", str(tmp_path / "c.py")]) == {**DEFAULTS, "compile": True,
+    assert parse_config(DEFAULTS, ["--compile", str(tmp_path / "c.py")]) == {**DEFAULTS,
+                                                                             "compile": True,
                                                                              "n_layer": 3}
 
 
@@ -50,7 +58,8 @@ def test_files_apply_in_order_and_inherit_from_base_config(tmp_path):
     (tmp_path / "base.py").write_text("n_layer = 8\nname = 'base'\nlr = 3e-4\n")
     (tmp_path / "child.py").write_text("base_config = 'base.py'\nname = 'child'\n")
     (tmp_path / "delta.py").write_text("lr = 2e-3\n")
-    cfg = parse_config(DEFAULTS, [str(tmp_path / "child.py"), str(tmp_path / "delta.py"), "--n_layer=2"])
+    cfg = parse_config(DEFAULTS, [str(tmp_path / "child.py"), str(tmp_path / "delta.py"),
+                                  "--n_layer=2"])
     assert cfg == {**DEFAULTS, "n_layer": 2, "name": "child", "lr": 2e-3}
     (tmp_path / "loop.py").write_text("base_config = 'loop.py'\n")
     with pytest.raises(ConfigError, match="includes itself"):

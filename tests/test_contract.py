@@ -9,7 +9,6 @@ test time and run through every clause (test_the_forking_example_passes_the_whol
 import itertools
 import re
 from dataclasses import asdict
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,13 +20,13 @@ from model import DEPTH_MODES, KVCache
 import model as model_py
 from support import checkpoint, hf
 from support.tokenizer import tokenizer_record
+from helpers import ROOT
 from test_baselines import REFERENCES as BASELINE_REFERENCES
 from test_baselines import reference_forward as baseline_reference
 from test_lime import lime_reference
 from test_model import REFERENCE_MODES, assert_matches_reference, reference_forward
 import test_model
 
-ROOT = Path(__file__).resolve().parent.parent
 # The variant's keys beyond conftest.tiny_config's: LIMe reads every earlier layer, as published;
 # AttnRes takes a snapshot at every layer, so caching exercises its snapshots.
 SHAPES = {"lime": dict(depth_stride=None), "attnres": dict(attnres_block_size=2)}
@@ -45,7 +44,8 @@ EXEMPT = {}
 
 @pytest.fixture(autouse=True)
 def exemptions(request):
-    variant = getattr(request.node, "callspec", None) and request.node.callspec.params.get("variant")
+    variant = getattr(request.node, "callspec",
+                      None) and request.node.callspec.params.get("variant")
     if (request.node.originalname, variant) in EXEMPT:
         pytest.skip(EXEMPT[request.node.originalname, variant])
 
@@ -160,7 +160,8 @@ def test_contract_compiles_in_one_graph(variant):
 
 CLAUSES = [test_contract_has_a_naive_reference, test_contract_matches_its_naive_reference,
            test_contract_cached_decoding_equals_the_full_forward, test_contract_is_causal,
-           test_contract_kv_cache_is_vanillas, test_contract_round_trips_through_a_checkpoint_and_an_export,
+           test_contract_kv_cache_is_vanillas,
+           test_contract_round_trips_through_a_checkpoint_and_an_export,
            test_contract_compiles_in_one_graph]
 
 
@@ -186,7 +187,8 @@ def forking_example(monkeypatch):
     after DEPTH_MODES (and in the exported model.py), its reference in test_model.py. The name it
     adds to the table."""
     doc = (ROOT / "docs" / "forking.md").read_text()
-    (model_part,), (reference_part,) = code_blocks(doc, "model.py"), code_blocks(doc, "test_model.py")
+    (model_part,), (reference_part,) = code_blocks(doc, "model.py"), code_blocks(doc,
+                                                                                 "test_model.py")
     before = set(DEPTH_MODES)
     exec(model_part, dict(vars(model_py)))
     exec(reference_part, dict(vars(test_model)))

@@ -4,22 +4,19 @@ bodies pasted back grade full; each known wrong solution costs its own problem's
 the recorded replays, no other's; a crash or an endless loop costs only the problem it is in."""
 import ast
 import json
-import os
 import shutil
 import subprocess
 import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
 from course.make import (LEFT_OUT, WITHHELD_PAGES, blank, replace_bodies, repository_files,
                          stubs)
 from course.problems import EXPERIMENT, FIXTURES, GRADED, MARKER, PROBLEMS
+from helpers import ENV, ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 CODE = [p for p in GRADED if p.functions]  # problems 1-4
 # Wrong solutions students write, as bodies of the functions they belong to; grouped so that each
 # copy breaks problems whose replays keep the others whole:
@@ -315,7 +312,8 @@ def test_problem_5s_reference_was_measured_with_todays_recipe():
     for run in EXPERIMENT["runs"]:
         asked = train_config([str(ROOT / EXPERIMENT["base"]),
                               str(ROOT / "configs" / "ablations" / f"mode_{run}.py"), "--seed=0"])
-        assert not differences(measured[run], [], asked), (run, differences(measured[run], [], asked))
+        assert not differences(measured[run], [], asked), (run, differences(measured[run], [],
+                                                                            asked))
     results = json.loads((ROOT / "course" / "expected" / "results.json").read_text())
     assert {run: round(results["runs"][run]["mean"], 4) for run in EXPERIMENT["runs"]} \
         == EXPERIMENT["reference"]

@@ -6,7 +6,6 @@ of 64) on 4 layers, for vanilla and Depth-Attention (value): which attention ker
 depends on the heads, the dtype and the mask, not on the depth. The CPU suite proves the same paths
 structurally (no mask in training, prefill and decode: test_model.py); here the GPU's kernels are
 held to it."""
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,11 +15,11 @@ from baselines import build_model, make_config
 from model import ModelConfig
 from support.config import read_config_file
 from support.memory import plan
+from helpers import ROOT
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (docs/gpu.md)")
 
-ROOT = Path(__file__).resolve().parent.parent
 PAPER = read_config_file(ROOT / "configs" / "paper_1p5b_value.py")
 SHAPE = {k: v for k, v in PAPER.items() if k in ModelConfig.__dataclass_fields__}
 SHAPE.update(n_layer=4, depth_stride=2)  # every layer but the first mixes 2 or 3 candidates

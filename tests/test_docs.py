@@ -7,13 +7,12 @@ import re
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from support.errors import ShowHelp
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 # Packages a doc may import that the test environment need not have: each is optional for users

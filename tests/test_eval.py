@@ -1,15 +1,14 @@
-"""eval.py: the lm-eval adapter's scores against direct forward passes of the model, and eval.py end to end on a
-checkpoint in train.py's format with task files written by the test (lm-eval's `dataset_path: json`), offline.
-lm-eval is optional for users; requirements-dev.txt (and so .ci/run) installs it."""
+"""eval.py: the lm-eval adapter's scores against direct forward passes of the model, and eval.py end
+to end on a checkpoint in train.py's format with task files written by the test (lm-eval's
+`dataset_path: json`), offline. lm-eval is optional for users; requirements-dev.txt (and so .ci/run)
+installs it."""
 import json
 import math
 import os
 import random
 import subprocess
 import sys
-from dataclasses import asdict
 
-import lm_eval.tasks
 import numpy as np
 import pytest
 import torch
@@ -18,23 +17,25 @@ from lm_eval.api.instance import Instance
 
 from conftest import tiny_model
 import eval as eval_py
-from support.checkpoint import load_model, save_checkpoint
+from support.checkpoint import load_model
 from support.tokenizer import get_tokenizer
 from support.errors import USER_ERRORS
-from test_train import ROOT
+from helpers import ROOT, WORDS, local_tasks_only, trained  # noqa: F401 (fixtures)
 
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
-WORDS = "the a cat dog sat ran on under mat log and then".split()
 
 
 @torch.no_grad()
 def logprobs(model, ids, n):
-    """Direct: log p of each of the last n tokens of ids, from one forward pass of ids[:-1] alone."""
+    """Direct: log p of each of the last n tokens of ids, from one forward pass of ids[:-1]
+    alone."""
     logits, _ = model(torch.tensor([ids[:-1]]))
-    return F.log_softmax(logits[0, -n:].double(), -1).gather(-1, torch.tensor(ids[-n:])[:, None])[:, 0]
+    return F.log_softmax(logits[0, -n:].double(), -1).gather(-1, torch.tensor(ids[-n:])[:, None])[:,
+                                                                                                  0]
 
 
-# ----------------------------------------------------------------------------- the adapter, in process
+# ----------------------------------------------------------------------------- the adapter, in
+# process
 
 @pytest.fixture(scope="module")
 def lm():
@@ -54,10 +55,14 @@ PAIRS = [("the cat", " sat"), ("a dog ran on the", " mat and then"), ("x", " y")
 def test_loglikelihood_equals_the_model_token_by_token(lm):
     """Each continuation token scored alone: a forward pass of exactly the tokens before it."""
     enc = lm.enc
-    for (context, continuation), (got, greedy) in zip(PAIRS, lm.loglikelihood(requests("loglikelihood", PAIRS))):
-        ctx = enc.encode(context) or [enc.eot_token]  # lm-eval conditions an empty context on end-of-text
+    for (context, continuation), (got, greedy) in zip(PAIRS,
+                                                      lm.loglikelihood(requests("loglikelihood",
+                                                                                PAIRS))):
+        # lm-eval conditions an empty context on end-of-text
+        ctx = enc.encode(context) or [enc.eot_token]
         ids = ctx + enc.encode(continuation)
-        steps = [lm.model(torch.tensor([ids[:t]]))[0][0, -1].double() for t in range(len(ctx), len(ids))]
+        steps = [lm.model(torch.tensor([ids[:t]]))[0][0, -1].double() for t in range(len(ctx),
+                                                                                     len(ids))]
         want = sum(F.log_softmax(s, -1)[ids[t + len(ctx)]].item() for t, s in enumerate(steps))
         assert abs(got - want) < 1e-10, f"{context!r} + {continuation!r}: {got} vs {want}"
         assert greedy == all(s.argmax().item() == ids[t + len(ctx)] for t, s in enumerate(steps))
@@ -65,8 +70,10 @@ def test_loglikelihood_equals_the_model_token_by_token(lm):
 
 def test_batching_and_padding_change_no_score(lm):
     rng = random.Random(0)
-    pairs = [(" ".join(rng.choices(WORDS, k=rng.randint(1, 4))), " " + rng.choice(WORDS)) for _ in range(23)]
-    alone = [logprobs(lm.model, lm.tok_encode(c + x), len(lm.tok_encode(x))).sum().item() for c, x in pairs]
+    pairs = [(" ".join(rng.choices(WORDS, k=rng.randint(1, 4))), " " + rng.choice(WORDS))
+             for _ in range(23)]
+    alone = [logprobs(lm.model, lm.tok_encode(c + x), len(lm.tok_encode(x))).sum().item() for c,
+             x in pairs]
     for batch_size in (1, 5, 64):
         lm.batch_size = batch_size
         got = [ll for ll, _ in lm.loglikelihood(requests("loglikelihood", pairs))]
@@ -80,16 +87,18 @@ def test_an_over_long_context_is_left_truncated_exactly(lm):
     ids = lm.tok_encode(context + continuation)
     assert len(ids) > 33
     (got, _), = lm.loglikelihood(requests("loglikelihood", [(context, continuation)]))
-    want = logprobs(lm.model, ids[-33:], 5).sum().item()  # the last block_size + 1 tokens, 5 of them scored
+    # the last block_size + 1 tokens, 5 of them scored
+    want = logprobs(lm.model, ids[-33:], 5).sum().item()
     assert abs(got - want) < 1e-12, (got, want)
 
 
 def test_rolling_loglikelihood_scores_every_token_once_in_lm_evals_windows(lm):
-    text = "the cat sat on the mat and then the dog ran under a log. " * 2  # 116 tokens: 4 windows of 32
+    # 116 tokens: 4 windows of 32
+    text = "the cat sat on the mat and then the dog ran under a log. " * 2
     tokens = lm.tok_encode(text)
     seq = [lm.eot_token_id] + tokens
-    # Windows predict tokens [0, 32), [32, 64), [64, 96) from their own 32 tokens; the last one, [96, 116),
-    # from a full context of 32 (lm-eval's rolling rule).
+    # Windows predict tokens [0, 32), [32, 64), [64, 96) from their own 32 tokens; the last one,
+    # [96, 116), from a full context of 32 (lm-eval's rolling rule).
     want = sum(logprobs(lm.model, seq[a:a + 33], 32).sum().item() for a in (0, 32, 64))
     want += logprobs(lm.model, seq[-33:], len(tokens) - 96).sum().item()
     (got,) = lm.loglikelihood_rolling(requests("loglikelihood_rolling", [(text,)]))
@@ -98,28 +107,21 @@ def test_rolling_loglikelihood_scores_every_token_once_in_lm_evals_windows(lm):
 
 def test_generate_until_is_greedy_generation_cut_at_the_stop_string(lm):
     prompt = "the cat sat"
-    full = lm.model.generate(torch.tensor([lm.tok_encode(prompt)]), 10, temperature=0)[0, len(prompt):]
+    full = lm.model.generate(torch.tensor([lm.tok_encode(prompt)]), 10, temperature=0)[0,
+                                                                                       len(prompt):]
     text = lm.tok_decode(full.tolist())
     stop = text[3:5]
-    (got,) = lm.generate_until(requests("generate_until", [(prompt, {"until": [stop], "max_gen_toks": 10})]))
+    (got,) = lm.generate_until(requests("generate_until", [(prompt, {"until": [stop],
+                                                                     "max_gen_toks": 10})]))
     assert got == text.split(stop)[0] and len(got) < 10, (got, text)
 
 
 # ----------------------------------------------------------------------------- eval.py end to end
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """An out_dir with a ckpt.pt in train.py's format (building the model here is faster than training one)."""
-    out = tmp_path_factory.mktemp("eval_run")
-    model = tiny_model(vocab_size=257, block_size=32)
-    save_checkpoint({"model": model.state_dict(), "model_config": asdict(model.config), "tokenizer": "bytes",
-                     "step": 0}, out / "ckpt.pt")
-    return out
-
-
-@pytest.fixture(scope="module")
 def task_dir(tmp_path_factory):
-    """Two lm-eval tasks on local JSON lines: multiple choice (acc, acc_norm) and a perplexity task."""
+    """Two lm-eval tasks on local JSON lines: multiple choice (acc, acc_norm) and a perplexity
+    task."""
     d = tmp_path_factory.mktemp("tasks")
     rng = random.Random(1)
     mc = []
@@ -132,19 +134,21 @@ def task_dir(tmp_path_factory):
     (d / "ppl.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
 
     def metrics(*names, aggregation=None):
-        return [{"metric": m, "aggregation": aggregation or m, "higher_is_better": aggregation == "mean"}
-                for m in names]
+        return [{"metric": m, "aggregation": aggregation or m,
+                 "higher_is_better": aggregation == "mean"} for m in names]
 
     def task(name, data, **config):  # JSON is YAML: these files are what a user writes by hand
-        (d / f"{name}.yaml").write_text(json.dumps({"task": name, "dataset_path": "json", "test_split": "test",
+        (d / f"{name}.yaml").write_text(json.dumps({"task": name, "dataset_path": "json",
+                                                    "test_split": "test",
                                                     "dataset_kwargs": {"data_files": {"test": str(d / data)}},
                                                     **config}, indent=1))
 
     task("tiny_mc", "mc.jsonl", output_type="multiple_choice", doc_to_text="{{question}}",
-         doc_to_choice="choices", doc_to_target="answer", metric_list=metrics("acc", "acc_norm", aggregation="mean"))
-    task("tiny_ppl", "ppl.jsonl", output_type="loglikelihood_rolling", doc_to_text="", doc_to_target="{{text}}",
-         metric_list=metrics("word_perplexity", "byte_perplexity", aggregation="weighted_perplexity")
-         + metrics("bits_per_byte"))
+         doc_to_choice="choices", doc_to_target="answer", metric_list=metrics("acc", "acc_norm",
+                                                                              aggregation="mean"))
+    task("tiny_ppl", "ppl.jsonl", output_type="loglikelihood_rolling", doc_to_text="",
+         doc_to_target="{{text}}", metric_list=metrics("word_perplexity", "byte_perplexity",
+                                                       aggregation="weighted_perplexity") + metrics("bits_per_byte"))
     return d, mc, texts
 
 
@@ -153,10 +157,11 @@ def evaluated(trained, task_dir, data_root, tmp_path_factory):
     """One eval.py run: both local tasks and --ppl, as a user would type it."""
     out = tmp_path_factory.mktemp("eval_out")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(out / "hf"), **OFFLINE}
-    proc = subprocess.run([sys.executable, "eval.py", f"--init_from={trained}", "--tasks=tiny_mc,tiny_ppl",
-                           f"--include_path={task_dir[0]}", "--ppl=tiny", f"--data_root={data_root}",
-                           "--batch_size=5", f"--json={out / 'results.json'}"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "eval.py", f"--init_from={trained}",
+                           "--tasks=tiny_mc,tiny_ppl", f"--include_path={task_dir[0]}",
+                           "--ppl=tiny", f"--data_root={data_root}", "--batch_size=5",
+                           f"--json={out / 'results.json'}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((out / "results.json").read_text()), proc.stdout, load_model(trained).model
 
@@ -167,12 +172,15 @@ def test_multiple_choice_accuracy_equals_the_models_own_loglikelihoods(evaluated
     acc = acc_norm = 0
     for doc in task_dir[1]:
         ctx = enc.encode(doc["question"])
-        lls = [logprobs(model, ctx + enc.encode(" " + c), len(c) + 1).sum().item() for c in doc["choices"]]
+        lls = [logprobs(model, ctx + enc.encode(" " + c), len(c) + 1).sum().item()
+               for c in doc["choices"]]
         acc += int(np.argmax(lls)) == doc["answer"]
-        acc_norm += int(np.argmax([ll / len(c) for ll, c in zip(lls, doc["choices"])])) == doc["answer"]
+        acc_norm += int(np.argmax([ll / len(c) for ll, c in zip(lls,
+                                                                doc["choices"])])) == doc["answer"]
     n = len(task_dir[1])
     got = results["results"]["tiny_mc"]
-    assert (got["acc,none"], got["acc_norm,none"]) == pytest.approx((acc / n, acc_norm / n), abs=1e-12)
+    assert (got["acc,none"], got["acc_norm,none"]) == pytest.approx((acc / n, acc_norm / n),
+                                                                    abs=1e-12)
     line = next(l for l in stdout.splitlines() if l.startswith("tiny_mc"))
     assert line.split()[1:3] == [f"{100 * acc / n:.2f}", f"{100 * acc_norm / n:.2f}"], stdout
     assert "average, acc " in stdout and "average, acc_norm" in stdout
@@ -199,7 +207,8 @@ def test_ppl_is_exp_mean_token_nll_of_val_bin(evaluated, data_root):
     nll = torch.cat(nll)
     assert len(nll) == len(tokens) - 1  # every token but the first, once
     got = results["ppl"]
-    assert got["tokens"] == len(nll) and got["ppl"] == pytest.approx(nll.mean().exp().item(), rel=1e-5)
+    assert got["tokens"] == len(nll) and got["ppl"] == pytest.approx(nll.mean().exp().item(),
+                                                                     rel=1e-5)
     assert f"perplexity {got['ppl']:.4f}" in stdout
 
 
@@ -211,19 +220,11 @@ def test_help_documents_every_flag(capsys):
             eval_py.main([flag])
         assert e.value.code == 0
     text = capsys.readouterr().out
-    for name in ("init_from", "tasks", "num_fewshot", "limit", "batch_size", "device", "include_path", "json",
-                 "ppl", "data_root"):
+    for name in ("init_from", "tasks", "num_fewshot", "limit", "batch_size", "device",
+                 "include_path", "json", "ppl", "data_root"):
         assert f"--{name}" in text
-    assert "python eval.py --init_from=out/RUN --num_fewshot=5" in text  # the examples of the docstring
-
-
-@pytest.fixture
-def local_tasks_only(monkeypatch):
-    """lm-eval's TaskManager without its ~15,000 built-in tasks (indexing them takes ~15 s)."""
-    class LocalOnly(lm_eval.tasks.TaskManager):
-        def __init__(self, include_path=None, include_defaults=True, **kwargs):
-            super().__init__(include_path=include_path, include_defaults=False, **kwargs)
-    monkeypatch.setattr(lm_eval.tasks, "TaskManager", LocalOnly)
+    # the examples of the docstring
+    assert "python eval.py --init_from=out/RUN --num_fewshot=5" in text
 
 
 @pytest.mark.parametrize("args, message", [
@@ -233,9 +234,11 @@ def local_tasks_only(monkeypatch):
     (["--tasks="], "nothing to evaluate"),
     (["--include_path=nowhere"], "--include_path nowhere is not a folder"),
 ])
-def test_bad_inputs_fail_with_one_line(args, message, trained, task_dir, data_root, local_tasks_only):
+def test_bad_inputs_fail_with_one_line(args, message, trained, task_dir, data_root,
+                                       local_tasks_only):
     with pytest.raises(USER_ERRORS) as e:
-        eval_py.main([f"--init_from={trained}", f"--include_path={task_dir[0]}", f"--data_root={data_root}", *args])
+        eval_py.main([f"--init_from={trained}", f"--include_path={task_dir[0]}",
+                      f"--data_root={data_root}", *args])
     assert message in str(e.value) and "\n" not in str(e.value), e.value
 
 
@@ -249,9 +252,11 @@ def test_table_gives_both_averages_beside_the_papers(capsys):
     accs = dict(zip(eval_py.PAPER_TASKS, (0.4, 0.6, 0.5, 0.8, 0.3, 0.55, 0.25, 0.33)))
     norm = {"piqa": 0.62, "sciq": 0.7, "hellaswag": 0.35, "arc_easy": 0.5, "arc_challenge": 0.28}
     results = {"results": {t: {"alias": t, "acc,none": a, "acc_stderr,none": 0.01,
-                               **({"acc_norm,none": norm[t]} if t in norm else {})} for t, a in accs.items()}}
+                               **({"acc_norm,none": norm[t]} if t in norm else {})} for t,
+                           a in accs.items()}}
     results["results"]["lambada_openai"]["perplexity,none"] = 20.5
-    results["ppl"] = {"dataset": "data/pile", "windows": 3, "tokens": 6141, "nll": 2.0, "ppl": math.exp(2.0)}
+    results["ppl"] = {"dataset": "data/pile", "windows": 3, "tokens": 6141, "nll": 2.0,
+                      "ppl": math.exp(2.0)}
     eval_py.print_table(results, 5, limited=False)
     out = capsys.readouterr().out
     mean_acc = 100 * sum(accs.values()) / 8

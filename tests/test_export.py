@@ -1,6 +1,7 @@
-"""Exports and the folders the scripts read, attacked as a careless user would: an export never mixes with what
-a folder held, never leaves half a folder, carries its tokenizer (not a path to it), and a damaged folder or
-checkpoint is one error line. A train.py run that used a tokenizer.json keeps it in its checkpoint."""
+"""Exports and the folders the scripts read, attacked as a careless user would: an export never
+mixes with what a folder held, never leaves half a folder, carries its tokenizer (not a path to it),
+and a damaged folder or checkpoint is one error line. A train.py run that used a tokenizer.json
+keeps it in its checkpoint."""
 import json
 import os
 import runpy
@@ -20,12 +21,10 @@ from support.checkpoint import CheckpointError, load_model
 from support.data import prepare
 from support.tokenizer import get_tokenizer
 from support.errors import EXIT_USER_ERROR, USER_ERRORS, DataError
-from test_hf import make_tokenizer_json
+from helpers import ROOT, TINY_SHAPE, make_tokenizer_json
 
-ROOT = Path(__file__).resolve().parent.parent
-TINY = ["--n_layer=2", "--n_head=2", "--n_kv_head=1", "--head_dim=8", "--n_embd=16", "--mlp_hidden=32",
-        "--block_size=32", "--eval_seqs=4", "--sample_tokens=0", "--micro_batch=4", "--batch_tokens=128",
-        "--max_iters=3", "--eval_interval=0", "--depth_mode=value"]
+TINY_EXPORT = ["--n_layer=2", *TINY_SHAPE, "--eval_seqs=4", "--sample_tokens=0", "--micro_batch=4",
+               "--batch_tokens=128", "--max_iters=3", "--eval_interval=0", "--depth_mode=value"]
 
 
 def export(*args):
@@ -58,7 +57,8 @@ def weights(folder):
 
 
 def test_export_into_an_older_sharded_export_replaces_it_whole(run_dir, tmp_path):
-    """An older export's shard index used to survive and be read first: the folder loaded the previous model."""
+    """An older export's shard index used to survive and be read first: the folder loaded the
+    previous model."""
     out = tmp_path / "out"
     old = tiny_model(seed=7, vocab_size=257)
     hf.save_pretrained(old, out, None)
@@ -74,12 +74,15 @@ def test_export_into_an_older_sharded_export_replaces_it_whole(run_dir, tmp_path
     assert sorted(p.name for p in out.iterdir()) == held  # refused: untouched
 
     assert export(run_dir, out, "--overwrite") is None
-    assert sorted(p.name for p in out.iterdir()) == ["baselines.py", "config.json", "configuration_depth_attention.py",
-                                                     "model.py", "model.safetensors", "modeling_depth_attention.py",
+    assert sorted(p.name for p in out.iterdir()) == ["baselines.py", "config.json",
+                                                     "configuration_depth_attention.py", "model.py",
+                                                     "model.safetensors",
+                                                     "modeling_depth_attention.py",
                                                      "tokenizer.json", "tokenizer_config.json"]
     new = load_model(run_dir).model.state_dict()
     assert all(torch.equal(new[k], v) for k, v in weights(out).items())
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]  # no temporary folder left
+    # no temporary folder left
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
 
 
 def test_export_never_overwrites_a_foreign_folder(run_dir, tmp_path, monkeypatch):
@@ -93,7 +96,8 @@ def test_export_never_overwrites_a_foreign_folder(run_dir, tmp_path, monkeypatch
     assert (foreign / "config.json").read_text() == '{"mine": 1}'
     other_run = tmp_path / "other"
     shutil.copytree(run_dir, other_run)
-    assert "other is a train.py run or checkpoint" in one_error_line(export(run_dir, other_run, "--overwrite"))
+    assert "other is a train.py run or checkpoint" in one_error_line(export(run_dir, other_run,
+                                                                            "--overwrite"))
     assert "where the model comes from" in one_error_line(export(run_dir, run_dir))
     (tmp_path / "file").write_text("x")
     assert "is a file" in one_error_line(export(run_dir, tmp_path / "file"))
@@ -131,28 +135,31 @@ def test_a_mismatched_tokenizer_is_refused(tmp_path):
 
 @pytest.fixture
 def tokenizer_run(tmp_path, monkeypatch):
-    """A train.py run on data tokenized with a tokenizer.json named by a path relative to the working
-    directory, as `prepare_data.py text --tokenizer=tok/tokenizer.json` records it."""
+    """A train.py run on data tokenized with a tokenizer.json named by a path relative to the
+    working directory, as `prepare_data.py text --tokenizer=tok/tokenizer.json` records it."""
     monkeypatch.chdir(tmp_path)
     Path("tok").mkdir()
     make_tokenizer_json("tok/tokenizer.json")
     Path("corpus.txt").write_text("the cat sat on the mat. a dog ran under the log.\n" * 60)
     prepare("text", name="tk", tokenizer="tok/tokenizer.json", inputs=["corpus.txt"],
                          out_dir="data", num_proc=1)
-    monkeypatch.setattr(sys, "argv", ["train.py", *TINY, "--dataset=tk", "--data_root=data", "--out_dir=run"])
+    monkeypatch.setattr(sys, "argv", ["train.py", *TINY_EXPORT, "--dataset=tk", "--data_root=data",
+                                      "--out_dir=run"])
     runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
     return tmp_path
 
 
 def greedy(init_from, capsys):
-    sample.main([f"--init_from={init_from}", "--prompt=the cat", "--max_new_tokens=6", "--temperature=0",
-                 "--device=cpu"])
+    sample.main([f"--init_from={init_from}", "--prompt=the cat", "--max_new_tokens=6",
+                 "--temperature=0", "--device=cpu"])
     return capsys.readouterr().out.split("--- sample")[-1]
 
 
-def test_runs_and_exports_carry_their_tokenizer_when_moved(tokenizer_run, tmp_path, monkeypatch, capsys):
-    """The checkpoint held only the tokenizer's path (relative to where train.py ran), and the export copied
-    nothing or copied from that path: both broke once moved or read from another working directory."""
+def test_runs_and_exports_carry_their_tokenizer_when_moved(tokenizer_run, tmp_path, monkeypatch,
+                                                           capsys):
+    """The checkpoint held only the tokenizer's path (relative to where train.py ran), and the
+    export copied nothing or copied from that path: both broke once moved or read from another
+    working directory."""
     expected = greedy("run", capsys)
     assert export("run", "run_hf") is None
     assert (Path("run_hf") / "tokenizer.json").read_text() == Path("tok/tokenizer.json").read_text()
@@ -164,7 +171,8 @@ def test_runs_and_exports_carry_their_tokenizer_when_moved(tokenizer_run, tmp_pa
     monkeypatch.chdir(ROOT)  # another working directory
     assert greedy(moved / "run", capsys) == expected
     assert greedy(moved / "run_hf", capsys) == expected
-    assert export(moved / "run", moved / "again") is None  # the moved checkpoint exports the same tokenizer
+    # the moved checkpoint exports the same tokenizer
+    assert export(moved / "run", moved / "again") is None
     assert (moved / "again" / "tokenizer.json").read_text() == (moved / "run_hf" / "tokenizer.json").read_text()
 
 
@@ -192,7 +200,8 @@ def test_save_pretrained_writes_what_the_export_writes(run_dir, tmp_path):
     (lambda f: (f / "model.safetensors.index.json").write_text("{"), "index.json is not valid JSON"),
 ], ids=["truncated-tail", "truncated-header", "config-truncated", "config-list", "config-type", "stale-index",
         "index-broken"])
-def test_a_damaged_folder_is_one_error_line(run_dir, tmp_path, damage, fragment, monkeypatch, capsys):
+def test_a_damaged_folder_is_one_error_line(run_dir, tmp_path, damage, fragment, monkeypatch,
+                                            capsys):
     folder = tmp_path / "hf"
     assert export(run_dir, folder) is None
     damage(folder)
@@ -201,7 +210,8 @@ def test_a_damaged_folder_is_one_error_line(run_dir, tmp_path, damage, fragment,
     with pytest.raises(USER_ERRORS) as e:
         sample.main([f"--init_from={folder}", "--max_new_tokens=2"])
     assert fragment in one_error_line(f"error: {e.value}")
-    monkeypatch.setattr(sys, "argv", ["train.py", f"--init_from={folder}", f"--out_dir={tmp_path / 'x'}"])
+    monkeypatch.setattr(sys, "argv", ["train.py", f"--init_from={folder}",
+                                      f"--out_dir={tmp_path / 'x'}"])
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
@@ -233,22 +243,23 @@ def test_init_from_hint_names_a_tokenizer_prepare_data_takes(run_dir, tmp_path, 
                          out_dir=str(tmp_path / "data"), num_proc=1)
     capsys.readouterr()  # prepare's progress
     monkeypatch.setattr(sys, "argv", ["train.py", f"--init_from={run_dir}", "--dataset=other",
-                                      f"--data_root={tmp_path / 'data'}", f"--out_dir={tmp_path / 'x'}",
-                                      "--block_size=32"])
+                                      f"--data_root={tmp_path / 'data'}",
+                                      f"--out_dir={tmp_path / 'x'}", "--block_size=32"])
     with pytest.raises(SystemExit) as e:
         runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
     message = one_error_line(capsys.readouterr().err.strip())
     assert e.value.code == EXIT_USER_ERROR
     assert "prepare_data.py --tokenizer=bytes" in message
     prepare("text", name="ok", tokenizer="bytes", inputs=[str(corpus)],
-                         out_dir=str(tmp_path / "data"), num_proc=1)  # the hint's tokenizer is accepted
+                         # the hint's tokenizer is accepted
+                         out_dir=str(tmp_path / "data"), num_proc=1)
     assert os.path.isfile(tmp_path / "data" / "ok" / "meta.json")
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077])
 def test_an_export_has_the_usual_file_modes(run_dir, tmp_path, umask):
-    """model.safetensors came out -rw------- (safetensors' own mode) beside 644 code files: every file takes
-    the mode a plain `cp` would give under the user's umask."""
+    """model.safetensors came out -rw------- (safetensors' own mode) beside 644 code files: every
+    file takes the mode a plain `cp` would give under the user's umask."""
     old = os.umask(umask)
     try:
         assert export(run_dir, tmp_path / "hf") is None

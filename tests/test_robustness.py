@@ -1,12 +1,12 @@
-"""Bad input and faults, as a user meets them. Every case ends in one of three ways: the work continues
-correctly; one `error:` line that names the problem and the fix, with a non-zero exit; or a warning that says
-exactly what changed. Never a traceback, a silent wrong result or lost work: each failing case hashes the
-dataset and the checkpoints before and after.
+"""Bad input and faults, as a user meets them. Every case ends in one of three ways: the work
+continues correctly; one `error:` line that names the problem and the fix, with a non-zero exit; or
+a warning that says exactly what changed. Never a traceback, a silent wrong result or lost work:
+each failing case hashes the dataset and the checkpoints before and after.
 
 The scripts run in this process exactly as `python script.py ARGS` runs them (runpy as __main__; a
-SystemExit message is what the interpreter prints before exiting with 1, any other exception is what it
-prints as a traceback), because a subprocess per case would spend a second or more on imports. A few cases
-also run as real subprocesses to show the interpreter prints the same one line.
+SystemExit message is what the interpreter prints before exiting with 1, any other exception is what
+it prints as a traceback), because a subprocess per case would spend a second or more on imports. A
+few cases also run as real subprocesses to show the interpreter prints the same one line.
 """
 import contextlib
 import fcntl
@@ -28,10 +28,11 @@ import tiktoken.registry
 import torch
 
 from support.checkpoint import read_checkpoint
-from test_train import ENV, ROOT, SINGLE, TINY  # the tiny model and batch of the end-to-end tests
+from helpers import ENV, ROOT, SINGLE, TINY  # the tiny model and batch of the end-to-end tests
 
 SHORT = [*TINY, *SINGLE, "--max_iters=4", "--eval_interval=2", "--ckpt_interval=2", "--eval_seqs=2"]
-TRAIN = [*SHORT, "--data_root={data_root}", "--out_dir={tmp}/new"]  # a fresh out_dir: only the case is wrong
+# a fresh out_dir: only the case is wrong
+TRAIN = [*SHORT, "--data_root={data_root}", "--out_dir={tmp}/new"]
 
 
 def cli(script, *args):
@@ -48,8 +49,10 @@ def cli(script, *args):
         code = 1
     finally:
         sys.argv = argv
-        gc.collect()  # a failed run's frames hold its out_dir lock; release it like a process exit would
-    if isinstance(code, str):  # sys.exit("error: ...") prints the message to stderr and exits with 1
+        # a failed run's frames hold its out_dir lock; release it like a process exit would
+        gc.collect()
+    # sys.exit("error: ...") prints the message to stderr and exits with 1
+    if isinstance(code, str):
         err.write(code + "\n")
         code = 1
     return code or 0, out.getvalue(), err.getvalue()
@@ -63,17 +66,20 @@ def assert_one_error_line(code, out, err, fragment):
 
 
 def snapshot(*folders):
-    """{file: sha256} under the folders; train.lock only holds the pid of whoever last took the lock."""
-    return {p: hashlib.sha256(p.read_bytes()).hexdigest() for folder in folders for p in sorted(Path(folder).rglob("*"))
-            if p.is_file() and p.name != "train.lock"}
+    """{file: sha256} under the folders; train.lock only holds the pid of whoever last took the
+    lock."""
+    return {p: hashlib.sha256(p.read_bytes()).hexdigest() for folder in folders
+            for p in sorted(Path(folder).rglob("*")) if p.is_file() and p.name != "train.lock"}
 
 
 @pytest.fixture(scope="module")
 def world(data_root, tmp_path_factory):
-    """A copy of the tiny dataset and one tiny finished run (4 steps, checkpoints at 2 and 4) to break copies of."""
+    """A copy of the tiny dataset and one tiny finished run (4 steps, checkpoints at 2 and 4) to
+    break copies of."""
     root = tmp_path_factory.mktemp("robust")
     shutil.copytree(data_root / "tiny", root / "data" / "tiny")
-    code, out, err = cli("train.py", *SHORT, f"--data_root={root / 'data'}", f"--out_dir={root / 'run'}")
+    code, out, err = cli("train.py", *SHORT, f"--data_root={root / 'data'}",
+                         f"--out_dir={root / 'run'}")
     assert code == 0, err[-3000:]
     return {"root": root, "data_root": root / "data", "run": root / "run"}
 
@@ -89,7 +95,8 @@ def copy_data(w):
 
 
 def flip(path, entry):
-    """XOR 4 KiB of the file's bytes inside the first tensor of the checkpoint's `entry` (model or optimizer)."""
+    """XOR 4 KiB of the file's bytes inside the first tensor of the checkpoint's `entry` (model or
+    optimizer)."""
     ckpt = torch.load(path, weights_only=True)
     first = next(iter(ckpt[entry].values())) if entry == "model" else ckpt[entry]["state"][0]["exp_avg"]
     data = bytearray(path.read_bytes())
@@ -105,7 +112,8 @@ def truncate(path):
 
 def offline(w, monkeypatch):
     """No gpt2 BPE files cached and no network: tiktoken's download meets a closed port."""
-    monkeypatch.setattr(tiktoken.registry, "ENCODINGS", {})  # forget a gpt2 loaded earlier in this process
+    # forget a gpt2 loaded earlier in this process
+    monkeypatch.setattr(tiktoken.registry, "ENCODINGS", {})
     monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(w["tmp"] / "tiktoken"))
     for var in ("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy"):
         monkeypatch.setenv(var, "http://127.0.0.1:9")
@@ -121,7 +129,8 @@ def bad_meta(w, meta):
 
 def ids_beyond_vocab(w):
     train = copy_data(w) / "train.bin"
-    np.full(train.stat().st_size // 2, 300, dtype=np.uint16).tofile(train)  # same size, so meta.json still agrees
+    # same size, so meta.json still agrees
+    np.full(train.stat().st_size // 2, 300, dtype=np.uint16).tofile(train)
 
 
 def write(name, data):
@@ -138,10 +147,10 @@ CASES = [
     case("train.py", "already holds a checkpoint; continue it with --resume=True, or start over with --overwrite=True",
          *SHORT, "--data_root={data_root}", "--out_dir={run}"),
     case("train.py", "pass one of them", "--out_dir={run}", "--resume=True", "--overwrite=True"),
-    case("train.py", "ckpt.pt is corrupt: its model no longer match", "--out_dir={tmp}/run", "--resume=True",
-         make=lambda w, mp: flip(copy_run(w), "model")),
-    case("train.py", "ckpt.pt is corrupt: its optimizer no longer match", "--out_dir={tmp}/run", "--resume=True",
-         make=lambda w, mp: flip(copy_run(w), "optimizer")),
+    case("train.py", "ckpt.pt is corrupt: its model no longer match", "--out_dir={tmp}/run",
+         "--resume=True", make=lambda w, mp: flip(copy_run(w), "model")),
+    case("train.py", "ckpt.pt is corrupt: its optimizer no longer match", "--out_dir={tmp}/run",
+         "--resume=True", make=lambda w, mp: flip(copy_run(w), "optimizer")),
     case("train.py", "ckpt.pt is not a readable checkpoint", "--out_dir={tmp}/run", "--resume=True",
          make=lambda w, mp: truncate(copy_run(w))),
     case("train.py", "ckpt.pt is not a readable checkpoint", "--out_dir={tmp}/run", "--resume=True",
@@ -150,25 +159,33 @@ CASES = [
          "--out_dir={tmp}", "--resume=True", make=lambda w, mp: torch.save(
              {k: v for k, v in torch.load(w["run"] / "ckpt.pt", weights_only=True).items()
               if k in ("model", "model_config")}, w["tmp"] / "ckpt.pt")),
-    case("train.py", "cannot write to --out_dir=", *TRAIN, "--out_dir={tmp}/file", make=write("file", b"")),
+    case("train.py", "cannot write to --out_dir=", *TRAIN, "--out_dir={tmp}/file",
+         make=write("file", b"")),
     case("train.py", "a run that began from scratch; --init_from=", "--out_dir={tmp}/run", "--resume=True",
          "--init_from={run}", make=lambda w, mp: copy_run(w)),  # recorded as loaded, it never was
 
     case("train.py", "bad.py, line 1: SyntaxError", *TRAIN, "{tmp}/bad.py", make=write("bad.py", b"n_layer = = 3\n")),
     # optimizer ranges
-    case("train.py", "--learning_rate must be a finite number > 0, got -1.0", *TRAIN, "--learning_rate=-1"),
-    case("train.py", "--learning_rate must be a finite number > 0, got inf", *TRAIN, "--learning_rate=1e999"),
+    case("train.py", "--learning_rate must be a finite number > 0, got -1.0", *TRAIN,
+         "--learning_rate=-1"),
+    case("train.py", "--learning_rate must be a finite number > 0, got inf", *TRAIN,
+         "--learning_rate=1e999"),
     case("train.py", "--beta1 must be a finite number in [0, 1), got 1.5", *TRAIN, "--beta1=1.5"),
     case("train.py", "--beta2 must be a finite number in [0, 1), got 1.0", *TRAIN, "--beta2=1"),
     case("train.py", "--adam_eps must be a finite number > 0, got 0.0", *TRAIN, "--adam_eps=0"),
-    case("train.py", "--grad_clip must be a finite number >= 0, got -1.0", *TRAIN, "--grad_clip=-1"),
-    case("train.py", "--weight_decay must be a finite number >= 0, got -1.0", *TRAIN, "--weight_decay=-1"),
-    case("train.py", "--warmup_frac must be a finite number in [0, 1], got 2.0", *TRAIN, "--warmup_frac=2"),
+    case("train.py", "--grad_clip must be a finite number >= 0, got -1.0", *TRAIN,
+         "--grad_clip=-1"),
+    case("train.py", "--weight_decay must be a finite number >= 0, got -1.0", *TRAIN,
+         "--weight_decay=-1"),
+    case("train.py", "--warmup_frac must be a finite number in [0, 1], got 2.0", *TRAIN,
+         "--warmup_frac=2"),
     case("train.py", "--seed must be a finite number >= 0", *TRAIN, "--seed=-1"),
     # devices
     case("train.py", "unknown device 'foo'", *TRAIN, "--device=foo"),
-    case("train.py", "torch sees no CUDA GPU", *TRAIN, "--device=cuda", skip=torch.cuda.is_available()),
-    case("train.py", "mps is not available", *TRAIN, "--device=mps", skip=torch.backends.mps.is_available()),
+    case("train.py", "torch sees no CUDA GPU", *TRAIN, "--device=cuda",
+         skip=torch.cuda.is_available()),
+    case("train.py", "mps is not available", *TRAIN, "--device=mps",
+         skip=torch.backends.mps.is_available()),
     # data
     case("train.py", "meta.json is not a valid prepare_data.py output (JSONDecodeError", *TRAIN,
          "--data_root={tmp}/data", make=lambda w, mp: bad_meta(w, lambda m: "{not json")),
@@ -179,15 +196,21 @@ CASES = [
     case("train.py", "ids up to 299; set --vocab_size=300 or more", *TRAIN, "--data_root={tmp}/data",
          make=lambda w, mp: bad_meta(w, lambda m: json.dumps({**m, "max_token_id": 299}))),
     # sample.py
-    case("sample.py", "--temperature must be a finite number >= 0, got -1.0", "--out_dir={run}", "--temperature=-1"),
-    case("sample.py", "--temperature must be a finite number >= 0, got inf", "--out_dir={run}", "--temperature=inf"),
-    case("sample.py", "--top_k must be a finite number >= 0, got -5", "--out_dir={run}", "--top_k=-5"),
-    case("sample.py", "--num_samples must be a finite number >= 1, got 0", "--out_dir={run}", "--num_samples=0"),
+    case("sample.py", "--temperature must be a finite number >= 0, got -1.0", "--out_dir={run}",
+         "--temperature=-1"),
+    case("sample.py", "--temperature must be a finite number >= 0, got inf", "--out_dir={run}",
+         "--temperature=inf"),
+    case("sample.py", "--top_k must be a finite number >= 0, got -5", "--out_dir={run}",
+         "--top_k=-5"),
+    case("sample.py", "--num_samples must be a finite number >= 1, got 0", "--out_dir={run}",
+         "--num_samples=0"),
     case("sample.py", "--max_new_tokens must be a finite number >= 0, got -5", "--out_dir={run}",
          "--max_new_tokens=-5"),
-    case("sample.py", "nope.txt: No such file or directory", "--out_dir={run}", "--prompt_file={tmp}/nope.txt"),
+    case("sample.py", "nope.txt: No such file or directory", "--out_dir={run}",
+         "--prompt_file={tmp}/nope.txt"),
     case("sample.py", "unknown device 'foo'", "--out_dir={run}", "--device=foo"),
-    case("sample.py", "torch sees no CUDA GPU", "--out_dir={run}", "--device=cuda", skip=torch.cuda.is_available()),
+    case("sample.py", "torch sees no CUDA GPU", "--out_dir={run}", "--device=cuda",
+         skip=torch.cuda.is_available()),
     case("sample.py", "ckpt.pt is corrupt: its model no longer match", "--out_dir={tmp}/run",
          make=lambda w, mp: flip(copy_run(w), "model")),
     case("sample.py", "ckpt.pt is not a readable checkpoint", "--ckpt={tmp}/run/ckpt.pt",
@@ -203,25 +226,31 @@ CASES = [
     case("prepare_data.py", "bad.txt is not UTF-8 (byte 0xe9 at offset 3)", "text", "--input", "{tmp}/good.txt",
          "{tmp}/bad.txt", "--name=tiny", "--out_dir={tmp}/data", "--tokenizer=bytes", "--num_proc=1", "--force",
          make=lambda w, mp: (copy_data(w), write("good.txt", b"fine\n" * 99)(w, mp),
-                             write("bad.txt", b"caf\xe9\n")(w, mp))),  # the --force rebuild fails: tiny is kept
-    case("prepare_data.py", "00.jsonl.zst (ZstdError", "pile", "--input", "{tmp}/00.jsonl.zst", "--tokenizer=bytes",
-         "--out_dir={tmp}/out", make=write("00.jsonl.zst", b"not zstd")),
-    case("prepare_data.py", "no input files match", "text", "--input", "{tmp}/empty", "--tokenizer=bytes",
-         make=lambda w, mp: (w["tmp"] / "empty").mkdir()),
-    case("prepare_data.py", "no text to prepare: the 2 input file(s) are empty", "text", "--input", "{tmp}/e1.txt",
-         "{tmp}/e2.txt", "--tokenizer=bytes", make=lambda w, mp: (write("e1.txt", b"")(w, mp),
-                                                                   write("e2.txt", b"")(w, mp))),
-    case("prepare_data.py", "val_fraction must be in (0, 0.5], got 0.9", "text", "--input", "{tmp}/a.txt",
-         "--val_fraction=0.9", make=write("a.txt", b"text")),
-    case("prepare_data.py", "mine holds files prepare_data.py did not write (notes.txt)", "text", "--input",
-         "{tmp}/a.txt", "--name=mine", "--out_dir={tmp}", "--tokenizer=bytes",
+                             # the --force rebuild fails: tiny is kept
+                             write("bad.txt", b"caf\xe9\n")(w, mp))),
+    case("prepare_data.py", "00.jsonl.zst (ZstdError", "pile", "--input", "{tmp}/00.jsonl.zst",
+         "--tokenizer=bytes", "--out_dir={tmp}/out", make=write("00.jsonl.zst", b"not zstd")),
+    case("prepare_data.py", "no input files match", "text", "--input", "{tmp}/empty",
+         "--tokenizer=bytes", make=lambda w, mp: (w["tmp"] / "empty").mkdir()),
+    case("prepare_data.py", "no text to prepare: the 2 input file(s) are empty", "text", "--input",
+         "{tmp}/e1.txt", "{tmp}/e2.txt", "--tokenizer=bytes", make=lambda w, mp: (write("e1.txt",
+                                                                                        b"")(w, mp),
+                                                                                  write("e2.txt",
+                                                                                        b"")(w,
+                                                                                             mp))),
+    case("prepare_data.py", "val_fraction must be in (0, 0.5], got 0.9", "text", "--input",
+         "{tmp}/a.txt", "--val_fraction=0.9", make=write("a.txt", b"text")),
+    case("prepare_data.py", "mine holds files prepare_data.py did not write (notes.txt)", "text",
+         "--input", "{tmp}/a.txt", "--name=mine", "--out_dir={tmp}", "--tokenizer=bytes",
          make=lambda w, mp: ((w["tmp"] / "mine").mkdir(), write("mine/notes.txt", b"mine")(w, mp),
                              write("a.txt", b"text")(w, mp))),
-    case("prepare_data.py", "zeros.bin looks binary (4096 of its 4096 bytes are NUL): leave it out", "text",
-         "--input", "{tmp}/a.txt", "{tmp}/zeros.bin", "--tokenizer=bytes", "--out_dir={tmp}/out",
-         make=lambda w, mp: (write("a.txt", b"text\n" * 9)(w, mp), write("zeros.bin", bytes(4096))(w, mp))),
+    case("prepare_data.py", "zeros.bin looks binary (4096 of its 4096 bytes are NUL): leave it out",
+         "text", "--input", "{tmp}/a.txt", "{tmp}/zeros.bin", "--tokenizer=bytes",
+         "--out_dir={tmp}/out", make=lambda w, mp: (write("a.txt", b"text\n" * 9)(w, mp),
+                                                    write("zeros.bin", bytes(4096))(w, mp))),
     *(case("prepare_data.py", "must be a folder name, not a path", "text", "--input", "{tmp}/a.txt",
-           f"--name={name}", "--tokenizer=bytes", "--out_dir={tmp}/out", make=write("a.txt", b"text"))
+           f"--name={name}", "--tokenizer=bytes", "--out_dir={tmp}/out", make=write("a.txt",
+                                                                                    b"text"))
       for name in ("../x", "{tmp}/abs", "..", "a/b")),
     # nothing is written inside a sharded checkpoint, which the run's next save replaces whole
     *(case(script, "a sharded checkpoint that the run's next save replaces whole", *args)
@@ -232,18 +261,22 @@ CASES = [
                             ("bench_cache.py", "--json={tmp}/r/ckpt.dcp.old/bench.json"),
                             ("ablate.py", "--out={tmp}/r/ckpt.dcp/sweep")]),
     # bench_cache.py and ablate.py
-    case("bench_cache.py", "unknown preset 'foo'; choose one of paper_3b, paper_1p5b", "--preset=foo"),
+    case("bench_cache.py", "unknown preset 'foo'; choose one of paper_3b, paper_1p5b",
+         "--preset=foo"),
     case("bench_cache.py", "unknown mode 'foo'; choose from vanilla", "--modes=foo"),
     case("bench_cache.py", "unknown device 'foo'", "--device=foo"),
-    case("bench_cache.py", "runs on cpu, cuda (or auto), not 'cuda:0'", "--device=cuda:0"),  # cuda = the current GPU
+    # cuda = the current GPU
+    case("bench_cache.py", "runs on cpu, cuda (or auto), not 'cuda:0'", "--device=cuda:0"),
     case("ablate.py", "--seeds must be a finite number >= 1, got 0", "--seeds=0"),
     case("ablate.py", "--jobs must be a finite number >= 1, got 0", "--jobs=0"),
-    case("ablate.py", "argument '--compile' must look like --key=value", "--out={tmp}/sweep", "--", "--compile"),
+    case("ablate.py", "argument '--compile' must look like --key=value", "--out={tmp}/sweep", "--",
+         "--compile"),
 ]
 
 
 @pytest.mark.parametrize("script, args, fragment, make", CASES)
-def test_bad_input_is_one_error_line_and_changes_nothing(world, tmp_path, monkeypatch, script, args, fragment, make):
+def test_bad_input_is_one_error_line_and_changes_nothing(world, tmp_path, monkeypatch, script, args,
+                                                         fragment, make):
     w = {**world, "tmp": tmp_path}
     if make:
         make(w, monkeypatch)
@@ -260,13 +293,15 @@ def test_bad_input_is_one_error_line_and_changes_nothing(world, tmp_path, monkey
 ])
 def test_the_interpreter_prints_the_same_one_line(world, tmp_path, script, args, fragment):
     flip(copy_run({**world, "tmp": tmp_path}), "model")
-    proc = subprocess.run([sys.executable, script, *(a.format(**world, tmp=tmp_path) for a in args)], cwd=ROOT,
-                          env=ENV, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, script, *(a.format(**world, tmp=tmp_path)
+                                                     for a in args)], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.splitlines() == [proc.stderr.strip()], proc.stderr[-2000:]
     assert_one_error_line(proc.returncode, proc.stdout, proc.stderr, fragment)
 
 
-# ----------------------------------------------------------------------------- the work continues correctly
+# ----------------------------------------------------------------------------- the work continues
+# correctly
 
 def test_a_second_writer_is_refused_and_a_released_lock_blocks_nothing(world, tmp_path):
     copy_run({**world, "tmp": tmp_path})
@@ -274,9 +309,11 @@ def test_a_second_writer_is_refused_and_a_released_lock_blocks_nothing(world, tm
     with open(run / "train.lock", "a") as held:  # a live run holds the lock
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
         before = snapshot(run)
-        assert_one_error_line(*cli("train.py", f"--out_dir={run}", "--resume=True"), f"is writing to {run}")
+        assert_one_error_line(*cli("train.py", f"--out_dir={run}", "--resume=True"),
+                              f"is writing to {run}")
         assert snapshot(run) == before
-    code, out, err = cli("train.py", f"--out_dir={run}", "--resume=True")  # that run is gone: its lock with it
+    # that run is gone: its lock with it
+    code, out, err = cli("train.py", f"--out_dir={run}", "--resume=True")
     assert code == 0 and "done: step 4" in out, err[-2000:]
 
 
@@ -284,16 +321,19 @@ def test_resume_names_changed_keys_and_config_json_keeps_the_history(world, tmp_
     copy_run({**world, "tmp": tmp_path})
     run = tmp_path / "run"
     (run / "ckpt.pt.tmp12345").write_bytes(b"torn")  # a checkpoint write cut short by a kill
-    code, out, err = cli("train.py", f"--out_dir={run}", "--resume=True", "--max_iters=6", "--learning_rate=5e-3")
+    code, out, err = cli("train.py", f"--out_dir={run}", "--resume=True", "--max_iters=6",
+                         "--learning_rate=5e-3")
     assert code == 0 and "Traceback" not in err, err[-2000:]
     assert "warning: resuming at step 4 with changed settings: max_iters 4 -> 6, learning_rate 0.01 -> 0.005" in err
     config = json.loads((run / "config.json").read_text())
     assert config["max_iters"] == 6 and config["resumes"] == [
         {"step": 4, "changed": {"max_iters": [4, 6], "learning_rate": [0.01, 0.005]}}]
     assert read_checkpoint(run / "ckpt.pt")["step"] == 6 and not list(run.glob("ckpt.pt.tmp*"))
-    code, _, err = cli("train.py", f"--out_dir={run}", "--resume=True")  # unchanged: no warning, one more entry
+    # unchanged: no warning, one more entry
+    code, _, err = cli("train.py", f"--out_dir={run}", "--resume=True")
     assert code == 0 and "warning" not in err
-    assert json.loads((run / "config.json").read_text())["resumes"][-1] == {"step": 6, "changed": {}}
+    assert json.loads((run / "config.json").read_text())["resumes"][-1] == {"step": 6,
+                                                                            "changed": {}}
 
 
 def test_overwrite_starts_over(world, tmp_path):
@@ -303,7 +343,8 @@ def test_overwrite_starts_over(world, tmp_path):
                        "--overwrite=True", "--max_iters=2")
     assert code == 0 and f"warning: --overwrite=True: deleted {run / 'ckpt.pt'}" in err, err[-2000:]
     steps = [json.loads(line)["step"] for line in (run / "log.jsonl").read_text().splitlines()]
-    assert steps == [0, 1, 2, 2] and read_checkpoint(run / "ckpt.pt")["step"] == 2  # one run's log, not two
+    # one run's log, not two
+    assert steps == [0, 1, 2, 2] and read_checkpoint(run / "ckpt.pt")["step"] == 2
 
 
 def test_divergence_stops_before_a_bad_checkpoint(world, tmp_path):
@@ -314,7 +355,8 @@ def test_divergence_stops_before_a_bad_checkpoint(world, tmp_path):
     assert "its last checkpoint (step 1) is kept: lower --learning_rate" in err
     ckpt = read_checkpoint(out / "ckpt.pt")  # verified: intact, and finite
     assert ckpt["step"] == 1 and all(t.isfinite().all() for t in ckpt["model"].values())
-    assert all(json.loads(line)["step"] <= 1 for line in (out / "log.jsonl").read_text().splitlines())
+    assert all(json.loads(line)["step"] <= 1
+               for line in (out / "log.jsonl").read_text().splitlines())
 
 
 def test_a_full_disk_keeps_the_previous_checkpoint(world, tmp_path, monkeypatch):
@@ -339,12 +381,14 @@ def test_a_checkpoint_without_checksums_loads_with_a_warning(world, tmp_path):
     ckpt = torch.load(world["run"] / "ckpt.pt", weights_only=True)
     del ckpt["checksums"]
     torch.save(ckpt, tmp_path / "old.pt")
-    code, out, err = cli("sample.py", f"--ckpt={tmp_path / 'old.pt'}", "--max_new_tokens=0", "--prompt=the")
+    code, out, err = cli("sample.py", f"--ckpt={tmp_path / 'old.pt'}", "--max_new_tokens=0",
+                         "--prompt=the")
     assert code == 0 and "has no checksums" in err and out.endswith("the\n"), err[-2000:]
 
 
 def test_optimizer_damage_does_not_stop_sampling(world, tmp_path):
-    """sample.py verifies what it reads: the model. Resume verifies everything (see the cases above)."""
+    """sample.py verifies what it reads: the model. Resume verifies everything (see the cases
+    above)."""
     flip(copy_run({**world, "tmp": tmp_path}), "optimizer")
     code, out, err = cli("sample.py", f"--out_dir={tmp_path / 'run'}", "--max_new_tokens=3")
     assert code == 0 and "3 new tokens" in out, err[-2000:]
@@ -353,8 +397,8 @@ def test_optimizer_damage_does_not_stop_sampling(world, tmp_path):
 def test_single_text_file_is_split_inside(tmp_path):
     text = "".join(f"line {i} of the only file\n" for i in range(200))
     (tmp_path / "one.txt").write_text(text)
-    code, out, err = cli("prepare_data.py", "text", "--input", tmp_path / "one.txt", "--out_dir", tmp_path / "out",
-                         "--tokenizer=bytes", "--num_proc=1")
+    code, out, err = cli("prepare_data.py", "text", "--input", tmp_path / "one.txt", "--out_dir",
+                         tmp_path / "out", "--tokenizer=bytes", "--num_proc=1")
     assert code == 0, err[-2000:]
     data = tmp_path / "out" / "text"
     train, val = (np.fromfile(data / f"{s}.bin", dtype=np.uint16) for s in ("train", "val"))
@@ -367,10 +411,12 @@ def test_single_text_file_is_split_inside(tmp_path):
 def test_non_utf8_is_replaced_on_request_with_a_count(tmp_path):
     (tmp_path / "a.txt").write_bytes(b"caf\xe9 and \xff\xfe\n" * 10)
     (tmp_path / "b.txt").write_text("plain\n" * 10)
-    code, out, err = cli("prepare_data.py", "text", "--input", tmp_path / "a.txt", tmp_path / "b.txt", "--out_dir",
-                         tmp_path / "out", "--tokenizer=bytes", "--num_proc=1", "--decode_errors=replace")
+    code, out, err = cli("prepare_data.py", "text", "--input", tmp_path / "a.txt",
+                         tmp_path / "b.txt", "--out_dir", tmp_path / "out", "--tokenizer=bytes",
+                         "--num_proc=1", "--decode_errors=replace")
     assert code == 0 and f"warning: {tmp_path / 'a.txt'} is not UTF-8: 30 invalid bytes read as U+FFFD" in err
-    val = np.fromfile(tmp_path / "out" / "text" / "val.bin", dtype=np.uint16)  # a.txt is document 0: val
+    # a.txt is document 0: val
+    val = np.fromfile(tmp_path / "out" / "text" / "val.bin", dtype=np.uint16)
     assert bytes(val[:-1].astype(np.uint8)).decode() == "caf\ufffd and \ufffd\ufffd\n" * 10
 
 
@@ -381,12 +427,14 @@ def test_temporaries_of_killed_runs_are_removed(world, tmp_path):
     before = snapshot(data)
     (tmp_path / "data" / f"tiny.tmp{dead.pid}").mkdir()
     (tmp_path / "data" / f"tiny.tmp{dead.pid}" / "train.bin").write_bytes(b"\0" * 1000)
-    (data / f"train.bin.tmp{dead.pid}").write_bytes(b"\0" * 1000)  # the older naming, inside the dataset
+    # the older naming, inside the dataset
+    (data / f"train.bin.tmp{dead.pid}").write_bytes(b"\0" * 1000)
     (tmp_path / "data" / f"tiny.tmp{os.getppid()}").mkdir()  # a live process's build is left alone
-    shutil.copytree(data, tmp_path / "data" / f"other.old{dead.pid}")  # a swap killed between its two renames
+    # a swap killed between its two renames
+    shutil.copytree(data, tmp_path / "data" / f"other.old{dead.pid}")
     for name in ("tiny", "other"):
-        code, out, err = cli("prepare_data.py", "text", "--input", "unused", "--name", name, "--out_dir",
-                             tmp_path / "data")
+        code, out, err = cli("prepare_data.py", "text", "--input", "unused", "--name", name,
+                             "--out_dir", tmp_path / "data")
         assert code == 0 and "is already prepared" in out, err[-2000:]
     assert sorted(p.name for p in (tmp_path / "data").iterdir()) == sorted(["tiny", "other", f"tiny.tmp{os.getppid()}"])
     assert snapshot(data) == before and snapshot(tmp_path / "data" / "other") == {
@@ -394,8 +442,8 @@ def test_temporaries_of_killed_runs_are_removed(world, tmp_path):
 
 
 def test_a_resume_keeps_the_weights_it_began_from(world, tmp_path):
-    """--resume=True with another --init_from used to continue the checkpoint while config.json recorded
-    the other weights; the same weights, however spelled, continue."""
+    """--resume=True with another --init_from used to continue the checkpoint while config.json
+    recorded the other weights; the same weights, however spelled, continue."""
     run, tune = world["run"], tmp_path / "tune"
     code, _, err = cli("train.py", *SHORT, f"--data_root={world['data_root']}", f"--out_dir={tune}",
                        f"--init_from={run}", "--max_iters=2")
@@ -406,22 +454,30 @@ def test_a_resume_keeps_the_weights_it_began_from(world, tmp_path):
     assert code == 0 and "done: step 4" in out, err[-2000:]
     assert json.loads((tune / "config.json").read_text())["init_from"] in (str(run), spelled)
     code, out, err = cli("train.py", f"--out_dir={tune}", "--resume=True", f"--init_from={tune}")
-    assert_one_error_line(code, out, err, f"a run that began from --init_from={spelled}; --init_from={tune}")
+    assert_one_error_line(code, out, err,
+                          f"a run that began from --init_from={spelled}; --init_from={tune}")
 
 
-@pytest.mark.parametrize("args, warned", [
-    (["--depth_mode=value", "--lime_router_lr_mult=2"], {"lime_router_lr_mult": "only depth_mode=lime"}),
-    (["--depth_mode=vanilla", "--depth_stride=2", "--depth_recent_window=1"],
-     {"depth_stride": "depth_mode=vanilla has no depth step", "depth_recent_window": "has no depth step"}),
-    (["--qk_norm=False", "--k_norm_after_rope=True"], {"k_norm_after_rope": "--qk_norm=False has no k_norm"}),
-    (["--depth_mode=vanilla", "--residual=attnres", "--mhc_num_streams=2", "--denseformer_dwa_period=2"],
-     {"mhc_num_streams": "only --residual=mhc", "denseformer_dwa_period": "only --residual=denseformer"}),
-    (["--depth_mode=lime", "--lime_router_lr_mult=2", "--depth_stride=1"], {}),
-    (["--depth_mode=vanilla", "--residual=mhc", "--mhc_num_streams=2"], {}),
-])
+@pytest.mark.parametrize("args, warned", [(["--depth_mode=value", "--lime_router_lr_mult=2"],
+                                           {"lime_router_lr_mult": "only depth_mode=lime"}),
+                                          (["--depth_mode=vanilla", "--depth_stride=2",
+                                            "--depth_recent_window=1"],
+                                           {"depth_stride": "depth_mode=vanilla has no depth step",
+                                            "depth_recent_window": "has no depth step"}),
+                                          (["--qk_norm=False", "--k_norm_after_rope=True"],
+                                           {"k_norm_after_rope": "--qk_norm=False has no k_norm"}),
+                                          (["--depth_mode=vanilla", "--residual=attnres",
+                                            "--mhc_num_streams=2", "--denseformer_dwa_period=2"],
+                                           {"mhc_num_streams": "only --residual=mhc",
+                                            "denseformer_dwa_period": "only --residual=denseformer"}),
+                                          (["--depth_mode=lime", "--lime_router_lr_mult=2",
+                                            "--depth_stride=1"], {}), (["--depth_mode=vanilla",
+                                                                        "--residual=mhc",
+                                                                        "--mhc_num_streams=2"], {}),
+                                          ])
 def test_a_key_the_model_ignores_is_named(world, tmp_path, args, warned):
-    """--lime_router_lr_mult on a run that is not lime was taken without a word: each key the run's model
-    has no use for is a warning naming it; a key the model reads is not."""
+    """--lime_router_lr_mult on a run that is not lime was taken without a word: each key the run's
+    model has no use for is a warning naming it; a key the model reads is not."""
     code, out, err = cli("train.py", *SHORT, "--max_iters=1", f"--data_root={world['data_root']}",
                          f"--out_dir={tmp_path / 'run'}", *args)
     assert code == 0, err[-2000:]

@@ -1,6 +1,7 @@
-"""Ctrl-C and SIGTERM stop train.py cleanly: the step in flight finishes, a checkpoint of it is written, the
-process exits 128 + the signal with one line saying how to continue, and continuing gives the run that was never
-stopped; under torchrun a signal to one rank stops every rank at the same step."""
+"""Ctrl-C and SIGTERM stop train.py cleanly: the step in flight finishes, a checkpoint of it is
+written, the process exits 128 + the signal with one line saying how to continue, and continuing
+gives the run that was never stopped; under torchrun a signal to one rank stops every rank at the
+same step."""
 import os
 import signal
 import subprocess
@@ -11,23 +12,26 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_train import ENV, ROOT, TINY, max_diff, read_log, run
+from helpers import ENV, ROOT, TINY, max_diff, read_log, run
 
-RUN = [*TINY, "--max_iters=400", "--eval_interval=10", "--ckpt_interval=0"]  # long enough to be interrupted
+# long enough to be interrupted
+RUN = [*TINY, "--max_iters=400", "--eval_interval=10", "--ckpt_interval=0"]
 UNTIL = 40  # every run is compared up to this step
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(data_root, tmp_path_factory):
     out = tmp_path_factory.mktemp("uninterrupted")
-    run("train.py", *RUN, "--micro_batch=4", "--batch_tokens=256", f"--data_root={data_root}", f"--out_dir={out}",
-        f"--stop_at_step={UNTIL}")
+    run("train.py", *RUN, "--micro_batch=4", "--batch_tokens=256", f"--data_root={data_root}",
+        f"--out_dir={out}", f"--stop_at_step={UNTIL}")
     return read_log(out)
 
 
 def interrupt(command, out_dir, signum, target=lambda proc: proc.pid):
-    """Start command, send signum to target(proc) once two steps are logged; (returncode, stdout, stderr)."""
-    proc = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """Start command, send signum to target(proc) once two steps are logged; (returncode, stdout,
+    stderr)."""
+    proc = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
     log, deadline = Path(out_dir) / "log.jsonl", time.time() + 120
     while not (log.is_file() and log.read_text().count('"kind": "train"') >= 2):
         assert proc.poll() is None and time.time() < deadline, proc.communicate()
@@ -40,15 +44,17 @@ def interrupt(command, out_dir, signum, target=lambda proc: proc.pid):
 def stopped_step(out_dir):
     step = torch.load(Path(out_dir) / "ckpt.pt", weights_only=True)["step"]
     assert 2 <= step < UNTIL, f"the run stopped at step {step}, outside the compared range"
-    assert max(s for kind, s in read_log(out_dir) if kind == "train") == step  # nothing after the checkpoint
+    # nothing after the checkpoint
+    assert max(s for kind, s in read_log(out_dir) if kind == "train") == step
     return step
 
 
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_a_signal_stops_with_a_checkpoint_and_resuming_is_the_same_run(uninterrupted, data_root, tmp_path,
-                                                                       signum):
-    code, _, err = interrupt([sys.executable, "train.py", *RUN, "--micro_batch=4", "--batch_tokens=256",
-                              f"--data_root={data_root}", f"--out_dir={tmp_path}"], tmp_path, signum)
+def test_a_signal_stops_with_a_checkpoint_and_resuming_is_the_same_run(uninterrupted, data_root,
+                                                                       tmp_path, signum):
+    code, _, err = interrupt([sys.executable, "train.py", *RUN, "--micro_batch=4",
+                              "--batch_tokens=256", f"--data_root={data_root}",
+                              f"--out_dir={tmp_path}"], tmp_path, signum)
     step = stopped_step(tmp_path)
     assert code == 128 + signum, err
     assert err.strip().splitlines()[-1] == (f"stopped by {signal.Signals(signum).name} after step {step}, saved to "
@@ -73,11 +79,14 @@ def rank_pid(launcher, rank):
 
 def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(uninterrupted, data_root, tmp_path):
     torchrun = (sys.executable, "-m", "torch.distributed.run")
-    two_ranks = ["--micro_batch=2", "--batch_tokens=256"]  # 2 ranks x 2 micro-steps x 2 sequences, as one process
-    code, _, err = interrupt([*torchrun, "--standalone", "--nproc_per_node=2", "train.py", *RUN, *two_ranks, f"--data_root={data_root}",
-                              f"--out_dir={tmp_path}"], tmp_path, signal.SIGTERM, lambda p: rank_pid(p, 1))
+    # 2 ranks x 2 micro-steps x 2 sequences, as one process
+    two_ranks = ["--micro_batch=2", "--batch_tokens=256"]
+    code, _, err = interrupt([*torchrun, "--standalone", "--nproc_per_node=2", "train.py", *RUN,
+                              *two_ranks, f"--data_root={data_root}", f"--out_dir={tmp_path}"],
+                             tmp_path, signal.SIGTERM, lambda p: rank_pid(p, 1))
     step = stopped_step(tmp_path)
-    assert code != 0 and f"stopped by SIGTERM after step {step}" in err, err  # rank 0 saved and said so
+    # rank 0 saved and said so
+    assert code != 0 and f"stopped by SIGTERM after step {step}" in err, err
     run("--standalone", "--nproc_per_node=2", "train.py", f"--out_dir={tmp_path}", "--resume=True",
         f"--stop_at_step={UNTIL}", launcher=torchrun)
     diff = max_diff(read_log(tmp_path), uninterrupted)

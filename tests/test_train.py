@@ -1,12 +1,10 @@
 """train.py and sample.py end to end, as a user runs them: subprocesses on a tiny byte-level corpus.
 
-One reference run (fixture) is the yardstick: two gloo ranks, a resumed run and a run killed while writing
-its checkpoint must all reproduce its losses.
+One reference run (fixture) is the yardstick: two gloo ranks, a resumed run and a run killed while
+writing its checkpoint must all reproduce its losses.
 """
 import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -17,40 +15,14 @@ import torch
 from baselines import make_config
 from support import run_config
 from support.errors import ConfigError
-
-ROOT = Path(__file__).resolve().parent.parent
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # two ranks share two cores; same threads in every run
-TINY = ["--dataset=tiny", "--n_layer=3", "--n_head=2", "--n_kv_head=1", "--head_dim=8", "--n_embd=16",
-        "--mlp_hidden=32", "--block_size=32", "--learning_rate=1e-2", "--max_iters=16", "--eval_interval=4",
-        "--eval_seqs=6", "--log_interval=4", "--ckpt_interval=4", "--sample_tokens=0"]
-SINGLE = ["--micro_batch=4", "--batch_tokens=256"]  # 8 sequences per step: 2 micro-steps in one process
-
-
-def run(*args, launcher=(sys.executable,), check=True):
-    proc = subprocess.run([*launcher, *map(str, args)], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                          timeout=300)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return proc
-
-
-def read_log(out_dir):
-    """{(kind, step): loss} from out_dir/log.jsonl, asserting each step was logged once."""
-    records = [json.loads(line) for line in (Path(out_dir) / "log.jsonl").read_text().splitlines()]
-    losses = {(r["kind"], r["step"]): r.get("train_loss", r.get("val_loss")) for r in records}
-    assert len(losses) == len(records), "a step was logged twice"
-    return losses
-
-
-def max_diff(a, b):
-    assert a.keys() == b.keys(), f"different steps logged: {sorted(a.keys() ^ b.keys())}"
-    return max(abs(a[k] - b[k]) for k in a)
+from helpers import ROOT, SINGLE, TINY, log_records, max_diff, read_log, run
 
 
 @pytest.fixture(scope="module")
 def reference(data_root, tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
-    proc = run("train.py", *TINY, *SINGLE, f"--data_root={data_root}", f"--out_dir={out}", "--sample_tokens=20")
+    proc = run("train.py", *TINY, *SINGLE, f"--data_root={data_root}", f"--out_dir={out}",
+               "--sample_tokens=20")
     return out, proc.stdout
 
 
@@ -62,13 +34,13 @@ def test_training_lowers_loss(reference):
     assert "eval step 16 | val_loss" in stdout and "step 16 | train_loss" in stdout
     assert "sample (20 tokens)" in stdout
     config = json.loads((out / "config.json").read_text())
-    assert config["n_layer"] == 3 and config["vocab_size"] == 257  # vocab_size=None followed meta.json
+    # vocab_size=None followed meta.json
+    assert config["n_layer"] == 3 and config["vocab_size"] == 257
 
 
 def eval_weights(out_dir):
     """{step: the depth_weights of its eval record} from out_dir/log.jsonl."""
-    records = [json.loads(line) for line in (Path(out_dir) / "log.jsonl").read_text().splitlines()]
-    return {r["step"]: r.get("depth_weights") for r in records if r["kind"] == "eval"}
+    return {r["step"]: r.get("depth_weights") for r in log_records(out_dir) if r["kind"] == "eval"}
 
 
 def test_every_evaluation_logs_the_depth_weights(reference):
@@ -100,7 +72,8 @@ def test_wandb_gets_the_depth_weights_as_one_series_each(tmp_path):
         def log(self, values, step):
             self.logged = (values, step)
     run = Run()
-    record = {"kind": "eval", "step": 8, "val_loss": 2.5, "depth_weights": {"2": {"0": 0.25, "2": 0.75}}}
+    record = {"kind": "eval", "step": 8, "val_loss": 2.5, "depth_weights": {"2": {"0": 0.25,
+                                                                                  "2": 0.75}}}
     log(record, tmp_path, run)
     assert run.logged == ({"kind": "eval", "val_loss": 2.5, "depth_weight/2/0": 0.25,
                            "depth_weight/2/2": 0.75}, 8)
@@ -108,20 +81,24 @@ def test_wandb_gets_the_depth_weights_as_one_series_each(tmp_path):
 
 
 def test_two_gloo_ranks_match_one_process(reference, data_root, tmp_path):
-    # Same global batch: 2 ranks x 2 micro-steps x 2 sequences = 1 process x 2 micro-steps x 4 sequences.
+    # Same global batch: 2 ranks x 2 micro-steps x 2 sequences = 1 process x 2 micro-steps x 4
+    # sequences.
     run("--standalone", "--nproc_per_node=2", "train.py", *TINY, "--micro_batch=2", "--batch_tokens=256",
         f"--data_root={data_root}", f"--out_dir={tmp_path}",
         launcher=(sys.executable, "-m", "torch.distributed.run"))
     diff = max_diff(read_log(tmp_path), read_log(reference[0]))
     assert diff < 1e-5, f"DDP and single-process losses differ by up to {diff:.3e}"
     ranks, one = eval_weights(tmp_path), eval_weights(reference[0])  # each rank scored its windows
-    assert all(abs(ranks[s][e][c] - w) < 1e-5 for s in one for e in one[s] for c, w in one[s][e].items())
+    assert all(abs(ranks[s][e][c] - w) < 1e-5 for s in one for e in one[s] for c,
+               w in one[s][e].items())
 
 
 def test_resume_reproduces_the_uninterrupted_run(reference, data_root, tmp_path):
-    run("train.py", *TINY, *SINGLE, f"--data_root={data_root}", f"--out_dir={tmp_path}", "--stop_at_step=6")
+    run("train.py", *TINY, *SINGLE, f"--data_root={data_root}", f"--out_dir={tmp_path}",
+        "--stop_at_step=6")
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 6
-    run("train.py", f"--out_dir={tmp_path}", "--resume=True")  # everything else comes from the checkpoint
+    # everything else comes from the checkpoint
+    run("train.py", f"--out_dir={tmp_path}", "--resume=True")
     diff = max_diff(read_log(tmp_path), read_log(reference[0]))
     assert diff == 0, f"resumed losses differ from the uninterrupted run by up to {diff:.3e}"
 
@@ -154,7 +131,8 @@ def test_kill_during_checkpoint_write_keeps_the_previous_one(reference, data_roo
     assert len(torn) == 1, torn
     with pytest.raises(Exception):
         torch.load(torn[0], weights_only=True)  # the torn write is unreadable...
-    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 4  # ...and never replaced ckpt.pt
+    # ...and never replaced ckpt.pt
+    assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 4
     run("train.py", *args, "--resume=True")
     diff = max_diff(read_log(tmp_path), read_log(reference[0]))
     assert diff == 0, f"losses after the crash and resume differ by up to {diff:.3e}"
@@ -179,49 +157,59 @@ def test_sample_generates_the_requested_tokens(reference):
     (["--resume=True"], "no checkpoint at"),
 ])
 def test_train_bad_inputs_fail_clearly(data_root, tmp_path, args, message):
-    proc = run("train.py", *TINY, *SINGLE, f"--data_root={data_root}", f"--out_dir={tmp_path}", *args, check=False)
+    proc = run("train.py", *TINY, *SINGLE, f"--data_root={data_root}", f"--out_dir={tmp_path}",
+               *args, check=False)
     assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
 
 
 def test_sample_prompt_too_long_fails_clearly(reference):
-    proc = run("sample.py", f"--out_dir={reference[0]}", "--prompt=" + "x" * 40, "--max_new_tokens=5", check=False)
+    proc = run("sample.py", f"--out_dir={reference[0]}", "--prompt=" + "x" * 40,
+               "--max_new_tokens=5", check=False)
     assert proc.returncode != 0 and "exceeds the context length block_size=32" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
 def test_config_files_resolve():
-    """Every shipped config (ablations on top of their base) names only known keys and builds a ModelConfig;
-    each vanilla twin differs from its value run in depth_mode, out_dir and the stride it has no use for;
-    shakespeare.py is the default. None sets a key its model ignores (train.py would warn)."""
+    """Every shipped config (ablations on top of their base) names only known keys and builds a
+    ModelConfig; each vanilla twin differs from its value run in depth_mode, out_dir and the stride
+    it has no use for; shakespeare.py is the default. None sets a key its model ignores (train.py
+    would warn)."""
     defaults, configs = run_config.DEFAULTS, ROOT / "configs"
 
     def resolve(*names):
         cfg = run_config.parse_args([str(configs / n) for n in names])
-        make_config(**{k: cfg[k] for k in run_config.MODEL_KEYS} | {"vocab_size": cfg["vocab_size"] or 257})
+        make_config(**{k: cfg[k] for k in run_config.MODEL_KEYS} | {"vocab_size": cfg["vocab_size"]
+                                                                    or 257})
         assert not run_config.ignored_keys(cfg), names
         return cfg
 
     runs = {p.name: resolve(p.name) for p in configs.glob("*.py")}
     assert runs["shakespeare.py"] == defaults
-    for name, cfg in runs.items():  # torchrun --nproc_per_node=2 of any shipped config runs as it is
+    # torchrun --nproc_per_node=2 of any shipped config runs as it is
+    for name, cfg in runs.items():
         for world in (1, 2, 8):
             mb, accum, rows = run_config.batch_layout(cfg, world)
-            assert mb * accum * world == rows == cfg["batch_tokens"] // cfg["block_size"], (name, world)
+            assert mb * accum * world == rows == cfg["batch_tokens"] // cfg["block_size"], (name,
+                                                                                            world)
     for name in [n for n in runs if n.endswith("_vanilla.py")]:
         twin, ours = runs[name.replace("_vanilla", "_value")], runs[name]
-        assert {k for k in ours if ours[k] != twin[k]} <= {"depth_mode", "out_dir", "depth_stride"}, name
+        assert {k for k in ours if ours[k] != twin[k]} <= {"depth_mode", "out_dir",
+                                                           "depth_stride"}, name
         assert ours["depth_stride"] is None and ours["depth_mode"] == "vanilla", name
-    deltas = [p.name for p in (configs / "ablations").glob("*.py") if p.name not in ("base.py", "cpu.py")]
+    deltas = [p.name for p in (configs / "ablations").glob("*.py") if p.name not in ("base.py",
+                                                                                     "cpu.py")]
     for base in ("base.py", "cpu.py"):  # the GPU and the CPU base of the sweep take the same deltas
         runs = {d: resolve(f"ablations/{base}", f"ablations/{d}") for d in deltas}
-        half, value = runs["stride_half.py"], runs["mode_value.py"]  # the same run: None means n_layer // 2
+        # the same run: None means n_layer // 2
+        half, value = runs["stride_half.py"], runs["mode_value.py"]
         assert {k for k in half if half[k] != value[k]} == {"depth_stride", "out_dir"}
         assert value["depth_stride"] is None and half["depth_stride"] == value["n_layer"] // 2
 
 
 def test_micro_batch_follows_the_world_size():
-    """micro_batch=None takes each rank's whole share; an explicit one that cannot divide it names the fix."""
+    """micro_batch=None takes each rank's whole share; an explicit one that cannot divide it names
+    the fix."""
     layout = run_config.batch_layout
     cfg = {"block_size": 256, "batch_tokens": 4096, "micro_batch": None}
     assert layout(cfg, 1) == (16, 1, 16) and layout(cfg, 2) == (8, 1, 16) and layout(cfg, 16) == (1, 1, 16)
@@ -232,11 +220,13 @@ def test_micro_batch_follows_the_world_size():
         layout({**cfg, "batch_tokens": 4000}, 2)
 
 
-@pytest.mark.parametrize("script", ["train.py", "sample.py", "prepare_data.py", "bench_cache.py", "ablate.py"])
+@pytest.mark.parametrize("script", ["train.py", "sample.py", "prepare_data.py", "bench_cache.py",
+                                    "ablate.py"])
 def test_every_script_answers_help(script):
     for flag in ("--help", "-h") if script == "train.py" else ("--help",):  # -h takes the same path
         proc = run(script, flag)
-        shown = "usage:" in proc.stdout or "keys (--key=value" in proc.stdout  # argparse's or support.config's
+        # argparse's or support.config's
+        shown = "usage:" in proc.stdout or "keys (--key=value" in proc.stdout
         assert proc.returncode == 0 and shown and "Traceback" not in proc.stderr, proc.stdout[-2000:] + proc.stderr
 
 
@@ -245,7 +235,8 @@ def test_help_lists_every_key_with_its_help():
     model's keys say what the comment beside their field in model.py or baselines.py says."""
     text = run("train.py", "--help").stdout
     for key, value in run_config.DEFAULTS.items():
-        line = next((l for l in text.splitlines() if l.strip().startswith(f"--{key}={value!r}")), None)
+        line = next((l for l in text.splitlines() if l.strip().startswith(f"--{key}={value!r}")),
+                    None)
         assert line is not None and len(line.split(None, 1)) == 2, f"--{key} has no line or no help in --help"
         assert run_config.TRAIN_KEYS[key].help in line, key
     assert "None = at every evaluation; 0 = at the end" in text
@@ -257,10 +248,11 @@ def test_help_lists_every_key_with_its_help():
 
 @pytest.mark.parametrize("extra, tol", [(["--dtype=bfloat16"], 0.05), (["--compile=True"], 1e-4)])
 def test_gpu_paths_run_on_cpu(reference, data_root, tmp_path, extra, tol):
-    """The paths every GPU user takes, on the CPU: bf16 autocast and torch.compile train to finite losses
-    that stay close to the float32 eager reference (bf16 rounds, so its tolerance is looser)."""
-    run("train.py", *TINY, *SINGLE, f"--data_root={data_root}", f"--out_dir={tmp_path}", "--stop_at_step=4",
-        *extra)
+    """The paths every GPU user takes, on the CPU: bf16 autocast and torch.compile train to finite
+    losses that stay close to the float32 eager reference (bf16 rounds, so its tolerance is
+    looser)."""
+    run("train.py", *TINY, *SINGLE, f"--data_root={data_root}", f"--out_dir={tmp_path}",
+        "--stop_at_step=4", *extra)
     ours, ref = read_log(tmp_path), read_log(reference[0])
     assert all(math.isfinite(v) for v in ours.values())
     diff = max(abs(ours[k] - ref[k]) for k in ours)

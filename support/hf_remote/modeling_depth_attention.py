@@ -1,14 +1,15 @@
 """
-Our model as a transformers model: AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True) on an
-export of a Depth-Attention mode, a looped model or a baseline. hf.save_pretrained copies this file into the
-folder beside model.py and baselines.py, copied from the repository at export time, so what transformers runs
-is GPT.forward itself (with its KV cache, KVCache), not a second implementation:
+Our model as a transformers model: AutoModelForCausalLM.from_pretrained(folder,
+trust_remote_code=True) on an export of a Depth-Attention mode, a looped model or a baseline.
+hf.save_pretrained copies this file into the folder beside model.py and baselines.py, copied from
+the repository at export time, so what transformers runs is GPT.forward itself (with its KV cache,
+KVCache), not a second implementation:
 
     DepthAttentionForCausalLM   forward -> CausalLMOutputWithPast (logits, loss with labels), generate()
     DepthAttentionCache         our KVCache behind transformers' Cache, handed from one generate step to the next
 
-Parameter names are the export's: ours under `model.`, and `lm_head.weight`. Padded batches are refused: the
-cache holds one length for the whole batch.
+Parameter names are the export's: ours under `model.`, and `lm_head.weight`. Padded batches are
+refused: the cache holds one length for the whole batch.
 """
 import torch.nn as nn
 import torch.nn.functional as F
@@ -20,20 +21,23 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .baselines import build_model, make_config
 from .configuration_depth_attention import DepthAttentionConfig
 
-MIN_TRANSFORMERS = (5, 24)  # generate() passes the cache as `cache` (before 5.24: past_key_values); tested on 5.24
+# generate() passes the cache as `cache` (before 5.24: past_key_values); tested on 5.24
+MIN_TRANSFORMERS = (5, 24)
 if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < MIN_TRANSFORMERS:
-    raise ImportError(f"this model's code needs transformers>=5.24 (found {transformers.__version__}): "
-                      f"pip install -U 'transformers>=5.24,<6'")
+    raise ImportError(f"this model's code needs transformers>=5.24 "
+                      f"(found {transformers.__version__}): pip install -U 'transformers>=5.24,<6'")
 
 
 class DepthAttentionCache(Cache):
-    """Our KVCache, allocated by the first forward for its batch with room ahead (twice the prompt, up to
-    block_size) and doubled when a longer sequence needs more, so generate() needs no length up front and a
-    decode step rarely copies the cache; every step writes it in place. Beam search
-    reorders its rows; what it cannot do (crop, split or repeat rows) raises rather than doing nothing."""
+    """Our KVCache, allocated by the first forward for its batch with room ahead (twice the prompt,
+    up to block_size) and doubled when a longer sequence needs more, so generate() needs no length
+    up front and a decode step rarely copies the cache; every step writes it in place. Beam search
+    reorders its rows; what it cannot do (crop, split or repeat rows) raises rather than doing
+    nothing."""
 
     is_croppable = False  # generate must not plan to take a step back
-    is_linear = [False]  # a cache of keys and values: generate feeds only the tokens it has not seen
+    # a cache of keys and values: generate feeds only the tokens it has not seen
+    is_linear = [False]
 
     def __init__(self):
         super().__init__(layers=[])
@@ -43,13 +47,15 @@ class DepthAttentionCache(Cache):
         return 0 if self.kv is None else self.kv.pos
 
     def reserve(self, gpt, batch_size, n_new):
-        """The KVCache, with room for n_new more tokens (within block_size; GPT.forward refuses beyond it)."""
+        """The KVCache, with room for n_new more tokens (within block_size; GPT.forward refuses
+        beyond it)."""
         old, need = self.kv, self.get_seq_length() + n_new
         if old is None or need > old.max_len:
             grown = 2 * need if old is None else max(need, 2 * old.max_len)
             self.kv = gpt.new_cache(batch_size, min(gpt.config.block_size, grown))
             if old is not None:
-                self.kv.k[:, :, :, :old.pos] = old.k[:, :, :, :old.pos]  # (n_eff_layer, B, n_kv_head, pos, D)
+                # (n_eff_layer, B, n_kv_head, pos, D)
+                self.kv.k[:, :, :, :old.pos] = old.k[:, :, :, :old.pos]
                 self.kv.v[:, :, :, :old.pos] = old.v[:, :, :, :old.pos]
                 self.kv.pos = old.pos
         return self.kv
@@ -62,8 +68,8 @@ class DepthAttentionCache(Cache):
         self.kv = None
 
     def _unsupported(self, *args, **kwargs):
-        raise NotImplementedError("DepthAttentionCache supports greedy and sampled generation and beam search; "
-                                  "run other decoding strategies with use_cache=False")
+        raise NotImplementedError("DepthAttentionCache supports greedy and sampled generation and "
+                                  "beam search; run other decoding strategies with use_cache=False")
 
     crop = batch_repeat_interleave = batch_select_indices = _unsupported
 
@@ -71,15 +77,18 @@ class DepthAttentionCache(Cache):
 class DepthAttentionForCausalLM(PreTrainedModel, GenerationMixin):
     config_class = DepthAttentionConfig
     base_model_prefix = "model"
-    # forward takes **kwargs but returns the mean loss of its batch, ignoring num_items_in_batch: so Trainer must
-    # divide the loss by the gradient accumulation steps itself (it would not, seeing **kwargs)
+    # forward takes **kwargs but returns the mean loss of its batch, ignoring num_items_in_batch: so
+    # Trainer must divide the loss by the gradient accumulation steps itself (it would not, seeing
+    # **kwargs)
     accepts_loss_kwargs = False
-    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}  # used when tie_word_embeddings
+    # used when tie_word_embeddings
+    _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
 
     def __init__(self, config):
         super().__init__(config)
         gpt = build_model(make_config(**config.model_config))
-        self.__dict__["gpt"] = gpt  # not a submodule: its modules are registered below, under the export's names
+        # not a submodule: its modules are registered below, under the export's names
+        self.__dict__["gpt"] = gpt
         self.model = nn.Module()
         for name, module in gpt.named_children():
             if name != "lm_head":
@@ -88,7 +97,8 @@ class DepthAttentionForCausalLM(PreTrainedModel, GenerationMixin):
         self.post_init()
 
     def _init_weights(self, module):
-        """Nothing: GPT.__init__ initialised every weight (model.py); from_pretrained then loads them all."""
+        """Nothing: GPT.__init__ initialised every weight (model.py); from_pretrained then loads
+        them all."""
 
     @classmethod
     def _supports_default_dynamic_cache(cls):
@@ -96,25 +106,27 @@ class DepthAttentionForCausalLM(PreTrainedModel, GenerationMixin):
 
     def forward(self, input_ids, attention_mask=None, cache=None, labels=None, use_cache=None,
                 inputs_embeds=None, return_dict=None, **kwargs):
-        """Logits (B, T, vocab) of every position, as GPT.forward; the loss when labels are given (transformers'
-        convention: labels are the inputs, position t predicts t + 1, -100 is ignored). With use_cache=True
-        (generate passes it) or a cache, the tokens continue the cache and the output carries it; a plain call
-        runs the cacheless forward, as training does."""
+        """Logits (B, T, vocab) of every position, as GPT.forward; the loss when labels are given
+        (transformers' convention: labels are the inputs, position t predicts t + 1, -100 is
+        ignored). With use_cache=True (generate passes it) or a cache, the tokens continue the cache
+        and the output carries it; a plain call runs the cacheless forward, as training does."""
         if inputs_embeds is not None:
             raise ValueError("this model takes input_ids, not inputs_embeds")
         if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
-            raise ValueError("this model returns the logits, the loss and the cache; no attentions or hidden states")
+            raise ValueError("this model returns the logits, the loss and the cache; no attentions or "
+                             "hidden states")
         if cache is None and use_cache:
             cache = DepthAttentionCache()
         if cache is not None and not isinstance(cache, DepthAttentionCache):
-            raise ValueError(f"this model runs on its own KV cache, not a {type(cache).__name__}: pass no cache "
-                             f"(generate makes one) or the cache a previous call returned")
-        # Padding can only be in a prompt: a decode step (one token after the prefill) skips the check, which on a
-        # GPU would wait for the device at every token.
+            raise ValueError(f"this model runs on its own KV cache, not a {type(cache).__name__}: "
+                             f"pass no cache (generate makes one) or the cache a previous call returned")
+        # Padding can only be in a prompt: a decode step (one token after the prefill) skips the
+        # check, which on a GPU would wait for the device at every token.
         prompt = cache is None or cache.get_seq_length() == 0 or input_ids.shape[1] > 1
         if attention_mask is not None and prompt and not bool(attention_mask.all()):
-            raise ValueError("padded batches are not supported (the KV cache keeps one length for the whole "
-                             "batch): pass sequences of equal length without padding, or one at a time")
+            raise ValueError("padded batches are not supported (the KV cache keeps one length for the "
+                             "whole batch): pass sequences of equal length without padding, or one at "
+                             "a time")
         targets = None
         if labels is not None:  # GPT's targets: the next token at each position, -1 where ignored
             targets = F.pad(labels[:, 1:], (0, 1), value=-100)

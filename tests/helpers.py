@@ -1,0 +1,186 @@
+"""What several test files share: the repository's root, the tiny train.py command lines, the ways a
+test runs a script (a subprocess, or train.py in this process) and reads what the run logged, and a
+few fixtures and folders built the same way by more than one file.
+
+Test files import from here (`from helpers import ROOT, TINY, run`), never from one another; pytest
+puts tests/ on sys.path for the files in it, as it does for any folder of tests without an
+__init__.py. The model's references stay in test_model.py (and each baseline's in its own file):
+they are what those files test, not helpers. conftest.py keeps the tiny models (tiny_config,
+tiny_model, tiny_variant) and data_root.
+"""
+import contextlib
+import io
+import json
+import os
+import runpy
+import subprocess
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+# Two ranks share two cores; the same threads in every run.
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+# ----------------------------------------------------------------------------- tiny train.py
+# command lines
+
+# The tiny model every end-to-end run trains, less its depth (each command line names its n_layer).
+TINY_SHAPE = ["--n_head=2", "--n_kv_head=1", "--head_dim=8", "--n_embd=16", "--mlp_hidden=32",
+              "--block_size=32"]
+# The subprocess runs' yardstick (tests/test_train.py's reference run and those that must reproduce
+# it): three layers, 16 steps with an evaluation and a checkpoint every 4; the batch is SINGLE or
+# the caller's.
+TINY = ["--dataset=tiny", "--n_layer=3", *TINY_SHAPE, "--learning_rate=1e-2", "--max_iters=16",
+        "--eval_interval=4", "--eval_seqs=6", "--log_interval=4", "--ckpt_interval=4", "--sample_tokens=0"]
+# 8 sequences per step: 2 micro-steps in one process
+SINGLE = ["--micro_batch=4", "--batch_tokens=256"]
+# The in-process runs (train() below): two layers and the batch; the caller sets the steps.
+TINY_SHORT = ["--dataset=tiny", "--n_layer=2", *TINY_SHAPE, "--learning_rate=1e-2", "--eval_seqs=6",
+              "--log_interval=4", "--sample_tokens=0", "--micro_batch=4", "--batch_tokens=128"]
+
+# ----------------------------------------------------------------------------- running the scripts
+
+
+def run(*args, launcher=(sys.executable,), check=True):
+    """A script as a user runs it, in a subprocess from the repository root; with check, a failure
+    is an AssertionError showing the end of its output."""
+    proc = subprocess.run([*launcher, *map(str, args)], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=300)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{args} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-3000:]}")
+    return proc
+
+
+def train(monkeypatch, *args):
+    """train.py as a user runs it (as __main__), in this process: a subprocess would spend most of
+    its time importing torch. Returns the error line it printed when it exits, None on success."""
+    monkeypatch.setattr(sys, "argv", ["train.py", *map(str, args)])
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+    except SystemExit as e:
+        return err.getvalue().strip().splitlines()[-1] if e.code else str(e.code)
+    return None
+
+# ----------------------------------------------------------------------------- what a run logged
+
+
+def log_records(out_dir):
+    """out_dir/log.jsonl, a record a line."""
+    return [json.loads(line) for line in (Path(out_dir) / "log.jsonl").read_text().splitlines()]
+
+
+def read_log(out_dir):
+    """{(kind, step): loss} from out_dir/log.jsonl, asserting each step was logged once."""
+    records = log_records(out_dir)
+    losses = {(r["kind"], r["step"]): r.get("train_loss", r.get("val_loss")) for r in records}
+    assert len(losses) == len(records), "a step was logged twice"
+    return losses
+
+
+def eval_losses(out_dir):
+    """{step: val_loss} of out_dir/log.jsonl's evaluations."""
+    return {r["step"]: r["val_loss"] for r in log_records(out_dir) if r["kind"] == "eval"}
+
+
+def max_diff(a, b):
+    """The largest difference between two read_log results, which must have logged the same
+    steps."""
+    assert a.keys() == b.keys(), f"different steps logged: {sorted(a.keys() ^ b.keys())}"
+    return max(abs(a[k] - b[k]) for k in a)
+
+# ----------------------------------------------------------------------------- Hugging Face folders
+
+
+def write_authors_folder(folder, model, *, depth=True, shards=1, dtype=None, drop=(), extra=None,
+                         **changes):
+    """model's weights in the published layout: the authors' config.json keys and Llama names (plus
+    their unused lm_head_layernorm), one safetensors file or `shards` files with an index."""
+    from safetensors.torch import save_file
+    c = model.config
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": c.vocab_size,
+           "hidden_size": c.n_embd, "head_dim": c.head_dim, "intermediate_size": c.mlp_hidden,
+           "num_hidden_layers": c.n_layer, "num_attention_heads": c.n_head,
+           "num_key_value_heads": c.n_kv_head, "hidden_act": "silu",
+           "max_position_embeddings": c.block_size, "initializer_range": 0.01, "rms_norm_eps": 1e-5,
+           "pretraining_tp": 1, "use_cache": True, "pad_token_id": 1, "bos_token_id": 0,
+           "eos_token_id": 0, "tie_word_embeddings": False, "rope_theta": c.rope_theta,
+           "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False,
+           "use_depth_attention": depth, "use_qk_norm": True, "scale_embeds": False,
+           "torch_dtype": "bfloat16", "transformers_version": "4.46.1"}
+    if depth:
+        cfg |= {"depth_attention_stride": c.depth_stride,
+                "depth_attention_recent_window": c.depth_recent_window}
+    cfg |= changes
+    tensors = {("" if k.startswith("lm_head") else "model.") + k: v.detach().to(dtype or v.dtype).contiguous()
+               for k, v in model.state_dict().items()}
+    tensors["lm_head_layernorm.weight"] = torch.ones(c.n_embd, dtype=dtype or torch.float32)
+    tensors |= extra or {}
+    for name in drop:
+        del tensors[name]
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if shards == 1:
+        save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    else:
+        names, weight_map = sorted(tensors), {}
+        for i in range(shards):
+            file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+            save_file({n: tensors[n] for n in names[i::shards]}, folder / file,
+                      metadata={"format": "pt"})
+            weight_map |= dict.fromkeys(names[i::shards], file)
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        (folder / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    (folder / "config.json").write_text(json.dumps(cfg, indent=2))
+    return folder
+
+
+def make_tokenizer_json(path):
+    """A byte-level BPE trained here on a few lines, with <|endoftext|> as id 0 like the GPT-NeoX
+    tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>", "<|padding|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the cat sat on the mat", "a dog ran under the log",
+                             "and then the cat ran"] * 20, trainer)
+    tok.save(str(path))
+    return tok.get_vocab_size()
+
+# ----------------------------------------------------------------------------- eval.py's fixtures
+
+# The words of conftest.py's data_root corpus.
+WORDS = "the a cat dog sat ran on under mat log and then".split()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """An out_dir with a ckpt.pt in train.py's format (building the model here is faster than
+    training one)."""
+    from conftest import tiny_model
+    from support.checkpoint import save_checkpoint
+    out = tmp_path_factory.mktemp("eval_run")
+    model = tiny_model(vocab_size=257, block_size=32)
+    save_checkpoint({"model": model.state_dict(), "model_config": asdict(model.config),
+                     "tokenizer": "bytes", "step": 0}, out / "ckpt.pt")
+    return out
+
+
+@pytest.fixture
+def local_tasks_only(monkeypatch):
+    """lm-eval's TaskManager without its ~15,000 built-in tasks (indexing them takes ~15 s)."""
+    import lm_eval.tasks
+
+    class LocalOnly(lm_eval.tasks.TaskManager):
+        def __init__(self, include_path=None, include_defaults=True, **kwargs):
+            super().__init__(include_path=include_path, include_defaults=False, **kwargs)
+    monkeypatch.setattr(lm_eval.tasks, "TaskManager", LocalOnly)
