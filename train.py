@@ -171,13 +171,16 @@ def load_init(cfg, meta, asked=None):
     """--init_from: the weights to start from (fine-tuning or continued pretraining, fresh
     optimizer). They fix the model keys, so a model setting asked for (asked: the keys the command
     line set) that differs from them is an error, and so is data whose tokenizer is not the
-    model's."""
+    model's; but --depth_mode may switch between modes with the same parameters (a vanilla
+    checkpoint starts a Depth-Attention run), said in one line."""
     init = ckpts.load_model(cfg["init_from"])
     if not data_fits(meta, init.tokenizer, init.model.config.vocab_size):
         raise DataError(f"the data was tokenized with {meta['tokenizer']}, but {cfg['init_from']} "
                         f"uses {init.tokenizer.name}; prepare the data with the model's tokenizer "
                         f"(prepare_data.py {tokenizer_flag(init.tokenizer, cfg['init_from'])})")
-    run_config.adopt_init_model(cfg, init.model.config, cfg["init_from"], asked)
+    switched = run_config.adopt_init_model(cfg, init.model.config, cfg["init_from"], asked)
+    if switched and os.environ.get("RANK", "0") == "0":
+        print(switched)
     return init.model
 
 

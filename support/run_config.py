@@ -12,7 +12,10 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Optional
 
-from baselines import DEPTH_MODES, KNOBS, RESIDUALS, BaselineConfig
+import torch
+
+from baselines import (DEPTH_MODES, KNOBS, RESIDUALS, BaselineConfig, build_model,
+                       make_config)
 from support.cli import not_in_a_checkpoint, resolve_device
 from support.config import argument_updates, check_ranges, key_comments, parse_config
 from support.errors import CheckpointError, ConfigError
@@ -242,19 +245,49 @@ def typed_keys(argv) -> set:
     return {key for updates in argument_updates(argv, DEFAULTS) for key in updates}
 
 
-def adopt_init_model(cfg, init_config, init_from, asked=None):
+# What --init_from lets a command change: the depth step, where the checkpoint's parameters are
+# exactly the new model's (vanilla -> value, uniform, key, kv and back), so every vanilla checkpoint
+# starts a Depth-Attention run (issue 39).
+SWITCHABLE = ("depth_mode", "depth_stride", "depth_recent_window")
+
+
+def adopt_init_model(cfg, init_config, init_from, asked=None) -> Optional[str]:
     """--init_from fixes the model keys: cfg takes init_config's, and a model setting asked for
     (asked: typed_keys; None: those away from their default) that differs from them is a
-    ConfigError (until issue 39 makes --depth_mode on a vanilla model an upcycling)."""
+    ConfigError, but for SWITCHABLE ones whose model has exactly the checkpoint's parameters.
+    Returns the one-line notice of such a switch, else None."""
     theirs = {**asdict(BaselineConfig()), **asdict(init_config)}  # a plain model: defaults
     if asked is None:
         asked = {k for k in cfg if cfg[k] != DEFAULTS[k]}
     clash = {k: (theirs[k], cfg[k]) for k in shaping(theirs, cfg)
              if k in asked and cfg[k] is not None and cfg[k] != theirs[k]}
+    switch = {k: clash.pop(k) for k in SWITCHABLE if k in clash}
     if clash:
         raise ConfigError(f"--init_from={init_from} fixes the model, and these settings differ "
                           f"from it: {clash} (as (model, asked)); drop them")
-    cfg.update({k: theirs[k] for k in shaping(theirs)})
+    cfg.update({k: theirs[k] for k in shaping(theirs) if k not in switch})
+    if not switch:
+        return None
+    changed = parameters_changed(theirs, cfg)
+    if changed:  # LIMe's routers: no identity-preserving init here yet, so no silent random ones
+        raise ConfigError(f"--init_from={init_from}: --depth_mode={cfg['depth_mode']} has other "
+                          f"parameters than the checkpoint ({', '.join(changed[:2])}, ...); "
+                          f"switch only between modes without parameters of their own: vanilla, "
+                          f"value, uniform, key, kv")
+    changes = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in switch.items())
+    return (f"--init_from={init_from}: switched {changes}; no parameter added (the model's "
+            f"parameters are the checkpoint's)")
+
+
+def parameters_changed(before: dict, after: dict) -> list:
+    """The state-dict entries (names and shapes) one model has and the other lacks or shapes
+    otherwise, both built on the meta device (no memory, no time)."""
+    def entries(keys):
+        with torch.device("meta"):
+            model = build_model(make_config(**{k: keys[k] for k in MODEL_KEYS}))
+        return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    old, new = entries(before), entries(after)
+    return sorted(k for k in new.keys() | old.keys() if new.get(k) != old.get(k))
 
 
 def batch_layout(cfg, world):

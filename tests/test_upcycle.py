@@ -1,0 +1,98 @@
+"""--init_from a vanilla checkpoint with --depth_mode set (issue 39): Depth-Attention adds no
+parameter, so the vanilla weights start a Depth-Attention run exactly, said in one line; a mode
+with parameters of its own, or any other shape setting, is still refused."""
+import contextlib
+import io
+import json
+from dataclasses import asdict
+
+import pytest
+import torch
+
+import train as train_py
+from conftest import tiny_model
+from helpers import log_records, read_log, train
+from support import run_config
+from support.checkpoint import save_checkpoint
+from support.data import load_meta
+
+
+@pytest.fixture(scope="module")
+def vanilla_ckpt(tmp_path_factory):
+    """A vanilla checkpoint in train.py's format over the bytes tokenizer (data_root's)."""
+    out = tmp_path_factory.mktemp("vanilla")
+    model = tiny_model(vocab_size=257, depth_mode="vanilla")
+    save_checkpoint({"model": model.state_dict(), "model_config": asdict(model.config),
+                     "tokenizer": "bytes", "step": 0}, out / "ckpt.pt")
+    return out, model
+
+
+def run_args(data_root, out_dir, *extra):
+    """A short run over data_root/tiny, no model key but those in extra (--init_from fixes them)."""
+    return ["--dataset=tiny", f"--data_root={data_root}", f"--out_dir={out_dir}", "--max_iters=4",
+            "--eval_interval=2", "--eval_seqs=6", "--log_interval=2", "--sample_tokens=0",
+            "--micro_batch=4", "--batch_tokens=128", "--learning_rate=1e-2", *extra]
+
+
+def build(argv, data_root):
+    """train.py's model for a command line, and what it printed."""
+    cfg = train_py.parse_args(argv)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        model, _ = train_py.build(cfg, load_meta(data_root / "tiny"), data_root / "tiny", None,
+                                  run_config.typed_keys(argv))
+    return model, out.getvalue()
+
+
+@pytest.mark.parametrize("mode", ["value", "uniform", "key", "kv"])
+def test_a_mode_without_parameters_starts_from_the_vanilla_weights_bit_for_bit(
+        mode, vanilla_ckpt, data_root, tmp_path):
+    path, vanilla = vanilla_ckpt
+    model, printed = build(run_args(data_root, tmp_path, f"--init_from={path}",
+                                    f"--depth_mode={mode}"), data_root)
+    assert model.config.depth_mode == mode and model.config.depth_stride == 2  # the checkpoint's
+    theirs, ours = vanilla.state_dict(), model.state_dict()
+    assert theirs.keys() == ours.keys()
+    assert all(torch.equal(theirs[k], ours[k]) for k in theirs)
+    assert printed.count("\n") == 1 and f"depth_mode 'vanilla' -> '{mode}'" in printed \
+        and "no parameter added" in printed, printed
+    # the depth step is on: the same weights no longer compute vanilla's logits
+    idx = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))
+    model.eval()
+    assert not torch.allclose(model(idx)[0], vanilla.eval()(idx)[0])
+
+
+def test_without_depth_mode_the_checkpoint_model_is_kept_silently(vanilla_ckpt, data_root,
+                                                                  tmp_path):
+    path, _ = vanilla_ckpt
+    model, printed = build(run_args(data_root, tmp_path, f"--init_from={path}"), data_root)
+    assert model.config.depth_mode == "vanilla" and printed == ""
+
+
+@pytest.mark.parametrize("setting, fragment", [
+    ("--depth_mode=lime", "other parameters than the checkpoint"),  # LIMe's routers
+    ("--n_layer=6", "fixes the model"),
+    ("--residual=denseformer", "fixes the model"),  # a baseline's weights
+])
+def test_a_switch_that_changes_the_parameters_is_refused(setting, fragment, vanilla_ckpt,
+                                                         data_root, tmp_path):
+    path, _ = vanilla_ckpt
+    with pytest.raises(run_config.ConfigError, match=fragment) as e:
+        build(run_args(data_root, tmp_path, f"--init_from={path}", setting), data_root)
+    assert "\n" not in str(e.value) and setting[2:].split("=")[0] in str(e.value)
+
+
+def test_an_upcycled_run_trains_as_depth_attention_and_resumes_exactly(vanilla_ckpt, data_root,
+                                                                       tmp_path, monkeypatch):
+    path, _ = vanilla_ckpt
+    whole, halves = tmp_path / "whole", tmp_path / "halves"
+    args = [f"--init_from={path}", "--depth_mode=value"]
+    assert train(monkeypatch, *run_args(data_root, whole, *args)) is None
+    assert train(monkeypatch, *run_args(data_root, halves, *args, "--stop_at_step=2")) is None
+    assert train(monkeypatch, *run_args(data_root, halves, *args, "--resume=True")) is None
+    assert read_log(whole) == read_log(halves)  # the resume continued the same run
+    saved = torch.load(halves / "ckpt.pt", weights_only=False)
+    assert saved["model_config"]["depth_mode"] == "value" and saved["step"] == 4
+    assert json.loads((halves / "config.json").read_text())["depth_mode"] == "value"
+    evals = [r for r in log_records(whole) if r["kind"] == "eval"]
+    assert evals and all(r.get("depth_weights") for r in evals)  # a depth step was measured
