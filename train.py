@@ -40,6 +40,7 @@ from support.errors import CheckpointError, DataError, run_main
 from support.parallel import Parallel, Process, checkpoint_activations, setup_process
 from support.runlog import diverged, log, save_failed, start_log
 from support.signals import StopSignals, peak_memory
+from support.speed import Progress, describe, peak_flops, train_flops_per_token
 from support.tokenizer import (from_record, get_tokenizer, same_tokenizer, tokenizer_flag,
                                tokenizer_record)
 
@@ -243,6 +244,7 @@ class Run:
     step: int = 0
     best_val: float = float("inf")
     last_ckpt: object = None  # the step of the last checkpoint written, or None
+    progress: object = None   # support.speed.Progress: MFU and ETA of each step
 
 
 def start(cfg, ckpt, proc, asked=None) -> Run:
@@ -252,6 +254,9 @@ def start(cfg, ckpt, proc, asked=None) -> Run:
     data_dir, meta, train, val = open_data(cfg, proc.master)
     model, model_config = build(cfg, meta, data_dir, ckpt, asked)
     model.to(proc.device)
+    # before FSDP shards it: the whole model's parameters
+    progress = Progress(train_flops_per_token(model), peak_flops(cfg["peak_flops"], proc.device),
+                        proc.world, cfg["max_iters"])
     mb, accum, rows = run_config.batch_layout(cfg, proc.world)
     if cfg["activation_checkpointing"]:
         checkpoint_activations(model)
@@ -264,7 +269,7 @@ def start(cfg, ckpt, proc, asked=None) -> Run:
               "config_history": history}
     run = Run(cfg, proc, model, par, make_optimizer(model, cfg, proc.device),
               torch.compile(par.forward) if cfg["compile"] else par.forward, train, val,
-              val_offsets, mb, accum, rows, record, Path(cfg["out_dir"]))
+              val_offsets, mb, accum, rows, record, Path(cfg["out_dir"]), progress=progress)
     if cfg["sample_tokens"] and (proc.master or cfg["parallel"] == "fsdp"):
         run.enc = get_tokenizer(meta["tokenizer"])
     restore(run, ckpt)
@@ -329,13 +334,17 @@ def one_step(run: Run) -> float:
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.step += 1
-    tok_per_s = cfg["batch_tokens"] / (time.perf_counter() - t0)
+    step_s = time.perf_counter() - t0  # the .item()s above waited for the device: no sync here
+    tok_per_s = cfg["batch_tokens"] / step_s
     if proc.master:
+        speed = run.progress(run.step, tok_per_s, step_s)  # eta_s, and mfu where the peak is known
         log({"kind": "train", "step": run.step, "train_loss": train_loss, "lr": lr,
-             "grad_norm": grad_norm, "tok_per_s": tok_per_s}, run.out_dir, run.wandb)
+             "grad_norm": grad_norm, "tok_per_s": tok_per_s, **speed}, run.out_dir, run.wandb)
+        # with the output redirected the bar is off: this line is the progress
         if run.step % cfg["log_interval"] == 0 or run.step == cfg["max_iters"]:
-            tqdm.write(f"step {run.step} | train_loss {train_loss:.4f} | lr {lr:.2e} | "
-                       f"grad_norm {grad_norm:.3f} | tok/s {tok_per_s:.0f}")
+            tqdm.write(f"step {run.step}/{cfg['max_iters']} | train_loss {train_loss:.4f} | lr "
+                       f"{lr:.2e} | grad_norm {grad_norm:.3f} | tok/s {tok_per_s:.0f}"
+                       f"{describe(speed)}")
     return lr
 
 

@@ -108,6 +108,8 @@ TRAIN_KEYS = {
                     "support/parallel.py)", choices=PARALLEL, **NO_RESULT),
     "activation_checkpointing": Key(False, "recompute each block in the backward pass: less "
                                     "memory, ~1/3 more compute", **NO_RESULT),
+    "peak_flops": Key(0.0, "one device's peak FLOP/s for the printed MFU, e.g. 989e12; 0 = a known "
+                      "GPU's bf16 peak (support/speed.py), none on a CPU", ">= 0", **NO_RESULT),
     "memory_plan": Key(False, "print the per-GPU memory of ddp / fsdp, with and without "
                        "checkpointing, and exit", result=False, per_invocation=True),
     # experiment tracking

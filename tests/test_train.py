@@ -31,7 +31,11 @@ def test_training_lowers_loss(reference):
     log = read_log(out)
     first, last = log[("eval", 0)], log[("eval", 16)]
     assert last < first - 1.0, f"val loss went from {first:.4f} to {last:.4f}"
-    assert "eval step 16 | val_loss" in stdout and "step 16 | train_loss" in stdout
+    assert "eval step 16 | val_loss" in stdout and "step 16/16 | train_loss" in stdout
+    # redirected (no bar), every printed line says the time left; a CPU has no MFU to say
+    lines = [line for line in stdout.splitlines() if line.startswith("step ")]
+    assert len(lines) == 4 and all(" | eta " in line and "mfu" not in line for line in lines)
+    assert all("eta_s" in r and "mfu" not in r for r in log_records(out) if r["kind"] == "train")
     assert "sample (20 tokens)" in stdout
     config = json.loads((out / "config.json").read_text())
     # vocab_size=None followed meta.json

@@ -1,0 +1,57 @@
+"""A run says how fast it goes (issue 39): MFU against a given or known peak, never an invented
+one, and the time left, on every printed line and in log.jsonl."""
+import pytest
+import torch
+
+from conftest import tiny_model
+from helpers import TINY_SHORT, log_records, train
+from model import depth_cost
+from support import speed
+
+
+def test_flops_per_token_is_6n_plus_attention_plus_the_depth_step():
+    vanilla, value = tiny_model(depth_mode="vanilla"), tiny_model(depth_mode="value")
+    c = vanilla.config
+    attention = 12 * c.n_layer * c.n_head * c.head_dim * c.block_size
+    assert speed.train_flops_per_token(vanilla) == 6 * vanilla.num_params() + attention
+    extra = depth_cost(value.config)["flops_per_token"]
+    assert extra > 0 and speed.train_flops_per_token(value) == 6 * value.num_params() \
+        + attention + 3 * extra
+    looped = tiny_model(depth_mode="vanilla", n_loops=2)
+    assert speed.train_flops_per_token(looped) == 12 * looped.num_params() + 2 * attention
+
+
+@pytest.mark.parametrize("name, peak", [("NVIDIA H100 80GB HBM3", 989e12),
+                                        ("NVIDIA H100 PCIe", 756e12),
+                                        ("NVIDIA A100-SXM4-80GB", 312e12),
+                                        ("Some Future GPU", 0.0)])
+def test_the_peak_of_a_known_gpu_is_looked_up_and_an_unknown_one_is_none(name, peak, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    assert speed.peak_flops(0.0, "cuda:0") == peak
+    assert speed.peak_flops(5e12, "cuda:0") == 5e12  # --peak_flops wins
+
+
+def test_a_cpu_has_no_peak_unless_given():
+    assert speed.peak_flops(0.0, "cpu") == 0.0 and speed.peak_flops(1e9, "cpu") == 1e9
+
+
+def test_progress_counts_the_wall_clock_since_the_first_step(monkeypatch):
+    clock = iter([100.0, 104.0, 106.0])  # step 10 ends, then 11 two steps' worth of time later
+    monkeypatch.setattr(speed.time, "perf_counter", lambda: next(clock))
+    progress = speed.Progress(flops_per_token=1e6, peak=1e9, world=2, max_iters=20)
+    first = progress(10, tok_per_s=500.0, step_s=3.0)
+    assert first == {"eta_s": 3.0 * 10, "mfu": 1e6 * 500 / 2e9}
+    assert progress(11, 500.0, 1.0)["eta_s"] == 4.0 * 9  # evals between steps count too
+    assert progress(12, 500.0, 1.0)["eta_s"] == 3.0 * 8
+    assert speed.describe({"eta_s": 3725.4, "mfu": 0.4134}) == " | mfu 41.3% | eta 1h02m"
+    assert speed.describe({"eta_s": 61}) == " | eta 1m01s"
+
+
+def test_peak_flops_puts_mfu_on_every_line_and_record(data_root, tmp_path, monkeypatch, capsys):
+    assert train(monkeypatch, *TINY_SHORT, f"--data_root={data_root}", f"--out_dir={tmp_path}",
+                 "--max_iters=4", "--eval_interval=0", "--peak_flops=1e9") is None
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("step ")]
+    assert lines and all(" | mfu " in x and " | eta " in x for x in lines), lines
+    records = [r for r in log_records(tmp_path) if r["kind"] == "train"]
+    assert len(records) == 4 and all(0 < r["mfu"] and r["eta_s"] >= 0 for r in records)
+    assert records[-1]["eta_s"] == 0
