@@ -18,6 +18,7 @@ an unreadable log or checkpoint) stops the command before it trains, naming it: 
 
     python ablate.py --depth_weights=out/ablate_cpu/value/seed0   # one run's depth weights
                                             # (Figure 3), printed and drawn; trains nothing
+    python ablate.py --curves=out/shakespeare     # one train.py run's curves from its log.jsonl
 
 A peak learning rate that suits one method can handicap another, so three more protocols compare
 each method at its own best rate and follow the gap as training lengthens (one command each, in
@@ -70,8 +71,10 @@ DEFAULTS = {
     "long_factor": 5,                     # long: this many times the base's max_iters (and tokens)
     "depth_weights": "",                  # a run folder or checkpoint: print and draw its depth
                                           # weights, training nothing (Figure 3)
-    "figure": "",                         # where --depth_weights draws; default
-                                          # <run>/depth_weights.png
+    "curves": "",                         # a run folder: draw its loss, learning rate, tokens/s
+                                          # and depth weights over steps, training nothing
+    "figure": "",                         # where --depth_weights or --curves draws; default
+                                          # <run>/depth_weights.png, <run>/curves.png
     "overwrite": False,                   # retrain from scratch, deleting them, the runs in --out
                                           # that cannot be reused (trained with other settings, or
                                           # with an unreadable record)
@@ -244,9 +247,9 @@ def parse_args(argv):
         raise ConfigError(f"--protocol=long trains --long_factor >= 2 times the steps and compares "
                           f"every run with the first of --long_runs: give two runs or more and a "
                           f"factor of 2 or more, got {names} x{cfg['long_factor']}")
-    if cfg["figure"] and not cfg["depth_weights"]:
-        raise ConfigError(f"--figure={cfg['figure']} is where --depth_weights=RUN draws; give the "
-                          f"run too")
+    if cfg["figure"] and not (cfg["depth_weights"] or cfg["curves"]):
+        raise ConfigError(f"--figure={cfg['figure']} is where --depth_weights=RUN or --curves=RUN "
+                          f"draws; give the run too")
     if not cfg["out"]:
         raise ConfigError("--out is empty; give the folder for the runs and results, e.g. "
                           "--out=out/ablate_cpu")
@@ -309,10 +312,19 @@ def run_protocol(cfg, extra, lrs, names):
                        command)
 
 
+def draw_curves(run, figure):
+    """--curves=RUN: support/report.plot_run into --figure, default RUN/curves.png."""
+    figure = output_file(figure or Path(run) / "curves.png", "--figure")
+    steps = report.plot_run(run, figure)
+    print(f"{steps} steps of {run} drawn: {figure}")
+
+
 def main(argv):
     cfg, extra, lrs, names = parse_args(argv)
     if cfg["depth_weights"]:
         return depth_weights_view.show(cfg["depth_weights"], cfg["figure"])
+    if cfg["curves"]:
+        return draw_curves(cfg["curves"], cfg["figure"])
     return run_protocol(cfg, extra, lrs, names)
 
 

@@ -51,6 +51,12 @@ def as_record(means) -> dict:
     return record
 
 
+def self_share(record) -> float:
+    """The mean over layers of the weight each puts on itself, from a log.jsonl depth_weights
+    record: 1 is "self only", what a vanilla layer computes; 1 - it is the drift from vanilla."""
+    return sum(row[e] for e, row in record.items()) / len(record)
+
+
 def as_matrix(means, n_layers) -> np.ndarray:
     """(n_layers, n_layers): row e, column c the weight layer e puts on candidate c; NaN where c is
     not one."""

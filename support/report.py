@@ -7,12 +7,14 @@ function here (shared, lr_sweep, best_lr, long), which writes <out>/<RESULTS[pro
 """
 import json
 import math
+from pathlib import Path
 
 import numpy as np
 
 from baselines import DEPTH_MODES
 from support import paper
 from support.cli import output_file, write_atomically
+from support.depth_weights import self_share
 from support.depth_weights_view import can_draw, depth_weight_matrix, plot_depth_weights, pyplot
 from support.errors import CheckpointError, ConfigError, DataError
 from support.sweep import final_val_loss, read_log, run_dir
@@ -324,3 +326,45 @@ def long(out, names, best, factor, short_steps, batch_tokens, command):
         return
     plot_gaps(curves, short, names[0], short_tokens, out / "gap_vs_tokens.png")
     print("figure:", out / "gap_vs_tokens.png")
+
+
+def plot_run(run, figure):
+    """One run's curves from its log.jsonl into figure (a PNG): the train and validation losses,
+    the learning rate, tokens per second, and each layer's depth weight on itself ("self only"
+    is 1, vanilla) at every evaluation. Returns the number of steps drawn."""
+    records = read_log(Path(run))
+    train = [r for r in records if r["kind"] == "train"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    if not train:
+        raise CheckpointError(f"{run}/log.jsonl has no training step to draw; give a train.py "
+                              f"--out_dir that has trained")
+    plt = pyplot()
+    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+    steps = [r["step"] for r in train]
+    loss, lr, speed, depth = axes.flat
+    loss.plot(steps, [r["train_loss"] for r in train], lw=0.8, label="train")
+    loss.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", label="val")
+    loss.set(ylabel="loss", title="loss")
+    loss.legend()
+    lr.plot(steps, [r["lr"] for r in train])
+    lr.set(ylabel="learning rate", title="learning rate")
+    speed.plot(steps, [r["tok_per_s"] for r in train], lw=0.8)
+    speed.set(ylabel="tokens / s", title="throughput")
+    weighed = [r for r in evals if r.get("depth_weights")]
+    for layer in (weighed[0]["depth_weights"] if weighed else {}):
+        depth.plot([r["step"] for r in weighed],
+                   [r["depth_weights"][layer][layer] for r in weighed], "o-", label=f"layer {layer}")
+    if weighed:
+        depth.plot([r["step"] for r in weighed],
+                   [self_share(r["depth_weights"]) for r in weighed], "k--", label="mean")
+        depth.legend(fontsize=7)
+    depth.set(ylabel="weight on itself", title="depth weights (1 = self only)" if weighed
+              else "no depth weights (no depth step)")
+    for ax in axes.flat:
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.suptitle(str(run))
+    fig.tight_layout()
+    fig.savefig(figure, dpi=110)
+    plt.close(fig)
+    return len(train)

@@ -35,7 +35,14 @@ def start_log(cfg, history, out_dir, step):
         wandb = require("wandb", "--wandb_log=True")
     except ImportError as e:
         raise ConfigError(f"{e} (or leave wandb_log off)") from None
-    wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"] or out_dir.name, config=cfg)
+    try:
+        wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"] or out_dir.name,
+                   config=cfg)
+    except Exception as e:  # wandb's own: no login and no terminal to ask for one (UsageError)
+        if not type(e).__module__.startswith("wandb"):
+            raise
+        raise ConfigError(f"wandb did not start ({reason(e)}): run `wandb login` once, or set "
+                          f"WANDB_MODE=offline to log here and `wandb sync` later") from None
     return wandb
 
 

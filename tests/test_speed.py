@@ -55,3 +55,54 @@ def test_peak_flops_puts_mfu_on_every_line_and_record(data_root, tmp_path, monke
     records = [r for r in log_records(tmp_path) if r["kind"] == "train"]
     assert len(records) == 4 and all(0 < r["mfu"] and r["eta_s"] >= 0 for r in records)
     assert records[-1]["eta_s"] == 0
+
+
+def test_curves_draws_one_run_from_its_log(tmp_path, capsys):
+    """ablate.py --curves=RUN: a PNG from log.jsonl alone (no checkpoint), with or without depth
+    weights; a folder that has not trained is one line."""
+    pytest.importorskip("matplotlib")
+    import json
+    import ablate
+    from support.depth_weights import self_share
+    from support.errors import UserError
+    weights = {"1": {"0": 0.25, "1": 0.75}, "2": {"0": 0.5, "2": 0.5}}
+    assert self_share(weights) == 0.625
+    records = [{"kind": "eval", "step": 0, "val_loss": 3.0, "depth_weights": weights}]
+    records += [{"kind": "train", "step": s, "train_loss": 3.0 - s / 10, "lr": 1e-3,
+                 "grad_norm": 1.0, "tok_per_s": 100.0 + s, "eta_s": 4 - s} for s in (1, 2, 3, 4)]
+    for depth in (True, False):
+        run = tmp_path / f"run{depth}"
+        run.mkdir()
+        kept = [r if depth else {k: v for k, v in r.items() if k != "depth_weights"}
+                for r in records]
+        (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
+        ablate.main([f"--curves={run}"])
+        assert (run / "curves.png").read_bytes()[:4] == b"\x89PNG"
+        assert f"4 steps of {run} drawn" in capsys.readouterr().out
+    with pytest.raises(UserError, match="no training step to draw"):
+        ablate.main([f"--curves={tmp_path}"])
+    ablate.main([f"--curves={run}", f"--figure={tmp_path / 'elsewhere.png'}"])
+    assert (tmp_path / "elsewhere.png").exists()
+
+
+def test_wandb_without_a_login_is_one_line_naming_offline_and_login(tmp_path, monkeypatch):
+    """wandb.init with no API key and no terminal raises its UsageError: a traceback after the
+    run had started."""
+    import sys
+    import types
+    from support import run_config
+    from support.errors import ConfigError
+    from support.runlog import start_log
+    fake, errors = types.ModuleType("wandb"), types.ModuleType("wandb.errors")
+    usage = type("UsageError", (Exception,), {"__module__": "wandb.errors"})
+
+    def init(**kwargs):
+        raise usage("api_key not configured (no-tty). call wandb.login(key=[your_api_key])")
+    fake.init, fake.errors, errors.UsageError = init, errors, usage
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg = {**run_config.DEFAULTS, "wandb_log": True}
+    with pytest.raises(ConfigError) as e:
+        start_log(cfg, [], tmp_path, 0)
+    line = str(e.value)
+    assert "\n" not in line and "WANDB_MODE=offline" in line and "wandb login" in line, line
+    assert "api_key not configured" in line
