@@ -388,3 +388,37 @@ def build_model(config: ModelConfig) -> GPT:
     if residual_of(config) != "add":
         return BASELINES[residual_of(config)](config)
     return DEPTH_MODELS.get(config.depth_mode, GPT)(config)
+
+
+# ----------------------------------------------------------------------------- activation checkpointing
+
+# What is recomputed, per residual path: the block (a plain model, DenseFormer), or the pieces a
+# baseline's run_layers calls in its place: AttnRes's two sublayers and their depth aggregators,
+# mHC's two sublayers. mHC's connectors (its n streams and Sinkhorn) stay outside: a recomputed
+# connector calls its sublayer through FSDP's hooks again inside the backward pass, which gave wrong
+# gradients (tests/test_parallel.py).
+RECOMPUTED = {"add": ("forward",), "denseformer": ("forward",),
+              "attnres": ("attend", "feed_forward", "attnres_attn_aggregator",
+                          "attnres_mlp_aggregator"),
+              "mhc": ("attend", "feed_forward")}
+
+
+def checkpoint_units(model) -> list:
+    """The (object, method name) pairs activation checkpointing recomputes (RECOMPUTED): a block's
+    method, or the forward of a block's module."""
+    units = []
+    for block in model.layers:
+        for name in RECOMPUTED[residual_of(model.config)]:
+            part = getattr(block, name)
+            units.append((part, "forward") if isinstance(part, nn.Module) else (block, name))
+    return units
+
+
+def wrap_units(model, wrap):
+    """Replace every unit's method by wrap(method); returns the function that puts them back. An
+    instance attribute shadows the class's method, and nn.Module.__call__ (with its hooks) and the
+    baselines find it."""
+    units = checkpoint_units(model)
+    for owner, name in units:
+        setattr(owner, name, wrap(getattr(owner, name)))
+    return lambda: [delattr(owner, name) for owner, name in units]

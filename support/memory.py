@@ -25,7 +25,7 @@ Per GPU, in bytes (bf16: train.py's bf16 autocast on CUDA; without it everything
                  probabilities, and bf16 autocast, which does not act on meta tensors (DDP: float32
                  weights, so the residual stream stays float32; FSDP's bf16 parameters make a bf16
                  model). With activation checkpointing, the units train.py recomputes
-                 (parallel.checkpoint_units: a decoder block, or a baseline's pieces of one): what
+                 (baselines.checkpoint_units: a decoder block, or a baseline's pieces of one): what
                  is saved outside the units, the units' inputs (a block's input hidden state and the
                  Depth-Attention source K/V records it reads), the outputs, and the larger of one
                  unit's recomputed activations and the loss's gradients.
@@ -50,11 +50,11 @@ from torch.overrides import TorchFunctionMode
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._pytree import tree_leaves, tree_map
 
-from baselines import build_model, make_config
+from baselines import build_model, make_config, wrap_units
 from support.cli import table
 from support.data import load_meta
 from support.errors import ConfigError, DataError
-from support.parallel import PARALLEL, checkpointing, wrap_units
+from support.parallel import PARALLEL, checkpointing
 
 GIB = 2 ** 30
 # What every rank keeps per parameter under DDP, and FSDP divides by the world size (bytes per parameter).

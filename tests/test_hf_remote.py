@@ -399,3 +399,112 @@ def test_a_byte_level_export_runs_in_autotokenizer_and_pipeline(tmp_path, monkey
     noise = torch.randint(0, 257, (400,), generator=torch.Generator().manual_seed(0)).tolist()
     # invalid UTF-8 included, replaced alike
     assert theirs_tok.decode(noise) == ours_tok.decode(noise)
+
+
+# ----------------------------------------------------------------------------- what transformers
+# users pass (issue 39): hidden states, gradient checkpointing under Trainer, PEFT's defaults,
+# lm-eval's batches
+
+def test_hidden_states_are_qwen3s_for_vanilla_weights(tmp_path, monkeypatch):
+    """output_hidden_states: the tuple transformers' Qwen3 returns for the same weights (the
+    embeddings, each layer's output, the last after the final norm); a looped model gives one per
+    effective layer; a baseline's (no single stream) is refused."""
+    from dataclasses import asdict
+    vanilla, qwen3_folder = export(tmp_path, "plain", **BASELINE)
+    qwen3 = load_elsewhere(qwen3_folder, monkeypatch, tmp_path)
+    assert type(qwen3).__name__ == "Qwen3ForCausalLM"
+    remote = load_elsewhere(export(tmp_path, "value", **MODES["value"])[1], monkeypatch, tmp_path)
+    ours = type(remote)(type(remote.config)(model_config=asdict(vanilla.config))).eval()
+    ours.gpt.load_state_dict(vanilla.state_dict())
+    idx = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        want = qwen3(input_ids=idx, output_hidden_states=True).hidden_states
+        got = ours(input_ids=idx, output_hidden_states=True)
+    assert len(got.hidden_states) == len(want) == SIZE["n_layer"] + 1
+    for i, (a, b) in enumerate(zip(got.hidden_states, want)):
+        assert max_diff(a, b) < 1e-4 * b.abs().max().item(), f"hidden state {i} differs"
+    assert torch.equal(ours.lm_head(got.hidden_states[-1]), got.logits)
+    assert ours(input_ids=idx).hidden_states is None  # only when asked
+    looped = load_elsewhere(export(tmp_path, "looped", **MODES["looped-value"])[1], monkeypatch,
+                            tmp_path)
+    assert len(looped(input_ids=idx, output_hidden_states=True).hidden_states) == 2 * 3 + 1
+    mhc = load_elsewhere(export(tmp_path, "mhc", **MODES["mhc"])[1], monkeypatch, tmp_path)
+    with pytest.raises(ValueError, match="plain residual stream"):
+        mhc(input_ids=idx, output_hidden_states=True)
+
+
+def trainer_run(model, tmp_path, rows, checkpointing):
+    """Two Trainer steps on rows; returns the parameters after them."""
+    args = TrainingArguments(output_dir=str(tmp_path / f"trainer{checkpointing}"),
+                             per_device_train_batch_size=2, max_steps=2, learning_rate=1e-2,
+                             report_to=[], use_cpu=True, save_strategy="no", logging_strategy="no",
+                             disable_tqdm=True, gradient_checkpointing=checkpointing, seed=0)
+    Trainer(model=model, args=args, train_dataset=rows).train()
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", ["value", "attnres"])
+def test_trainer_with_gradient_checkpointing_equals_without(mode, tmp_path, monkeypatch):
+    """TrainingArguments(gradient_checkpointing=True) recomputes every block in the backward pass
+    (counted) and trains to the same weights; the depth step's gradient to earlier layers survives
+    (a reentrant checkpoint would drop it: their K and V reach a block in lists)."""
+    _, folder = export(tmp_path, mode, **MODES[mode])
+    idx = torch.randint(0, 256, (4, 16))
+    rows = [{"input_ids": row, "labels": row} for row in idx]
+    calls = []
+    after = {}
+    for checkpointing in (False, True):
+        model = load_elsewhere(folder, monkeypatch, tmp_path)
+        # a pre-hook: the recomputation stops once it has what backward needs (torch's early
+        # stop), before the block's last module returns
+        first = model.gpt.layers[0].input_layernorm
+        first.register_forward_pre_hook(lambda *a: calls.append(checkpointing))
+        after[checkpointing] = trainer_run(model, tmp_path, rows, checkpointing)
+        assert model.is_gradient_checkpointing == checkpointing
+    # two steps of one batch each: one forward each, and with checkpointing one recomputation
+    assert calls.count(False) == 2 and calls.count(True) == 4, calls
+    for name, p in after[False].items():
+        assert max_diff(after[True][name], p) < 1e-6, name
+    model.gradient_checkpointing_disable()
+    assert not model.is_gradient_checkpointing and "forward" not in vars(model.gpt.layers[0])
+
+
+def test_peft_lora_needs_no_target_modules(tmp_path, monkeypatch):
+    """get_peft_model(model, LoraConfig(r=...)) on an export: LoRA on every layer's q_proj and
+    v_proj (Qwen3's defaults), the base model's logits at init, and only LoRA trains."""
+    peft = pytest.importorskip("peft")
+    _, folder = export(tmp_path, "value", **MODES["value"])
+    model = load_elsewhere(folder, monkeypatch, tmp_path)
+    idx = torch.randint(0, 256, (2, 12))
+    with torch.no_grad():
+        want = model(input_ids=idx).logits
+    lora = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8))
+    wrapped = {name.split(".")[-1] for name, m in lora.named_modules()
+               if isinstance(m, peft.tuners.lora.LoraLayer)}
+    count = sum(isinstance(m, peft.tuners.lora.LoraLayer) for m in lora.modules())
+    assert wrapped == {"q_proj", "v_proj"} and count == 2 * SIZE["n_layer"]
+    with torch.no_grad():
+        assert torch.equal(lora(input_ids=idx).logits, want)  # LoRA's B starts at zero
+    lora(input_ids=idx, labels=idx).loss.backward()
+    trained = {name for name, p in lora.named_parameters() if p.grad is not None}
+    assert trained and all("lora_" in name for name in trained)
+
+
+def test_lm_eval_hf_backend_at_batch_size_4_equals_batch_size_1(tmp_path, monkeypatch):
+    """lm-eval's hf backend pads a batch of requests of different lengths to one length: the
+    log-likelihoods must not depend on the batch they were scored in."""
+    tokenizer_json = tmp_path / "tokenizer.json"
+    vocab = make_tokenizer_json(tokenizer_json)
+    _, folder = export(tmp_path, "value_tok", get_tokenizer(str(tokenizer_json)), **MODES["value"],
+                       init_std=0.05, vocab_size=vocab)
+    monkeypatch.chdir(ROOT)
+    task, scores = "shakespeare_last_word", {}
+    for batch in (1, 4):
+        out = lm_eval.simple_evaluate(
+            model="hf", model_args=f"pretrained={folder},trust_remote_code=True,dtype=float32",
+            tasks=[task], task_manager=TaskManager(include_path="docs/eval_tasks",
+                                                   include_defaults=False),
+            limit=8, batch_size=batch, device="cpu", log_samples=True)
+        scores[batch] = [resp[0][0] for s in out["samples"][task] for resp in s["resps"]]
+    diff = max(abs(a - b) for a, b in zip(scores[1], scores[4]))
+    assert len(scores[1]) == len(scores[4]) == 32 and diff < 1e-4, diff

@@ -5,20 +5,27 @@ hf.save_pretrained copies this file into the folder beside model.py and baseline
 the repository at export time, so what transformers runs is GPT.forward itself (with its KV cache,
 KVCache), not a second implementation:
 
-    DepthAttentionForCausalLM   forward -> CausalLMOutputWithPast (logits, loss with labels), generate()
-    DepthAttentionCache         our KVCache behind transformers' Cache, handed from one generate step to the next
+    DepthAttentionForCausalLM   forward -> CausalLMOutputWithPast (logits, loss with labels),
+                                generate()
+    DepthAttentionCache         our KVCache behind transformers' Cache, handed from one generate
+                                step to the next
 
 Parameter names are the export's: ours under `model.`, and `lm_head.weight`. Padded batches are
-refused: the cache holds one length for the whole batch.
+refused: the cache holds one length for the whole batch. output_hidden_states gives transformers'
+tuple (the embeddings, each effective layer's output, the last one after the final norm; a plain
+residual stream only), and gradient_checkpointing_enable() recomputes what train.py's
+--activation_checkpointing does (baselines.checkpoint_units).
 """
+import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 import transformers
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .baselines import build_model, make_config
+from .baselines import build_model, make_config, residual_of, wrap_units
 from .configuration_depth_attention import DepthAttentionConfig
 
 # generate() passes the cache as `cache` (before 5.24: past_key_values); tested on 5.24
@@ -26,6 +33,16 @@ MIN_TRANSFORMERS = (5, 24)
 if tuple(int(x) for x in transformers.__version__.split(".")[:2]) < MIN_TRANSFORMERS:
     raise ImportError(f"this model's code needs transformers>=5.24 "
                       f"(found {transformers.__version__}): pip install -U 'transformers>=5.24,<6'")
+
+# PEFT's default LoRA targets for this model type, Qwen3's and Llama's (the attention's query and
+# value projections), registered where PEFT looks them up, so that get_peft_model(model,
+# LoraConfig(...)) works without naming modules. peft is optional.
+PEFT_LORA_TARGETS = ["q_proj", "v_proj"]
+try:
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPPING as LORA
+    LORA.setdefault(DepthAttentionConfig.model_type, PEFT_LORA_TARGETS)
+except ImportError:
+    pass
 
 
 class DepthAttentionCache(Cache):
@@ -83,6 +100,7 @@ class DepthAttentionForCausalLM(PreTrainedModel, GenerationMixin):
     accepts_loss_kwargs = False
     # used when tie_word_embeddings
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    supports_gradient_checkpointing = True
 
     def __init__(self, config):
         super().__init__(config)
@@ -94,7 +112,54 @@ class DepthAttentionForCausalLM(PreTrainedModel, GenerationMixin):
             if name != "lm_head":
                 self.model.add_module(name, module)
         self.lm_head = gpt.lm_head
+        self.unwrap = None  # undoes gradient checkpointing's wrappers (baselines.wrap_units)
         self.post_init()
+
+    def get_input_embeddings(self):
+        return self.gpt.embed_tokens
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def _set_gradient_checkpointing(self, enable=True, gradient_checkpointing_func=checkpoint,
+                                    every_n_layers=1):
+        """gradient_checkpointing_enable() / _disable(): every unit train.py recomputes (a block,
+        or a baseline's pieces of one) runs under gradient_checkpointing_func while training.
+        Always non-reentrant: a block reads the earlier layers' K and V in lists, which a
+        reentrant checkpoint would cut from the graph (no gradient to those layers' depth step).
+        every_n_layers is not supported: every unit is recomputed."""
+        if self.unwrap is not None:
+            self.unwrap()
+            self.unwrap = None
+        self.gradient_checkpointing = enable  # what transformers' is_gradient_checkpointing reads
+        if not enable:
+            return
+
+        def wrap(method):
+            def run(*args, **kwargs):
+                if not (self.training and torch.is_grad_enabled()):  # inference: nothing to keep
+                    return method(*args, **kwargs)
+                return gradient_checkpointing_func(method, *args, use_reentrant=False, **kwargs)
+            return run
+        self.unwrap = wrap_units(self.gpt, wrap)
+
+    def _with_hidden_states(self, run):
+        """(run()'s result, transformers' hidden_states): the embeddings, each effective layer's
+        output and, in place of the last, the final norm's, as Llama and Qwen3 return them."""
+        if residual_of(self.gpt.config) != "add":
+            raise ValueError("output_hidden_states needs a plain residual stream; a baseline's "
+                             "blocks feed its own mixing of the streams, not one hidden state")
+        states = []
+        keep = [self.gpt.embed_tokens.register_forward_hook(lambda m, i, out: states.append(out))]
+        keep += [block.register_forward_hook(lambda m, i, out: states.append(out[0]))
+                 for block in self.gpt.layers]
+        keep.append(self.gpt.norm.register_forward_hook(lambda m, i, out: states.append(out)))
+        try:
+            result = run()
+        finally:  # before any backward: a recomputed block must not append again
+            for handle in keep:
+                handle.remove()
+        return result, tuple(states[:-2] + states[-1:])
 
     def _init_weights(self, module):
         """Nothing: GPT.__init__ initialised every weight (model.py); from_pretrained then loads
@@ -112,26 +177,34 @@ class DepthAttentionForCausalLM(PreTrainedModel, GenerationMixin):
         and the output carries it; a plain call runs the cacheless forward, as training does."""
         if inputs_embeds is not None:
             raise ValueError("this model takes input_ids, not inputs_embeds")
-        if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
-            raise ValueError("this model returns the logits, the loss and the cache; no attentions or "
-                             "hidden states")
+        if kwargs.get("output_attentions"):
+            raise ValueError("this model returns the logits, the loss, the cache and the hidden "
+                             "states; no attentions")
+        hidden = kwargs.get("output_hidden_states")
+        hidden = self.config.output_hidden_states if hidden is None else hidden
         if cache is None and use_cache:
             cache = DepthAttentionCache()
         if cache is not None and not isinstance(cache, DepthAttentionCache):
-            raise ValueError(f"this model runs on its own KV cache, not a {type(cache).__name__}: "
-                             f"pass no cache (generate makes one) or the cache a previous call returned")
+            raise ValueError(f"this model runs on its own KV cache, not a "
+                             f"{type(cache).__name__}: pass no cache (generate makes one) or the "
+                             f"cache a previous call returned")
         # Padding can only be in a prompt: a decode step (one token after the prefill) skips the
         # check, which on a GPU would wait for the device at every token.
         prompt = cache is None or cache.get_seq_length() == 0 or input_ids.shape[1] > 1
         if attention_mask is not None and prompt and not bool(attention_mask.all()):
-            raise ValueError("padded batches are not supported (the KV cache keeps one length for the "
-                             "whole batch): pass sequences of equal length without padding, or one at "
-                             "a time")
+            raise ValueError("padded batches are not supported (the KV cache keeps one length "
+                             "for the whole batch): pass sequences of equal length without "
+                             "padding, or one at a time")
         targets = None
         if labels is not None:  # GPT's targets: the next token at each position, -1 where ignored
             targets = F.pad(labels[:, 1:], (0, 1), value=-100)
             targets = targets.masked_fill(targets == -100, -1)
         kv = None if cache is None else cache.reserve(self.gpt, *input_ids.shape)
-        logits, loss = self.gpt(input_ids, targets, cache=kv)
-        out = CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache)
+        states = None
+        if hidden:
+            (logits, loss), states = self._with_hidden_states(
+                lambda: self.gpt(input_ids, targets, cache=kv))
+        else:
+            logits, loss = self.gpt(input_ids, targets, cache=kv)
+        out = CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache, hidden_states=states)
         return out if return_dict is not False else out.to_tuple()
