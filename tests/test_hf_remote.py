@@ -248,10 +248,15 @@ def test_what_the_cache_cannot_do_is_refused_and_beam_search_reorders_it(tmp_pat
     _, folder = export(tmp_path, "kv", **MODES["kv-tied"])
     theirs = load_elsewhere(folder, monkeypatch, tmp_path)
     idx = torch.randint(0, 256, (2, 6))
+    gapped = torch.ones_like(idx)
+    gapped[0, 2] = 0
+    with pytest.raises(ValueError, match="one run of ones per row"):
+        theirs(input_ids=idx, attention_mask=gapped)
     left_padded = torch.ones_like(idx)
     left_padded[0, :3] = 0
-    with pytest.raises(ValueError, match="padded batches are not supported"):
-        theirs.generate(idx, attention_mask=left_padded, max_new_tokens=3, do_sample=False)
+    with pytest.raises(NotImplementedError, match="unpadded batch"):  # beams would share a row
+        theirs.generate(idx, attention_mask=left_padded, max_new_tokens=3, num_beams=2,
+                        do_sample=False)
     with pytest.raises(ValueError, match="its own KV cache, not a DynamicCache"):
         theirs(input_ids=idx, cache=DynamicCache())
     ones = theirs.generate(idx, attention_mask=torch.ones_like(idx), max_new_tokens=6,
@@ -508,3 +513,53 @@ def test_lm_eval_hf_backend_at_batch_size_4_equals_batch_size_1(tmp_path, monkey
         scores[batch] = [resp[0][0] for s in out["samples"][task] for resp in s["resps"]]
     diff = max(abs(a - b) for a, b in zip(scores[1], scores[4]))
     assert len(scores[1]) == len(scores[4]) == 32 and diff < 1e-4, diff
+
+
+def padded_batch(prompts, side, pad=7):
+    """(input_ids, attention_mask, each row's slice of real tokens) of prompts padded on side."""
+    T = max(len(q) for q in prompts)
+    ids, mask = torch.full((len(prompts), T), pad), torch.zeros(len(prompts), T, dtype=torch.long)
+    where = [slice(T - len(q), T) if side == "left" else slice(0, len(q)) for q in prompts]
+    for b, (q, at) in enumerate(zip(prompts, where)):
+        ids[b, at], mask[b, at] = q, 1
+    return ids, mask, where
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("mode", ["value", "looped-value"])
+def test_a_padded_batch_gives_each_row_its_unpadded_run(mode, side, tmp_path, monkeypatch):
+    """Three prompts of different lengths, padded: each row's logits and hidden states at its real
+    tokens are those of the row alone (positions from the mask, no pad in the depth step or the
+    attention), zeros at the pads, and the loss is the unpadded rows' token mean."""
+    _, folder = export(tmp_path, mode, **MODES[mode])
+    theirs = load_elsewhere(folder, monkeypatch, tmp_path)
+    prompts = [torch.randint(0, 256, (n,)) for n in (5, 11, 8)]
+    ids, mask, where = padded_batch(prompts, side)
+    with torch.no_grad():
+        out = theirs(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100),
+                     output_hidden_states=True)
+        alone = [theirs(input_ids=q[None], labels=q[None], output_hidden_states=True)
+                 for q in prompts]
+    for b, (one, at) in enumerate(zip(alone, where)):
+        scale = one.logits.abs().max().item()
+        assert max_diff(out.logits[b, at], one.logits[0]) < 1e-5 * scale, f"row {b}"
+        for h, h_one in zip(out.hidden_states, one.hidden_states):
+            assert max_diff(h[b, at], h_one[0]) < 1e-5 * h_one.abs().max().item(), f"row {b}"
+        assert not out.logits[b][mask[b] == 0].any()
+    tokens = [len(q) - 1 for q in prompts]
+    mean = sum(one.loss.item() * n for one, n in zip(alone, tokens)) / sum(tokens)
+    assert abs(out.loss.item() - mean) < 1e-5, (out.loss.item(), mean)
+
+
+@pytest.mark.parametrize("mode", ["value", "kv-tied"])
+def test_cached_generation_of_a_left_padded_batch_equals_each_row_alone(mode, tmp_path,
+                                                                         monkeypatch):
+    _, folder = export(tmp_path, mode, **MODES[mode])
+    theirs = load_elsewhere(folder, monkeypatch, tmp_path)
+    prompts = [torch.randint(0, 256, (n,)) for n in (3, 7, 5)]
+    ids, mask, _ = padded_batch(prompts, "left")
+    batch = theirs.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                            pad_token_id=7)
+    for b, q in enumerate(prompts):
+        one = theirs.generate(q[None], max_new_tokens=6, do_sample=False, pad_token_id=7)
+        assert torch.equal(batch[b, ids.shape[1]:], one[0, len(q):]), f"row {b}"

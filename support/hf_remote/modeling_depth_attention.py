@@ -10,8 +10,12 @@ KVCache), not a second implementation:
     DepthAttentionCache         our KVCache behind transformers' Cache, handed from one generate
                                 step to the next
 
-Parameter names are the export's: ours under `model.`, and `lm_head.weight`. Padded batches are
-refused: the cache holds one length for the whole batch. output_hidden_states gives transformers'
+Parameter names are the export's: ours under `model.`, and `lm_head.weight`. A padded batch (left
+or right, attention_mask one run of ones per row) gives each row what it gives alone: positions
+count from the row's first token, and the depth step mixes layers at one position, so no pad can
+reach a real token. Without a cache the real tokens of every row are moved to the front for one
+batched pass (pads after them are causal-masked away); a cached padded batch (generate) runs each
+row on a cache of its own, one pass per row at every step. output_hidden_states gives transformers'
 tuple (the embeddings, each effective layer's output, the last one after the final norm; a plain
 residual stream only), and gradient_checkpointing_enable() recomputes what train.py's
 --activation_checkpointing does (baselines.checkpoint_units).
@@ -59,8 +63,13 @@ class DepthAttentionCache(Cache):
     def __init__(self):
         super().__init__(layers=[])
         self.kv = None  # model.KVCache
+        # a padded batch: one DepthAttentionCache per row (its real tokens only), and the batch's
+        # padded length, the one generate counts in
+        self.rows, self.length = None, 0
 
     def get_seq_length(self, layer_idx=0):
+        if self.rows is not None:
+            return self.length
         return 0 if self.kv is None else self.kv.pos
 
     def reserve(self, gpt, batch_size, n_new):
@@ -78,17 +87,42 @@ class DepthAttentionCache(Cache):
         return self.kv
 
     def reorder_cache(self, beam_idx):
+        if self.rows is not None:
+            self._unsupported()  # beams would share (and both write) one row's cache
         rows = beam_idx.to(self.kv.k.device)  # the batch rows (beams) to keep, in their new order
         self.kv.k, self.kv.v = self.kv.k[:, rows], self.kv.v[:, rows]
 
     def reset(self):
-        self.kv = None
+        self.kv, self.rows, self.length = None, None, 0
 
     def _unsupported(self, *args, **kwargs):
         raise NotImplementedError("DepthAttentionCache supports greedy and sampled generation and "
-                                  "beam search; run other decoding strategies with use_cache=False")
+                                  "beam search (of an unpadded batch); run other decoding "
+                                  "strategies with use_cache=False")
 
     crop = batch_repeat_interleave = batch_select_indices = _unsupported
+
+
+def real_span(mask):
+    """(start, length) of each row's real tokens in a 0/1 attention_mask (B, T), which must be one
+    run of ones per row: left or right padding."""
+    mask = mask.bool()
+    n, start = mask.sum(1), (mask.cumsum(1) == 0).sum(1)
+    t = torch.arange(mask.shape[1], device=mask.device)
+    if not bool((mask == ((t >= start[:, None]) & (t < (start + n)[:, None]))).all()):
+        raise ValueError("attention_mask must hold one run of ones per row (left or right "
+                         "padding); rows with gaps or several sequences are not supported")
+    return start, n
+
+
+def move(x, offset, keep):
+    """x (B, T, ...) with out[b, t] = x[b, t + offset[b]] where keep[b, t], else 0: a padded row's
+    real tokens moved to the front (offset: its pads before them) or back (minus that)."""
+    B, T = x.shape[:2]
+    trailing = [1] * (x.dim() - 2)
+    src = (torch.arange(T, device=x.device) + offset[:, None]).clamp(0, T - 1)
+    picked = x.gather(1, src.view(B, T, *trailing).expand_as(x))
+    return torch.where(keep.view(B, T, *trailing), picked, 0)
 
 
 class DepthAttentionForCausalLM(PreTrainedModel, GenerationMixin):
@@ -165,6 +199,33 @@ class DepthAttentionForCausalLM(PreTrainedModel, GenerationMixin):
         """Nothing: GPT.__init__ initialised every weight (model.py); from_pretrained then loads
         them all."""
 
+    def _run(self, input_ids, targets, kv, hidden):
+        """((logits, loss), the hidden states or None) of GPT.forward."""
+        if hidden:
+            return self._with_hidden_states(lambda: self.gpt(input_ids, targets, cache=kv))
+        return self.gpt(input_ids, targets, cache=kv), None
+
+    def _per_row(self, input_ids, chunk_mask, cache):
+        """The logits (B, T, vocab) of a padded batch continuing cache, each row's real tokens (all
+        of them without chunk_mask, a decode step) on its own cache; zeros at the pads."""
+        B, T = input_ids.shape
+        if cache.rows is None:
+            if cache.kv is not None:
+                raise ValueError("padding after an unpadded prefill: pad the whole prompt")
+            cache.rows = [DepthAttentionCache() for _ in range(B)]
+        logits = None
+        for b, row in enumerate(cache.rows):
+            keep = chunk_mask[b].bool() if chunk_mask is not None else slice(None)
+            ids = input_ids[b:b + 1, keep]
+            if ids.shape[1] == 0:  # nothing of this row in the chunk
+                continue
+            out, _ = self.gpt(ids, cache=row.reserve(self.gpt, 1, ids.shape[1]))
+            if logits is None:
+                logits = out.new_zeros(B, T, out.shape[-1])
+            logits[b, keep] = out[0]
+        cache.length += T
+        return logits
+
     @classmethod
     def _supports_default_dynamic_cache(cls):
         return False  # generate must not make a DynamicCache: forward makes a DepthAttentionCache
@@ -191,20 +252,30 @@ class DepthAttentionForCausalLM(PreTrainedModel, GenerationMixin):
         # Padding can only be in a prompt: a decode step (one token after the prefill) skips the
         # check, which on a GPU would wait for the device at every token.
         prompt = cache is None or cache.get_seq_length() == 0 or input_ids.shape[1] > 1
-        if attention_mask is not None and prompt and not bool(attention_mask.all()):
-            raise ValueError("padded batches are not supported (the KV cache keeps one length "
-                             "for the whole batch): pass sequences of equal length without "
-                             "padding, or one at a time")
+        padded = attention_mask is not None and prompt and not bool(attention_mask.all())
         targets = None
         if labels is not None:  # GPT's targets: the next token at each position, -1 where ignored
             targets = F.pad(labels[:, 1:], (0, 1), value=-100)
             targets = targets.masked_fill(targets == -100, -1)
-        kv = None if cache is None else cache.reserve(self.gpt, *input_ids.shape)
-        states = None
-        if hidden:
-            (logits, loss), states = self._with_hidden_states(
-                lambda: self.gpt(input_ids, targets, cache=kv))
+        states, loss = None, None
+        if cache is not None and (padded or cache.rows is not None):
+            if labels is not None or hidden:
+                raise ValueError("a padded batch with a cache (generate) returns the logits only: "
+                                 "run labels or output_hidden_states without a cache")
+            chunk = attention_mask[:, -input_ids.shape[1]:] if padded else None
+            logits = self._per_row(input_ids, chunk, cache)
+        elif padded:
+            start, n = real_span(attention_mask)
+            front = torch.arange(input_ids.shape[1], device=n.device) < n[:, None]
+            if targets is not None:
+                targets = move(targets, start, front).masked_fill(~front, -1)
+            ids = move(input_ids, start, front)
+            (logits, loss), states = self._run(ids, targets, None, hidden)
+            back = attention_mask.bool()
+            logits = move(logits, -start, back)
+            states = states and tuple(move(h, -start, back) for h in states)
         else:
-            logits, loss = self.gpt(input_ids, targets, cache=kv)
+            kv = None if cache is None else cache.reserve(self.gpt, *input_ids.shape)
+            (logits, loss), states = self._run(input_ids, targets, kv, hidden)
         out = CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache, hidden_states=states)
         return out if return_dict is not False else out.to_tuple()
