@@ -390,7 +390,7 @@ def build_model(config: ModelConfig) -> GPT:
     return DEPTH_MODELS.get(config.depth_mode, GPT)(config)
 
 
-# ----------------------------------------------------------------------------- activation checkpointing
+# ----------------------------------------------------------------------------- checkpointing
 
 # What is recomputed, per residual path: the block (a plain model, DenseFormer), or the pieces a
 # baseline's run_layers calls in its place: AttnRes's two sublayers and their depth aggregators,

@@ -353,7 +353,8 @@ def plot_run(run, figure):
     weighed = [r for r in evals if r.get("depth_weights")]
     for layer in (weighed[0]["depth_weights"] if weighed else {}):
         depth.plot([r["step"] for r in weighed],
-                   [r["depth_weights"][layer][layer] for r in weighed], "o-", label=f"layer {layer}")
+                   [r["depth_weights"][layer][layer] for r in weighed], "o-",
+                   label=f"layer {layer}")
     if weighed:
         depth.plot([r["step"] for r in weighed],
                    [self_share(r["depth_weights"]) for r in weighed], "k--", label="mean")
