@@ -96,3 +96,20 @@ def test_an_upcycled_run_trains_as_depth_attention_and_resumes_exactly(vanilla_c
     assert json.loads((halves / "config.json").read_text())["depth_mode"] == "value"
     evals = [r for r in log_records(whole) if r["kind"] == "eval"]
     assert evals and all(r.get("depth_weights") for r in evals)  # a depth step was measured
+
+
+def test_a_vanilla_hugging_face_folder_starts_depth_attention_too(vanilla_ckpt, data_root,
+                                                                  tmp_path, capsys):
+    """An export of the vanilla model (a plain Qwen3 folder, as Qwen3 releases are) with
+    --depth_mode=value: the folder's weights exactly, the depth step on."""
+    import export as export_py
+    path, vanilla = vanilla_ckpt
+    folder = tmp_path / "qwen3_like"
+    export_py.main([str(path), str(folder)])
+    assert json.loads((folder / "config.json").read_text())["architectures"] == ["Qwen3ForCausalLM"]
+    capsys.readouterr()
+    model, printed = build(run_args(data_root, tmp_path / "run", f"--init_from={folder}",
+                                    "--depth_mode=value"), data_root)
+    assert model.config.depth_mode == "value" and "no parameter added" in printed, printed
+    theirs = vanilla.state_dict()
+    assert all(torch.equal(theirs[k], v) for k, v in model.state_dict().items())
