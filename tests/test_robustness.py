@@ -179,7 +179,7 @@ CASES = [
          "--weight_decay=-1"),
     case("train.py", "--warmup_frac must be a finite number in [0, 1], got 2.0", *TRAIN,
          "--warmup_frac=2"),
-    case("train.py", "--seed must be a finite number >= 0", *TRAIN, "--seed=-1"),
+    case("train.py", "--seed must be a finite number in [0, 2**63), got -1", *TRAIN, "--seed=-1"),
     # devices
     case("train.py", "unknown device 'foo'", *TRAIN, "--device=foo"),
     case("train.py", "torch sees no CUDA GPU", *TRAIN, "--device=cuda",
