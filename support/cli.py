@@ -79,11 +79,12 @@ def resolve_device(name, local_rank=None, allowed=("cpu", "cuda", "cuda:N", "mps
 
 
 
-def output_file(path, flag, replaces=None) -> Path:
+def output_file(path, flag, written_by=None) -> Path:
     """Check before any work that `path` can be written as a file (its folder is created): a long
-    evaluation or benchmark must not end in an error about where to put its result. replaces: the
-    keys of this script's own result, one of which an existing file must hold to be replaced (a slip
-    such as --json=out/RUN/ckpt.pt keeps the checkpoint). Raises ConfigError naming `flag`."""
+    evaluation or benchmark must not end in an error about where to put its result. written_by: the
+    script whose earlier result (written_here) an existing file must be to be replaced, so a slip
+    such as --json=out/RUN/ckpt.pt or --figure=photo.png keeps the file. Raises ConfigError naming
+    `flag`."""
     p = Path(path)
     not_in_a_checkpoint(p, flag)
     if p.is_dir() or str(path).endswith(("/", "\\")):
@@ -100,15 +101,38 @@ def output_file(path, flag, replaces=None) -> Path:
     except OSError as e:
         raise ConfigError(f"cannot write {flag}={path} ({e.strerror or e}); "
                           f"pick a writable path") from None
-    if replaces and p.is_file() and p.stat().st_size:
-        try:  # an earlier result is far smaller than 64 MiB; a larger file is something else
-            earlier = json.loads(p.read_bytes()) if p.stat().st_size <= 1 << 26 else None
-        except ValueError:  # not UTF-8, not JSON
-            earlier = None
-        if not (isinstance(earlier, dict) and set(replaces) & earlier.keys()):
-            raise ConfigError(f"{flag}={path} exists and is not an earlier result of this script; "
-                              f"pick another path, or delete the file if it may go")
+    if written_by and p.is_file() and p.stat().st_size and not written_here(p, written_by):
+        raise ConfigError(f"{flag}={path} exists and was not written by {written_by}; pick "
+                          f"another path, or delete the file if it may go")
     return p
+
+
+def mark(script) -> str:
+    """What a script writes into its results (JSON's "written_by") and figures (their metadata),
+    so that replacing one checks a fact rather than guessing from common keys. No parentheses: a
+    PDF would escape them."""
+    return f"{script}, Depth-Attention"
+
+
+def figure_metadata(path, script) -> dict:
+    """matplotlib's savefig metadata carrying mark(script) for a figure at path."""
+    return {"Software" if Path(path).suffix.lower() == ".png" else "Creator": mark(script)}
+
+
+def written_here(path, script) -> bool:
+    """Whether the file at path is an earlier result of script: a JSON object whose "written_by"
+    is mark(script), or a figure whose metadata holds it (PNG text chunks, PDF and SVG creator)."""
+    p = Path(path)
+    if p.stat().st_size > 1 << 26:  # an earlier result is far smaller; a larger file is not one
+        return False
+    data = p.read_bytes()
+    if p.suffix.lower() == ".json":
+        try:
+            earlier = json.loads(data)
+        except ValueError:  # not UTF-8, not JSON
+            return False
+        return isinstance(earlier, dict) and earlier.get("written_by") == mark(script)
+    return mark(script).encode() in data
 
 
 def not_in_a_checkpoint(path, flag):

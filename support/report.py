@@ -12,7 +12,7 @@ import numpy as np
 
 from baselines import DEPTH_MODES
 from support import paper
-from support.cli import output_file, write_atomically
+from support.cli import figure_metadata, output_file, write_atomically
 from support.depth_weights_view import can_draw, depth_weight_matrix, plot_depth_weights, pyplot
 from support.errors import CheckpointError, ConfigError, DataError
 from support.sweep import final_val_loss, read_log, run_dir
@@ -148,7 +148,7 @@ def plot_curves(out, names, seeds, path):
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, metadata=figure_metadata(path, "ablate.py"))
     plt.close(fig)
 
 
@@ -236,7 +236,7 @@ def plot_gaps(curves, short, baseline, short_tokens, path):
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, metadata=figure_metadata(path, "ablate.py"))
     plt.close(fig)
 
 
