@@ -98,11 +98,26 @@ def validation(cfg) -> np.ndarray:
                            dtype=json.loads((Path(folder) / "meta.json").read_text())["dtype"])
 
 
+def val_loss(gpt, val, cfg) -> float:
+    """The mean loss over the validation windows train.py evaluates (evenly spaced over val.bin)."""
+    from support.batches import get_batch
+    gpt.eval()
+    T = cfg["block_size"]
+    offsets = np.linspace(0, len(val) - T - 1, cfg["eval_seqs"]).round().astype(np.int64)
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(offsets), 32):
+            x, y = get_batch(val, offsets[i:i + 32], T, "cpu", gpt.config.vocab_size)
+            logits = gpt(x)[0]
+            total += F.cross_entropy(logits.flatten(0, 1), y.flatten()).item() * y.numel()
+            tokens += y.numel()
+    return total / tokens
+
+
 def reevaluated(out, results, grader):
     """Each run's final checkpoint, scored on the validation windows train.py evaluates (evenly
     spaced over val.bin), gives the loss its log ends with."""
     import model
-    from support.batches import get_batch
     from support.sweep import differences, final_val_loss, run_dir
     val = None
     for run, seed in jobs():
@@ -126,17 +141,7 @@ def reevaluated(out, results, grader):
         except Exception as e:
             raise Fail(f"{where / 'ckpt.pt'} does not hold the model its config says "
                        f"({type(e).__name__}): {HINT}") from None
-        gpt.eval()
-        T = cfg["block_size"]
-        offsets = np.linspace(0, len(val) - T - 1, cfg["eval_seqs"]).round().astype(np.int64)
-        total, tokens = 0.0, 0
-        with torch.no_grad():
-            for i in range(0, len(offsets), 32):
-                x, y = get_batch(val, offsets[i:i + 32], T, "cpu", gpt.config.vocab_size)
-                logits = gpt(x)[0]
-                total += F.cross_entropy(logits.flatten(0, 1), y.flatten()).item() * y.numel()
-                tokens += y.numel()
-        loss, said = total / tokens, final_val_loss(where)
+        loss, said = val_loss(gpt, val, cfg), final_val_loss(where)
         need(math.isfinite(loss) and abs(loss - said) < EVAL_TOLERANCE,
              f"{where}: its checkpoint scores {loss:.4f} on the validation windows, its log says "
              f"{said:.4f}: the log is not the checkpoint's; {HINT}")
@@ -173,18 +178,27 @@ CHECKS = {"every_run_finished_with_the_handouts_settings": finished,
 
 
 def grade(out: Path, grader: Path) -> dict:
-    """{test: None or why it failed} for the runs in out; grader: this tree (its configs)."""
+    """{test: None or why it failed} for the runs in out; grader: this tree (its configs). The
+    logs, results.json and the figure count only once the checkpoints give the logged losses:
+    records written without the training earn nothing."""
     problem = next(p for p in PROBLEMS if p.number == 5)
-    verdicts = {}
+    first = "each_checkpoint_gives_its_logged_loss"
+    verdicts = {first: verdict(first, out, grader)}
     for name, _ in problem.tests:
-        try:
-            CHECKS[name](out, results_of(out), grader)
-            verdicts[name] = None
-        except Fail as e:
-            verdicts[name] = str(e)
-        except (KeyError, TypeError, ValueError, IndexError, OSError) as e:
-            verdicts[name] = (f"the runs' records are not what the handout's command writes "
-                              f"({type(e).__name__}: {e}): {HINT}")
-        except SystemExit as e:  # support.sweep's fail(): an unreadable record, in one line
-            verdicts[name] = str(e.code).removeprefix("error: ")
+        if name != first:  # its own reason first (no results.json), else the checkpoints'
+            verdicts[name] = verdict(name, out, grader) or (verdicts[first] and (
+                f"not graded: the checkpoints do not give the logged losses ({first})"))
     return verdicts
+
+
+def verdict(name, out, grader):
+    try:
+        CHECKS[name](out, results_of(out), grader)
+        return None
+    except Fail as e:
+        return str(e)
+    except (KeyError, TypeError, ValueError, IndexError, OSError) as e:
+        return (f"the runs' records are not what the handout's command writes "
+                f"({type(e).__name__}: {e}): {HINT}")
+    except SystemExit as e:  # support.sweep's fail(): an unreadable record, in one line
+        return str(e.code).removeprefix("error: ")

@@ -153,13 +153,17 @@ def show(result, verbose):
         passed = sum(t["why"] is None for t in e["tests"])
         print(f"{head} {e['earned']:>2} / {e['points']:>2}  {passed} of {len(e['tests'])} tests "
               f"passed")
-        failed = [t for t in e["tests"] if t["why"] is not None]
-        for i, t in enumerate(failed):
+        reasons = {}  # the same reason for several tests (a stub, a missing file) is said once
+        for t in e["tests"]:
+            if t["why"] is not None:
+                reasons.setdefault(t["why"], []).append(t)
+        for i, (why, tests) in enumerate(reasons.items()):
             if i == 3 and not verbose:
-                print(f"      ... and {len(failed) - 3} more: python course/grade.py "
-                      f"--problem={e['problem']}")
+                print(f"      ... and more: python course/grade.py --problem={e['problem']}")
                 break
-            print(f"      {t['test']} (0 / {t['points']}): {t['why']}")
+            more = f" and {len(tests) - 1} more" if len(tests) > 1 else ""
+            lost = sum(t["points"] for t in tests)
+            print(f"      {tests[0]['test']}{more} (-{lost}): {why}")
     if result["together"] is not None:
         verdict = ("cached decoding equals the full forward in every mode" if result["together"]
                    else "not yet one working model (checked once problems 1-4 pass; no points)")

@@ -121,6 +121,7 @@ def check_destination(out: Path, overwrite: bool):
              f"under the shell; give a new folder's name, e.g. {where / 'student'}")
     if where.exists() and not where.is_dir():
         fail(f"{out} is a file; give a folder for the student copy")
+    leftovers(where)  # a copy a killed run moved aside is back in place before the next check
     if where.is_dir() and any(where.iterdir()):
         if not made_here(where):
             fail(f"{out} holds files and is not a student copy made by course/make.py; give a "
@@ -178,9 +179,9 @@ def write_copy(tmp: Path, untracked: bool) -> int:
                                  f"this page shows the method's code. See course/README.md.\n")
         else:
             shutil.copy2(ROOT / f, tmp / f)
-    (tmp / "pytest.ini").write_text("[pytest]\n# The assignment's graded tests "
-                                    "(python course/grade.py scores them problem by problem).\n"
-                                    "testpaths = course/tests\n")
+    (tmp / "pytest.ini").write_text("[pytest]\n# The assignment has no pytest tests: "
+                                    "python course/grade.py grades it, test by test.\n"
+                                    "testpaths = course\n")
     readme = (tmp / "README.md").read_text()
     (tmp / "README.md").write_text("> **Student copy for the course assignment**: start with "
                                    "[course/README.md](course/README.md).\n\n" + readme)
@@ -233,7 +234,6 @@ def main(argv):
              f"({', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}): commit or remove them, "
              f"or pass --untracked to copy them too")
     out = out.resolve()
-    leftovers(out)
     tmp, old = (out.with_name(f".{out.name}.tmp{os.getpid()}"),
                 out.with_name(f".{out.name}.old{os.getpid()}"))
     try:
