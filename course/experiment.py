@@ -11,6 +11,7 @@ training, or with losses edited into its log, fails it.
 """
 import json
 import math
+import os
 import tempfile
 from pathlib import Path
 
@@ -119,6 +120,7 @@ def reevaluated(out, results, grader):
     spaced over val.bin), gives the loss its log ends with."""
     import model
     from support.sweep import differences, final_val_loss, run_dir
+    torch.set_num_threads(os.cpu_count() or 1)  # 6 forwards of 16k tokens: the cores help here
     val = None
     for run, seed in jobs():
         where = run_dir(out, run, seed)

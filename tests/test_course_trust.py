@@ -56,8 +56,11 @@ def test_a_forged_report_or_a_patched_grader_scores_nothing(copy, tmp_path):
     forged = stub_copy(copy, tmp_path, """\
         import json, os, sys
         for n in range(1, 6):
-            with open(os.environ.get("COURSE_REPORT", "report.jsonl"), "a") as f:
-                f.write(json.dumps({"test": f"test_problem{n}.py::t", "outcome": "passed"}) + "\\n")
+            try:  # no file can be written: refused
+                with open(os.environ.get("COURSE_REPORT", "report.jsonl"), "a") as f:
+                    f.write(json.dumps({"test": f"test_problem{n}.py::t", "outcome": "passed"}))
+            except OSError:
+                pass
         sys.exit(0)
         """, "report")
     patched = stub_copy(copy, tmp_path, """\
@@ -75,7 +78,7 @@ def test_a_forged_report_or_a_patched_grader_scores_nothing(copy, tmp_path):
     printed, result, _ = grade(forged, env={"COURSE_REPORT": str(report)})
     assert {k: v for k, v in earned(result).items() if k < 5} == ZERO
     assert "the code does not import: model.py called sys.exit(0) at import" in printed
-    assert not report.exists() and not (forged / "report.jsonl").exists()
+    assert not report.exists()
     _, result, _ = grade(patched)
     assert {k: v for k, v in earned(result).items() if k < 5} == ZERO
 
@@ -176,12 +179,9 @@ def test_damaged_or_foreign_fixtures_are_named_in_one_line(copy, tmp_path):
 # ------------------------------------------------------------------------------- problem 5
 
 def test_problem_5_reevaluates_the_checkpoints(tmp_path):
-    """Untrained models' checkpoints with their own losses logged pass every check but the losses';
-    logs fabricated from course/expected with no checkpoint, or beside checkpoints that do not give
-    them, score 0 on every test."""
-    honest = experiment.grade(fake_experiment(tmp_path / "honest"), ROOT)
-    assert [name for name, why in honest.items() if why] == \
-        ["the_losses_are_those_of_a_correct_model"], honest
+    """Logs fabricated from course/expected with no checkpoint, or beside checkpoints that do not
+    give them, score 0 on every test (checkpoints that do: tests/test_course.py, the repository's
+    full marks)."""
     bare = experiment.grade(fake_experiment(tmp_path / "bare", checkpoints=False), ROOT)
     assert all(bare.values()) and "no " in bare["each_checkpoint_gives_its_logged_loss"], bare
     expected = json.loads((ROOT / "course" / "expected" / "results.json").read_text())
