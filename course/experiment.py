@@ -9,9 +9,10 @@ The re-evaluation uses this grader's model.py and the embedded Shakespeare prepa
 the copy's data), and reads the checkpoints as data (weights_only): a run folder written without
 training, or with losses edited into its log, fails it.
 """
+import contextlib
+import io
 import json
 import math
-import os
 import tempfile
 from pathlib import Path
 
@@ -93,8 +94,9 @@ def validation(cfg) -> np.ndarray:
     takes a second), never read from the copy."""
     from support.data import prepare
     need(cfg["dataset"] == "shakespeare", f"the runs trained on {cfg['dataset']}: {HINT}")
-    with tempfile.TemporaryDirectory(prefix="grade-data") as tmp:
-        folder = prepare("shakespeare", out_dir=tmp)
+    with tempfile.TemporaryDirectory(prefix="grade-data") as tmp, \
+            contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        folder = prepare("shakespeare", out_dir=tmp)  # its lines are not the grader's
         return np.fromfile(Path(folder) / "val.bin",
                            dtype=json.loads((Path(folder) / "meta.json").read_text())["dtype"])
 
@@ -120,7 +122,6 @@ def reevaluated(out, results, grader):
     spaced over val.bin), gives the loss its log ends with."""
     import model
     from support.sweep import differences, final_val_loss, run_dir
-    torch.set_num_threads(os.cpu_count() or 1)  # 6 forwards of 16k tokens: the cores help here
     val = None
     for run, seed in jobs():
         where = run_dir(out, run, seed)
