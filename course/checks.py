@@ -37,7 +37,8 @@ def first(*reasons):
 def softmax_bf16(got, args, what):
     """float32 weights within what any rounding of the bf16 scores gives: each score may move by
     D units of bf16 rounding of the sum of |products| (rounded products, summed in bf16), and the
-    softmax of scores moved by at most d_c moves alpha_c by at most alpha_c (exp(d_c + max d) - 1)."""
+    softmax of scores moved by at most d_c moves alpha_c by at most
+    alpha_c (exp(d_c + max d) - 1)."""
     qbar, keys = args
     if not isinstance(got, torch.Tensor) or got.dtype != torch.float32:
         return f"{what}: alpha is {getattr(got, 'dtype', type(got).__name__)}: compute the " \
@@ -108,7 +109,8 @@ def chunks(got, want, what):
     if not isinstance(got, list) or len(got) != len(want):
         return f"{what}: the cache did not run through every chunk"
     for g, w in zip(got, want):
-        where = f"{what}, chunk {w.get('chunk')}" + (f", layer {w['layer']}" if "layer" in w else "")
+        layer = f", layer {w['layer']}" if "layer" in w else ""
+        where = f"{what}, chunk {w.get('chunk')}{layer}"
         if "layer" in w:
             if g["pos"] != w["pos"]:
                 return f"{where}: update moved cache.pos to {g['pos']}: the position moves once " \
@@ -124,7 +126,8 @@ def chunks(got, want, what):
                 f"{where}: after advance, cache.pos is {g['advanced']}, not {w['advanced']}"
         else:
             reason = first(close(g["keys"], w["keys"], f"{what}: the cache's keys at the end"),
-                           close(g["values"], w["values"], f"{what}: the cache's values at the end"))
+                           close(g["values"], w["values"],
+                                 f"{what}: the cache's values at the end"))
         if reason:
             return reason
     return None

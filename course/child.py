@@ -63,7 +63,8 @@ class Child:
             first = self.receive(time.monotonic() + IMPORT_TIMEOUT_S)
         except Gone as e:
             self.import_error = (f"importing model.py did not finish in {IMPORT_TIMEOUT_S} s"
-                                 if "ran past" in str(e) else f"model.py could not be imported: {e}")
+                                 if "ran past" in str(e)
+                                 else f"model.py could not be imported: {e}")
             return
         if "error" in first:
             self.import_error = f"the code does not import: {first['error']}"

@@ -8,9 +8,9 @@ course/README.md).
 
 What it protects against: the graded code runs in a child process, in a fresh temporary folder that
 holds a copy of the student's model.py and nothing else, with no grader path in its environment or
-arguments, unable to write to any file (RLIMIT_FSIZE 0), in a new session. The child receives each
-test's inputs and returns its outputs by value (torch.load with weights_only: data, never code); this
-process alone holds the expected outputs, judges them and writes the report, so a model.py that
+arguments (its parent's command line in /proc still names one), unable to write to any file (RLIMIT_FSIZE 0), in a new session. The child receives each
+test's inputs and returns its outputs by value (torch.load with weights_only: data, never code);
+this process alone holds the expected outputs, judges them and writes the report, so a model.py that
 writes a report, patches the grader, shadows pytest or exits early scores nothing by it. The
 grader's own files are hashed before and after: a grading during which they changed is void (exit
 1). Problem 5's runs are read as data and their checkpoints re-evaluated here.

@@ -199,8 +199,8 @@ def where(result, cache):
         for name in ("k", "v"):
             if result.untyped_storage().data_ptr() == getattr(cache, name).untyped_storage()\
                     .data_ptr():
-                return {"view_of": name, "size": list(result.shape), "stride": list(result.stride()),
-                        "offset": result.storage_offset()}
+                return {"view_of": name, "size": list(result.shape),
+                        "stride": list(result.stride()), "offset": result.storage_offset()}
     return freeze(result)
 
 
@@ -309,8 +309,8 @@ def describe(e, import_time=False):
         if tb.tb_frame.f_code.co_filename.endswith("model.py"):
             where = f" (model.py, line {tb.tb_lineno})"
         tb = tb.tb_next
-    if isinstance(e, SyntaxError) and e.lineno:
-        where = f" (model.py, line {e.lineno})"
+    if isinstance(e, SyntaxError):  # its message names the whole path: the line is enough
+        return f"SyntaxError: {e.msg} (model.py, line {e.lineno})"
     if isinstance(e, SystemExit):
         text = f"model.py called sys.exit({e.code!r})" + (" at import" if import_time else "")
     else:

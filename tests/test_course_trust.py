@@ -118,7 +118,7 @@ def test_code_that_rewrites_the_grader_voids_the_grading(copy, tmp_path, instruc
 
 def test_answers_looked_up_in_the_copys_fixtures_fail_the_hidden_tests(copy, tmp_path):
     """A model.py that answers from the practice fixtures passes the copy's own grader on what
-    it looks up, and gets 0 from the instructor's: fresh inputs, and scenarios the copy never saw."""
+    it looks up, and 0 from the instructor's: fresh inputs, and scenarios the copy never saw."""
     bodies = {"ModelConfig.stride": 'return _lookup("stride", lambda a: ModelConfig(**a[0]) == '
                                     'self)',
               "ModelConfig.sources": 'return _lookup("sources", lambda a: ModelConfig(**a[0]) == '
