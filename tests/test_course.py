@@ -17,8 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from course import experiment
 from course.make import LEFT_OUT, WITHHELD_PAGES, blank, replace_bodies, repository_files, stubs
-from course.problems import EXPERIMENT, GRADED, PROBLEMS
+from course.problems import EXPERIMENT, FIXTURES, GRADED, MARKER, PROBLEMS
+
+# tests/test_course_trust.py reads course/ through this module (the one test that imports it)
+__all__ = ["experiment", "EXPERIMENT", "FIXTURES", "MARKER"]
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -216,7 +220,6 @@ def fake_experiment(out, losses=None, checkpoints=True):
 def write_runs(out, given, measured, checkpoints, logged):
     """Each run's folder (fake_experiment); measured: log the checkpoint's own loss."""
     import torch
-    from course import experiment
     from support.sweep import run_dir, train_config
     val = None
     for run, by_seed in given.items():

@@ -13,10 +13,8 @@ import textwrap
 import pytest
 import torch
 
-from course import experiment
-from course.problems import EXPERIMENT, FIXTURES, MARKER
-from test_course import (ENV, ROOT, earned, failing, fake_experiment, full, grade, make_copy,
-                         with_bodies)
+from test_course import (ENV, EXPERIMENT, FIXTURES, MARKER, ROOT, earned, experiment, failing,
+                         fake_experiment, full, grade, make_copy, with_bodies)
 
 ZERO = dict.fromkeys([1, 2, 3, 4], 0)
 
