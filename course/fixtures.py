@@ -120,10 +120,11 @@ def scenarios(model, seed=0, hidden=False) -> dict:
     s["a_bf16_model_runs_in_bf16"] = [
         ("logits", (configs[name], states[name], idx, torch.bfloat16), f"{name}, bf16")
         for name in ("value", "kv", "uniform")]
-    cached = list(CACHED) + ["own stride", "looped, stride 3"] * hidden
+    decodes = [(name, idx) for name in CACHED] + \
+        [("own stride", idx), ("looped, stride 3", idx), ("value", wide_idx)] * hidden
     s["each_layer_stores_its_mixed_record_and_decoding_reads_it"] = [
         ("decode", (configs[name], states[name], x), f"{name}, batch {x.shape[0]}")
-        for name in cached for x in [idx] + [wide_idx] * hidden]
+        for name, x in decodes]
     s["together"] = [("together", (configs[name], states[name], idx), name) for name in MODELS]
 
     attention = []
