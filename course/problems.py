@@ -25,7 +25,7 @@ PROBLEMS = (
     Problem(1, "The source rule S(l)", 10,
             ("model.py:ModelConfig.stride", "model.py:ModelConfig.sources"),
             "section 2.3 (sparse sources) and the looped experiment (section 3.3)",
-            "grading: 5 s", tests=(
+            "grading: 6 s", tests=(
                 ("the_default_stride_is_the_modes_or_half_the_effective_depth", 3),
                 ("an_explicit_stride_is_kept", 1), ("every_layer_has_the_sources_of_the_rule", 4),
                 ("layer_zero_and_vanilla_have_no_sources", 1),
@@ -33,7 +33,7 @@ PROBLEMS = (
     Problem(2, "The depth weights", 15,
             ("model.py:group_mean", "model.py:softmax_weights"),
             "sections 2.1 and 2.3 (the depth query of a KV group)",
-            "grading: 5 s", tests=(
+            "grading: 6 s", tests=(
                 ("qbar_is_the_mean_of_each_group_of_query_heads", 5),
                 ("the_weights_are_a_softmax_over_the_candidates", 6),
                 ("the_softmax_runs_in_float32_for_bf16_activations", 4))),
@@ -42,7 +42,7 @@ PROBLEMS = (
              "model.py:Attention.forward", "model.py:Attention.store_and_attend",
              "model.py:GPT.run_layers"),
             "sections 2.2 (recursive value mixing) and 2.4 (the cache), Tables 5 and 6",
-            "grading: 6 s", tests=(
+            "grading: 7 s", tests=(
                 ("the_weighted_sum_of_the_candidates", 3),
                 ("depth_mix_mixes_what_each_mode_says", 5),
                 ("one_new_token_in_one_attention_call", 3),
@@ -56,7 +56,7 @@ PROBLEMS = (
                 ("a_prefill_then_chunks_and_single_tokens_equal_the_whole_sequence", 12))),
     Problem(5, "The experiment", 15, (),
             "Table 5 (uniform against value) and Figure 3 (the depth weights)",
-            "training: 10 min (6 runs, 2 at a time); grading: 9 s", tests=(
+            "training: 10 min (6 runs, 2 at a time); grading: 14 s", tests=(
                 ("every_run_finished_with_the_handouts_settings", 3),
                 ("results_json_says_what_the_logs_say", 3),
                 ("each_checkpoint_gives_its_logged_loss", 3),

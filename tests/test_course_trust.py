@@ -148,6 +148,22 @@ def test_answers_looked_up_in_the_copys_fixtures_fail_the_hidden_tests(copy, tmp
     assert failing(result)[4] >= {"causal_attention_over_a_whole_sequence"}
 
 
+def test_results_that_are_not_the_functions_score_nothing(copy, tmp_path):
+    """A string that says "passed", a dict, a tensor subclass, the right tensor in the wrong dtype:
+    each fails its test in one line, and the grading goes on."""
+    garbage = with_bodies(copy, tmp_path, {
+        "group_mean": 'return "passed"',
+        "softmax_weights": 'return {"alpha": 1, "passed": True}',
+        "causal_attention": "return torch.nn.Parameter(q.float())",
+        "ModelConfig.stride": "return float(self.depth_stride or 1) + 0.5"}, "", "garbage")
+    printed, result, _ = grade(garbage, "--problem=2")
+    assert earned(result) == {2: 0}
+    assert "returned str, not a tensor" in printed
+    _, result, _ = grade(garbage, "--problem=4")
+    assert failing(result) == {4: {"causal_attention_over_a_whole_sequence",
+                                   "a_prefill_then_chunks_and_single_tokens_equal_the_whole_sequence"}}
+
+
 def test_prints_that_are_not_utf8_cost_nothing(copy, tmp_path):
     noisy = with_bodies(copy, tmp_path, {}, """\
         import sys
