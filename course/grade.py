@@ -37,7 +37,6 @@ HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
 
 from course.problems import EXPERIMENT, FIXTURES, GRADED, MARKER, PROBLEMS  # noqa: E402
-from course.child import Child  # noqa: E402
 from support.cli import ConfigError, fail, output_file, write_atomically  # noqa: E402
 
 WRITTEN_BY = "grade.py"  # the mark of its --json results: only such a file is replaced
@@ -91,8 +90,9 @@ def digest() -> dict:
 
 
 def grade(root: Path, only=None, experiment=None, seed=None) -> dict:
-    import torch
+    import torch  # here, not at the top: a refused argument answers before torch loads
     from course import experiment as runs
+    from course.child import Child
     torch.set_num_threads(1)  # tiny tensors: one thread is 20x faster than a pool
     seed = random.SystemRandom().randrange(2 ** 31) if seed is None else seed
     before = digest()
