@@ -99,7 +99,7 @@ def grade(root: Path, only=None, experiment=None, seed=None) -> dict:
     ref, answering = (load_fixtures(), None) if practice() else reference(seed)
     problems = [p for p in PROBLEMS if only in (None, p.number)]
     entries = []
-    with tempfile.TemporaryDirectory(prefix="grade") as tmp:
+    with tempfile.TemporaryDirectory(prefix="grade", ignore_cleanup_errors=True) as tmp:
         tree = Path(tmp) / "copy"
         tree.mkdir()
         shutil.copy(root / "model.py", tree / "model.py")  # all of the student's code it runs
