@@ -8,8 +8,8 @@ course/README.md).
 
 What it protects against: the graded code runs in a child process, in a fresh temporary folder that
 holds a copy of the student's model.py and nothing else, with no grader path in its environment or
-arguments (its parent's command line in /proc still names one), unable to write to any file (RLIMIT_FSIZE 0), in a new session. The child receives each
-test's inputs and returns its outputs by value (torch.load with weights_only: data, never code);
+arguments (its parent's command line in /proc still names one), unable to write to any file
+(RLIMIT_FSIZE 0), in a new session. The child receives each test's inputs and returns its outputs by value (torch.load with weights_only: data, never code);
 this process alone holds the expected outputs, judges them and writes the report, so a model.py that
 writes a report, patches the grader, shadows pytest or exits early scores nothing by it. The
 grader's own files are hashed before and after: a grading during which they changed is void (exit
@@ -37,9 +37,9 @@ HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
 
 from course.problems import EXPERIMENT, FIXTURES, GRADED, MARKER, PROBLEMS  # noqa: E402
-from support.cli import ConfigError, fail, output_file, write_atomically  # noqa: E402
+from support.cli import ArgumentParser, mark, output_file, write_atomically  # noqa: E402
+from support.errors import UserError, run_main  # noqa: E402
 
-WRITTEN_BY = "grade.py"  # the mark of its --json results: only such a file is replaced
 TEST_TIMEOUT_S = float(os.environ.get("COURSE_TEST_TIMEOUT", 60))  # a test's limit; the
 # grader's own tests lower it to try an endless loop quickly
 
@@ -56,14 +56,14 @@ def load_fixtures():
     path = HERE / FIXTURES
     hint = "ask for a fresh copy (python course/make.py)"
     if not path.is_file():
-        fail(f"{path} is missing; {hint}")
+        raise UserError(f"{path} is missing; {hint}")
     try:
         ref = torch.load(path, weights_only=True)
     except Exception as e:  # truncated, foreign or damaged bytes
-        fail(f"{path} cannot be read ({type(e).__name__}): it is truncated or not the grader's "
+        raise UserError(f"{path} cannot be read ({type(e).__name__}): it is truncated or not the grader's "
              f"fixtures; {hint}")
     if not isinstance(ref, dict) or ref.get("format") != FORMAT or "tests" not in ref:
-        fail(f"{path} is not the fixtures of this grader (format {FORMAT}); {hint}")
+        raise UserError(f"{path} is not the fixtures of this grader (format {FORMAT}); {hint}")
     return ref
 
 
@@ -76,7 +76,7 @@ def reference(seed):
     try:
         tests = fixtures.expected(model, fixtures.scenarios(model, seed, hidden=True))
     except Exception as e:
-        fail(f"could not record the tests from {HERE / 'model.py'} ({type(e).__name__}: {e}); "
+        raise UserError(f"could not record the tests from {HERE / 'model.py'} ({type(e).__name__}: {e}); "
              f"grade with a tree whose model.py is complete")
     return {"tests": tests, "calls": None}, model
 
@@ -128,7 +128,7 @@ def grade(root: Path, only=None, experiment=None, seed=None) -> dict:
             if e["graded"]:
                 e.update(earned=0, tests=[{**t, "earned": 0} for t in e["tests"]])
     graded = [e for e in entries if e["graded"]]
-    return {"written_by": WRITTEN_BY, "root": str(root), "seed": seed,
+    return {"written_by": mark("grade.py"), "root": str(root), "seed": seed,
             "hidden_tests": not practice(), "problems": entries, "together": together,
             "tampered": tampered, "score": sum(e["earned"] for e in graded),
             "out_of": sum(e["points"] for e in graded)}
@@ -171,25 +171,11 @@ def show(result, verbose):
     print(f"score: {result['score']} / {result['out_of']}")
 
 
-def json_file(path):
-    """--json's path, checked before grading: a file there must be an earlier result of this
-    script (its written_by), never another program's."""
-    p = output_file(path, "--json")
-    if p.is_file() and p.stat().st_size:
-        try:
-            earlier = json.loads(p.read_bytes()) if p.stat().st_size < 1 << 24 else None
-        except ValueError:
-            earlier = None
-        if not (isinstance(earlier, dict) and earlier.get("written_by") == WRITTEN_BY):
-            raise ConfigError(f"--json={path} exists and is not an earlier result of grade.py; "
-                              f"pick another path, or delete the file if it may go")
-    return p
-
-
-def main(argv):
-    p = argparse.ArgumentParser(description=__doc__.strip().split("\n\n")[0],
-                                epilog=__doc__.strip().split("\n\n", 2)[2],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv):
+    """The command line, checked without reading a file."""
+    p = ArgumentParser("course/grade.py", description=__doc__.strip().split("\n\n")[0],
+                       epilog=__doc__.strip().split("\n\n", 2)[2],
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("dir", nargs="?", default=str(HERE),
                    help="the copy to grade (default: this one)")
     p.add_argument("--json", help="also write the result here")
@@ -199,32 +185,36 @@ def main(argv):
     p.add_argument("--seed", type=int, help="the hidden scenarios' seed (default: a fresh one; "
                                             "the JSON records it, to grade again alike)")
     args = p.parse_args(argv)
+    if args.seed is not None and not 0 <= args.seed < 2 ** 63:
+        raise UserError(f"--seed={args.seed} is out of range; give 0 <= seed < 2**63")
+    return args
+
+
+def main(argv):
+    args = parse_args(argv)
     root = Path(args.dir).resolve()
     if not (root / "model.py").is_file():
-        fail(f"{args.dir} is not a copy of the assignment (no model.py in it)")
-    try:
-        json_path = json_file(args.json) if args.json else None
-    except ConfigError as e:
-        fail(e)
+        raise UserError(f"{args.dir} is not a copy of the assignment (no model.py in it)")
+    json_path = output_file(args.json, "--json", written_by="grade.py") if args.json else None
     if args.experiment and not Path(args.experiment).is_dir():
-        fail(f"--experiment={args.experiment} is not a folder; "
+        raise UserError(f"--experiment={args.experiment} is not a folder; "
              f"give the --out of the handout's command")
-    if args.seed is not None and not 0 <= args.seed < 2 ** 63:
-        fail(f"--seed={args.seed} is out of range; give 0 <= seed < 2**63")
     result = grade(root, args.problem, args.experiment and Path(args.experiment).resolve(),
                    args.seed)
     show(result, verbose=args.problem is not None)
     if json_path:
         write_atomically(json_path, json.dumps(result, indent=2) + "\n")
     if result["tampered"]:
-        fail(f"the grader's own files changed while grading ({', '.join(result['tampered'])}): "
+        raise UserError(f"the grader's own files changed while grading ({', '.join(result['tampered'])}): "
              f"this grading is void; restore them (git checkout) and grade in a container")
 
 
-if __name__ == "__main__":
+def interruptible(argv):
     try:
-        main(sys.argv[1:])
+        main(argv)
     except KeyboardInterrupt:
-        fail("interrupted: nothing graded, nothing written")
-    except BrokenPipeError:  # piped into head: the reader left
-        sys.stderr.close()
+        raise KeyboardInterrupt("nothing graded, nothing written") from None
+
+
+if __name__ == "__main__":
+    run_main(interruptible)

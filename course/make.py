@@ -12,7 +12,6 @@ reference, the tests/ that check the method, the docs that print its code, the i
 is now, so they match it. Only the files git tracks are copied (an untracked scratch file is listed
 and refused unless --untracked), and the copy's stamp says whether the tree was dirty.
 """
-import argparse
 import ast
 import os
 import shutil
@@ -25,7 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from course.problems import FIXTURES, MARKER, PROBLEMS  # noqa: E402
-from support.cli import fail  # noqa: E402
+from support.cli import ArgumentParser  # noqa: E402
+from support.errors import UserError, run_main  # noqa: E402
 
 # Left out of the copy: the loop references and the tests that check the method against them, CI,
 # this script and the answers. The pages that print the method's code become a one-line page.
@@ -114,20 +114,20 @@ def check_destination(out: Path, overwrite: bool):
     by this script (its marker); an earlier copy needs --overwrite."""
     where = out.resolve()
     if where == ROOT or ROOT in where.parents or where in ROOT.parents:
-        fail(f"{out} is, holds or lies inside this repository ({ROOT}); give a folder outside "
+        raise UserError(f"{out} is, holds or lies inside this repository ({ROOT}); give a folder outside "
              f"it, e.g. {ROOT.parent / 'student'}")
     if where == Path.cwd().resolve() or where in Path.cwd().resolve().parents:
-        fail(f"{out} is the current folder or holds it: replacing it would pull the folder from "
+        raise UserError(f"{out} is the current folder or holds it: replacing it would pull the folder from "
              f"under the shell; give a new folder's name, e.g. {where / 'student'}")
     if where.exists() and not where.is_dir():
-        fail(f"{out} is a file; give a folder for the student copy")
+        raise UserError(f"{out} is a file; give a folder for the student copy")
     leftovers(where)  # a copy a killed run moved aside is back in place before the next check
     if where.is_dir() and any(where.iterdir()):
         if not made_here(where):
-            fail(f"{out} holds files and is not a student copy made by course/make.py; give a "
+            raise UserError(f"{out} holds files and is not a student copy made by course/make.py; give a "
                  f"new or empty folder")
         if not overwrite:
-            fail(f"{out} holds an earlier student copy; pass --overwrite to replace it whole")
+            raise UserError(f"{out} holds an earlier student copy; pass --overwrite to replace it whole")
 
 
 STAMP = "A student copy made by course/make.py"  # the marker's first words: what it may replace
@@ -200,7 +200,7 @@ def recorded() -> dict:
         from course import fixtures
         return fixtures.record(model)
     except Exception as e:  # model.py broken or changed under the scenarios
-        fail(f"cannot record the fixtures from {ROOT / 'model.py'} ({type(e).__name__}: "
+        raise UserError(f"cannot record the fixtures from {ROOT / 'model.py'} ({type(e).__name__}: "
              f"{str(e).splitlines()[0] if str(e).strip() else ''}); make the tree's model.py "
              f"complete and its tests pass (python -m pytest -q test_model.py), then rerun")
 
@@ -218,19 +218,22 @@ def commit(untracked=False) -> str:
         return "a tree without git"
 
 
-def main(argv):
-    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+def parse_args(argv):
+    """The command line, checked without reading a file."""
+    p = ArgumentParser("course/make.py", description=__doc__.strip().splitlines()[0])
     p.add_argument("out_dir", help="a new or empty folder outside this repository")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an earlier student copy there, whole")
-    p.add_argument("--untracked", action="store_true",
-                   help="also copy the files git does not track (refused without it)")
-    args = p.parse_args(argv)
+    p.add_flag("--overwrite", help="replace an earlier student copy there, whole")
+    p.add_flag("--untracked", help="also copy the files git does not track (refused without it)")
+    return p.parse_args(argv)
+
+
+def main(argv):
+    args = parse_args(argv)
     out = Path(args.out_dir)
     check_destination(out, args.overwrite)
     extra = untracked_files()
     if extra and not args.untracked:
-        fail(f"{len(extra)} file(s) git does not track would be left out of the copy "
+        raise UserError(f"{len(extra)} file(s) git does not track would be left out of the copy "
              f"({', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}): commit or remove them, "
              f"or pass --untracked to copy them too")
     out = out.resolve()
@@ -245,9 +248,9 @@ def main(argv):
             os.replace(out, old)
         os.replace(tmp, out)
     except OSError as e:
-        fail(f"cannot write {args.out_dir} ({e.strerror or e}); pick a folder you can write to")
+        raise UserError(f"cannot write {args.out_dir} ({e.strerror or e}); pick a folder you can write to")
     except ValueError as e:  # a function the problems name that the code no longer has
-        fail(f"course/problems.py names {e}: update its list to the code's names")
+        raise UserError(f"course/problems.py names {e}: update its list to the code's names")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         if old.exists() and not out.exists():  # stopped between the two renames: the old copy stays
@@ -259,9 +262,13 @@ def main(argv):
           f"course/README.md and grade with python course/grade.py")
 
 
-if __name__ == "__main__":
+def interruptible(argv):
     try:
-        main(sys.argv[1:])
+        main(argv)
     except KeyboardInterrupt:  # the copy is written beside its destination, then renamed into place
-        fail("interrupted: the destination holds what it held before or the whole new copy, "
-             "never a part")
+        raise KeyboardInterrupt("the destination holds what it held before or the whole new "
+                                "copy, never a part") from None
+
+
+if __name__ == "__main__":
+    run_main(interruptible)

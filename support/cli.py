@@ -3,8 +3,8 @@ The few helpers every script uses at its edges: `ArgumentParser` (the command-li
 argparse scripts), `reason` (an exception's first line), `require` (an optional package, or a
 MissingPackage naming its pip line), `resolve_device` (auto = cuda, then mps, then cpu), `table`
 (aligned plain-text columns), `output_file` (a result's path, checked before any work),
-`not_in_a_checkpoint` (nothing is written into a sharded checkpoint's folder), `read_json_object`
-and `write_atomically`. `fail` stays for train.py until its errors are types too.
+`not_in_a_checkpoint` (nothing is written into a sharded checkpoint's folder), the marks a script
+leaves on its results (`mark`, `written_here`), `read_json_object` and `write_atomically`.
 """
 import argparse
 import difflib
@@ -19,12 +19,6 @@ from support.errors import ConfigError, UserError
 # An FSDP run's checkpoint folder (checkpoint.save_sharded), and its names while a save replaces it.
 SHARDED = "ckpt.dcp"
 SHARDED_NAMES = (SHARDED, f"{SHARDED}.tmp", f"{SHARDED}.old")
-
-def fail(msg):
-    """Stop a script on bad input: one `error: ...` line naming the fix, exit status 1, no
-    traceback."""
-    raise SystemExit(f"error: {msg}")
-
 
 def reason(e) -> str:
     """An exception's first line for an error message; its class name when it has no message."""

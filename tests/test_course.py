@@ -6,14 +6,12 @@ loses the tests of its own problem that catch it and nothing else; a crash or an
 only the tests it is in. The forgeries, problem 5's runs and make.py: tests/test_course_trust.py."""
 import ast
 import json
-import os
 import shutil
 import subprocess
 import sys
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, fields
-from pathlib import Path
 
 import pytest
 

@@ -108,7 +108,7 @@ def test_code_that_rewrites_the_grader_voids_the_grading(copy, tmp_path, instruc
     before = (instructor / "course" / "checks.py").read_bytes()
     _, result, proc = grade(rewriter, "--problem=1", grader=instructor, ok=False)
     assert (instructor / "course" / "checks.py").read_bytes() == before
-    assert proc.returncode == 1 and "this grading is void" in proc.stderr
+    assert proc.returncode == 2 and "this grading is void" in proc.stderr
     assert "course/fixtures.py" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
     assert earned(result) == {1: 0} and result["tampered"]
     shutil.copy2(ROOT / "course" / "fixtures.py", instructor / "course" / "fixtures.py")
@@ -186,7 +186,7 @@ def test_damaged_or_foreign_fixtures_are_named_in_one_line(copy, tmp_path):
             torch.save({"sources": 1}, path)
         _, result, proc = grade(other, grader=other, ok=False)
         err = proc.stderr.strip()
-        assert proc.returncode == 1 and err.startswith("error: ") and str(path) in err \
+        assert proc.returncode == 2 and err.startswith("error: ") and str(path) in err \
             and "\n" not in err and result is None, err
 
 
@@ -281,7 +281,7 @@ def test_make_refuses_destinations_that_would_lose_files(copy, tmp_path):
                                 ((mine / "notes.txt",), ROOT, "is a file"),
                                 ((".",), empty, "is the current folder")]:
         code, err, _ = run(make, *args, cwd=cwd)
-        assert (code == 1 and err.startswith("error: ") and fragment in err
+        assert (code == 2 and err.startswith("error: ") and fragment in err
                 and "\n" not in err), (args, err)
     assert (mine / "notes.txt").read_text() == "mine" and not (ROOT / "student").exists()
     assert empty.is_dir() and not any(empty.iterdir())
@@ -289,7 +289,7 @@ def test_make_refuses_destinations_that_would_lose_files(copy, tmp_path):
     (copy.parent / ".student.tmp999999999").mkdir()
     os.replace(copy, copy.parent / ".student.old999999998")
     code, err, _ = run(make, copy, "--untracked")
-    assert code == 1 and "pass --overwrite" in err, err  # the old copy is back in place first
+    assert code == 2 and "pass --overwrite" in err, err  # the old copy is back in place first
     code, err, _ = run(make, copy, "--overwrite", "--untracked")
     assert code == 0 and (copy / MARKER).is_file(), err
     assert not list(copy.parent.glob(".student.*"))
@@ -303,7 +303,7 @@ def test_make_copies_tracked_files_and_stamps_a_dirty_tree(tmp_path):
     (clone / "scratch").mkdir()
     (clone / "scratch" / "solution.py").write_text("# the instructor's notes\n")
     code, err, _ = run(clone / "course" / "make.py", tmp_path / "a", cwd=clone)
-    assert code == 1 and "scratch/solution.py" in err and "--untracked" in err, err
+    assert code == 2 and "scratch/solution.py" in err and "--untracked" in err, err
     code, err, _ = run(clone / "course" / "make.py", tmp_path / "b", "--untracked", cwd=clone)
     assert code == 0 and (tmp_path / "b" / "scratch" / "solution.py").is_file(), err
     assert "-dirty (a dirty tree" in (tmp_path / "b" / MARKER).read_text()
@@ -312,7 +312,7 @@ def test_make_copies_tracked_files_and_stamps_a_dirty_tree(tmp_path):
     (clone / "model.py").write_text(source.replace("    return q.unflatten(1, (n_kv_head, -1))"
                                                    ".mean(2)", "    raise RuntimeError('broken')"))
     code, err, out = run(clone / "course" / "make.py", tmp_path / "c", cwd=clone)
-    assert code == 1 and "cannot record the fixtures" in err and "\n" not in err, err
+    assert code == 2 and "cannot record the fixtures" in err and "\n" not in err, err
     assert "Traceback" not in err + out and not (tmp_path / "c").exists()
 
 
@@ -322,14 +322,14 @@ def test_grade_refuses_bad_arguments_in_one_line_before_grading(tmp_path):
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"score": 3, "from": "another program"}))
     for args, fragment in [([str(tmp_path)], "not a copy"), ([f"--json={tmp_path}"], "is a folder"),
-                           ([f"--json={mine}"], "is not an earlier result"),
-                           ([f"--json={other}"], "is not an earlier result"),
+                           ([f"--json={mine}"], "was not written by grade.py"),
+                           ([f"--json={other}"], "was not written by grade.py"),
                            ([f"--experiment={mine}"], "is not a folder"),
                            (["--seed=-1"], "out of range"),
                            ([f"--json={tmp_path / 'run' / 'ckpt.dcp' / 'g.json'}"],
                             "sharded checkpoint")]:
         code, err, _ = run(ROOT / "course" / "grade.py", *args)
-        assert code == 1 and err.startswith("error: ") and fragment in err and "\n" not in err, err
+        assert code == 2 and err.startswith("error: ") and fragment in err and "\n" not in err, err
     assert mine.read_text() == "mine" and json.loads(other.read_text())["score"] == 3
     earlier = tmp_path / "earlier.json"
     earlier.write_text(json.dumps({"written_by": "grade.py", "score": 0}))
