@@ -9,11 +9,12 @@ course/README.md).
 What it protects against: the graded code runs in a child process, in a fresh temporary folder that
 holds a copy of the student's model.py and nothing else, with no grader path in its environment or
 arguments (its parent's command line in /proc still names one), unable to write to any file
-(RLIMIT_FSIZE 0), in a new session. The child receives each test's inputs and returns its outputs by value (torch.load with weights_only: data, never code);
-this process alone holds the expected outputs, judges them and writes the report, so a model.py that
-writes a report, patches the grader, shadows pytest or exits early scores nothing by it. The
-grader's own files are hashed before and after: a grading during which they changed is void (exit
-1). Problem 5's runs are read as data and their checkpoints re-evaluated here.
+(RLIMIT_FSIZE 0), in a new session. The child receives each test's inputs and returns its outputs by
+value (torch.load with weights_only: data, never code); this process alone holds the expected
+outputs, judges them and writes the report, so a model.py that writes a report, patches the grader,
+shadows pytest or exits early scores nothing by it. The grader's own files are hashed before and
+after: a grading during which they changed is void (exit 2). Problem 5's runs are read as data and
+their checkpoints re-evaluated here.
 
 What it does not: the child runs as the same user, so it can read any file that user can name
 (the instructor's answers, this grader, other students' copies), use the network, delete files, or
@@ -60,8 +61,8 @@ def load_fixtures():
     try:
         ref = torch.load(path, weights_only=True)
     except Exception as e:  # truncated, foreign or damaged bytes
-        raise UserError(f"{path} cannot be read ({type(e).__name__}): it is truncated or not the grader's "
-             f"fixtures; {hint}")
+        raise UserError(f"{path} cannot be read ({type(e).__name__}): it is truncated or not the "
+                        f"grader's fixtures; {hint}")
     if not isinstance(ref, dict) or ref.get("format") != FORMAT or "tests" not in ref:
         raise UserError(f"{path} is not the fixtures of this grader (format {FORMAT}); {hint}")
     return ref
@@ -76,8 +77,8 @@ def reference(seed):
     try:
         tests = fixtures.expected(model, fixtures.scenarios(model, seed, hidden=True))
     except Exception as e:
-        raise UserError(f"could not record the tests from {HERE / 'model.py'} ({type(e).__name__}: {e}); "
-             f"grade with a tree whose model.py is complete")
+        raise UserError(f"could not record the tests from {HERE / 'model.py'} ({type(e).__name__}: "
+                        f"{e}); grade with a tree whose model.py is complete")
     return {"tests": tests, "calls": None}, model
 
 
@@ -197,16 +198,17 @@ def main(argv):
         raise UserError(f"{args.dir} is not a copy of the assignment (no model.py in it)")
     json_path = output_file(args.json, "--json", written_by="grade.py") if args.json else None
     if args.experiment and not Path(args.experiment).is_dir():
-        raise UserError(f"--experiment={args.experiment} is not a folder; "
-             f"give the --out of the handout's command")
+        raise UserError(f"--experiment={args.experiment} is not a folder; give the --out of the "
+                        f"handout's command")
     result = grade(root, args.problem, args.experiment and Path(args.experiment).resolve(),
                    args.seed)
     show(result, verbose=args.problem is not None)
     if json_path:
         write_atomically(json_path, json.dumps(result, indent=2) + "\n")
     if result["tampered"]:
-        raise UserError(f"the grader's own files changed while grading ({', '.join(result['tampered'])}): "
-             f"this grading is void; restore them (git checkout) and grade in a container")
+        changed = ", ".join(result["tampered"])
+        raise UserError(f"the grader's own files changed while grading ({changed}): this grading "
+                        f"is void; restore them (git checkout) and grade in a container")
 
 
 def interruptible(argv):

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from course.problems import FIXTURES, MARKER, PROBLEMS  # noqa: E402
-from support.cli import ArgumentParser  # noqa: E402
+from support.cli import ArgumentParser, clean_stale  # noqa: E402
 from support.errors import UserError, run_main  # noqa: E402
 
 # Left out of the copy: the loop references and the tests that check the method against them, CI,
@@ -114,20 +114,23 @@ def check_destination(out: Path, overwrite: bool):
     by this script (its marker); an earlier copy needs --overwrite."""
     where = out.resolve()
     if where == ROOT or ROOT in where.parents or where in ROOT.parents:
-        raise UserError(f"{out} is, holds or lies inside this repository ({ROOT}); give a folder outside "
-             f"it, e.g. {ROOT.parent / 'student'}")
+        raise UserError(f"{out} is, holds or lies inside this repository ({ROOT}); give a folder "
+                        f"outside it, e.g. {ROOT.parent / 'student'}")
     if where == Path.cwd().resolve() or where in Path.cwd().resolve().parents:
-        raise UserError(f"{out} is the current folder or holds it: replacing it would pull the folder from "
-             f"under the shell; give a new folder's name, e.g. {where / 'student'}")
+        raise UserError(f"{out} is the current folder or holds it: replacing it would pull the "
+                        f"folder from under the shell; give a new folder's name, e.g. "
+                        f"{where / 'student'}")
     if where.exists() and not where.is_dir():
         raise UserError(f"{out} is a file; give a folder for the student copy")
-    leftovers(where)  # a copy a killed run moved aside is back in place before the next check
+    # a copy a killed run moved aside is back in place before the next check
+    clean_stale(where, hidden=True, restorable=made_here)
     if where.is_dir() and any(where.iterdir()):
         if not made_here(where):
-            raise UserError(f"{out} holds files and is not a student copy made by course/make.py; give a "
-                 f"new or empty folder")
+            raise UserError(f"{out} holds files and is not a student copy made by course/make.py; "
+                            f"give a new or empty folder")
         if not overwrite:
-            raise UserError(f"{out} holds an earlier student copy; pass --overwrite to replace it whole")
+            raise UserError(f"{out} holds an earlier student copy; pass --overwrite to replace it "
+                            f"whole")
 
 
 STAMP = "A student copy made by course/make.py"  # the marker's first words: what it may replace
@@ -138,30 +141,6 @@ def made_here(folder: Path) -> bool:
         return (folder / MARKER).read_text().startswith(STAMP)
     except (OSError, UnicodeDecodeError):
         return False
-
-
-def leftovers(out: Path):
-    """What a make.py killed mid-write left beside out: its .NAME.tmp<pid> (a part of a copy) is
-    removed; its .NAME.old<pid> (the copy it was replacing) goes back in place if out is gone."""
-    for kind in ("old", "tmp"):
-        for path in out.parent.glob(f".{out.name}.{kind}*"):
-            pid = path.name.rpartition(f".{kind}")[2]
-            if not pid.isdigit() or alive(int(pid)):
-                continue
-            if kind == "old" and not out.exists() and made_here(path):
-                os.replace(path, out)
-            elif made_here(path) or kind == "tmp":
-                shutil.rmtree(path, ignore_errors=True)
-
-
-def alive(pid) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return pid != os.getpid()
 
 
 def write_copy(tmp: Path, untracked: bool) -> int:
@@ -201,8 +180,9 @@ def recorded() -> dict:
         return fixtures.record(model)
     except Exception as e:  # model.py broken or changed under the scenarios
         raise UserError(f"cannot record the fixtures from {ROOT / 'model.py'} ({type(e).__name__}: "
-             f"{str(e).splitlines()[0] if str(e).strip() else ''}); make the tree's model.py "
-             f"complete and its tests pass (python -m pytest -q test_model.py), then rerun")
+                        f"{str(e).splitlines()[0] if str(e).strip() else ''}); make the tree's "
+                        f"model.py complete and its tests pass (python -m pytest -q "
+                        f"test_model.py), then rerun")
 
 
 def commit(untracked=False) -> str:
@@ -234,8 +214,8 @@ def main(argv):
     extra = untracked_files()
     if extra and not args.untracked:
         raise UserError(f"{len(extra)} file(s) git does not track would be left out of the copy "
-             f"({', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}): commit or remove them, "
-             f"or pass --untracked to copy them too")
+                        f"({', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}): commit or "
+                        f"remove them, or pass --untracked to copy them too")
     out = out.resolve()
     tmp, old = (out.with_name(f".{out.name}.tmp{os.getpid()}"),
                 out.with_name(f".{out.name}.old{os.getpid()}"))
@@ -248,7 +228,8 @@ def main(argv):
             os.replace(out, old)
         os.replace(tmp, out)
     except OSError as e:
-        raise UserError(f"cannot write {args.out_dir} ({e.strerror or e}); pick a folder you can write to")
+        raise UserError(f"cannot write {args.out_dir} ({e.strerror or e}); pick a folder you can "
+                        f"write to")
     except ValueError as e:  # a function the problems name that the code no longer has
         raise UserError(f"course/problems.py names {e}: update its list to the code's names")
     finally:

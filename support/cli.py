@@ -11,6 +11,8 @@ import difflib
 import importlib
 import json
 import os
+import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -127,6 +129,42 @@ def written_here(path, script) -> bool:
             return False
         return isinstance(earlier, dict) and earlier.get("written_by") == mark(script)
     return mark(script).encode() in data
+
+
+def stale_pid(path):
+    """The pid in a temporary's name (NAME.tmp<pid>, NAME.old<pid>, train.bin.tmp<pid>) if that
+    process is gone (or is this one, reborn under the same pid in a new container), else None."""
+    m = re.fullmatch(r".+\.(?:tmp|old)(\d+)", Path(path).name)
+    if not m:
+        return None
+    pid = int(m[1])
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return pid
+    except PermissionError:  # alive, another user's
+        return None
+    return pid if pid == os.getpid() else None
+
+
+def clean_stale(dest, hidden=False, inside=False, restorable=lambda old: True):
+    """Remove what killed runs of a script left beside dest: the temporaries NAME.tmp<pid> it was
+    writing and NAME.old<pid>, the dest a swap moved aside, which goes back in place first when
+    dest is gone (a swap killed half-way) and restorable(it). hidden: the names start with a dot;
+    inside: dest's own NAME.tmp<pid> files too."""
+    dest = Path(dest)
+    stem = f"{'.' if hidden else ''}{dest.name}"
+    for old in dest.parent.glob(f"{stem}.old*"):
+        pid = stale_pid(old)
+        if pid is not None and not dest.exists() and restorable(old):
+            os.rename(old, dest)
+            print(f"restored {dest} from {old}, left by a killed run (pid {pid})")
+    for path in [*dest.parent.glob(f"{stem}.tmp*"), *dest.parent.glob(f"{stem}.old*"),
+                 *(dest.glob("*.tmp*") if inside and dest.is_dir() else [])]:
+        pid = stale_pid(path)
+        if pid is not None:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+            print(f"removed {path}, left by a killed run (pid {pid})")
 
 
 def not_in_a_checkpoint(path, flag):
