@@ -75,10 +75,6 @@ class ModelConfig:
              f"depth_recent_window must be an integer >= 0, got {self.depth_recent_window!r}")
         need(self.init_std > 0 and self.rope_theta > 0 and self.norm_eps > 0,
              "init_std, rope_theta and norm_eps must be positive")
-        for e in range(self.n_eff_layer):  # a fork's rule too: the records exist only below e
-            late = [j for j in self.sources(e) if not 0 <= j < e]
-            need(not late, f"sources({e}) gives {late}: a layer mixes only the records of earlier "
-                 f"layers, 0 <= j < {e}; fix the rule in ModelConfig.sources")
 
     @property
     def n_eff_layer(self) -> int:
@@ -417,6 +413,11 @@ class GPT(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # The source rule per effective layer, and the last reader of each source (then freed).
         self.depth_sources = [config.sources(e) for e in range(config.n_eff_layer)]
+        for e, src in enumerate(self.depth_sources):  # a fork's rule too: records exist below e
+            late = [j for j in src if not 0 <= j < e]
+            config_check("ModelConfig")(not late, f"sources({e}) gives {late}: a layer mixes only "
+                                        f"the records of earlier layers, 0 <= j < {e}; fix the "
+                                        f"rule in ModelConfig.sources")
         self.last_reader = {j: e for e, src in enumerate(self.depth_sources) for j in src}
         self.apply(self._init_weights)
 

@@ -460,12 +460,13 @@ def test_a_row_that_describes_no_step_is_refused_where_it_is_made(row, fragment)
 
 def test_a_source_at_or_after_the_layer_is_refused_by_name(monkeypatch):
     """A fork's rule that names the layer itself (or a later one) would read a record not yet
-    written; the config refuses it where it is made, naming the rule."""
+    written; the model refuses it where it is built, naming the rule. (Not the config: making one
+    calls no rule, so a course copy's unwritten sources costs problem 1 alone.)"""
     from model import ConfigError
     paper = ModelConfig.sources
     monkeypatch.setattr(ModelConfig, "sources", lambda self, e: paper(self, e) + [e] * (e > 0))
     with pytest.raises(ConfigError, match=r"sources\(1\) gives \[1\].*ModelConfig.sources"):
-        tiny_config()
+        tiny_model()
 
 
 def test_too_long_inputs_raise_clear_errors():

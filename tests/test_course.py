@@ -9,9 +9,11 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, fields
+from pathlib import Path
 
 import pytest
 
@@ -135,7 +137,8 @@ DIFFERENT = {
 def grade(copy, *args, grader=ROOT, timeout=TIMEOUT, ok=True, env=None):
     """course/grade.py of `grader` on copy: (its printed lines, its --json result, the process);
     ok: it must exit 0 without a traceback; env: more variables for it."""
-    out = copy.parent / f"{copy.name}.json"
+    # beside a copy, never beside the repository (the instructor's own grading writes there)
+    out = Path(tempfile.mkdtemp(prefix="grade")) / f"{copy.name}.json"
     env = {**ENV, "COURSE_TEST_TIMEOUT": str(timeout), **(env or {})}
     proc = subprocess.run([sys.executable, str(grader / "course" / "grade.py"), str(copy),
                            f"--json={out}", *args],

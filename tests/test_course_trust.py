@@ -13,6 +13,8 @@ import textwrap
 import pytest
 import torch
 
+from support.cli import mark
+
 from test_course import (ENV, EXPERIMENT, FIXTURES, MARKER, ROOT, earned, experiment, failing,
                          fake_experiment, full, grade, make_copy, with_bodies)
 
@@ -332,7 +334,7 @@ def test_grade_refuses_bad_arguments_in_one_line_before_grading(tmp_path):
         assert code == 2 and err.startswith("error: ") and fragment in err and "\n" not in err, err
     assert mine.read_text() == "mine" and json.loads(other.read_text())["score"] == 3
     earlier = tmp_path / "earlier.json"
-    earlier.write_text(json.dumps({"written_by": "grade.py", "score": 0}))
+    earlier.write_text(json.dumps({"written_by": mark("grade.py"), "score": 0}))
     code, err, _ = run(ROOT / "course" / "grade.py", "--problem=1", f"--json={earlier}")
     assert code == 0 and json.loads(earlier.read_text())["problems"][0]["earned"] == 10, err
 
