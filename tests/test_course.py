@@ -21,6 +21,7 @@ from course import experiment
 from course.make import LEFT_OUT, WITHHELD_PAGES, blank, replace_bodies, repository_files, stubs
 from course.problems import EXPERIMENT, FIXTURES, GRADED, MARKER, PROBLEMS
 from helpers import ENV, ROOT
+from support.cli import mark
 
 # tests/test_course_trust.py reads course/ through this module (the one test that imports it)
 __all__ = ["experiment", "EXPERIMENT", "FIXTURES", "MARKER"]
@@ -251,7 +252,7 @@ def test_the_repository_grades_full_marks_with_its_hidden_tests(tmp_path):
     test but the losses' (test_course_trust.py grades the losses)."""
     runs = fake_experiment(tmp_path / "runs")
     printed, result, _ = grade(ROOT, f"--experiment={runs}")
-    assert result["hidden_tests"] is True and result["written_by"] == "grade.py"
+    assert result["hidden_tests"] is True and result["written_by"] == mark("grade.py")
     assert earned(result) == {**full(1, 2, 3, 4), 5: 11} and result["together"] is True, result
     assert failing(result) == {5: {"the_losses_are_those_of_a_correct_model"}}
     assert "the_losses_are_those_of_a_correct_model (-4): vanilla: mean final validation" \
