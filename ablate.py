@@ -313,8 +313,9 @@ def run_protocol(cfg, extra, lrs, names):
 
 
 def draw_curves(run, figure):
-    """--curves=RUN: support/report.plot_run into --figure, default RUN/curves.png."""
-    figure = output_file(figure or Path(run) / "curves.png", "--figure")
+    """--curves=RUN: support/report.plot_run into --figure, default RUN/curves.png (an existing
+    file is replaced only if ablate.py drew it)."""
+    figure = output_file(figure or Path(run) / "curves.png", "--figure", written_by="ablate.py")
     steps = report.plot_run(run, figure)
     print(f"{steps} steps of {run} drawn: {figure}")
 

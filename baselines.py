@@ -313,6 +313,11 @@ def init_lime_router(w):
         w[:, -R:] = torch.eye(R, dtype=w.dtype, device=w.device)
 
 
+# The routers' optimizer group (train.make_optimizer), as in LIMe's code: no weight decay and
+# lime_router_lr_mult times the others' learning rate; the tag keeps LIMe checkpoints' layout.
+LIME_ROUTER_GROUP = {"weight_decay": 0.0, "lr_mult": "lime_router_lr_mult", "lime_routers": True}
+
+
 class LIMeAttention(Attention):
     """LIMe's attention: the router mixes the raw projections of the candidates, then k_norm and
     RoPE act on the mixed key as on any key attention reads, and the mixture is what goes into the
@@ -326,6 +331,7 @@ class LIMeAttention(Attention):
         self.lime_router = nn.ParameterDict({
             str(e): nn.Parameter(torch.empty(R, (len(config.sources(e)) + 1) * R))
             for e in range(layer, config.n_eff_layer, config.n_layer) if e > 0})
+        self.lime_router.optimizer_group = LIME_ROUTER_GROUP
 
     def forward(self, x, cos, sin, src_k, src_v, cache, e):
         q, k, v = self.project(x)                                          # (B, T, heads, D)
@@ -344,7 +350,7 @@ class LIMe(GPT):
             init_lime_router(w)
 
     def lime_routers(self) -> list:
-        """The router matrices: train.py gives them their own learning rate and no weight decay."""
+        """The router matrices (their optimizer group: LIME_ROUTER_GROUP)."""
         return [p for name, p in self.named_parameters() if ".lime_router." in name]
 
 

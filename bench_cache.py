@@ -34,7 +34,7 @@ from baselines import BASELINES, DEPTH_MODES, BaselineConfig, build_model, make_
 from model import GPT, depth_cost
 from support import hf, paper
 from support.memory import allocator_peak
-from support.cli import output_file, reason, require, resolve_device, table, write_atomically
+from support.cli import mark, output_file, reason, require, resolve_device, table, write_atomically
 from support.config import check_ranges, parse_config, read_config_file
 from support.errors import USER_ERRORS, ConfigError, run_main
 
@@ -88,7 +88,7 @@ def resolve(argv):
     """The run's config, checked, and its --json path (written at the end) checked writable now."""
     cfg = parse_args(argv)
     if cfg["json"]:  # now, not after a benchmark that can take many minutes
-        output_file(cfg["json"], "--json", replaces=("modes",))
+        output_file(cfg["json"], "--json", written_by="bench_cache.py")
     return cfg
 
 
@@ -484,7 +484,8 @@ def main(argv):
     res = summarize(cfg, samples, num_params)
     report(res)
     if cfg["json"]:
-        write_atomically(cfg["json"], json.dumps(res, indent=1))
+        write_atomically(cfg["json"], json.dumps({"written_by": mark("bench_cache.py"), **res},
+                                                 indent=1))
         print(f"\nwrote {cfg['json']}")
     return res
 

@@ -76,12 +76,18 @@ def tiny_variant(seed=0, dtype=torch.float32, **overrides) -> GPT:
     moved off its init too (zeros, ones, an identity block), so that no term of a variant's
     equations can hide behind a special value."""
     model = tiny_model(seed, dtype, **overrides)
+    with torch.no_grad():
+        for name in added_parameters(model):
+            p = model.get_parameter(name)
+            p.add_(0.3 * torch.randn_like(p))
+    return model
+
+
+def added_parameters(model) -> list:
+    """The names of the parameters a plain vanilla GPT of the model's shape lacks (a baseline's,
+    LIMe's routers, a learned row's depth_params), less any empty one."""
     shape = {f.name: getattr(model.config, f.name) for f in fields(ModelConfig)}
     with torch.device("meta"):
         vanilla = GPT(ModelConfig(**{**shape, "depth_mode": "vanilla"}))
     backbone = {name for name, _ in vanilla.named_parameters()}
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name not in backbone and p.numel():
-                p.add_(0.3 * torch.randn_like(p))
-    return model
+    return [name for name, p in model.named_parameters() if name not in backbone and p.numel()]

@@ -35,7 +35,7 @@ from tqdm import tqdm
 from model import fp32_or_wider
 from support import paper
 from support.checkpoint import load_model
-from support.cli import ArgumentParser, MissingPackage, output_file, resolve_device, write_atomically
+from support.cli import ArgumentParser, MissingPackage, mark, output_file, resolve_device, write_atomically
 from support.config import check_ranges
 from support.data import NotPrepared, load_meta
 from support.errors import USER_ERRORS, ConfigError, DataError, run_main
@@ -392,7 +392,7 @@ def check_flags(args):
     """Every check that needs neither the model nor the tasks, so that a typo costs no loading:
     (device, the --json path or None)."""
     device = resolve_device(args.device)
-    json_path = (output_file(args.json, "--json", replaces=("results", "ppl")) if args.json
+    json_path = (output_file(args.json, "--json", written_by="eval.py") if args.json
                  else None)
     if args.names and lm_eval is None:
         raise MissingPackage("the downstream tasks need lm-evaluation-harness: pip install lm-eval "
@@ -441,7 +441,8 @@ def main(argv):
     results = evaluate(model, enc, tasks, manager, data, args)
     print_table(results, args.num_fewshot, args.limit is not None)
     if json_path:
-        write_atomically(json_path, json.dumps(results, indent=2, default=str if lm_eval is None
+        write_atomically(json_path, json.dumps({"written_by": mark("eval.py"), **results}, indent=2,
+                                               default=str if lm_eval is None
                                                else handle_non_serializable))
         print(f"wrote {json_path}", file=sys.stderr)
 

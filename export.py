@@ -22,7 +22,7 @@ from support.errors import CheckpointError, run_main
 
 def parse_args(argv):
     """The command line, checked (flags, choices) without reading a file."""
-    p = ArgumentParser("export.py", description=__doc__.strip().split("\n")[0],
+    p = ArgumentParser("export.py", description=__doc__.strip().split("\n\n")[0],
                        epilog="python export.py SRC OUT_DIR [--dtype=...] [--overwrite]")
     p.add_argument("src", help="a train.py out_dir, a ckpt.pt or ckpt.dcp, or a Hugging Face "
                                "folder / hub id")

@@ -137,10 +137,19 @@ class DepthMode:
     decode_kernel: bool = False   # a decode step in one attention call (softmax_weights only)
     default_stride: Optional[int] = None  # what depth_stride=None means; None: half the depth
     cost: Optional[Callable] = None  # (config, bytes) -> depth_cost's dict, for other formulas
+    params: Optional[Callable] = None  # a learned rule: (config, layer) -> the nn.Module of one
+    # block's parameters, registered as Attention.depth_params; weights then takes (qbar, keys,
+    # depth_params, e). Its `optimizer_group` attribute, if any, is train.py's group for them.
 
     def __post_init__(self):
         if self.decode_kernel and self.weights is not softmax_weights:
             raise ValueError("decode_kernel is softmax_weights' mix; others take the plain path")
+        if self.weights is not None and not self.mixes:
+            raise ValueError("a row with weights that mixes neither K nor V: set mixes_k, mixes_v")
+        if self.mixes and self.weights is None:
+            raise ValueError("a row that mixes without weights: give it its weights function")
+        if self.params is not None and self.weights is None:
+            raise ValueError("a row's params are read by its weights: give it weights")
 
     @property
     def mixes(self) -> bool:  # the layers have a depth step (every mode but vanilla)
@@ -156,7 +165,7 @@ DEPTH_MODES = {
 }
 
 
-def depth_mix(q, k, v, src_k, src_v, mode: DepthMode, fast=True):
+def depth_mix(q, k, v, src_k, src_v, mode: DepthMode, fast=True, rule=()):
     """The depth step of layer l at every position t at once (paper sections 2.1-2.2).
 
     q: (B, n_head, T, D) this layer's queries; k, v: (B, n_kv_head, T, D) its key and value.
@@ -171,13 +180,17 @@ def depth_mix(q, k, v, src_k, src_v, mode: DepthMode, fast=True):
     q and k arrive after RoPE; every candidate carries the same rotation R_t, so the scores are
     those of the unrotated vectors and mixing keys commutes with it (README, "Where we deviate").
     Returns (k_out, v_out, alpha (B, n_kv_head, C, T)). With fast, a decode step (T = 1) of a
-    row that opts in runs depth_mix_one, and alpha is None.
+    row that opts in runs depth_mix_one, and alpha is None. rule: a learned row's (depth_params, e).
     """
     if fast and mode.decode_kernel and q.shape[2] == 1:
         return (*depth_mix_one(q, k, v, src_k, src_v, mode), None)
     keys, values = src_k + [k], src_v + [v]
     qbar = group_mean(q, k.shape[1])                                   # (B, n_kv_head, T, D)
-    alpha = mode.weights(qbar, keys)                                   # (B, n_kv_head, C, T)
+    alpha = mode.weights(qbar, keys, *rule)                            # (B, n_kv_head, C, T)
+    if alpha.shape != (*qbar.shape[:2], len(keys), qbar.shape[2]):  # T = C hides a transpose
+        raise ValueError(f"depth weights of shape {tuple(alpha.shape)}; want (B, n_kv_head, C, T) ="
+                         f" {(*qbar.shape[:2], len(keys), qbar.shape[2])}: candidates before "
+                         f"positions")
     k_out = weighted_sum(alpha, keys) if mode.mixes_k else k
     v_out = weighted_sum(alpha, values) if mode.mixes_v else v
     return k_out, v_out, alpha
@@ -305,6 +318,10 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(c.n_head * c.head_dim, c.n_embd, bias=False)
         self.q_norm = RMSNorm(c.head_dim, c.norm_eps) if c.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(c.head_dim, c.norm_eps) if c.qk_norm else nn.Identity()
+        # a learned row's parameters (DepthMode.params): in this module, so trained and saved;
+        # none where no layer the block runs as has sources (layer 0, run once), as none would learn
+        mixing = any(c.sources(e) for e in range(layer, c.n_eff_layer, c.n_layer))
+        self.depth_params = self.mode.params(c, layer) if self.mode.params and mixing else None
 
     def forward(self, x, cos, sin, src_k, src_v, cache, e):
         """x: (B, T, n_embd) at effective layer e; src_k, src_v: its sources' records. Returns
@@ -332,7 +349,8 @@ class Attention(nn.Module):
 
     def depth_step(self, q, k, v, src_k, src_v, e):
         """k, v mixed with the sources' records as the layer's row of DEPTH_MODES says."""
-        k, v, alpha = depth_mix(q, k, v, src_k, src_v, self.mode, fast=self.weights_sink is None)
+        rule = () if self.depth_params is None else (self.depth_params, e)
+        k, v, alpha = depth_mix(q, k, v, src_k, src_v, self.mode, self.weights_sink is None, rule)
         if self.weights_sink is not None:
             self.weights_sink(e, alpha)
         return k, v
@@ -395,6 +413,11 @@ class GPT(nn.Module):
             self.lm_head.weight = self.embed_tokens.weight
         # The source rule per effective layer, and the last reader of each source (then freed).
         self.depth_sources = [config.sources(e) for e in range(config.n_eff_layer)]
+        for e, src in enumerate(self.depth_sources):  # a fork's rule too: records exist below e
+            late = [j for j in src if not 0 <= j < e]
+            config_check("ModelConfig")(not late, f"sources({e}) gives {late}: a layer mixes only "
+                                        f"the records of earlier layers, 0 <= j < {e}; fix the "
+                                        f"rule in ModelConfig.sources")
         self.last_reader = {j: e for e, src in enumerate(self.depth_sources) for j in src}
         self.apply(self._init_weights)
 
@@ -485,7 +508,8 @@ def depth_cost(config: ModelConfig, bytes_per_element: int = 2) -> dict:
     value: FLOPs 4 d_kv C (2 for the scores, 2 for the mix); activation I/O bytes (2C + L) d_kv
     (read K and V of each candidate, write one vector per layer). Uniform Mix has no scores and
     reads only V; a row mixing K mixes and writes it too. The KV cache is vanilla's in every
-    mode. A row with its own `cost` (LIMe's) gives its own terms."""
+    mode; extra_params counts a learned row's params. A row with its own `cost` (LIMe's) gives
+    its own terms."""
     mode = DEPTH_MODES[config.depth_mode]
     if mode.cost is not None:
         return mode.cost(config, bytes_per_element)
@@ -497,4 +521,13 @@ def depth_cost(config: ModelConfig, bytes_per_element: int = 2) -> dict:
     writes = n_mix * L if C else 0  # the paper counts L written vectors (Table 2: L = 48)
     return {"candidates": C, "flops_per_token": 2 * d_kv * C * (scored + n_mix),
             "io_bytes_per_token": bytes_per_element * (reads + writes) * d_kv,
-            "extra_persistent_bytes": 0, "extra_params": 0}
+            "extra_persistent_bytes": 0, "extra_params": learned_params(config, mode)}
+
+
+def learned_params(config: ModelConfig, mode: DepthMode) -> int:
+    """The number of a learned row's parameters over the blocks (built on the meta device)."""
+    if mode.params is None:
+        return 0
+    with torch.device("meta"):
+        held = [Attention(config, layer).depth_params for layer in range(config.n_layer)]
+    return sum(p.numel() for params in held if params is not None for p in params.parameters())

@@ -45,7 +45,7 @@ def parse_args(argv):
                              "replace = read each invalid byte as U+FFFD, with a warning that "
                              "counts them")
     args = parser.parse_args(argv)
-    check_request(args.source, args.name, args.val_fraction)
+    check_request(args.source, args.name, args.val_fraction, args.num_proc, args.shards)
     return args
 
 

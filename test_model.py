@@ -30,6 +30,18 @@ def uniform_ref(qbar, cand_k):  # Uniform Mix (Table 5)
 
 REFERENCE_MODES = {"vanilla": None, "value": (softmax_ref, "v"), "uniform": (uniform_ref, "v"),
                    "key": (softmax_ref, "k"), "kv": (softmax_ref, "kv")}
+# A learned row's (DepthMode.params) weights also read its parameters: the reference is called
+# (qbar, cand_k, the block's depth_params, effective layer e), as the row's weights are.
+
+# The variants whose model is not GPT's layers with a row's weights (LIMe, the baselines): name ->
+# a naive reference (model, idx) -> logits, registered next to it (tests/test_lime.py,
+# tests/test_baselines.py). tests/test_contract.py reads it with REFERENCE_MODES.
+MODEL_REFERENCES = {}
+
+# The source rules the contract runs (tests/test_contract.py, with depth_mode=value), as the config
+# keys that select each; reference_sources restates the rule. A fork's rule adds its keys here.
+SOURCE_CASES = {"every-layer": dict(depth_stride=1),
+                "window": dict(depth_stride=3, depth_recent_window=1, n_layer=5)}
 
 
 def rms(x, w, eps):
@@ -46,6 +58,11 @@ def rope(x, t, theta):  # rotate the pairs (i, i + D/2) of x (D,) by the angle t
 def ref_sources(e, stride, window):  # section 2.3: every stride-th earlier layer, the window
     return [] if e == 0 else sorted({j for j in range(e) if j % stride == 0}
                                     | set(range(max(0, e - window), e)))
+
+
+def reference_sources(c, e):  # S(e) of config c; the default stride is half the depth
+    stride = c.depth_stride if c.depth_stride is not None else max(1, c.n_eff_layer // 2)
+    return ref_sources(e, stride, c.depth_recent_window)
 
 
 def ref_projections(blk, c, x):
@@ -92,7 +109,7 @@ def reference_forward(model: GPT, idx, k_norm_after_rope=None, weights=None):
     c = model.config
     after = c.k_norm_after_rope if k_norm_after_rope is None else k_norm_after_rope
     spec, L, g = REFERENCE_MODES[c.depth_mode], c.n_eff_layer, c.n_head // c.n_kv_head
-    stride = c.depth_stride if c.depth_stride is not None else max(1, L // 2)
+    learned = DEPTH_MODES[c.depth_mode].params is not None
     rows = []
     for b, row in enumerate(idx):
         x = model.embed_tokens.weight[row]                                        # (T, n_embd)
@@ -100,7 +117,8 @@ def reference_forward(model: GPT, idx, k_norm_after_rope=None, weights=None):
         for e in range(L):
             blk = model.layers[e % c.n_layer]
             q, k, v = ref_positioned(blk.self_attn, c, *ref_projections(blk, c, x), after)
-            src = ref_sources(e, stride, c.depth_recent_window) if spec else []
+            src = reference_sources(c, e) if spec else []
+            params = (blk.self_attn.depth_params, e) if learned else ()
             K, V = k, v
             if src:
                 rule, mixes = spec
@@ -110,7 +128,7 @@ def reference_forward(model: GPT, idx, k_norm_after_rope=None, weights=None):
                         cand_k = [stored[s][0][t][j] for s in src] + [k[t][j]]
                         cand_v = [stored[s][1][t][j] for s in src] + [v[t][j]]
                         qbar = sum(q[t][j * g + i] for i in range(g)) / g  # heads of KV head j
-                        alpha = rule(qbar, cand_k)
+                        alpha = rule(qbar, cand_k, *params)
                         if weights is not None:
                             weights[e, b, t, j] = torch.tensor([float(torch.as_tensor(a).detach())
                                                                 for a in alpha])
@@ -142,6 +160,7 @@ def assert_matches_reference(model, reference, idx_shape=(2, 7)):
     """The model's logits and every gradient against the reference's, below 1e-10 (float64)."""
     idx = torch.randint(0, model.config.vocab_size, idx_shape)
     targets = torch.randint(0, model.config.vocab_size, idx_shape)
+    model.zero_grad()  # a second call on the same model starts from no gradient too
     logits, loss = model(idx, targets)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -427,6 +446,27 @@ def test_analytic_cost_reproduces_table_2():
 def test_bad_configs_raise_clear_errors(overrides, fragment):
     with pytest.raises(ValueError, match=fragment):
         tiny_config(**overrides)
+
+
+@pytest.mark.parametrize("row, fragment", [
+    (dict(weights="softmax"), "mixes neither K nor V"), (dict(mixes_v=True), "mixes without weights"),
+    (dict(params=torch.nn.Module), "params are read by its weights")])
+def test_a_row_that_describes_no_step_is_refused_where_it_is_made(row, fragment):
+    from model import DepthMode, softmax_weights
+    row = {k: softmax_weights if v == "softmax" else v for k, v in row.items()}
+    with pytest.raises(ValueError, match=fragment):
+        DepthMode(**row)
+
+
+def test_a_source_at_or_after_the_layer_is_refused_by_name(monkeypatch):
+    """A fork's rule that names the layer itself (or a later one) would read a record not yet
+    written; the model refuses it where it is built, naming the rule. (Not the config: making one
+    calls no rule, so a course copy's unwritten sources costs problem 1 alone.)"""
+    from model import ConfigError
+    paper = ModelConfig.sources
+    monkeypatch.setattr(ModelConfig, "sources", lambda self, e: paper(self, e) + [e] * (e > 0))
+    with pytest.raises(ConfigError, match=r"sources\(1\) gives \[1\].*ModelConfig.sources"):
+        tiny_model()
 
 
 def test_too_long_inputs_raise_clear_errors():

@@ -186,18 +186,32 @@ def load_init(cfg, meta, asked=None):
 
 
 def make_optimizer(model, cfg, device):
-    """AdamW with weight decay on matrices only; norms and other 1-D parameters get none. LIMe's
-    routers (depth_mode=lime, matrices) get a third group as in LIMe's code: no weight decay, and
-    lime_router_lr_mult times the learning rate of the others."""
-    routers = getattr(model, "lime_routers", list)()  # LIMe's (baselines.LIMe); none elsewhere
-    router_ids = {id(p) for p in routers}
-    rest = [p for p in model.parameters() if id(p) not in router_ids]
+    """AdamW with weight decay on matrices only; norms and other 1-D parameters get none. A module
+    that declares `optimizer_group` (a variant's parameters: LIMe's routers, a learned row's
+    DepthMode.params) puts its parameters in a group of their own after those two, one group per
+    declaration: its AdamW options (weight_decay, ...), and as `lr_mult` a multiple of the
+    schedule's lr, a number or the name of a key of cfg (LIMe: lime_router_lr_mult)."""
+    declared = {}  # the declaration (as a key) -> its parameters, in the order of the modules
+    for module in model.modules():
+        if hasattr(module, "optimizer_group"):
+            key = tuple(sorted(module.optimizer_group.items()))
+            declared.setdefault(key, []).extend(module.parameters())
+    claimed = {id(p) for params in declared.values() for p in params}
+    rest = [p for p in model.parameters() if id(p) not in claimed]
     groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": cfg["weight_decay"]},
               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
-    if routers:  # only then: a checkpoint of any other model keeps its two groups
-        groups.append({"params": routers, "weight_decay": 0.0, "lime_routers": True})
-    return torch.optim.AdamW(groups, lr=cfg["learning_rate"], betas=(cfg["beta1"], cfg["beta2"]),
-                             eps=cfg["adam_eps"], fused=device.startswith("cuda"))
+    mults = [1, 1]
+    for key, params in declared.items():  # none: a model's checkpoint keeps its two groups
+        options = dict(key)
+        mults.append(options.pop("lr_mult", 1))
+        groups.append({"params": list({id(p): p for p in params}.values()), **options})
+    optimizer = torch.optim.AdamW(groups, lr=cfg["learning_rate"],
+                                  betas=(cfg["beta1"], cfg["beta2"]), eps=cfg["adam_eps"],
+                                  fused=device.startswith("cuda"))
+    # kept beside the state, not in it: a resumed state has the groups' options, not the
+    # multiples, which come from cfg (so a resume may change them) and the declarations
+    optimizer.lr_mults = mults
+    return optimizer
 
 
 def lr_at(step, cfg):
@@ -212,10 +226,10 @@ def lr_at(step, cfg):
 
 
 def set_lr(optimizer, lr, cfg):
-    """The schedule's lr for this step; LIMe's routers get lime_router_lr_mult times it (from
-    cfg, not from a checkpoint's optimizer state, so a resume may change it)."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr * (cfg["lime_router_lr_mult"] if group.get("lime_routers") else 1)
+    """The schedule's lr for this step, times each group's declared lr_mult (make_optimizer): a
+    number, or a key of cfg, read now (LIMe's routers: lime_router_lr_mult)."""
+    for group, mult in zip(optimizer.param_groups, optimizer.lr_mults):
+        group["lr"] = lr * (cfg[mult] if isinstance(mult, str) else mult)
 
 
 # ----------------------------------------------------------------------------- the loop

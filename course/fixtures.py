@@ -1,28 +1,21 @@
 """
-The graded tests' reference outputs, recorded from the living model.py by course/make.py, so they
-never drift from it, and replayed by the tests.
+The graded tests' scenarios: the inputs each test hands a student's functions (course/ops.py runs
+them), drawn from a seed.
 
-Every scenario is small and in float64: its inputs, the reference's outputs, and for problem 3,
-whose functions call those of problems 1, 2 and 4, every call the reference made to those (arguments
-and result). While problem 3 is graded, those functions answer from the record (`replaying`): a call
-with arguments the reference passed gets the reference's result, any other call fails naming the
-function. So a stub or a bug in problem 2 costs problem 3 nothing, and the record holds outputs,
-never code.
+A student copy's grader has the practice set, scenarios(seed 0, hidden=False), with the reference's
+outputs and the calls problem 3's functions made to those of problems 1, 2 and 4, recorded by
+course/make.py from the living model.py (`record`). The instructor's grader draws a fresh seed at
+every grading and adds the hidden scenarios the copy never sees (batch > 1, T = C, bf16, scores that
+overflow an unshifted softmax, a mode with its own default stride, a looped model with its own
+stride), and computes the expected outputs from its own model.py then and there: an answer looked up
+in the practice fixtures matches none of them.
 """
-import dataclasses
-import inspect
-from contextlib import contextmanager
-
 import torch
 
-import model
+from course import ops
 from course.problems import PROBLEMS
-from support.depth_weights import capture
 
-FORMAT = 1  # bumped when the scenarios change: make.py rewrites the fixtures,
-            # grade.py checks the number
-TOL = dict(rtol=1e-7, atol=1e-10)  # float64 on both sides: a correct solution
-                                   # differs by rounding only
+FORMAT = 2  # bumped when the scenarios change: grade.py refuses fixtures of another format
 # The tiny decoder of problem 3's scenarios; init_std is large so a wrong rule cannot hide behind
 # nearly uniform depth weights.
 TINY = dict(vocab_size=16, block_size=8, n_layer=4, n_head=2, n_kv_head=1, head_dim=4, n_embd=8,
@@ -32,103 +25,183 @@ MODELS = {"value": dict(depth_mode="value"), "key": dict(depth_mode="key", depth
           "uniform": dict(depth_mode="uniform"),
           "vanilla": dict(depth_mode="vanilla", depth_stride=None),
           "looped": dict(depth_mode="value", n_layer=2, n_loops=2, depth_stride=None)}
+HIDDEN_MODELS = {"own stride": dict(depth_mode=ops.OWN_STRIDE_MODE, depth_stride=None),
+                 "grouped": dict(depth_mode="value", n_head=4, n_kv_head=2),
+                 "looped, stride 3": dict(depth_mode="kv", n_layer=2, n_loops=3, depth_stride=3)}
 CACHED = ("value", "kv", "looped")  # also decoded: a prefill of 3 tokens, then one at a time
 SOURCE_RULES = [dict(n_layer=4, depth_stride=2), dict(n_layer=12), dict(n_layer=12, depth_stride=1),
                 dict(n_layer=12, depth_stride=5, depth_recent_window=2),
-                dict(n_layer=48, depth_stride=24),
                 dict(n_layer=6, depth_stride=100), dict(n_layer=3, n_loops=4),
                 dict(n_layer=3, n_loops=4, depth_stride=4, depth_recent_window=1),
                 dict(n_layer=5, depth_mode="vanilla"), dict(n_layer=5, depth_mode="uniform")]
+HIDDEN_RULES = [dict(n_layer=6, depth_mode=ops.OWN_STRIDE_MODE),
+                dict(n_layer=7, n_loops=2, depth_mode="kv"), dict(n_layer=9, depth_recent_window=3),
+                dict(n_layer=4, n_loops=3, depth_mode=ops.OWN_STRIDE_MODE, depth_recent_window=1),
+                dict(n_layer=10, depth_stride=3), dict(n_layer=5, n_loops=2, depth_stride=4,
+                                                       depth_recent_window=2)]
+PAPER = dict(n_layer=48, depth_stride=24)  # 117 candidates over its 48 layers (Table 2)
 
 
-# ---------------------------------------------------------------------------- the functions by name
-
-def owner_and_name(function):
-    """"model.py:KVCache.update" -> (model.KVCache, "update")."""
-    path = function.split(":")[1].split(".")
-    owner = model
-    for part in path[:-1]:
-        owner = getattr(owner, part)
-    return owner, path[-1]
-
-
-def original(function):
-    owner, name = owner_and_name(function)
-    value = inspect.getattr_static(owner, name)
-    return value.fget if isinstance(value, property) else value
+def state_of(model, config, seed):
+    """Weights of a tiny decoder: a GPT's init, norm weights moved off one so a missing or swapped
+    norm shows."""
+    torch.manual_seed(seed)
+    state = model.GPT(model.ModelConfig(**config)).state_dict()
+    g = torch.Generator().manual_seed(seed)
+    return {k: (v + 0.2 * torch.randn(v.shape, generator=g) if k.endswith("norm.weight") else v)
+            .double() for k, v in state.items()}
 
 
-@contextmanager
-def patched(functions, wrap):
-    """Each named function replaced by wrap(function_name, original) for the block: module globals,
-    class attributes and properties, and the DEPTH_MODES rows that hold a function (a row's
-    weights)."""
-    undo = []
-    for function in functions:
-        owner, name = owner_and_name(function)
-        static, old = inspect.getattr_static(owner, name), original(function)
-        new = wrap(function, old)
-        setattr(owner, name, property(new) if isinstance(static, property) else new)
-        undo.append((owner, name, static))
-        for row in model.DEPTH_MODES.values():
-            if row.weights is old:
-                object.__setattr__(row, "weights", new)
-                undo.append((row, "weights", old))
-    try:
-        yield
-    finally:
-        for owner, name, value in reversed(undo):
-            restore = object.__setattr__ if isinstance(owner, model.DepthMode) else setattr
-            restore(owner, name, value)
+def scenarios(model, seed=0, hidden=False) -> dict:
+    """{test: [(op, args, what)]}: every test's inputs (model: the reference, for the weights)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def randn(*shape, dtype=torch.float64, scale=1.0):
+        return (scale * torch.randn(*shape, generator=g, dtype=torch.float64)).to(dtype)
+
+    def described(rule):
+        return ", ".join(f"{k}={v}" for k, v in rule.items())
+    rules = SOURCE_RULES + HIDDEN_RULES * hidden
+    s = {"the_default_stride_is_the_modes_or_half_the_effective_depth":
+         [("stride", (r,), described(r)) for r in rules if r.get("depth_stride") is None],
+         "an_explicit_stride_is_kept":
+         [("stride", (r,), described(r)) for r in rules if r.get("depth_stride") is not None],
+         "every_layer_has_the_sources_of_the_rule":
+         [("sources", (r,), described(r)) for r in rules],
+         "layer_zero_and_vanilla_have_no_sources": [("sources", (r,), described(r)) for r in rules],
+         "the_paper_counts_117_candidates_at_48_layers": [("sources", (PAPER,), "48 layers")]}
+
+    q = randn(2, 4, 5, 3)
+    heads = [(q, n_kv) for n_kv in (1, 2, 4)] + [(randn(3, 6, 2, 4), 2)] * hidden
+    s["qbar_is_the_mean_of_each_group_of_query_heads"] = [
+        ("group_mean", (q, n_kv), f"n_head={q.shape[1]}, n_kv_head={n_kv}") for q, n_kv in heads]
+    wide, bf16 = [], []
+    cases = [(1, 5, 2.0), (3, 5, 2.0)] + [(4, 4, 2.0), (3, 5, 40.0)] * hidden  # T = C; overflow
+    for C, T, scale in cases:
+        qbar, keys = randn(2, 2, T, 3, scale=scale), [randn(2, 2, T, 3, scale=scale)
+                                                      for _ in range(C)]
+        wide.append(("softmax_weights", (qbar, keys), f"{C} candidates, T={T}, scale {scale}"))
+    for C, T, scale in [(4, 5, 2.0)] + [(3, 3, 12.0)] * hidden:  # bf16 scores past exp's range
+        qbar, keys = (randn(2, 2, T, 3, scale=scale, dtype=torch.bfloat16),
+                      [randn(2, 2, T, 3, scale=scale, dtype=torch.bfloat16) for _ in range(C)])
+        bf16.append(("softmax_weights", (qbar, keys), f"bf16, {C} candidates, scale {scale}"))
+    s["the_weights_are_a_softmax_over_the_candidates"] = wide
+    s["the_softmax_runs_in_float32_for_bf16_activations"] = bf16
+
+    sums = []
+    for C, dtype in [(1, torch.float64), (3, torch.float64)] + [(3, torch.bfloat16)] * hidden:
+        alpha = randn(2, 2, C, 5).softmax(2).float() if dtype == torch.bfloat16 else \
+            randn(2, 2, C, 5).softmax(2)
+        sums.append(("weighted_sum", (alpha, [randn(2, 2, 5, 3, dtype=dtype) for _ in range(C)]),
+                     f"{C} candidates, {str(dtype).split('.')[1]}"))
+    s["the_weighted_sum_of_the_candidates"] = sums
+    mixes, ones = [], []
+    for mode in ("value", "key", "kv", "uniform"):
+        for n_src, T, B in [(1, 5, 1), (3, 5, 1), (2, 1, 1)] + [(2, 3, 2), (2, 1, 3)] * hidden:
+            args = (randn(B, 4, T, 3), randn(B, 2, T, 3), randn(B, 2, T, 3),
+                    [randn(B, 2, T, 3) for _ in range(n_src)],
+                    [randn(B, 2, T, 3) for _ in range(n_src)])
+            what = f"depth_mode={mode}, {n_src} sources, B={B}, T={T}"
+            mixes.append(("depth_mix", (mode, args), what))
+            if T == 1 and model.DEPTH_MODES[mode].decode_kernel:
+                ones.append(("depth_mix_one", (mode, args), what))
+    s["depth_mix_mixes_what_each_mode_says"] = mixes
+    s["one_new_token_in_one_attention_call"] = ones
+
+    idx = torch.randint(0, TINY["vocab_size"], (1, 6), generator=g)
+    wide_idx = torch.randint(0, TINY["vocab_size"], (2, 7), generator=g)
+    models = {**MODELS, **(HIDDEN_MODELS if hidden else {})}
+    configs = {name: {**TINY, **m} for name, m in models.items()}
+    states = {name: state_of(model, c, seed) for name, c in configs.items()}
+    runs = [(name, idx) for name in models] + [("value", wide_idx), ("kv", wide_idx)] * hidden
+    s["the_model_gives_the_reference_logits"] = [
+        ("logits", (configs[name], states[name], x), f"{name}, batch {x.shape[0]}")
+        for name, x in runs]
+    s["a_bf16_model_runs_in_bf16"] = [
+        ("logits", (configs[name], states[name], idx, torch.bfloat16), f"{name}, bf16")
+        for name in ("value", "kv", "uniform")]
+    decodes = [(name, idx) for name in CACHED] + \
+        [("own stride", idx), ("looped, stride 3", idx), ("value", wide_idx)] * hidden
+    s["each_layer_stores_its_mixed_record_and_decoding_reads_it"] = [
+        ("decode", (configs[name], states[name], x), f"{name}, batch {x.shape[0]}")
+        for name, x in decodes]
+    s["together"] = [("together", (configs[name], states[name], idx), name) for name in MODELS]
+
+    attention = []
+    for B, n_head, n_kv, T, S in [(1, 4, 2, 8, 8), (1, 4, 2, 3, 8)] + \
+            [(3, 6, 2, 5, 5), (2, 2, 2, 1, 6), (2, 4, 1, 4, 9)] * hidden:
+        attention.append(("causal_attention", (randn(B, n_head, T, 4), randn(B, n_kv, S, 4),
+                                               randn(B, n_kv, S, 4)),
+                          f"B={B}, {n_head} heads over {n_kv}, T={T} of S={S}"))
+    s["causal_attention_over_a_whole_sequence"] = attention
+    chunked = []
+    for B, chunks in [(1, [4, 1, 2, 1])] + [(3, [1, 3, 1, 2, 2]), (2, [9])] * hidden:
+        T = sum(chunks)
+        layers = [[randn(B, 4, T, 4), randn(B, 2, T, 4), randn(B, 2, T, 4)] for _ in range(3)]
+        chunked.append(("cache_chunks", (layers, chunks), f"batch {B}, chunks {chunks}"))
+    s["a_prefill_then_chunks_and_single_tokens_equal_the_whole_sequence"] = chunked
+    return s
 
 
-def others(number):
-    """The functions of every problem but `number`."""
+def expected(model, tests):
+    """tests with the reference's outputs: {test: [(op, args, what, output)]}. The paper's count
+    is kept as a count: its sources are nowhere in the fixtures."""
+    with torch.no_grad():
+        return {name: [(op, args, what, (candidates if name == PAPER_TEST else ops.freeze)(
+                    ops.OPS[op](model, *args))) for op, args, what in cases]
+                for name, cases in tests.items()}
+
+
+PAPER_TEST = "the_paper_counts_117_candidates_at_48_layers"
+
+
+def candidates(sources) -> int:
+    """C: the candidates of every layer, its sources plus itself, over layers 1 .. L-1."""
+    return sum(len(s) + 1 for s in sources[1:])
+
+
+def stubbed(number) -> list:
+    """The functions that answer from the reference while problem `number` is graded: the other
+    problems', where this problem's functions call them (problem 3 calls those of 1, 2 and 4)."""
+    if number != 3:
+        return []
     return [f for p in PROBLEMS if p.number != number for f in p.functions]
 
 
-# -------------------------------------------------------------------------- recording and replaying
+def record(model) -> dict:
+    """The practice fixtures: scenarios(0), the reference's outputs, and every call problem 3's
+    functions made to the others' ({function: [(arguments, answer)]}), for a student copy."""
+    ops.prepare(model)
+    tests = scenarios(model, 0)
+    calls = {}
 
-def freeze(x):
-    """A call's argument or result as plain data: tensors detached and copied, a config as its
-    fields, a KV cache as its position (what a call depends on besides its arguments)."""
-    if isinstance(x, torch.Tensor):
-        return x.detach().clone()
-    if isinstance(x, (list, tuple)):
-        return [freeze(i) for i in x]
-    if dataclasses.is_dataclass(x):
-        return {f.name: getattr(x, f.name) for f in dataclasses.fields(x)}
-    if type(x).__name__ == "KVCache":
-        return {"KVCache.pos": x.pos}
-    if x is None or isinstance(x, (bool, int, float, str)):
-        return x
-    raise TypeError(f"cannot record a {type(x).__name__}")
-
-
-def bound(function, fn, args, kwargs) -> dict:
-    """The call's arguments by name, defaults filled in, frozen."""
+    def recorder(function, fn):
+        def recording(*args, **kwargs):
+            arguments = ops.bound(fn, args, kwargs)
+            reply = ops.answer(model, function, arguments, fn)  # on copies: the call goes on
+            out = fn(*args, **kwargs)
+            seen = calls.setdefault(function, [])
+            if all(distance(arguments, a) > 0 for a, _ in seen):
+                seen.append((arguments, reply))
+            return out
+        return recording
+    problem3 = {name for p in PROBLEMS if p.number == 3 for name, _ in p.tests}
+    undo = ops.replace(model, stubbed(3), recorder)
     try:
-        call = inspect.signature(fn).bind(*args, **kwargs)
-    except TypeError as e:
-        raise AssertionError(f"{function.split(':')[1]} called with the wrong "
-                             f"arguments: {e}") from None
-    call.apply_defaults()
-    return {k: freeze(v) for k, v in call.arguments.items()}
-
-
-def after(args):
-    """The state a method leaves behind that the caller reads: a KV cache's position."""
-    first = args[0] if args else None
-    return {"pos": first.pos} if type(first).__name__ == "KVCache" else {}
+        third = expected(model, {k: v for k, v in tests.items() if k in problem3})
+    finally:
+        ops.restore(model, undo)
+    rest = expected(model, {k: v for k, v in tests.items() if k not in problem3})
+    return {"format": FORMAT, "tests": {**rest, **third}, "calls": calls}
 
 
 def distance(a, b) -> float:
-    """0 when a and b agree to TOL, else how far apart (inf when they differ in kind or shape)."""
+    """0 when a and b agree to float64 rounding, else how far apart (inf: other kinds or shapes)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.shape != b.shape:
             return float("inf")
         a, b = a.double(), b.double()
-        return 0.0 if torch.allclose(a, b, **TOL) else (a - b).abs().max().item()
+        return 0.0 if torch.allclose(a, b, rtol=1e-7, atol=1e-10) else (a - b).abs().max().item()
     if isinstance(a, list) or isinstance(b, list):
         if not (isinstance(a, list) and isinstance(b, list)) or len(a) != len(b):
             return float("inf")
@@ -138,138 +211,3 @@ def distance(a, b) -> float:
             return float("inf")
         return max([distance(a[k], b[k]) for k in a], default=0.0)
     return 0.0 if a == b else float("inf")
-
-
-def recorder(calls):
-    """wrap() for patched: run the original, append (arguments, result, state after) to calls[name]
-    unless a call with the same arguments is there already."""
-    def wrap(function, fn):
-        def recording(*args, **kwargs):
-            asked, seen = bound(function, fn, args, kwargs), calls.setdefault(function, [])
-            out = fn(*args, **kwargs)
-            if all(distance(asked, arguments) > 0 for arguments, _, _ in seen):
-                seen.append((asked, freeze(out), after(args)))
-            return out
-        return recording
-    return wrap
-
-
-def replayer(calls):
-    """wrap() for patched: answer from the record, or fail naming the function and how far the
-    nearest recorded call's arguments are."""
-    def wrap(function, fn):
-        name = function.split(":")[1]
-
-        def replaying(*args, **kwargs):
-            asked = bound(function, fn, args, kwargs)
-            recorded = calls.get(function, [])
-            gaps = [distance(asked, arguments) for arguments, _, _ in recorded]
-            if 0.0 not in gaps:
-                nearest = (f"{min(gaps):.3g}" if gaps and min(gaps) < float("inf")
-                           else "no call alike")
-                raise AssertionError(f"{name} was called with arguments the reference never "
-                                     f"passed it (nearest recorded call: {nearest}): check what "
-                                     f"your code hands it")
-            _, out, state = recorded[gaps.index(0.0)]
-            for key, value in state.items():
-                setattr(args[0], key, value)
-            return thaw(out)
-        return replaying
-    return wrap
-
-
-def thaw(x):
-    """A recorded result as the code expects it back: tensors fresh, lists as they were returned."""
-    if isinstance(x, torch.Tensor):
-        return x.clone()
-    if isinstance(x, list):
-        return [thaw(i) for i in x]
-    return x
-
-
-@contextmanager
-def replaying(number, calls):
-    """Every function of the other problems answers from the record while problem `number` is
-    graded."""
-    with patched(others(number), replayer(calls)):
-        yield
-
-
-# ----------------------------------------------------------------------------- the scenarios
-
-def build(name, state):
-    """Problem 3's model `name` with the recorded weights, in float64."""
-    config = model.ModelConfig(**{**TINY, **MODELS[name]})
-    torch.manual_seed(0)
-    gpt = model.GPT(config).double()
-    gpt.load_state_dict({k: v for k, v in state.items() if k in gpt.state_dict()})
-    return gpt.eval()
-
-
-def decode(gpt, idx, prefill=3):
-    """Logits of a cached decoding: a prefill, then one token at a time, concatenated."""
-    cache = gpt.new_cache(idx.shape[0], idx.shape[1])
-    parts = [gpt(idx[:, :prefill], cache=cache)[0]]
-    parts += [gpt(idx[:, t:t + 1], cache=cache)[0] for t in range(prefill, idx.shape[1])]
-    return torch.cat(parts, 1)
-
-
-def make(seed=0) -> dict:
-    """Every scenario's inputs and the living code's outputs (course/make.py saves them)."""
-    g = torch.Generator().manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=g, dtype=torch.float64)
-
-    ref = {"format": FORMAT, "calls": {}}
-    ref["sources"] = [(rule, (c := model.ModelConfig(**rule)).stride,
-                       [c.sources(e) for e in range(c.n_eff_layer)])
-                      for rule in SOURCE_RULES]
-
-    q = randn(2, 4, 5, 3)
-    ref["group_mean"] = [(q, n_kv, model.group_mean(q, n_kv)) for n_kv in (1, 2, 4)]
-    ref["softmax"] = []
-    for C, dtype in ((1, torch.float64), (3, torch.float64), (4, torch.bfloat16)):
-        qbar, keys = 2 * randn(2, 2, 5, 3), [2 * randn(2, 2, 5, 3) for _ in range(C)]
-        qbar, keys = qbar.to(dtype), [k.to(dtype) for k in keys]
-        ref["softmax"].append((qbar, keys, model.softmax_weights(qbar, keys)))
-    # the bf16 case's weights from float32 scores: a float32 softmax of either scores is right
-    ref["softmax_wide"] = model.softmax_weights(qbar.float(), [k.float() for k in keys])
-
-    ref["weighted_sum"] = []
-    for C in (1, 3):
-        alpha, xs = randn(2, 2, C, 5).softmax(2), [randn(2, 2, 5, 3) for _ in range(C)]
-        ref["weighted_sum"].append((alpha, xs, model.weighted_sum(alpha, xs)))
-    with patched(others(3), recorder(ref["calls"])):
-        ref["depth_mix"], ref["depth_mix_one"] = [], []
-        for mode in ("value", "key", "kv", "uniform"):
-            row = model.DEPTH_MODES[mode]
-            for n_src, T in ((1, 5), (3, 5), (2, 1)):
-                args = (randn(1, 4, T, 3), randn(1, 2, T, 3), randn(1, 2, T, 3),
-                        [randn(1, 2, T, 3) for _ in range(n_src)],
-                        [randn(1, 2, T, 3) for _ in range(n_src)])
-                ref["depth_mix"].append((mode, args, model.depth_mix(*args, row, fast=False)))
-                if T == 1 and row.decode_kernel:
-                    ref["depth_mix_one"].append((mode, args, model.depth_mix_one(*args, row)))
-        torch.manual_seed(seed)
-        state = model.GPT(model.ModelConfig(**{**TINY, "depth_mode": "vanilla"})).state_dict()
-        for key in state:  # norm weights off their init of one, so a missing or swapped norm shows
-            if key.endswith("norm.weight"):
-                state[key] = state[key] + 0.2 * randn(*state[key].shape).float()
-        ref["state"], ref["models"] = state, {}
-        idx = torch.randint(0, TINY["vocab_size"], (1, 6), generator=g)
-        for name in MODELS:
-            gpt = build(name, state)
-            with torch.no_grad():
-                logits = gpt(idx)[0]
-                ref["models"][name] = (idx, logits)
-                if name in CACHED:
-                    decode(gpt, idx)
-                    with capture(gpt):  # the decode steps without the fast path, too
-                        decode(gpt, idx)
-
-    T, L = 8, 3
-    layers = [(randn(1, 4, T, 4), randn(1, 2, T, 4), randn(1, 2, T, 4)) for _ in range(L)]
-    ref["attention"] = {"chunks": [4, 1, 2, 1], "layers": layers,
-                        "outputs": [model.causal_attention(*qkv) for qkv in layers]}
-    return ref

@@ -3,14 +3,15 @@ Write the student copy of this repository for the course assignment (the handout
 
     python course/make.py ../student              # hand it out (never a folder inside this repo)
     python course/make.py ../student --overwrite  # replace an earlier student copy, whole
+    python course/make.py ../student --untracked  # also copy the files git does not track
 
 The functions course/problems.py names get the body `raise NotImplementedError("Problem N: ...")`,
 their signatures and docstrings kept. What would show a solution stays out: test_model.py's loop
 reference, the tests/ that check the method, the docs that print its code, the instructor's answers
 (course/answers.md). The graded tests' fixtures are recorded from this repository's model.py as it
-is now, so they match it.
+is now, so they match it. Only the files git tracks are copied (an untracked scratch file is listed
+and refused unless --untracked), and the copy's stamp says whether the tree was dirty.
 """
-import argparse
 import ast
 import os
 import shutil
@@ -23,7 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from course.problems import FIXTURES, MARKER, PROBLEMS  # noqa: E402
-from support.cli import fail  # noqa: E402
+from support.cli import ArgumentParser, clean_stale  # noqa: E402
+from support.errors import UserError, run_main  # noqa: E402
 
 # Left out of the copy: the loop references and the tests that check the method against them, CI,
 # this script and the answers. The pages that print the method's code become a one-line page.
@@ -77,13 +79,13 @@ def stubs() -> dict:
     return out
 
 
-def repository_files() -> list:
-    """The files of this repository a clone holds: git's tracked and unignored files where there is
-    a git checkout, else the tree without run outputs, data and caches."""
+def repository_files(untracked=False) -> list:
+    """The files of this repository a clone holds: git's tracked files (untracked: also those git
+    does not ignore) where there is a git checkout, else the tree without run outputs, data and
+    caches."""
     try:
-        listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
-                                capture_output=True, check=True).stdout.decode().split("\0")
-        files = [f for f in listed if f and (ROOT / f).is_file()]
+        listed = git_files("-c", *(["-o", "--exclude-standard"] if untracked else []))
+        files = [f for f in listed if (ROOT / f).is_file()]
     except (OSError, subprocess.CalledProcessError):
         files = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*") if p.is_file()
                  and not SKIPPED_DIRS & set(p.relative_to(ROOT).parts[:-1]) and p.suffix != ".pyc"]
@@ -91,26 +93,60 @@ def repository_files() -> list:
                   if not f.startswith(LEFT_OUT) and not f.startswith("course/fixtures/"))
 
 
+def git_files(*flags) -> list:
+    out = subprocess.run(["git", "ls-files", *flags, "-z"], cwd=ROOT, capture_output=True,
+                         check=True).stdout.decode()
+    return [f for f in out.split("\0") if f]
+
+
+def untracked_files() -> list:
+    """The files git neither tracks nor ignores, that a copy would leave out ([] without git)."""
+    try:
+        return sorted(f for f in git_files("-o", "--exclude-standard")
+                      if not f.startswith(LEFT_OUT) and not f.startswith("course/fixtures/"))
+    except (OSError, subprocess.CalledProcessError):
+        return []
+
+
 def check_destination(out: Path, overwrite: bool):
-    """Refuse a destination inside this repository (or holding it), a file, and any folder that
-    holds something other than an earlier student copy; an earlier copy needs --overwrite."""
+    """Refuse a destination inside this repository (or holding it), the current folder or one
+    above it, a file, and any folder that holds something other than an earlier student copy made
+    by this script (its marker); an earlier copy needs --overwrite."""
     where = out.resolve()
     if where == ROOT or ROOT in where.parents or where in ROOT.parents:
-        fail(f"{out} is, holds or lies inside this repository ({ROOT}); give a folder outside "
-             f"it, e.g. {ROOT.parent / 'student'}")
+        raise UserError(f"{out} is, holds or lies inside this repository ({ROOT}); give a folder "
+                        f"outside it, e.g. {ROOT.parent / 'student'}")
+    if where == Path.cwd().resolve() or where in Path.cwd().resolve().parents:
+        raise UserError(f"{out} is the current folder or holds it: replacing it would pull the "
+                        f"folder from under the shell; give a new folder's name, e.g. "
+                        f"{where / 'student'}")
     if where.exists() and not where.is_dir():
-        fail(f"{out} is a file; give a folder for the student copy")
+        raise UserError(f"{out} is a file; give a folder for the student copy")
+    # a copy a killed run moved aside is back in place before the next check
+    clean_stale(where, hidden=True, restorable=made_here)
     if where.is_dir() and any(where.iterdir()):
-        if not (where / MARKER).is_file():
-            fail(f"{out} holds files and is not a student copy; give a new or empty folder")
+        if not made_here(where):
+            raise UserError(f"{out} holds files and is not a student copy made by course/make.py; "
+                            f"give a new or empty folder")
         if not overwrite:
-            fail(f"{out} holds an earlier student copy; pass --overwrite to replace it whole")
+            raise UserError(f"{out} holds an earlier student copy; pass --overwrite to replace it "
+                            f"whole")
 
 
-def write_copy(tmp: Path) -> int:
+STAMP = "A student copy made by course/make.py"  # the marker's first words: what it may replace
+
+
+def made_here(folder: Path) -> bool:
+    try:
+        return (folder / MARKER).read_text().startswith(STAMP)
+    except (OSError, UnicodeDecodeError):
+        return False
+
+
+def write_copy(tmp: Path, untracked: bool) -> int:
     """The student copy in tmp; returns the number of files."""
     blanked = stubs()
-    files = repository_files()
+    files = repository_files(untracked)
     for f in files:
         (tmp / f).parent.mkdir(parents=True, exist_ok=True)
         text = (ROOT / f).read_text() if f in blanked or f in WITHHELD_PAGES else None
@@ -122,38 +158,64 @@ def write_copy(tmp: Path) -> int:
                                  f"this page shows the method's code. See course/README.md.\n")
         else:
             shutil.copy2(ROOT / f, tmp / f)
-    (tmp / "pytest.ini").write_text("[pytest]\n# The assignment's graded tests "
-                                    "(python course/grade.py scores them problem by problem).\n"
-                                    "testpaths = course/tests\n")
+    (tmp / "pytest.ini").write_text("[pytest]\n# The assignment has no pytest tests: "
+                                    "python course/grade.py grades it, test by test.\n"
+                                    "testpaths = course\n")
     readme = (tmp / "README.md").read_text()
     (tmp / "README.md").write_text("> **Student copy for the course assignment**: start with "
                                    "[course/README.md](course/README.md).\n\n" + readme)
     (tmp / FIXTURES).parent.mkdir(parents=True, exist_ok=True)
     import torch
-    from course import fixtures
-    torch.save(fixtures.make(), tmp / FIXTURES)
-    (tmp / MARKER).write_text(f"A student copy made by course/make.py on "
-                              f"{time.strftime('%Y-%m-%d')} from {commit()}.\n")
+    torch.save(recorded(), tmp / FIXTURES)
+    (tmp / MARKER).write_text(f"{STAMP} on {time.strftime('%Y-%m-%d')} from "
+                              f"{commit(untracked)}.\n")
     return len(files) + 2
 
 
-def commit() -> str:
+def recorded() -> dict:
+    """The practice fixtures from this repository's model.py, or one line saying why not."""
+    try:
+        import model
+        from course import fixtures
+        return fixtures.record(model)
+    except Exception as e:  # model.py broken or changed under the scenarios
+        raise UserError(f"cannot record the fixtures from {ROOT / 'model.py'} ({type(e).__name__}: "
+                        f"{str(e).splitlines()[0] if str(e).strip() else ''}); make the tree's "
+                        f"model.py complete and its tests pass (python -m pytest -q "
+                        f"test_model.py), then rerun")
+
+
+def commit(untracked=False) -> str:
+    """Where the copy comes from: the commit, marked dirty for changed or untracked files."""
     try:
         out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT,
                              capture_output=True, text=True, check=True).stdout.strip()
-        return f"commit {out}"
+        if untracked and untracked_files() and not out.endswith("-dirty"):
+            out += "-dirty"
+        return f"commit {out}" + (" (a dirty tree: uncommitted changes copied)"
+                                  if out.endswith("-dirty") else "")
     except (OSError, subprocess.CalledProcessError):
         return "a tree without git"
 
 
-def main(argv):
-    p = argparse.ArgumentParser(description=__doc__.strip().splitlines()[0])
+def parse_args(argv):
+    """The command line, checked without reading a file."""
+    p = ArgumentParser("course/make.py", description=__doc__.strip().splitlines()[0])
     p.add_argument("out_dir", help="a new or empty folder outside this repository")
-    p.add_argument("--overwrite", action="store_true",
-                   help="replace an earlier student copy there, whole")
-    args = p.parse_args(argv)
+    p.add_flag("--overwrite", help="replace an earlier student copy there, whole")
+    p.add_flag("--untracked", help="also copy the files git does not track (refused without it)")
+    return p.parse_args(argv)
+
+
+def main(argv):
+    args = parse_args(argv)
     out = Path(args.out_dir)
     check_destination(out, args.overwrite)
+    extra = untracked_files()
+    if extra and not args.untracked:
+        raise UserError(f"{len(extra)} file(s) git does not track would be left out of the copy "
+                        f"({', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}): commit or "
+                        f"remove them, or pass --untracked to copy them too")
     out = out.resolve()
     tmp, old = (out.with_name(f".{out.name}.tmp{os.getpid()}"),
                 out.with_name(f".{out.name}.old{os.getpid()}"))
@@ -161,14 +223,15 @@ def main(argv):
         out.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        n = write_copy(tmp)
+        n = write_copy(tmp, args.untracked)
         if out.exists():
             os.replace(out, old)
         os.replace(tmp, out)
     except OSError as e:
-        fail(f"cannot write {args.out_dir} ({e.strerror or e}); pick a folder you can write to")
+        raise UserError(f"cannot write {args.out_dir} ({e.strerror or e}); pick a folder you can "
+                        f"write to")
     except ValueError as e:  # a function the problems name that the code no longer has
-        fail(f"course/problems.py names {e}: update its list to the code's names")
+        raise UserError(f"course/problems.py names {e}: update its list to the code's names")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         if old.exists() and not out.exists():  # stopped between the two renames: the old copy stays
@@ -180,9 +243,13 @@ def main(argv):
           f"course/README.md and grade with python course/grade.py")
 
 
-if __name__ == "__main__":
+def interruptible(argv):
     try:
-        main(sys.argv[1:])
+        main(argv)
     except KeyboardInterrupt:  # the copy is written beside its destination, then renamed into place
-        fail("interrupted: the destination holds what it held before or the whole new copy, "
-             "never a part")
+        raise KeyboardInterrupt("the destination holds what it held before or the whole new "
+                                "copy, never a part") from None
+
+
+if __name__ == "__main__":
+    run_main(interruptible)

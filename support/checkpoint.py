@@ -196,11 +196,21 @@ def _torch_load(path):
         return torch.load(f, map_location="cpu", weights_only=True)
 
 
+def is_torch_file(path) -> bool:
+    """Whether path starts as torch.save writes (a zip archive; the legacy format, a pickle): a
+    log, a config or a shard given by mistake is told apart from a damaged checkpoint."""
+    with open(path, "rb") as f:
+        head = f.read(4)
+    return head == b"PK\x03\x04" or head[:1] == b"\x80"
+
+
 def read_checkpoint(path, verify=None) -> dict:
     """torch.load a train.py checkpoint on the CPU and check the stored checksums of the entries in
     verify (None = all). Memory-mapped, so a large optimizer state beside the model is never read
     unless verified or used; only tensors and plain values, so the safe loader suffices."""
     path = Path(path)
+    if path.name == "run.pt" and path.parent.name in (SHARDED, OLD):  # the folder is the checkpoint
+        path = path.parent
     # an FSDP run's: run.pt here, the tensors in the shards
     if path.is_dir() and path.name in (SHARDED, OLD):
         ckpt = read_checkpoint(path / "run.pt", verify)
@@ -209,6 +219,9 @@ def read_checkpoint(path, verify=None) -> dict:
         where = f"{path} or {path.with_name(SHARDED)}" if path.name == "ckpt.pt" else str(path)
         raise CheckpointError(f"no checkpoint at {where}{unfinished(path.parent)}; train one with "
                               f"`python train.py` or check the path")
+    if path.name not in ("ckpt.pt", "run.pt") and not is_torch_file(path):
+        raise CheckpointError(f"{path} is not a checkpoint; give a train.py out_dir, its ckpt.pt "
+                              f"or ckpt.dcp, or a Hugging Face folder or hub id")
     try:
         ckpt = _torch_load(path)
     except Exception as e:  # truncated, random or foreign bytes

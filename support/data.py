@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from support.cli import MissingPackage, not_in_a_checkpoint, reason, require
+from support.cli import MissingPackage, clean_stale, not_in_a_checkpoint, reason, require
 from support.errors import ConfigError, DataError
 from support.tokenizer import get_tokenizer
 
@@ -113,11 +113,14 @@ def _read_text(path, errors):
             f"cannot read {path} ({e.strerror}); fix its permissions or leave it out"
         ) from e
     nuls = data.count(0)
-    # valid UTF-8, but not text a model should read
-    if nuls > len(data) // 10 or b"\0" * 16 in data:
+    # control bytes other than tab, newline, carriage return and form feed: text in any 8-bit
+    # encoding has few, random or compressed bytes about one in eight
+    control = sum(data.count(b) for b in (*range(9), 11, *range(14, 32), 127))
+    # valid UTF-8 or not, this is not text a model should read (and no conversion makes it so)
+    if nuls > len(data) // 10 or b"\0" * 16 in data or control > len(data) // 20:
         raise DataError(
-            f"{path} looks binary ({nuls} of its {len(data)} bytes are NUL): leave it out "
-            f"of --input"
+            f"{path} looks binary ({control} of its {len(data)} bytes are control characters, "
+            f"{nuls} NUL): leave it out of --input"
         )
     try:
         return data.decode("utf-8")  # bytes as they are: no newline translation
@@ -303,41 +306,6 @@ def _encode(task):
 DATASET_FILES = {"train.bin", "val.bin", "meta.json"}
 
 
-def _pid_of_stale(path):
-    """The pid in a temporary's name (<name>.tmp<pid>, <name>.old<pid>, train.bin.tmp<pid>) if that
-    process is gone (or is this one, reborn under the same pid in a new container), else None."""
-    m = re.fullmatch(r".+\.(?:tmp|old)(\d+)", path.name)
-    if not m:
-        return None
-    pid = int(m[1])
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return pid
-    except PermissionError:  # alive, another user's
-        return None
-    return pid if pid == os.getpid() else None
-
-
-def _clean_stale(data_dir):
-    """Remove what killed runs left beside and inside data_dir; a dataset moved aside by a swap that
-    was killed half-way (<name>.old<pid> with no <name>) goes back in place first."""
-    for old in data_dir.parent.glob(f"{data_dir.name}.old*"):
-        pid = _pid_of_stale(old)
-        if pid is not None and not data_dir.exists():
-            os.rename(old, data_dir)
-            print(f"restored {data_dir} from {old}, left by a killed run (pid {pid})")
-    for path in [
-        *data_dir.parent.glob(f"{data_dir.name}.tmp*"),
-        *data_dir.parent.glob(f"{data_dir.name}.old*"),
-        *data_dir.glob("*.tmp*"),
-    ]:
-        pid = _pid_of_stale(path)
-        if pid is not None:
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-            print(f"removed {path}, left by a killed run (pid {pid})")
-
-
 def _check_replaceable(data_dir):
     """The swap replaces data_dir whole, so it must hold nothing but a dataset: never a folder of
     other work."""
@@ -360,7 +328,7 @@ def _check_replaceable(data_dir):
 def _swap_in(tmp, data_dir):
     """Replace data_dir by the finished folder tmp: the old one is renamed away, the new one in, the
     old deleted. Every moment leaves a whole dataset at data_dir, or (between the renames)
-    <name>.old<pid> that _clean_stale puts back."""
+    <name>.old<pid> that clean_stale puts back."""
     if data_dir.exists():
         old = data_dir.with_name(f"{data_dir.name}.old{os.getpid()}")
         os.rename(data_dir, old)
@@ -370,9 +338,14 @@ def _swap_in(tmp, data_dir):
         os.rename(tmp, data_dir)
 
 
-def check_request(source, name, val_fraction):
+def check_request(source, name, val_fraction, num_proc=None, shards=1):
     """A ConfigError for arguments no dataset can be prepared from (prepare_data.py checks them
     before anything is read)."""
+    if num_proc is not None and num_proc < 1:
+        raise ConfigError(f"--num_proc={num_proc}: give a number of processes >= 1, or leave it "
+                          f"out for min(8, the CPU count)")
+    if shards < 1:
+        raise ConfigError(f"--shards={shards}: give the number of train shards to fetch, >= 1")
     if source not in SOURCES:
         raise ConfigError(f"unknown source {source!r}: choose one of {', '.join(SOURCES)}")
     if not 0 < val_fraction <= 0.5:
@@ -401,12 +374,15 @@ def prepare(
     files are built in <name>.tmp<pid> and swapped in whole at the end. Call it from one process
     only (e.g. rank 0).
     """
-    check_request(source, name, val_fraction)
+    check_request(source, name, val_fraction, num_proc, shards)
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise ConfigError(f"--out_dir={out_dir} is a file; give the folder that holds the datasets "
+                          f"(the dataset is made inside it, in --name)")
     name, tokenizer = name or source, tokenizer or DEFAULT_TOKENIZER[source]
     inputs = [str(inputs)] if isinstance(inputs, (str, Path)) else [str(i) for i in inputs or []]
     data_dir = Path(out_dir) / name
     not_in_a_checkpoint(data_dir, "--out_dir")
-    _clean_stale(data_dir)
+    clean_stale(data_dir, inside=True)
     if (data_dir / "meta.json").exists() and not force:
         print(f"{data_dir} is already prepared; pass --force to rebuild it")
         return data_dir

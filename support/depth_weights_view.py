@@ -20,13 +20,12 @@ import numpy as np
 import torch
 
 from support.checkpoint import checkpoint_path, read_model, read_snapshot
-from support.cli import output_file, require
+from support.cli import figure_metadata, output_file, require
 from support.depth_weights import as_matrix, mean_depth_weights, table
-from support.errors import CheckpointError, ConfigError, DataError
+from support.errors import CheckpointError, DataError
 
 ROOT = Path(__file__).resolve().parent.parent  # train.py runs there: a run's data_dir starts there
 DEPTH_WINDOWS = 16  # the figures' validation windows (train.py's log: its eval_seqs windows)
-PNG = b"\x89PNG\r\n\x1a\n"  # the first bytes of every PNG file
 
 
 def pyplot():
@@ -77,18 +76,17 @@ def plot_depth_weights(m, path, title):
     ax.set(xlabel="candidate layer (diagonal = the layer itself)", ylabel="layer", title=title)
     fig.colorbar(im, ax=ax, label="mean depth weight")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, metadata=figure_metadata(path, "ablate.py"))
     plt.close(fig)
 
 
 def show(source, figure=""):
     """Print a run's (a run folder or a checkpoint) depth weights as a table and draw them at figure
-    (default <run>/depth_weights.png, replaced only if it is a PNG). A UserError names the fix."""
+    (default <run>/depth_weights.png; an existing file is replaced only if ablate.py drew it). A
+    UserError names the fix."""
     path = checkpoint_path(source)
-    figure = output_file(figure or path.parent / "depth_weights.png", "--figure")
-    if figure.is_file() and figure.stat().st_size and figure.read_bytes()[:len(PNG)] != PNG:
-        raise ConfigError(f"--figure={figure} exists and is not a figure; pick another path, or "
-                          f"delete the file if it may go")
+    figure = output_file(figure or path.parent / "depth_weights.png", "--figure",
+                         written_by="ablate.py")
     m = depth_weight_matrix(path)
     if np.isnan(m).all():
         raise CheckpointError(f"{source}'s model computes no per-token depth weights (vanilla, "

@@ -31,7 +31,7 @@ import torch
 
 from baselines import KNOBS, build_model, make_config, residual_of
 from model import GPT, ModelConfig
-from support.cli import SHARDED_NAMES, read_json_object, require
+from support.cli import SHARDED_NAMES, clean_stale, read_json_object, require
 from support.errors import USER_ERRORS, CheckpointError
 from support.tokenizer import HFTokenizer, bytes_tokenizer_json, snapshot
 
@@ -363,6 +363,7 @@ def save_pretrained(model: GPT, out_dir, tokenizer, overwrite=False):
              if not (k == "lm_head.weight" and model.config.tie_embeddings)}
     dtype = model.embed_tokens.weight.dtype
     cfg = hf_config(model.config, dtype, getattr(tokenizer, "eot_token", None))
+    clean_stale(out, hidden=True)  # a killed export's .NAME.tmp<pid>, .NAME.old<pid>
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:

@@ -13,7 +13,7 @@ import numpy as np
 
 from baselines import DEPTH_MODES
 from support import paper
-from support.cli import output_file, write_atomically
+from support.cli import figure_metadata, output_file, write_atomically
 from support.depth_weights import self_share
 from support.depth_weights_view import can_draw, depth_weight_matrix, plot_depth_weights, pyplot
 from support.errors import CheckpointError, ConfigError, DataError
@@ -147,11 +147,16 @@ def plot_curves(out, names, seeds, path):
                 ls="--" if n.startswith("looped") else "-")  # skip the step-0 eval
     ax.set(xlabel="step", ylabel="validation loss (mean over seeds)",
            title=f"Validation loss, {out.name}")
+    save_figure(fig, ax, path)
+
+
+def save_figure(fig, ax, path):
+    """A line plot's legend and grid, then the file, marked as ablate.py's (support.cli.mark)."""
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    fig.savefig(path, dpi=120, metadata=figure_metadata(path, "ablate.py"))
+    pyplot().close(fig)
 
 
 def best_rates(out, names, lrs, lr_seeds):
@@ -235,11 +240,7 @@ def plot_gaps(curves, short, baseline, short_tokens, path):
     ax.axvline(short_tokens / 1e6, color="grey", ls=":", label="end of the short runs")
     ax.set(xlabel="tokens seen (M)", ylabel="paired Δ validation loss (± SE over seeds)",
            title="The gap as training lengthens, each method at its best rate")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, ax, path)
 
 
 def write_results(out, stem, payload, text):
@@ -366,6 +367,6 @@ def plot_run(run, figure):
         ax.grid(alpha=0.3)
     fig.suptitle(str(run))
     fig.tight_layout()
-    fig.savefig(figure, dpi=110)
+    fig.savefig(figure, dpi=110, metadata=figure_metadata(figure, "ablate.py"))
     plt.close(fig)
     return len(train)

@@ -19,20 +19,17 @@ from baselines import build_model, make_config  # noqa: E402
 from support.parallel import Parallel, Process, checkpoint_activations  # noqa: E402
 from support.run_config import DEFAULTS  # noqa: E402
 import train  # noqa: E402
+from test_contract import VARIANTS  # noqa: E402
 
 SHAPE = dict(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_kv_head=1, head_dim=8, n_embd=16,
              mlp_hidden=32, init_std=0.1)
-CASES = {
-    "value": dict(depth_mode="value", depth_stride=2),
-    "value+ac": dict(depth_mode="value", depth_stride=2, activation_checkpointing=True),
-    "kv-looped": dict(depth_mode="kv", n_loops=2),
-    "tied": dict(depth_mode="value", tie_embeddings=True),
-    "denseformer": dict(depth_mode="vanilla", residual="denseformer"),
-    "attnres": dict(depth_mode="vanilla", residual="attnres", attnres_block_size=2),
-    "mhc": dict(depth_mode="vanilla", residual="mhc", mhc_num_streams=2),
-    "mhc+ac": dict(depth_mode="vanilla", residual="mhc", mhc_num_streams=2,
-                   activation_checkpointing=True),
-}
+# Every variant the contract holds (tests/test_contract.py's VARIANTS: the rows, the source rules,
+# a looped model, the baselines, so a fork's too), and the cases only training has.
+CASES = {**VARIANTS,
+         "value+ac": dict(VARIANTS["value"], activation_checkpointing=True),
+         "kv-looped": dict(depth_mode="kv", n_loops=2),
+         "tied": dict(depth_mode="value", tie_embeddings=True),
+         "mhc+ac": dict(VARIANTS["mhc"], activation_checkpointing=True)}
 CFG = {**DEFAULTS, "learning_rate": 3e-2, "grad_clip": 0.5}
 STEPS, ROWS, ACCUM = 3, 8, 2  # a global batch of 8 sequences, 2 micro-steps on every rank
 
@@ -41,7 +38,7 @@ def run_case(keys, mode, proc):
     keys = dict(keys)
     ac = keys.pop("activation_checkpointing", False)
     torch.manual_seed(0)
-    model = build_model(make_config(**SHAPE, **keys))
+    model = build_model(make_config(**{**SHAPE, **keys}))
     if ac:
         checkpoint_activations(model)
     par = Parallel(model, mode, proc.distributed, "cpu", False)

@@ -150,9 +150,16 @@ def test_depth_weights_of_one_run_printed_and_drawn(sweep, tmp_path):
     assert "is a folder" in refused(f"--depth_weights={run}", f"--figure={tmp_path}")
     notes = tmp_path / "notes.txt"
     notes.write_text("mine")
-    assert "is not a figure" in refused(f"--depth_weights={run}", f"--figure={notes}")
+    assert "was not written by ablate.py" in refused(f"--depth_weights={run}", f"--figure={notes}")
     assert notes.read_text() == "mine"
+    photo = tmp_path / "photo.png"  # a user's own PNG: a figure, but not ablate.py's
+    matplotlib.image.imsave(photo, np.zeros((4, 4, 3)))
+    before_photo = photo.read_bytes()
+    assert "was not written by ablate.py" in refused(f"--depth_weights={run}", f"--figure={photo}")
+    assert photo.read_bytes() == before_photo
     ablate(f"--depth_weights={run}", f"--figure={tmp_path / 'w.png'}")  # its own figure: replaced
+    for twice in range(2):  # a PDF it drew is its own too, the second time as the first
+        ablate(f"--depth_weights={run}", f"--figure={tmp_path / 'w.pdf'}")
     (copy / "ckpt.pt").write_bytes((copy / "ckpt.pt").read_bytes()[:1000])
     assert "truncated or corrupt" in refused(f"--depth_weights={copy}")
 

@@ -14,7 +14,8 @@ from model import GPT, ModelConfig
 from support import hf
 from support.errors import CheckpointError
 from helpers import TINY_SHAPE, run
-from test_model import ref_attention, ref_mlp, ref_positioned, ref_projections, rms
+from test_model import (MODEL_REFERENCES, ref_attention, ref_mlp, ref_positioned, ref_projections,
+                        rms)
 
 BASELINES = ["denseformer", "attnres", "mhc"]
 
@@ -127,6 +128,9 @@ def reference_forward(model, idx):
             for b in range(idx.shape[0])]
     return torch.stack([rms(h, model.norm.weight, c.norm_eps) @ model.lm_head.weight.T
                         for h in rows])
+
+
+MODEL_REFERENCES.update(dict.fromkeys(REFERENCES, reference_forward))  # the contract's
 
 
 REFERENCE_CASES = [

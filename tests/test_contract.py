@@ -1,42 +1,52 @@
 """The contract every variant the repository builds must pass, one parametrized test per clause:
-a naive loop reference it matches, cached decoding equal to the full forward, causality, vanilla's
-KV cache, exact round trips through a train.py checkpoint and a Hugging Face export (whose logits
-in transformers are ours), and one graph under torch.compile.
+a naive loop reference it matches (at T = C too), cached decoding equal to the full forward,
+causality, the sequences of a batch kept apart, vanilla's KV cache, every added parameter
+registered, trained and saved, exact round trips through a train.py checkpoint and a Hugging Face
+export (whose logits in transformers are ours), and one graph under torch.compile.
 
-VARIANTS is derived from model.DEPTH_MODES and baselines.BASELINES, so a new row of the table or a
-new baseline is held to the contract with no edit here; docs/forking.md's example is registered at
-test time and run through every clause (test_the_forking_example_passes_the_whole_contract)."""
+VARIANTS is derived from model.DEPTH_MODES, test_model.SOURCE_CASES and baselines.BASELINES, and
+REFERENCES from test_model's registries (REFERENCE_MODES, MODEL_REFERENCES), so a new row, source
+rule or baseline is held to the contract with no edit here; docs/forking.md's examples are
+registered at test time and run through every clause (test_the_forking_examples_pass_...)."""
+import importlib
 import itertools
 import re
-from dataclasses import asdict
+import textwrap
+from dataclasses import asdict, replace
 
 import pytest
 import torch
 
 from baselines import BASELINES
-from conftest import tiny_variant
+from conftest import added_parameters, tiny_variant
 import export
 from model import DEPTH_MODES, KVCache
 import model as model_py
 from support import checkpoint, hf
 from support.tokenizer import tokenizer_record
 from helpers import ROOT
-from test_baselines import REFERENCES as BASELINE_REFERENCES
-from test_baselines import reference_forward as baseline_reference
-from test_lime import lime_reference
-from test_model import REFERENCE_MODES, assert_matches_reference, reference_forward
+from test_model import (MODEL_REFERENCES, REFERENCE_MODES, SOURCE_CASES, assert_matches_reference,
+                        reference_forward)
 import test_model
+
+# The files that register a reference in MODEL_REFERENCES (LIMe's, the baselines'), imported for it.
+for path in sorted((ROOT / "tests").glob("test_*.py")):
+    if path.name != "test_contract.py" and "\nMODEL_REFERENCES" in path.read_text():
+        importlib.import_module(path.stem)
 
 # The variant's keys beyond conftest.tiny_config's: LIMe reads every earlier layer, as published;
 # AttnRes takes a snapshot at every layer, so caching exercises its snapshots.
 SHAPES = {"lime": dict(depth_stride=None), "attnres": dict(attnres_block_size=2)}
 VARIANTS = {**{mode: dict(depth_mode=mode) for mode in DEPTH_MODES},
             "looped": dict(depth_mode="value", n_layer=2, n_loops=2, depth_stride=None),
+            **{f"value+{rule}": dict(depth_mode="value", **keys)
+               for rule, keys in SOURCE_CASES.items()},
             **{name: dict(depth_mode="vanilla", residual=name) for name in BASELINES}}
 VARIANTS = {name: {**keys, **SHAPES.get(name, {})} for name, keys in VARIANTS.items()}
 # variant -> its naive reference (model, idx) -> logits, each written from its own equations
-REFERENCES = {**{mode: reference_forward for mode in REFERENCE_MODES}, "looped": reference_forward,
-              "lime": lime_reference, **{name: baseline_reference for name in BASELINE_REFERENCES}}
+REFERENCES = {**{name: reference_forward for name, keys in VARIANTS.items()
+                 if keys.get("residual") is None and keys["depth_mode"] in REFERENCE_MODES},
+              **MODEL_REFERENCES}
 # (clause, variant) -> the reason that variant is exempt from that clause (reported as a skip).
 # None is: every variant passes every clause.
 EXEMPT = {}
@@ -65,7 +75,18 @@ def test_contract_has_a_naive_reference(variant):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_contract_matches_its_naive_reference(variant):
-    assert_matches_reference(build(variant), REFERENCES[variant], idx_shape=(2, 6))
+    """At T = C first, the most candidates of a layer: weights laid out (B, n_kv_head, T, C) keep
+    the shape of candidates before positions there, and only the values tell (depth_mix names the
+    layout at any other T)."""
+    model = build(variant)
+    C = max((len(src) + 1 for src in model.depth_sources if src), default=None)
+    if C is not None:
+        try:
+            assert_matches_reference(model, REFERENCES[variant], idx_shape=(2, C))
+        except AssertionError as e:
+            raise AssertionError(f"{variant} at T = C = {C}: {e}; depth weights laid out "
+                                 f"(B, n_kv_head, T, C), not candidates before positions?") from e
+    assert_matches_reference(model, REFERENCES[variant], idx_shape=(2, 6))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -96,6 +117,58 @@ def test_contract_is_causal(variant):
         a, b = model(idx)[0], model(changed)[0]
     assert (a[:, :6] - b[:, :6]).abs().max().item() == 0.0, "earlier logits moved"
     assert (a[:, 6:] - b[:, 6:]).abs().max() > 0
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_contract_keeps_the_sequences_of_a_batch_apart(variant):
+    """Changing one sequence of a batch moves no other sequence's logits."""
+    model = build(variant)
+    idx = torch.randint(0, 257, (3, 8))
+    changed = idx.clone()
+    changed[1] = torch.randint(0, 257, (8,))
+    with torch.no_grad():
+        a, b = model(idx)[0], model(changed)[0]
+    diff = (a[[0, 2]] - b[[0, 2]]).abs().max().item()
+    assert diff < 1e-12, (f"{variant}: changing sequence 1 of a batch moved the others' logits by "
+                          f"{diff:.3e}: the rule mixes the batch (a mean or a norm over dim 0?)")
+    assert (a[1] - b[1]).abs().max() > 0
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_contract_registers_trains_and_saves_every_added_parameter(variant):
+    """No tensor that requires grad reaches the loss from outside parameters() (a module-level
+    nn.Parameter would be neither trained, saved nor exported), and every parameter the variant
+    adds to vanilla gets a nonzero gradient and is in the state dict (the round-trip clause then
+    restores and exports each, by name)."""
+    model = build(variant)
+    idx = torch.randint(0, 257, (2, 6))
+    loss = model(idx, idx)[1]
+    ours = {id(p) for p in model.parameters()}
+    strays = [tuple(leaf.shape) for leaf in grad_leaves(loss) if id(leaf) not in ours]
+    assert not strays, (f"{variant}: tensors that require grad reach the loss from outside "
+                        f"model.parameters(), of shapes {strays}: a module-level nn.Parameter? It "
+                        f"is neither trained, saved nor exported; make it a module's "
+                        f"(DepthMode.params, docs/forking.md)")
+    loss.backward()
+    saved = model.state_dict()
+    for name in added_parameters(model):
+        grad = model.get_parameter(name).grad
+        assert name in saved, f"{variant}: the parameter {name} is not in the state dict"
+        assert grad is not None and grad.abs().max() > 0, f"{variant}: {name} gets no gradient"
+
+
+def grad_leaves(loss):
+    """The tensors autograd accumulates a gradient into for the loss: the leaves that require it."""
+    seen, todo, leaves = set(), [loss.grad_fn], []
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):  # an AccumulateGrad node
+            leaves.append(node.variable)
+        todo.extend(n for n, _ in node.next_functions)
+    return leaves
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -135,6 +208,11 @@ def test_contract_round_trips_through_a_checkpoint_and_an_export(variant, tmp_pa
     exported = hf.from_pretrained(tmp_path / "hf").eval()
     monkeypatch.chdir(tmp_path)
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
+    state = model.state_dict()
+    for name, m in (("checkpoint", loaded), ("export", exported)):
+        theirs_state = m.state_dict()
+        assert theirs_state.keys() == state.keys(), f"{name}: {theirs_state.keys() ^ state.keys()}"
+        assert all(torch.equal(theirs_state[k], t) for k, t in state.items()), name
     with torch.no_grad():
         assert torch.equal(loaded(idx)[0], want) and type(loaded) is type(model)
         assert torch.equal(exported(idx)[0], want) and type(exported) is type(model)
@@ -160,6 +238,8 @@ def test_contract_compiles_in_one_graph(variant):
 
 CLAUSES = [test_contract_has_a_naive_reference, test_contract_matches_its_naive_reference,
            test_contract_cached_decoding_equals_the_full_forward, test_contract_is_causal,
+           test_contract_keeps_the_sequences_of_a_batch_apart,
+           test_contract_registers_trains_and_saves_every_added_parameter,
            test_contract_kv_cache_is_vanillas,
            test_contract_round_trips_through_a_checkpoint_and_an_export,
            test_contract_compiles_in_one_graph]
@@ -174,31 +254,41 @@ def test_every_clause_and_exemption_is_listed():
         assert clause in names and variant in VARIANTS and why, (clause, variant)
 
 
-# ----------------------------------------------------------------------------- the forking example
+# ----------------------------------------------------------------------------- the forking examples
 
 def code_blocks(text, fence):
     """The bodies of the ```python blocks whose first line is `# <fence>`."""
     return [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if b.startswith(f"# {fence}")]
 
 
-@pytest.fixture
-def forking_example(monkeypatch):
-    """docs/forking.md's new mode, registered as a fork would write it: its row in model.py right
-    after DEPTH_MODES (and in the exported model.py), its reference in test_model.py. The name it
-    adds to the table."""
+def example(heading):
+    """docs/forking.md's section `## <heading>`: its model.py block and its test_model.py block."""
     doc = (ROOT / "docs" / "forking.md").read_text()
-    (model_part,), (reference_part,) = code_blocks(doc, "model.py"), code_blocks(doc,
-                                                                                 "test_model.py")
+    text = doc[doc.index(f"\n## {heading}"):]
+    text = text[:text.find("\n## ", 1) % (len(text) + 1)]
+    (model_part,), (reference_part,) = (code_blocks(text, "model.py"),
+                                        code_blocks(text, "test_model.py"))
+    return model_part, reference_part
+
+
+def export_fork(monkeypatch, fork):
+    """Exports write `fork` as their model.py: the fork's file, as a fork exports it."""
+    write = hf.write_remote_code
+    monkeypatch.setattr(hf, "write_remote_code",
+                        lambda folder: (write(folder), (folder / "model.py").write_text(fork)))
+
+
+def row_example(heading, monkeypatch):
+    """A new row as a fork writes it: the row in model.py right after DEPTH_MODES (and in the
+    exported model.py), its reference in test_model.py. Yields the name it adds to the table."""
+    model_part, reference_part = example(heading)
     before = set(DEPTH_MODES)
     exec(model_part, dict(vars(model_py)))
     exec(reference_part, dict(vars(test_model)))
     (name,) = set(DEPTH_MODES) - before
     source = (ROOT / "model.py").read_text()
     table_end = source.index("\n}\n", source.index("DEPTH_MODES = {")) + 3
-    fork = source[:table_end] + "\n" + model_part + source[table_end:]
-    write = hf.write_remote_code
-    monkeypatch.setattr(hf, "write_remote_code",
-                        lambda folder: (write(folder), (folder / "model.py").write_text(fork)))
+    export_fork(monkeypatch, source[:table_end] + "\n" + model_part + source[table_end:])
     monkeypatch.setitem(VARIANTS, name, dict(depth_mode=name))
     monkeypatch.setitem(REFERENCES, name, reference_forward)
     yield name
@@ -206,12 +296,89 @@ def forking_example(monkeypatch):
     REFERENCE_MODES.pop(name)
 
 
-def test_the_forking_example_passes_the_whole_contract(forking_example, tmp_path, monkeypatch):
+@pytest.fixture
+def forking_example(monkeypatch):
+    yield from row_example("The example: hard top-1 over depth", monkeypatch)
+
+
+@pytest.fixture
+def learned_example(monkeypatch):
+    yield from row_example("A learned rule: a temperature per layer", monkeypatch)
+
+
+@pytest.fixture
+def source_example(monkeypatch):
+    """A new source rule as a fork writes it: ModelConfig.sources replaced in model.py (and in the
+    exported model.py), reference_sources in test_model.py with the keys that select the rule in
+    SOURCE_CASES. The contract's name for it."""
+    model_part, reference_part = example("A source rule")
+    method = model_part.split("\n", 1)[1]  # under the fence line, indented as in the class
+    space = dict(vars(model_py))
+    exec(textwrap.dedent(method), space)
+    monkeypatch.setattr(model_py.ModelConfig, "sources", space["sources"])
+    before, space = set(SOURCE_CASES), dict(vars(test_model))
+    exec(reference_part, space)
+    monkeypatch.setattr(test_model, "reference_sources", space["reference_sources"])
+    (rule,) = set(SOURCE_CASES) - before
+    source = (ROOT / "model.py").read_text()
+    start = source.index("    def sources(self, e: int)")
+    export_fork(monkeypatch, source[:start] + method.rstrip() + source[source.index("\n\n\n",
+                                                                                   start):])
+    name = f"value+{rule}"
+    monkeypatch.setitem(VARIANTS, name, dict(depth_mode="value", **SOURCE_CASES[rule]))
+    monkeypatch.setitem(REFERENCES, name, reference_forward)
+    yield name
+    SOURCE_CASES.pop(rule)
+
+
+def run_every_clause(variant, tmp_path, monkeypatch):
     for clause in CLAUSES:
         kwargs = {"tmp_path": tmp_path / clause.__name__, "monkeypatch": monkeypatch}
         kwargs["tmp_path"].mkdir()
-        clause(forking_example, **{k: v for k, v in kwargs.items()
-                                   if k in clause.__code__.co_varnames[:clause.__code__.co_argcount]})
+        clause(variant, **{k: v for k, v in kwargs.items()
+                           if k in clause.__code__.co_varnames[:clause.__code__.co_argcount]})
+
+
+def test_the_forking_example_passes_the_whole_contract(forking_example, tmp_path, monkeypatch):
+    run_every_clause(forking_example, tmp_path, monkeypatch)
+
+
+def test_the_learned_example_passes_the_whole_contract(learned_example, tmp_path, monkeypatch):
+    """And it is what the page says: `value` at init, its parameter in the model and its
+    optimizer groups (no weight decay: one number per block), its weights read out as any row's,
+    its parameters counted by depth_cost."""
+    from support.depth_weights import capture
+    from support.run_config import DEFAULTS
+    import train
+    run_every_clause(learned_example, tmp_path, monkeypatch)
+    model = tiny_variant(depth_mode=learned_example)
+    idx = torch.randint(0, 50, (2, 7))
+    fresh = []
+    for mode in (learned_example, "value"):
+        torch.manual_seed(0)
+        fresh.append(model_py.GPT(replace(model.config, depth_mode=mode)))
+    with torch.no_grad():
+        assert torch.equal(fresh[0](idx)[0], fresh[1](idx)[0]), "the row does not start as value"
+    names = added_parameters(model)
+    assert names and all(".self_attn.depth_params." in n for n in names), names
+    groups = train.make_optimizer(model, DEFAULTS, "cpu").param_groups
+    no_decay = {id(p) for p in groups[1]["params"]}
+    assert all(id(model.get_parameter(n)) in no_decay for n in names)
+    with capture(model) as alphas:
+        model(idx)
+    assert sorted(alphas) == [e for e, src in enumerate(model.depth_sources) if src]
+    assert model_py.depth_cost(model.config)["extra_params"] == sum(
+        model.get_parameter(n).numel() for n in names)
+
+
+def test_the_source_example_passes_the_whole_contract(source_example, tmp_path, monkeypatch):
+    """And its rule is the one that runs: the model's sources are the page's, not the paper's."""
+    run_every_clause(source_example, tmp_path, monkeypatch)
+    model = build(source_example)
+    c = model.config
+    assert model.depth_sources == [test_model.reference_sources(c, e) for e in range(c.n_eff_layer)]
+    assert model.depth_sources != [test_model.ref_sources(e, c.stride, c.depth_recent_window)
+                                   for e in range(c.n_eff_layer)], "the paper's rule ran"
 
 
 def test_the_contract_catches_a_decode_kernel_on_the_example(forking_example):
@@ -220,3 +387,48 @@ def test_the_contract_catches_a_decode_kernel_on_the_example(forking_example):
     object.__setattr__(DEPTH_MODES[forking_example], "decode_kernel", True)
     with pytest.raises(AssertionError, match="cached logits differ"):
         test_contract_cached_decoding_equals_the_full_forward(forking_example)
+
+
+# ----------------------------------------------------------------------------- planted bugs
+# Each a one-line bug of a fork that every other clause lets through, and the clause that names it.
+
+@pytest.fixture
+def plant(monkeypatch):
+    """plant(weights, **keys): a row `planted` with these weights, mixing V, whose reference is
+    the paper's softmax; the variant's name."""
+    def plant(weights, **keys):
+        monkeypatch.setitem(DEPTH_MODES, "planted", model_py.DepthMode(weights, mixes_v=True))
+        monkeypatch.setitem(REFERENCE_MODES, "planted", (test_model.softmax_ref, "v"))
+        monkeypatch.setitem(VARIANTS, "planted", dict(depth_mode="planted", **keys))
+        monkeypatch.setitem(REFERENCES, "planted", reference_forward)
+        return "planted"
+    return plant
+
+
+def test_the_contract_names_a_module_level_parameter(plant):
+    temperature = torch.nn.Parameter(torch.ones((), dtype=torch.float64))  # in no module
+
+    def weights(qbar, keys):
+        return model_py.softmax_weights(qbar * temperature, keys)
+
+    test_contract_matches_its_naive_reference(plant(weights))  # at 1, the values are right
+    with pytest.raises(AssertionError, match="module-level nn.Parameter"):
+        test_contract_registers_trains_and_saves_every_added_parameter("planted")
+
+
+def test_the_contract_names_weights_laid_out_positions_first(plant):
+    def weights(qbar, keys):
+        return model_py.softmax_weights(qbar, keys).transpose(2, 3)  # (B, n_kv_head, T, C)
+
+    with pytest.raises(ValueError, match="candidates before positions"):  # some layer's C != T
+        test_contract_matches_its_naive_reference(plant(weights))
+    with pytest.raises(AssertionError, match="(?s)T = C = 2.*candidates before positions"):
+        test_contract_matches_its_naive_reference(plant(weights, n_layer=2, depth_stride=1))
+
+
+def test_the_contract_names_a_rule_that_mixes_the_batch(plant):
+    def weights(qbar, keys):  # centred over the batch: each sequence's weights read the others
+        return model_py.softmax_weights(qbar - qbar.mean(0, keepdim=True), keys)
+
+    with pytest.raises(AssertionError, match="mixes the batch"):
+        test_contract_keeps_the_sequences_of_a_batch_apart(plant(weights))

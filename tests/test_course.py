@@ -1,26 +1,40 @@
-"""The course assignment (course/): the repository grades full marks on the code problems; a fresh
-student copy holds no solution, grades 0 on problems 1-4 and still imports and answers --help; its
-bodies pasted back grade full; each known wrong solution costs its own problem's points and, through
-the recorded replays, no other's; a crash or an endless loop costs only the problem it is in."""
+"""The course assignment (course/): the repository grades full marks on the code problems, with
+the hidden scenarios it records at grading time; a fresh student copy holds no solution, grades 0
+and still imports; its bodies pasted back grade full in the copy's practice grader and the
+instructor's; solutions that are right in another way keep full marks; each known wrong solution
+loses the tests of its own problem that catch it and nothing else; a crash or an endless loop costs
+only the tests it is in. The forgeries, problem 5's runs and make.py: tests/test_course_trust.py."""
 import ast
 import json
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, fields
+from pathlib import Path
 
 import pytest
 
-from course.make import (LEFT_OUT, WITHHELD_PAGES, blank, replace_bodies, repository_files,
-                         stubs)
+from course import experiment
+from course.make import LEFT_OUT, WITHHELD_PAGES, blank, replace_bodies, repository_files, stubs
 from course.problems import EXPERIMENT, FIXTURES, GRADED, MARKER, PROBLEMS
 from helpers import ENV, ROOT
+from support.cli import mark
+
+# tests/test_course_trust.py reads course/ through this module (the one test that imports it)
+__all__ = ["experiment", "EXPERIMENT", "FIXTURES", "MARKER"]
 
 CODE = [p for p in GRADED if p.functions]  # problems 1-4
-# Wrong solutions students write, as bodies of the functions they belong to; grouped so that each
-# copy breaks problems whose replays keep the others whole:
-# {copy: ({function: body}, {problem: failing tests})}
+# each graded test's limit here (60 s in use); the slowest takes 1-3 s on a loaded 2-core machine
+TIMEOUT = 30
+LOOP_TIMEOUT = 10  # the copy whose causal_attention loops forever: its passing tests take 0.1 s
+TESTS = {p.number: {name for name, _ in p.tests} for p in GRADED}
+
+# Wrong solutions students write, as bodies of the functions they belong to, grouped so that each
+# copy breaks problems that the stubs keep apart: {copy: ({function: body}, {problem: the tests
+# that catch it})}.
 WRONG = {
     "sum, per-layer position": ({
         "group_mean": "return q.unflatten(1, (n_kv_head, -1)).sum(2)  # the sum, not the mean",
@@ -30,7 +44,9 @@ WRONG = {
             self.v[e, :, :, self.pos:end] = v
             self.pos = end  # advanced per layer, not once per forward
             return self.k[e, :, :, :end], self.v[e, :, :, :end]""",
-        "KVCache.advance": "pass"}, {2: None, 4: None}),
+        "KVCache.advance": "pass"},
+        {2: {"qbar_is_the_mean_of_each_group_of_query_heads"},
+         4: {"a_prefill_then_chunks_and_single_tokens_equal_the_whole_sequence"}}),
     "positions, no self, endless loop": ({
         "softmax_weights": """
             scores = torch.stack([torch.linalg.vecdot(qbar, kc) for kc in keys], 2)
@@ -43,7 +59,13 @@ WRONG = {
             k_out = weighted_sum(alpha, keys) if mode.mixes_k else k
             v_out = weighted_sum(alpha, values) if mode.mixes_v else v
             return k_out, v_out, alpha""",
-        "causal_attention": "while True:\n    pass"}, {2: None, 3: None, 4: None}),
+        "causal_attention": "while True:\n    pass"},
+        {2: {"the_weights_are_a_softmax_over_the_candidates",
+             "the_softmax_runs_in_float32_for_bf16_activations"},
+         3: {"depth_mix_mixes_what_each_mode_says", "the_model_gives_the_reference_logits",
+             "a_bf16_model_runs_in_bf16",
+             "each_layer_stores_its_mixed_record_and_decoding_reads_it"},
+         4: TESTS[4]}),
     "raw value cached, a crash": ({
         "Attention.forward": """
             q, k, v = self.rotate(*self.project(x), cos, sin)
@@ -58,25 +80,84 @@ WRONG = {
             y = causal_attention(q, keys, values).transpose(1, 2)
             return self.o_proj(y.flatten(2)), (k, v)""",
         "ModelConfig.sources": "import os\nos._exit(3)  # the interpreter dies mid-test"},
-        {1: None, 3: {"test_each_layer_stores_its_mixed_record_and_decoding_reads_it"}}),
+        {1: {"every_layer_has_the_sources_of_the_rule", "layer_zero_and_vanilla_have_no_sources",
+             "the_paper_counts_117_candidates_at_48_layers"},
+         3: {"each_layer_stores_its_mixed_record_and_decoding_reads_it"}}),
+    # the four that every practice scenario let through: only the hidden ones catch them
+    "own stride, no shift, float32 sum, first row": ({
+        "ModelConfig.stride": """
+            return self.depth_stride or max(1, self.n_eff_layer // 2)  # the mode's own ignored""",
+        "softmax_weights": """
+            scores = torch.stack([torch.linalg.vecdot(qbar, kc) for kc in keys], 2)
+            e = (fp32_or_wider(scores) / math.sqrt(qbar.shape[-1])).exp()  # no max shift
+            return e / e.sum(2, keepdim=True)""",
+        "weighted_sum": """
+            w = alpha.unsqueeze(-1)  # float32 weights make a float32 sum of bf16 records
+            return sum(w[:, :, c] * x for c, x in enumerate(xs))""",
+        "KVCache.update": """
+            end = self.pos + k.shape[2]
+            self.k[e, 0, :, self.pos:end] = k[0]  # the batch's first sequence only
+            self.v[e, 0, :, self.pos:end] = v[0]
+            return self.k[e, :, :, :end], self.v[e, :, :, :end]"""},
+        {1: {"the_default_stride_is_the_modes_or_half_the_effective_depth",
+             "every_layer_has_the_sources_of_the_rule"},
+         2: {"the_weights_are_a_softmax_over_the_candidates",
+             "the_softmax_runs_in_float32_for_bf16_activations"},
+         3: {"the_weighted_sum_of_the_candidates", "a_bf16_model_runs_in_bf16"},
+         4: {"a_prefill_then_chunks_and_single_tokens_equal_the_whole_sequence"}}),
+}
+# Right in another way than the reference: each keeps full marks.
+DIFFERENT = {
+    "softmax_weights": """
+        scores = torch.einsum("bhtd,bhctd->bhct", qbar, torch.stack(keys, 2))  # bf16 scores
+        return (scores.float() if scores.dtype == torch.bfloat16 else scores).div(
+            math.sqrt(qbar.shape[-1])).softmax(2)""",
+    "Attention.store_and_attend": """
+        if cache is None:
+            record = (k, v)
+        else:
+            pos = cache.pos
+            k, v = cache.update(e, k, v)
+            record = (k[:, :, pos:], v[:, :, pos:])
+        g = q.shape[1] // k.shape[1]  # the KV heads repeated for their query heads
+        y = causal_attention(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1))
+        return self.o_proj(y.transpose(1, 2).flatten(2)), record""",
+    "Attention.forward": """
+        q, k, v = self.rotate(*self.project(x), cos, sin)
+        if self.mode.mixes:  # layer 0 too: over itself alone, its weight is one
+            k, v = self.depth_step(q, k, v, src_k, src_v, e)
+        return self.store_and_attend(q, k, v, cache, e)""",
+    "depth_mix": """
+        keys, values = src_k + [k], src_v + [v]  # no fast path: the passes at every length
+        alpha = mode.weights(group_mean(q, k.shape[1]), keys)
+        return (weighted_sum(alpha, keys) if mode.mixes_k else k,
+                weighted_sum(alpha, values) if mode.mixes_v else v, alpha)""",
 }
 
 
-def grade(copy, *args, timeout=None, fixtures=None):
-    """course/grade.py on copy: (its printed lines, its --json result); timeout: each test's limit;
-    fixtures: recorded ones to use (the repository records its own, 3 s each time)."""
-    out = copy.parent / f"{copy.name}.json"
-    env = {**ENV, **({"COURSE_TEST_TIMEOUT": str(timeout)} if timeout else {}),
-           **({"COURSE_FIXTURES": str(fixtures)} if fixtures else {})}
-    proc = subprocess.run([sys.executable, str(ROOT / "course" / "grade.py"), str(copy),
+def grade(copy, *args, grader=ROOT, timeout=TIMEOUT, ok=True, env=None):
+    """course/grade.py of `grader` on copy: (its printed lines, its --json result, the process);
+    ok: it must exit 0 without a traceback; env: more variables for it."""
+    # beside a copy, never beside the repository (the instructor's own grading writes there)
+    out = Path(tempfile.mkdtemp(prefix="grade")) / f"{copy.name}.json"
+    env = {**ENV, "COURSE_TEST_TIMEOUT": str(timeout), **(env or {})}
+    proc = subprocess.run([sys.executable, str(grader / "course" / "grade.py"), str(copy),
                            f"--json={out}", *args],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
-    return proc.stdout, json.loads(out.read_text())
+                          cwd=grader, env=env, capture_output=True, text=True, timeout=900)
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stdout + proc.stderr
+    if ok:
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout, json.loads(out.read_text()) if out.is_file() else None, proc
 
 
 def earned(result):
     return {e["problem"]: e["earned"] for e in result["problems"] if e["graded"]}
+
+
+def failing(result):
+    """{problem: the names of its failing tests} for the problems with one."""
+    return {e["problem"]: {t["test"] for t in e["tests"] if t["why"] is not None}
+            for e in result["problems"] if e["graded"] and e["earned"] < e["points"]}
 
 
 def full(*numbers):
@@ -86,47 +167,110 @@ def full(*numbers):
 @pytest.fixture(scope="module")
 def copy(tmp_path_factory):
     """A fresh student copy, made once; tests that change it work on copies of it."""
-    out = tmp_path_factory.mktemp("course") / "student"
-    proc = subprocess.run([sys.executable, "course/make.py", str(out)], cwd=ROOT, env=ENV,
-                          capture_output=True, text=True)
+    return make_copy(tmp_path_factory.mktemp("course") / "student")
+
+
+def make_copy(out):
+    proc = subprocess.run([sys.executable, "course/make.py", str(out), "--untracked"], cwd=ROOT,
+                          env=ENV, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.startswith(f"wrote the student copy {out}")
     return out
 
 
-def recorded(copy):
-    """The fixtures course/make.py recorded into the copy, from this repository's code."""
-    return copy / FIXTURES
-
-
-def with_bodies(copy, tmp_path, bodies):
-    """A copy of the student copy whose model.py is the repository's, with these functions'
-    bodies."""
-    other = tmp_path / "copy"
+def with_bodies(copy, where, bodies, prefix="", name="copy"):
+    """A copy of the student copy whose model.py is the repository's with these functions'
+    bodies, and `prefix` run at its import."""
+    other = where / name
     shutil.copytree(copy, other)
-    source = (ROOT / "model.py").read_text()
-    (other / "model.py").write_text(replace_bodies(source, {k: textwrap.dedent(v)
-                                                            for k, v in bodies.items()}))
+    source = replace_bodies((ROOT / "model.py").read_text(),
+                            {k: textwrap.dedent(v) for k, v in bodies.items()})
+    (other / "model.py").write_text(textwrap.dedent(prefix) + source)
     return other
 
 
-def test_the_repository_grades_full_marks(tmp_path):
-    """Its own fixtures are recorded from its model.py on the fly (it ships none); problem 5 reads
-    the records of the measured experiment (course/expected's, laid out as the command writes)."""
-    printed, result = grade(ROOT, f"--experiment={fake_experiment(tmp_path / 'runs')}")
-    assert earned(result) == {**full(1, 2, 3, 4), 5: 15} and result["together"] is True
-    assert printed.splitlines()[-1] == f"score: 85 / {sum(p.points for p in GRADED)}"
-    handout = (ROOT / "course" / "README.md").read_text()
-    for line in printed.splitlines()[:len(CODE)]:  # what a correct solution prints,
-                                                   # as the handout shows
-        assert line in handout.splitlines(), line
+def model_config(cfg):
+    """The ModelConfig train.py builds from a config (the byte tokenizer's 257 ids)."""
+    import model
+    keys = {f.name for f in fields(model.ModelConfig)}
+    return model.ModelConfig(**{**{k: v for k, v in cfg.items() if k in keys},
+                                "vocab_size": cfg["vocab_size"] or 257})
 
 
-def test_the_handout_lists_the_problems_as_the_grader_has_them():
-    """course/README.md's table: each problem's title, points, functions, reading and budget as
-    course/problems.py has them (the list make.py, grade.py and the tests read)."""
-    rows = {int(cells[1]): cells[2:]
-            for line in (ROOT / "course" / "README.md").read_text().splitlines()
+def fake_experiment(out, losses=None, checkpoints=True):
+    """The folder the handout's command writes, without the training: for each run and seed the
+    config train.py records, a checkpoint of an untrained model (checkpoints) and a log that ends
+    with its loss on the validation windows, or with `losses` ({run: {seed: loss}}; default
+    course/expected's, the measured run's); results.json and the figure."""
+    import ablate
+    import torch
+    expected = json.loads((ROOT / "course" / "expected" / "results.json").read_text())
+    given = losses or {run: dict(enumerate(v["losses"])) for run, v in expected["runs"].items()}
+    logged = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # on a loaded 2-core machine, two threads take 10x as long
+    try:
+        write_runs(out, given, losses is None, checkpoints, logged)
+    finally:
+        torch.set_num_threads(threads)
+    stats, tables = ablate.summarize(logged)
+    (out / "results.json").write_text(json.dumps({**expected, "runs": stats, "tables": tables}))
+    shutil.copy(ROOT / "course" / "expected" / "depth_weights.png", out)
+    return out
+
+
+def write_runs(out, given, measured, checkpoints, logged):
+    """Each run's folder (fake_experiment); measured: log the checkpoint's own loss."""
+    import torch
+    from support.sweep import run_dir, train_config
+    val = None
+    for run, by_seed in given.items():
+        for seed, loss in by_seed.items():
+            where = run_dir(out, run, seed)
+            where.mkdir(parents=True)
+            cfg = train_config([str(ROOT / EXPERIMENT["base"]),
+                                str(ROOT / "configs" / "ablations" / f"mode_{run}.py"),
+                                f"--seed={seed}"])
+            if checkpoints:
+                import model
+                torch.manual_seed(seed)
+                gpt = model.GPT(model_config(cfg))
+                val = experiment.validation(cfg) if val is None else val
+                loss = experiment.val_loss(gpt, val, cfg) if measured else loss
+                torch.save({"model": gpt.state_dict(), "model_config": asdict(gpt.config),
+                            "config": cfg, "step": cfg["max_iters"]}, where / "ckpt.pt")
+            logged.setdefault(run, {})[seed] = loss
+            (where / "config.json").write_text(json.dumps({**cfg, "out_dir": str(where),
+                                                           "resumes": []}))
+            (where / "log.jsonl").write_text(json.dumps({"kind": "eval", "step": cfg["max_iters"],
+                                                         "val_loss": loss}))
+
+
+def test_the_repository_grades_full_marks_with_its_hidden_tests(tmp_path):
+    """The instructor's grader on its own code: problems 1-4 full with the hidden scenarios; problem
+    5 on an untrained model's checkpoints (made here; the real runs take 10 minutes) passes every
+    test but the losses' (test_course_trust.py grades the losses)."""
+    runs = fake_experiment(tmp_path / "runs")
+    printed, result, _ = grade(ROOT, f"--experiment={runs}")
+    assert result["hidden_tests"] is True and result["written_by"] == mark("grade.py")
+    assert earned(result) == {**full(1, 2, 3, 4), 5: 11} and result["together"] is True, result
+    assert failing(result) == {5: {"the_losses_are_those_of_a_correct_model"}}
+    assert "the_losses_are_those_of_a_correct_model (-4): vanilla: mean final validation" \
+        in printed
+    handout = (ROOT / "course" / "README.md").read_text().splitlines()
+    for line in printed.splitlines()[:len(CODE)]:  # what a correct solution prints, as shown
+        assert line in handout, line
+    for e in result["problems"]:  # the points of every test, as course/problems.py has them
+        if e["graded"]:
+            p = next(p for p in PROBLEMS if p.number == e["problem"])
+            assert [(t["test"], t["points"]) for t in e["tests"]] == list(p.tests)
+
+
+def test_the_handout_lists_the_problems_and_tests_as_the_grader_has_them():
+    """course/README.md's tables: each problem's title, points, functions, reading and budget, and
+    each test's points, as course/problems.py has them (the list make.py and grade.py read)."""
+    text = (ROOT / "course" / "README.md").read_text()
+    rows = {int(cells[1]): cells[2:] for line in text.splitlines()
             if (cells := [c.strip() for c in line.split("|")])[1:2] and cells[1].isdigit()}
     assert sorted(rows) == [p.number for p in PROBLEMS]
     for p in PROBLEMS:
@@ -135,18 +279,22 @@ def test_the_handout_lists_the_problems_as_the_grader_has_them():
                 == (p.title, p.points, p.reading, p.budget)), p.number
         names = [f.split(":")[1] for f in p.functions]
         assert functions.replace("`", "").split(", ") == names if names else "`" not in functions
-    assert (f"{sum(p.points for p in GRADED)} points are graded"
-            in (ROOT / "course" / "README.md").read_text())
+    tests = [(cells[1], int(cells[2])) for line in text.splitlines()
+             if (cells := [c.strip().strip("`") for c in line.split("|")])[1:2]
+             and any(cells[1] == name for p in GRADED for name, _ in p.tests)]
+    assert tests == [t for p in GRADED for t in p.tests]
+    assert f"{sum(p.points for p in GRADED)} points are graded" in text
 
 
 def test_a_fresh_copy_grades_zero_imports_and_trains_nothing_yet(copy):
-    printed, result = grade(copy, fixtures=recorded(copy))
+    """The copy's own grader (practice: its recorded fixtures, no hidden tests)."""
+    printed, result, _ = grade(copy, grader=copy)
+    assert result["hidden_tests"] is False
     assert earned(result) == dict.fromkeys([1, 2, 3, 4, 5], 0) and result["together"] is False
     assert f"no {copy / EXPERIMENT['out'] / 'results.json'}: run `python ablate.py" in printed
     for p in CODE:
         entry = next(e for e in result["problems"] if e["problem"] == p.number)
-        assert entry["failed"] and all(f"Problem {p.number}: write " in line
-                                       for line in entry["failed"]), entry
+        assert all(f"Problem {p.number}: write " in t["why"] for t in entry["tests"]), entry
     help_ = subprocess.run([sys.executable, "train.py", "--help"], cwd=copy, env=ENV,
                            capture_output=True, text=True)
     assert help_.returncode == 0 and "--depth_mode" in help_.stdout, help_.stderr
@@ -154,8 +302,6 @@ def test_a_fresh_copy_grades_zero_imports_and_trains_nothing_yet(copy):
                               "import model, baselines, train, sample, eval, ablate"],
                              cwd=copy, env=ENV, capture_output=True, text=True)
     assert imports.returncode == 0, imports.stderr
-    size = recorded(copy).stat().st_size
-    assert size < 500_000  # a few hundred kB
 
 
 def test_the_copy_holds_no_solution(copy):
@@ -163,8 +309,8 @@ def test_the_copy_holds_no_solution(copy):
     pages that print the code, the answers) that the rest of the repository does not also hold: none
     is in any file of the copy, and there are enough such lines for the search to mean something."""
     blanked = stubs()
-    kept = {line.strip() for f in repository_files() if f.endswith((".py", ".md"))  # as make.py
-            and not f.startswith((*WITHHELD_PAGES, *blanked))  # copies them
+    kept = {line.strip() for f in repository_files(untracked=True) if f.endswith((".py", ".md"))
+            and not f.startswith((*WITHHELD_PAGES, *blanked))  # as make.py copies them
             for line in (ROOT / f).read_text(errors="replace").splitlines()}
     for file, messages in blanked.items():  # what the copy keeps of the files it blanks
         kept |= {line.strip() for line in blank((ROOT / file).read_text(), messages).splitlines()}
@@ -191,8 +337,8 @@ def test_the_copy_holds_no_solution(copy):
                                             for f in copy.rglob("*.py"))
 
 
-def half_written(copy, where):
-    """A copy whose model.py ends in a line that does not parse."""
+def half_written(where):
+    """A model.py that ends in a line that does not parse; returns that line's number."""
     lines = (ROOT / "model.py").read_text().splitlines()
     (where / "model.py").write_text("\n".join(lines[:-1] + ["def half_written(:"]) + "\n")
     return len(lines)
@@ -200,162 +346,50 @@ def half_written(copy, where):
 
 @pytest.fixture(scope="module")
 def graded(copy, tmp_path_factory):
-    """{case: (printed, result)} for the copies below, graded two at a time (each grading is one
-    process, one thread): the repository's bodies pasted back, each wrong solution, and a model.py
-    that does not import. timeout=3: one wrong solution loops forever."""
-    cases = {"pasted back": {}, **{name: bodies for name, (bodies, _) in WRONG.items()},
-             "does not import": {}}
+    """{case: (printed, result)} for the copies below, graded by the instructor's grader (this
+    repository: hidden scenarios), two at a time: the bodies pasted back, the solutions right in
+    another way, each wrong solution, and a model.py that does not import; and the bodies pasted
+    back in the copy's own grader (practice)."""
+    cases = {"pasted back": {}, "different": DIFFERENT,
+             **{name: bodies for name, (bodies, _) in WRONG.items()}, "does not import": {}}
     copies = {name: with_bodies(copy, tmp_path_factory.mktemp("graded"), bodies)
               for name, bodies in cases.items()}
-    half_written(copy, copies["does not import"])
+    half_written(copies["does not import"])
     with ThreadPoolExecutor(2) as pool:
-        done = {name: pool.submit(grade, where, timeout=3, fixtures=recorded(copy))
+        done = {name: pool.submit(grade, where, timeout=LOOP_TIMEOUT if "loop" in name else TIMEOUT)
                 for name, where in copies.items()}
-        return {name: job.result() for name, job in done.items()}
+        done["practice"] = pool.submit(grade, copies["pasted back"], grader=copies["pasted back"])
+        return {name: job.result()[:2] for name, job in done.items()}
 
 
-def test_the_bodies_pasted_back_grade_full_marks(graded):
-    _, result = graded["pasted back"]
-    assert earned(result) == {**full(1, 2, 3, 4), 5: 0} and result["together"] is True
+@pytest.mark.parametrize("case", ["pasted back", "practice", "different"])
+def test_a_correct_solution_grades_full_marks(graded, case):
+    """The reference's bodies, in the instructor's grader and the copy's; and bodies right in
+    another way (bf16 einsum scores, KV heads repeated before causal_attention, a depth step at
+    layer 0 over itself alone, a depth_mix without the fast path) in the instructor's."""
+    _, result = graded[case]
+    assert earned(result) == {**full(1, 2, 3, 4), 5: 0} and result["together"] is True, result
 
 
 @pytest.mark.parametrize("name", WRONG)
-def test_a_wrong_solution_costs_its_problem_and_no_other(graded, name):
+def test_a_wrong_solution_costs_the_tests_that_catch_it_and_no_other(graded, name):
     _, broken = WRONG[name]
     _, result = graded[name]
-    assert earned(result) == {**full(*{1, 2, 3, 4} - set(broken)), **dict.fromkeys(broken, 0),
-                              5: 0}, result
-    for number, tests in broken.items():
-        entry = next(e for e in result["problems"] if e["problem"] == number)
-        if tests:  # only these tests catch it: the rest of the problem works
-            assert {line.split("[")[0].split(":")[0]
-                    for line in entry["failed"]} == tests, entry["failed"]
+    assert {n: tests for n, tests in failing(result).items() if n != 5} == broken, result
     assert result["together"] is False
+
+
+def test_an_endless_loop_and_a_crash_say_so(graded):
+    printed, _ = graded["positions, no self, endless loop"]
+    assert f"the test ran past {LOOP_TIMEOUT} s: an endless loop" in printed
+    printed, _ = graded["raw value cached, a crash"]
+    assert "the interpreter died (exit 3)" in printed
 
 
 def test_code_that_does_not_import_scores_zero_and_says_where(graded, tmp_path):
     printed, result = graded["does not import"]
-    assert earned(result) == dict.fromkeys([1, 2, 3, 4, 5], 0) and "Traceback" not in printed
-    line = half_written(None, tmp_path)
+    assert earned(result) == dict.fromkeys([1, 2, 3, 4, 5], 0)
+    line = half_written(tmp_path)
     why = f"the code does not import: SyntaxError: invalid syntax (model.py, line {line})"
-    assert all(e["failed"] == [why] and e["note"] == "not run"
-               for e in result["problems"] if e["graded"])
-
-
-def test_make_refuses_destinations_that_would_lose_files(copy, tmp_path):
-    def make(*args):
-        proc = subprocess.run([sys.executable, "course/make.py", *map(str, args)], cwd=ROOT,
-                              env=ENV, capture_output=True, text=True)
-        return proc.returncode, proc.stderr.strip()
-    mine = tmp_path / "mine"
-    mine.mkdir()
-    (mine / "notes.txt").write_text("mine")
-    for args, fragment in [((ROOT / "student",), "lies inside this repository"),
-                           ((ROOT.parent,), "holds"), ((copy,), "pass --overwrite"),
-                           ((mine, "--overwrite"), "is not a student copy"),
-                           ((mine / "notes.txt",), "is a file")]:
-        code, err = make(*args)
-        assert (code == 1 and err.startswith("error: ") and fragment in err
-                and "\n" not in err), (args, err)
-    assert (mine / "notes.txt").read_text() == "mine" and not (ROOT / "student").exists()
-    code, _ = make(copy, "--overwrite")
-    assert (code == 0 and (copy / MARKER).is_file()
-            and not list(copy.parent.glob(".student.*")))
-
-
-def test_grade_refuses_bad_arguments_in_one_line_before_grading(tmp_path):
-    mine = tmp_path / "notes.txt"
-    mine.write_text("mine")
-    for args, fragment in [([str(tmp_path)], "not a copy"), ([f"--json={tmp_path}"], "is a folder"),
-                           ([f"--json={mine}"], "is not an earlier result"),
-                           ([f"--experiment={mine}"], "is not a folder"),
-                           ([f"--json={tmp_path / 'run' / 'ckpt.dcp' / 'g.json'}"],
-                            "sharded checkpoint")]:
-        proc = subprocess.run([sys.executable, "course/grade.py", *args], cwd=ROOT, env=ENV,
-                              capture_output=True, text=True)
-        err = proc.stderr.strip()
-        assert (proc.returncode == 1 and err.startswith("error: ") and fragment in err
-                and "\n" not in err), err
-    assert mine.read_text() == "mine" and not (tmp_path / "run").exists()
-
-
-def fake_experiment(out, losses=None):
-    """The folder the handout's command writes, without the training: course/expected's results (the
-    measured run), and for each run and seed the config train.py records and its last evaluation."""
-    import ablate
-    from support.sweep import run_dir, train_config
-    expected = json.loads((ROOT / "course" / "expected" / "results.json").read_text())
-    losses = losses or {run: dict(enumerate(v["losses"])) for run, v in expected["runs"].items()}
-    for run, by_seed in losses.items():
-        for seed, loss in by_seed.items():
-            where = run_dir(out, run, seed)
-            where.mkdir(parents=True)
-            cfg = train_config([str(ROOT / EXPERIMENT["base"]),
-                                str(ROOT / "configs" / "ablations" / f"mode_{run}.py"),
-                                f"--seed={seed}", f"--out_dir={where}"])
-            (where / "config.json").write_text(json.dumps({**cfg, "resumes": []}))
-            (where / "log.jsonl").write_text(json.dumps({"kind": "eval", "step": cfg["max_iters"],
-                                                         "val_loss": loss}))
-    stats, tables = ablate.summarize(losses)
-    (out / "results.json").write_text(json.dumps({**expected, "runs": stats, "tables": tables}))
-    shutil.copy(ROOT / "course" / "expected" / "depth_weights.png", out)
-    return out
-
-
-def test_problem_5s_reference_was_measured_with_todays_recipe():
-    """course/expected holds the measured run: its seed-0 configs (course/expected/configs.json, as
-    train.py recorded them) are what the handout's command asks for today, and its losses are the
-    grader's reference. A change to configs/ablations/cpu.py or train.py's defaults fails here:
-    re-run the command and update course/expected and EXPERIMENT["reference"]."""
-    from support.sweep import differences, train_config
-    measured = json.loads((ROOT / "course" / "expected" / "configs.json").read_text())
-    for run in EXPERIMENT["runs"]:
-        asked = train_config([str(ROOT / EXPERIMENT["base"]),
-                              str(ROOT / "configs" / "ablations" / f"mode_{run}.py"), "--seed=0"])
-        assert not differences(measured[run], [], asked), (run, differences(measured[run], [],
-                                                                            asked))
-    results = json.loads((ROOT / "course" / "expected" / "results.json").read_text())
-    assert {run: round(results["runs"][run]["mean"], 4) for run in EXPERIMENT["runs"]} \
-        == EXPERIMENT["reference"]
-
-
-def test_problem_5_reads_the_runs_and_is_not_fooled(tmp_path):
-    """The measured run's records score 15; an edited results.json, a run trained with other
-    settings, losses no correct model gives and a missing figure each score 0."""
-    sys.path.insert(0, str(ROOT / "course" / "tests"))
-    import test_problem5 as p5
-    good = fake_experiment(tmp_path / "good")  # graded 15 through grade.py: the repository's test
-    checks = [p5.test_every_run_finished_with_the_handouts_settings,
-              p5.test_results_json_says_what_the_logs_say,
-              p5.test_the_losses_are_those_of_a_correct_model,
-              p5.test_the_figure_of_the_depth_weights]
-
-    def caught(out, fragment):
-        failed = []
-        for check in checks:
-            try:
-                check(out, json.loads((out / "results.json").read_text()))
-            except AssertionError as e:
-                failed.append(str(e))
-        if fragment is None:
-            assert not failed, failed
-        else:
-            assert len(failed) == 1 and fragment in failed[0], failed
-    caught(good, None)
-    edited = fake_experiment(tmp_path / "edited")
-    results = json.loads((edited / "results.json").read_text())
-    results["runs"]["value"]["losses"][0] -= 0.05
-    (edited / "results.json").write_text(json.dumps(results))
-    caught(edited, "results.json's value is not its logs'")
-    shorter = fake_experiment(tmp_path / "shorter")
-    config = json.loads((shorter / "uniform" / "seed1" / "config.json").read_text())
-    (shorter / "uniform" / "seed1" / "config.json").write_text(
-        json.dumps({**config, "max_iters": 300}))
-    (shorter / "uniform" / "seed1" / "log.jsonl").write_text(json.dumps(
-        {"kind": "eval", "step": 300, "val_loss": results["runs"]["uniform"]["losses"][1]}))
-    caught(shorter, "was trained with other settings (max_iters 300 -> 600)")
-    wrong = fake_experiment(tmp_path / "wrong",
-                            {run: {0: 2.3, 1: 2.31} for run in EXPERIMENT["runs"]})
-    caught(wrong, "value: mean final validation loss 2.3050, the reference's 1.7716")
-    (good / "depth_weights.png").unlink()
-    caught(good, "pip install matplotlib")
+    assert all(t["why"] == why for e in result["problems"] if e["graded"] and e["problem"] != 5
+               for t in e["tests"]), result

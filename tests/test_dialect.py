@@ -7,11 +7,13 @@ import io
 
 import pytest
 
+import ablate
 import bench_cache
 import eval as eval_py
 import export
 import prepare_data
 import sample
+import train
 from support.errors import EXIT_USER_ERROR, UserError, run_main
 
 SCRIPTS = {"sample.py": sample, "export.py": export, "prepare_data.py": prepare_data,
@@ -39,10 +41,13 @@ def test_both_dialects_give_one_command(script, both):
     assert equals == spaced
 
 
-@pytest.mark.xfail(reason="support.config.parse_config takes --key value once the lead's change lands",
-                   strict=False)
-def test_bench_cache_takes_both_dialects():
+def test_the_table_scripts_take_both_dialects():
+    """bench_cache, ablate and train parse through support.config: --key value is --key=value."""
     assert bench_cache.parse_args(["--repeats=3"]) == bench_cache.parse_args(["--repeats", "3"])
+    assert train.parse_args(["--n_layer=3", "--compile=True"]) == train.parse_args(["--n_layer", "3",
+                                                                                "--compile"])
+    assert ablate.parse_args(["--seeds=2", "--overwrite=True"]) == ablate.parse_args(["--seeds", "2",
+                                                                                  "--overwrite"])
 
 
 @pytest.mark.parametrize("script, argv, flag", [

@@ -150,7 +150,18 @@ def test_json_never_replaces_a_file_that_is_not_a_result(trained, data_root, no_
     before = digest(trained / "ckpt.pt")
     message = error_line(f"--init_from={trained}", "--tasks=", "--ppl=tiny",
                          f"--data_root={data_root}", f"--json={trained / 'ckpt.pt'}")
-    assert "exists and is not an earlier result of this script" in message and digest(trained / "ckpt.pt") == before
+    assert "exists and was not written by eval.py" in message
+    assert digest(trained / "ckpt.pt") == before
+
+
+def test_another_programs_json_with_the_same_keys_is_kept(trained, data_root, tmp_path):
+    """The check reads eval.py's own mark, not keys any JSON may hold ("results", "ppl")."""
+    theirs = tmp_path / "theirs.json"
+    theirs.write_text('{"results": {"arc_easy": 0.5}, "ppl": 3.0}')
+    message = error_line(f"--init_from={trained}", "--tasks=", "--ppl=tiny",
+                         f"--data_root={data_root}", f"--json={theirs}")
+    assert "was not written by eval.py" in message
+    assert json.loads(theirs.read_text()) == {"results": {"arc_easy": 0.5}, "ppl": 3.0}
 
 
 def test_the_same_json_twice_is_replaced_cleanly(trained, data_root, tmp_path):

@@ -14,8 +14,8 @@ import sample
 from support import hf, memory
 from support.depth_weights import capture
 from helpers import TINY_SHORT, eval_losses, train
-from test_model import (assert_matches_reference, ref_attention, ref_mlp, ref_positioned,
-                        ref_projections, ref_sources, rms)
+from test_model import (MODEL_REFERENCES, assert_matches_reference, ref_attention, ref_mlp,
+                        ref_positioned, ref_projections, ref_sources, rms)
 import train as train_script
 from support import run_config
 
@@ -47,6 +47,9 @@ def lime_reference(model, idx):
             x = x + ref_mlp(blk, c, x)
         rows.append(rms(x, model.norm.weight, c.norm_eps) @ model.lm_head.weight.T)
     return torch.stack(rows)
+
+
+MODEL_REFERENCES["lime"] = lime_reference  # the contract's
 
 
 @pytest.mark.parametrize("overrides", [dict(n_kv_head=4), dict(n_kv_head=2), dict(n_kv_head=1),

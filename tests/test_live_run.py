@@ -3,6 +3,7 @@ takes one consistent snapshot of a live run (never a false "damaged", never weig
 step), a lone ckpt.dcp.old is the checkpoint, resume is as strict as init, and the entry points
 say one line."""
 import json
+import random
 import shutil
 import subprocess
 import sys
@@ -127,6 +128,8 @@ def test_a_lone_old_checkpoint_is_the_checkpoint_for_readers_and_resume(data_roo
            f"--out_dir={out}"]
     subprocess.run([*TORCHRUN, *run[1:], "--stop_at_step=4"], cwd=ROOT, env=ENV, check=True,
                    capture_output=True, timeout=300)
+    # --init_from=RUN/ckpt.dcp/run.pt (tab completion) was a KeyError 'model': the folder is meant
+    assert load_model(out / checkpoint.SHARDED / "run.pt").step == 4
     (out / checkpoint.SHARDED).rename(out / "ckpt.dcp.old")
     assert load_model(out).step == 4
     proc = subprocess.run([*TORCHRUN, *run[1:], "--resume=True"], cwd=ROOT, env=ENV,
@@ -253,3 +256,68 @@ def test_export_overwrite_replaces_only_an_earlier_export(vanilla_run, tmp_path)
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert "not an earlier export" in error_line(proc)
     assert (mine / "notes.txt").read_text() == "mine"
+
+
+# ----------------------------------------------------------------------------- messages that point the right way
+
+@pytest.mark.parametrize("name", ["log.jsonl", "config.json"])
+def test_a_log_or_config_given_as_a_checkpoint_is_not_called_damaged(name, vanilla_run):
+    """--init_from=RUN/log.jsonl said "truncated or corrupt: retrain or restore it"."""
+    proc = subprocess.run([sys.executable, "sample.py", f"--init_from={vanilla_run / name}"],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    line = error_line(proc)
+    assert "is not a checkpoint; give a train.py out_dir" in line and "corrupt" not in line, line
+
+
+def prepare(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, str(ROOT / "prepare_data.py"), *map(str, args)],
+                          cwd=cwd, env=ENV, capture_output=True, text=True, timeout=120)
+
+
+def test_prepare_data_names_the_flag_before_loading_a_tokenizer(tmp_path):
+    """--out_dir=README.md and --num_proc=-1 failed on gpt2's download (offline), naming neither."""
+    (tmp_path / "a.txt").write_text("text\n" * 50)
+    (tmp_path / "README.md").write_text("mine")
+    line = error_line(prepare("text", "--input", tmp_path / "a.txt", "--out_dir=README.md",
+                              cwd=tmp_path))
+    assert "--out_dir=README.md is a file" in line, line
+    assert (tmp_path / "README.md").read_text() == "mine"
+    for flag in ("--num_proc=-1", "--num_proc=0", "--shards=0"):
+        line = error_line(prepare("text", "--input", tmp_path / "a.txt", flag,
+                                  f"--out_dir={tmp_path / 'd'}"))
+        assert line.startswith(f"error: {flag}") and not (tmp_path / "d").exists(), line
+
+
+def test_random_bytes_are_binary_not_an_encoding_to_convert(tmp_path):
+    """Random bytes were told to convert with iconv, and --decode_errors=replace then prepared
+    noise."""
+    rng = random.Random(0)
+    (tmp_path / "noise.txt").write_bytes(bytes(rng.randrange(256) for _ in range(4096)))
+    for extra in ([], ["--decode_errors=replace"]):
+        line = error_line(prepare("text", "--input", tmp_path / "noise.txt", "--tokenizer=bytes",
+                                  f"--out_dir={tmp_path / 'd'}", *extra))
+        assert "looks binary" in line and "iconv" not in line, line
+    latin1 = tmp_path / "latin1.txt"  # a real 8-bit text is still told to convert
+    latin1.write_bytes("caf\u00e9 cr\u00e8me br\u00fbl\u00e9e\n".encode("latin1") * 50)
+    line = error_line(prepare("text", "--input", latin1, "--tokenizer=bytes",
+                              f"--out_dir={tmp_path / 'd'}"))
+    assert "iconv" in line, line
+
+
+def test_a_killed_exports_temporaries_are_removed_by_the_next_export(vanilla_run, tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a pid that no process holds now
+    left = [tmp_path / f".hf.tmp{dead.pid}", tmp_path / f".hf.old{dead.pid}"]
+    for folder in left:
+        folder.mkdir()
+        (folder / "model.safetensors").write_bytes(b"part")
+    proc = subprocess.run([sys.executable, "export.py", str(vanilla_run), str(tmp_path / "hf")],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert not any(f.exists() for f in left) and (tmp_path / "hf" / "config.json").is_file()
+
+
+def test_export_help_keeps_its_whole_first_paragraph():
+    text = subprocess.run([sys.executable, "export.py", "--help"], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=60).stdout
+    assert "the code transformers runs it with" in " ".join(text.split())

@@ -179,7 +179,7 @@ CASES = [
          "--weight_decay=-1"),
     case("train.py", "--warmup_frac must be a finite number in [0, 1], got 2.0", *TRAIN,
          "--warmup_frac=2"),
-    case("train.py", "--seed must be a finite number >= 0", *TRAIN, "--seed=-1"),
+    case("train.py", "--seed must be a finite number in [0, 2**63), got -1", *TRAIN, "--seed=-1"),
     # devices
     case("train.py", "unknown device 'foo'", *TRAIN, "--device=foo"),
     case("train.py", "torch sees no CUDA GPU", *TRAIN, "--device=cuda",
@@ -244,7 +244,7 @@ CASES = [
          "--input", "{tmp}/a.txt", "--name=mine", "--out_dir={tmp}", "--tokenizer=bytes",
          make=lambda w, mp: ((w["tmp"] / "mine").mkdir(), write("mine/notes.txt", b"mine")(w, mp),
                              write("a.txt", b"text")(w, mp))),
-    case("prepare_data.py", "zeros.bin looks binary (4096 of its 4096 bytes are NUL): leave it out",
+    case("prepare_data.py", "zeros.bin looks binary (4096 of its 4096 bytes are control characters",
          "text", "--input", "{tmp}/a.txt", "{tmp}/zeros.bin", "--tokenizer=bytes",
          "--out_dir={tmp}/out", make=lambda w, mp: (write("a.txt", b"text\n" * 9)(w, mp),
                                                     write("zeros.bin", bytes(4096))(w, mp))),

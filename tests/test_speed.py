@@ -83,6 +83,11 @@ def test_curves_draws_one_run_from_its_log(tmp_path, capsys):
         ablate.main([f"--curves={tmp_path}"])
     ablate.main([f"--curves={run}", f"--figure={tmp_path / 'elsewhere.png'}"])
     assert (tmp_path / "elsewhere.png").exists()
+    ablate.main([f"--curves={run}"])  # its own figure: replaced
+    (tmp_path / "mine.png").write_bytes(b"\x89PNG not ablate's")
+    with pytest.raises(UserError):  # a file it did not draw: kept
+        ablate.main([f"--curves={run}", f"--figure={tmp_path / 'mine.png'}"])
+    assert (tmp_path / "mine.png").read_bytes() == b"\x89PNG not ablate's"
 
 
 def test_wandb_without_a_login_is_one_line_naming_offline_and_login(tmp_path, monkeypatch):

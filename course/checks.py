@@ -1,0 +1,164 @@
+"""
+How the trusted parent judges what a student's functions returned (course/ops.py ran them in the
+child): each test's comparison with the reference's output, as one line saying what differs or
+None. A result that is not what the function should return (another type, a NaN, an exception the
+child reported) fails its test; it is never trusted for more than its values.
+
+The tolerances: float64 scenarios compare to 1e-10, so a different order of operations passes and a
+different formula does not. bf16 ones compare with the float64 value of the same inputs, within
+what rounding to bf16 can change: for the depth weights, scores rounded to bf16 in any order (a
+float32 softmax over them is right; the dtype must be float32), for a weighted sum of bf16 records,
+each product and partial sum rounded (the dtype must be the records').
+"""
+import math
+
+import torch
+
+from course import fixtures
+
+BF16_UNIT = 2.0 ** -8  # bf16's unit roundoff: 8 bits of significand
+
+
+def close(got, want, what, tol=1e-10):
+    if not isinstance(got, torch.Tensor):
+        return f"{what}: returned {type(got).__name__}, not a tensor"
+    if got.shape != want.shape:
+        return f"{what}: shape {tuple(got.shape)}, expected {tuple(want.shape)}"
+    gap = (got.double() - want.double()).abs().max().item() if got.numel() else 0.0
+    if not gap <= tol * max(1.0, want.double().abs().max().item() if want.numel() else 1.0):
+        return f"{what} differs from the reference by {gap:.3g}"
+    return None
+
+
+def first(*reasons):
+    return next((r for r in reasons if r), None)
+
+
+def softmax_bf16(got, args, what):
+    """float32 weights within what any rounding of the bf16 scores gives: each score may move by
+    D units of bf16 rounding of the sum of |products| (rounded products, summed in bf16), and the
+    softmax of scores moved by at most d_c moves alpha_c by at most
+    alpha_c (exp(d_c + max d) - 1)."""
+    qbar, keys = args
+    if not isinstance(got, torch.Tensor) or got.dtype != torch.float32:
+        return f"{what}: alpha is {getattr(got, 'dtype', type(got).__name__)}: compute the " \
+               f"softmax in float32"
+    q, ks = qbar.double(), [k.double() for k in keys]
+    D = q.shape[-1]
+    scores = torch.stack([(q * k).sum(-1) for k in ks], 2) / math.sqrt(D)
+    spread = torch.stack([(q * k).abs().sum(-1) for k in ks], 2) / math.sqrt(D) * D * BF16_UNIT
+    alpha = scores.softmax(2)
+    bound = alpha * torch.expm1(spread + spread.amax(2, keepdim=True)) + 1e-6
+    if got.shape != alpha.shape:
+        return f"{what}: alpha has shape {tuple(got.shape)}, expected {tuple(alpha.shape)}"
+    if not ((got.double() - alpha).abs() <= bound).all():
+        return f"{what}: alpha is not a float32 softmax of <qbar, K_c> / sqrt(D) over the " \
+               f"candidates (off by {(got.double() - alpha).abs().max().item():.3g})"
+    return None
+
+
+def weighted_bf16(got, args, what):
+    alpha, xs = args
+    if not isinstance(got, torch.Tensor) or got.dtype != xs[0].dtype:
+        return f"{what}: the sum is {getattr(got, 'dtype', type(got).__name__)}, the records " \
+               f"{xs[0].dtype}: return it in the records' dtype"
+    terms = [alpha[:, :, c].double().unsqueeze(-1) * x.double() for c, x in enumerate(xs)]
+    exact, size = sum(terms), sum(t.abs() for t in terms)
+    if got.shape != exact.shape:
+        return f"{what}: shape {tuple(got.shape)}, expected {tuple(exact.shape)}"
+    if not ((got.double() - exact).abs() <= 2 * (len(xs) + 1) * BF16_UNIT * size + 1e-6).all():
+        return f"{what} differs from sum_c alpha_c X_c by more than bf16 rounding"
+    return None
+
+
+def logits_bf16(got, want, what):
+    """A bf16 forward: bf16 logits near the reference's (its rounding, not its formula: the float64
+    scenarios check that)."""
+    if not isinstance(got, torch.Tensor) or got.dtype != torch.bfloat16:
+        return f"{what}: the logits are {getattr(got, 'dtype', type(got).__name__)}, not bf16"
+    return close(got, want, what, tol=0.1)
+
+
+def listed(got, want, what):
+    return None if got == want else f"{what}: {got}, expected {want}"
+
+
+def empty_sources(got, want, what):
+    if not isinstance(got, list) or len(got) != len(want):
+        return f"{what}: {len(got) if isinstance(got, list) else got} layers' sources, " \
+               f"expected {len(want)}"
+    if got[0] != []:
+        return f"{what}: S(0) = {got[0]}, expected []"
+    if all(w == [] for w in want) and any(got):
+        return f"{what}: a mode without a depth step has sources {got}"
+    return None
+
+
+def candidates(got, want, what):
+    count = fixtures.candidates(got)
+    return None if count == want else f"{what}: {count} candidates, expected {want}"
+
+
+def parts(got, want, what, names):
+    if not isinstance(got, list) or len(got) != len(want):
+        return f"{what}: returned {type(got).__name__}, expected {len(want)} results"
+    return first(*(close(g, w, f"{what}: {n}") for g, w, n in zip(got, want, names)))
+
+
+def chunks(got, want, what):
+    if not isinstance(got, list) or len(got) != len(want):
+        return f"{what}: the cache did not run through every chunk"
+    for g, w in zip(got, want):
+        layer = f", layer {w['layer']}" if "layer" in w else ""
+        where = f"{what}, chunk {w.get('chunk')}{layer}"
+        if "layer" in w:
+            if g["pos"] != w["pos"]:
+                return f"{where}: update moved cache.pos to {g['pos']}: the position moves once " \
+                       f"per forward, after every layer wrote (advance)"
+            if not g["views"]:
+                return f"{where}: update should return views of the cache's own tensors " \
+                       f"(written in place), not copies"
+            reason = first(close(g["K"], w["K"], f"{where}: the keys update returns"),
+                           close(g["V"], w["V"], f"{where}: the values update returns"),
+                           close(g["y"], w["y"], f"{where}: attention over the cache"))
+        elif "advanced" in w:
+            reason = None if g["advanced"] == w["advanced"] else \
+                f"{where}: after advance, cache.pos is {g['advanced']}, not {w['advanced']}"
+        else:
+            reason = first(close(g["keys"], w["keys"], f"{what}: the cache's keys at the end"),
+                           close(g["values"], w["values"],
+                                 f"{what}: the cache's values at the end"))
+        if reason:
+            return reason
+    return None
+
+
+def judge(test, got, want, args, what):
+    """One scenario of a test: None, or why it fails."""
+    if test in ("the_default_stride_is_the_modes_or_half_the_effective_depth",
+                "an_explicit_stride_is_kept"):
+        return None if got == want else f"{what}: stride {got}, expected {want}"
+    if test == "every_layer_has_the_sources_of_the_rule":
+        return next((f"{what}: S({e}) = {g}, expected {w}" for e, (g, w)
+                     in enumerate(zip(got, want)) if g != w), None) if isinstance(got, list) \
+            and len(got) == len(want) else listed(got, want, what)
+    if test == "layer_zero_and_vanilla_have_no_sources":
+        return empty_sources(got, want, what)
+    if test == "the_paper_counts_117_candidates_at_48_layers":
+        return candidates(got, want, what)
+    if test == "the_softmax_runs_in_float32_for_bf16_activations":
+        return softmax_bf16(got, args, what)
+    if test == "the_weighted_sum_of_the_candidates" and args[1][0].dtype == torch.bfloat16:
+        return weighted_bf16(got, args, what)
+    if test == "a_bf16_model_runs_in_bf16":
+        return logits_bf16(got, want, what)
+    if test == "depth_mix_mixes_what_each_mode_says":
+        return parts(got, want, what, ("the key", "the value", "alpha"))
+    if test == "one_new_token_in_one_attention_call":
+        return parts(got, want, what, ("the key", "the value"))
+    if test == "together":
+        return parts(got, want, what, ("the full forward", "cached decoding"))
+    if test == "a_prefill_then_chunks_and_single_tokens_equal_the_whole_sequence":
+        return chunks(got, want, what)
+    tol = 1e-12 if test == "qbar_is_the_mean_of_each_group_of_query_heads" else 1e-10
+    return close(got, want, what, tol)

@@ -1,0 +1,185 @@
+"""
+The graded child process, seen from the trusted parent (course/grade.py): start it on a folder
+holding only the student's model.py, hand it each scenario of a test, answer the calls its stubs
+make (problem 3's calls to the functions of problems 1, 2 and 4), and judge each result
+(course/checks.py). A test that runs past its limit, or during which the child dies, fails; the
+child starts again for the next test, so a crash or an endless loop costs that test alone.
+"""
+import io
+import os
+import resource
+import select
+import signal
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from course import checks, fixtures, ops
+
+OPS_SOURCE = Path(ops.__file__).read_text()
+IMPORT_TIMEOUT_S = 60  # starting Python and torch, then importing model.py
+
+
+class Gone(Exception):
+    """The child died, ran out of time, or sent something that is not a message."""
+
+
+def limits():
+    """In the child before it runs anything: no file can be written (a report, a grader file), its
+    own session (a signal to its group stays there)."""
+    resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write then fails with EFBIG instead
+    os.setsid()
+
+
+class Child:
+    def __init__(self, tree, ref, model, timeout):
+        self.tree, self.ref, self.model, self.timeout = tree, ref, model, timeout
+        self.proc, self.import_error = None, None
+
+    # ---------------------------------------------------------------- the process and its pipes
+    def start(self):
+        down_r, down_w = os.pipe()
+        up_r, up_w = os.pipe()
+        env = {k: v for k, v in os.environ.items()
+               if k in ("PATH", "LANG", "LC_ALL")}
+        env["OMP_NUM_THREADS"] = "1"  # tiny tensors: one thread is 20x faster than a pool
+        # tempfile's probe file is a write the child cannot make (RLIMIT_FSIZE 0): its folder
+        # is named instead, before torch asks
+        code = ("import os, tempfile\ntempfile.tempdir = os.getcwd()\n" + OPS_SOURCE
+                + f"\nserve({down_r}, {up_w})\n")
+        self.proc = subprocess.Popen([sys.executable, "-I", "-B", "-c", code], cwd=self.tree,
+                                     env={**env, "HOME": str(self.tree)}, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     pass_fds=(down_r, up_w), preexec_fn=limits)
+        os.close(down_r)
+        os.close(up_w)
+        self.down, self.up = down_w, up_r
+        try:
+            first = self.receive(time.monotonic() + IMPORT_TIMEOUT_S)
+        except Gone as e:
+            self.import_error = (f"importing model.py did not finish in {IMPORT_TIMEOUT_S} s"
+                                 if "ran past" in str(e)
+                                 else f"model.py could not be imported: {e}")
+            return
+        if "error" in first:
+            self.import_error = f"the code does not import: {first['error']}"
+
+    def close(self):
+        if self.proc is not None:
+            for fd in (self.down, self.up):
+                os.close(fd)
+            if self.proc.poll() is None:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # its session: anything it started
+            self.proc.wait()
+            self.proc = None
+
+    def send(self, message, deadline):
+        buffer = io.BytesIO()
+        torch.save(message, buffer)
+        data = struct.pack("<Q", buffer.tell()) + buffer.getvalue()
+        while data:
+            if not select.select([], [self.down], [], max(0.0, deadline - time.monotonic()))[1]:
+                raise Gone(f"the test ran past {self.timeout:g} s")
+            try:
+                data = data[os.write(self.down, data):]
+            except OSError:
+                raise Gone(self.death()) from None
+
+    def read(self, n, deadline):
+        data = b""
+        while len(data) < n:
+            if not select.select([self.up], [], [], max(0.0, deadline - time.monotonic()))[0]:
+                raise Gone(f"the test ran past {self.timeout:g} s: an endless loop, or far too "
+                           f"much work")
+            chunk = os.read(self.up, min(n - len(data), 1 << 20))
+            if not chunk:
+                raise Gone(self.death())
+            data += chunk
+        return data
+
+    def death(self):
+        try:
+            code = self.proc.wait(5)
+        except subprocess.TimeoutExpired:
+            return "the child closed its pipe"
+        return "the child exited early (exit 0)" if code == 0 else \
+            f"the interpreter died (exit {code})"
+
+    def receive(self, deadline):
+        (n,) = struct.unpack("<Q", self.read(8, deadline))
+        if n > 1 << 28:
+            raise Gone(f"the child sent a message of {n} bytes")
+        try:
+            message = torch.load(io.BytesIO(self.read(n, deadline)), weights_only=True)
+        except Gone:
+            raise
+        except Exception as e:
+            raise Gone(f"the child sent something that is not data ({type(e).__name__})") from e
+        if not isinstance(message, dict):
+            raise Gone("the child sent something that is not a message")
+        return message
+
+    # ------------------------------------------------------------------------- running ops
+    def ask(self, op, args, stubs, deadline):
+        """One op in the child: its result, after answering every call its stubs make."""
+        self.send({"op": op, "args": args, "stubs": stubs}, deadline)
+        while True:
+            message = self.receive(deadline)
+            if "call" in message:
+                self.send(self.answer(message["call"], message.get("arguments")), deadline)
+            elif "error" in message:
+                return False, str(message["error"])
+            elif "result" in message:
+                return True, message["result"]
+            else:
+                raise Gone("the child sent something that is not a result")
+
+    def answer(self, function, arguments):
+        """A stub's call: the reference's answer from the call's own inputs (the instructor's),
+        or the record's for the same inputs, else the student's own function (a student copy)."""
+        if function not in fixtures.stubbed(3) or not isinstance(arguments, dict):
+            return {"own": True}
+        if self.model is not None:
+            try:
+                return ops.answer(self.model, function, arguments)
+            except Exception:  # a call the reference refuses: the student's own function says
+                return {"own": True}
+        for recorded, reply in self.ref["calls"].get(function, []):
+            if fixtures.distance(arguments, recorded) == 0:
+                return reply
+        return {"own": True}
+
+    def run(self, test, stubs):
+        """None if every scenario of the test passes, else why the first one failed."""
+        if self.proc is None:
+            self.start()
+        if self.import_error:
+            return self.import_error
+        deadline = time.monotonic() + self.timeout
+        try:
+            for op, args, what, want in self.ref["tests"][test]:
+                ok, got = self.ask(op, args, stubs, deadline)
+                if not ok:
+                    return f"{what}: {got}"
+                try:
+                    reason = checks.judge(test, got, want, args, what)
+                except Exception:  # a result of another kind than the reference's
+                    reason = f"{what}: the result is not what the function should return"
+                if reason:
+                    return reason
+        except Gone as e:
+            self.close()
+            return str(e)
+        return None
+
+    def problem(self, p):
+        stubs = fixtures.stubbed(p.number)
+        return {name: self.run(name, stubs) for name, _ in p.tests}
+
+    def together(self) -> bool:
+        return self.run("together", []) is None

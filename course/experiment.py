@@ -1,0 +1,209 @@
+"""
+Problem 5, judged by the trusted parent from the runs the handout's command wrote (it trains
+nothing, and runs no code of the copy): every run finished with the handout's settings,
+results.json says what the logs say, each run's final checkpoint re-evaluated here on the
+validation windows gives the loss its log says, the losses are those of a correct model with value
+below vanilla, and the figure of the depth weights is there.
+
+The re-evaluation uses this grader's model.py and the embedded Shakespeare prepared afresh (never
+the copy's data), and reads the checkpoints as data (weights_only): a run folder written without
+training, or with losses edited into its log, fails it.
+"""
+import contextlib
+import io
+import json
+import math
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from course.problems import EXPERIMENT, EXPERIMENT_COMMAND, PROBLEMS
+from support.errors import UserError
+
+HINT = f"run `{EXPERIMENT_COMMAND}` from the repository's folder (it resumes what it has)"
+EVAL_TOLERANCE = 1e-4  # float32 sums in another batching: 1e-6 apart; a model other than the
+                       # logged one: far more
+
+
+class Fail(Exception):
+    pass
+
+
+def need(ok, why):
+    if not ok:
+        raise Fail(why)
+
+
+def jobs():
+    return [(run, seed) for run in EXPERIMENT["runs"] for seed in range(EXPERIMENT["seeds"])]
+
+
+def asked(grader: Path, run, seed) -> dict:
+    from support.sweep import train_config
+    return train_config([str(grader / EXPERIMENT["base"]),
+                         str(grader / "configs" / "ablations" / f"mode_{run}.py"),
+                         f"--seed={seed}"])
+
+
+def results_of(out: Path) -> dict:
+    path = out / "results.json"
+    need(path.is_file(), f"no {path}: {HINT}")
+    try:
+        results = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError):
+        raise Fail(f"{path} is not JSON: {HINT}") from None
+    need(isinstance(results, dict), f"{path} is not ablate.py's results: {HINT}")
+    return results
+
+
+def finished(out, results, grader):
+    from support.sweep import differences, final_val_loss, read_config, run_dir
+    for run, seed in jobs():
+        where = run_dir(out, run, seed)
+        need(final_val_loss(where) is not None, f"{where} has not finished: {HINT}")
+        recorded = read_config(where)
+        changed = differences(recorded, recorded.get("resumes", []), asked(grader, run, seed))
+        need(not changed, f"{where} was trained with other settings ({changed}): {HINT}")
+    need(results["config"]["protocol"] == "shared" and not results["train_overrides"],
+         f"results.json comes from another command: {HINT}")
+
+
+def losses_of(out):
+    from support.sweep import final_val_loss, run_dir
+    return {run: [final_val_loss(run_dir(out, run, s)) for s in range(EXPERIMENT["seeds"])]
+            for run in EXPERIMENT["runs"]}
+
+
+def logged(out, results, grader):
+    losses = losses_of(out)
+    for run, values in losses.items():
+        need(results["runs"][run]["losses"][:len(values)] == values,
+             f"results.json's {run} is not its logs'")
+    rows = {row["run"]: row for table in results["tables"] if table["baseline"] == "vanilla"
+            for row in table["rows"]}
+    for run in EXPERIMENT["runs"][1:]:  # the paired difference, seed by seed, against vanilla
+        paired = sum(a - b for a, b in zip(losses[run], losses["vanilla"])) / len(losses[run])
+        need(abs(rows[run]["diff"] - paired) < 1e-12,
+             f"the paired difference of {run} is not its logs'")
+
+
+def validation(cfg) -> np.ndarray:
+    """The validation tokens of the run's dataset, prepared afresh here (the embedded Shakespeare
+    takes a second), never read from the copy."""
+    from support.data import prepare
+    need(cfg["dataset"] == "shakespeare", f"the runs trained on {cfg['dataset']}: {HINT}")
+    with tempfile.TemporaryDirectory(prefix="grade-data") as tmp, \
+            contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        folder = prepare("shakespeare", out_dir=tmp)  # its lines are not the grader's
+        return np.fromfile(Path(folder) / "val.bin",
+                           dtype=json.loads((Path(folder) / "meta.json").read_text())["dtype"])
+
+
+def val_loss(gpt, val, cfg) -> float:
+    """The mean loss over the validation windows train.py evaluates (evenly spaced over val.bin)."""
+    gpt.eval()
+    T = cfg["block_size"]
+    offsets = np.linspace(0, len(val) - T - 1, cfg["eval_seqs"]).round().astype(np.int64)
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for i in range(0, len(offsets), 32):
+            windows = torch.from_numpy(np.stack([val[o:o + T + 1] for o in offsets[i:i + 32]])
+                                       .astype(np.int64))  # train.py's windows: (n, T + 1)
+            x, y = windows[:, :-1], windows[:, 1:]
+            logits = gpt(x)[0]
+            total += F.cross_entropy(logits.flatten(0, 1), y.flatten()).item() * y.numel()
+            tokens += y.numel()
+    return total / tokens
+
+
+def reevaluated(out, results, grader):
+    """Each run's final checkpoint, scored on the validation windows train.py evaluates (evenly
+    spaced over val.bin), gives the loss its log ends with."""
+    import model
+    from support.sweep import differences, final_val_loss, run_dir
+    val = None
+    for run, seed in jobs():
+        where = run_dir(out, run, seed)
+        cfg = asked(grader, run, seed)
+        try:
+            ckpt = torch.load(where / "ckpt.pt", map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            raise Fail(f"no {where / 'ckpt.pt'}: the run's final checkpoint is graded; "
+                       f"{HINT}") from None
+        except Exception as e:
+            raise Fail(f"{where / 'ckpt.pt'} cannot be read ({type(e).__name__}): {HINT}") from None
+        need(isinstance(ckpt, dict) and {"model", "model_config", "config", "step"} <= ckpt.keys(),
+             f"{where / 'ckpt.pt'} is not a train.py checkpoint: {HINT}")
+        need(ckpt["step"] == cfg["max_iters"] and not differences(ckpt["config"], [], cfg),
+             f"{where / 'ckpt.pt'} is not the checkpoint of the finished run: {HINT}")
+        val = validation(cfg) if val is None else val
+        try:
+            gpt = model.GPT(model.ModelConfig(**ckpt["model_config"]))
+            gpt.load_state_dict(ckpt["model"])
+        except Exception as e:
+            raise Fail(f"{where / 'ckpt.pt'} does not hold the model its config says "
+                       f"({type(e).__name__}): {HINT}") from None
+        loss, said = val_loss(gpt, val, cfg), final_val_loss(where)
+        need(math.isfinite(loss) and abs(loss - said) < EVAL_TOLERANCE,
+             f"{where}: its checkpoint scores {loss:.4f} on the validation windows, its log says "
+             f"{said:.4f}: the log is not the checkpoint's; {HINT}")
+
+
+def correct(out, results, grader):
+    """Each mean within the tolerance of the reference's, and value below vanilla by at least half
+    the reference's gap, seed by seed (EXPERIMENT in course/problems.py says why so)."""
+    off = [f"{run}: mean final validation loss {results['runs'][run]['mean']:.4f}, the "
+           f"reference's {want:.4f}" for run, want in EXPERIMENT["reference"].items()
+           if abs(results["runs"][run]["mean"] - want) > EXPERIMENT["tolerance"]]
+    need(not off, f"{'; '.join(off)} (+-{EXPERIMENT['tolerance']}): were problems 1-4 correct when "
+                  f"it trained? Retrain with --overwrite=True added to the command")
+    losses = losses_of(out)
+    gain = sum(a - b for a, b in zip(losses["value"], losses["vanilla"])) / EXPERIMENT["seeds"]
+    need(gain < -EXPERIMENT["gain"] / 2,
+         f"value is {gain:+.4f} against vanilla in the paired mean, the reference's "
+         f"{-EXPERIMENT['gain']:+.4f}: value trained like vanilla; were problems 1-4 correct?")
+
+
+def figure(out, results, grader):
+    png = out / "depth_weights.png"
+    need(png.is_file(), f"no {png}: it needs matplotlib (pip install matplotlib); then rerun the "
+                        f"command, which reuses the runs and draws the figures")
+    need(png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000,
+         f"{png} is not a figure")
+
+
+CHECKS = {"every_run_finished_with_the_handouts_settings": finished,
+          "results_json_says_what_the_logs_say": logged,
+          "each_checkpoint_gives_its_logged_loss": reevaluated,
+          "the_losses_are_those_of_a_correct_model": correct,
+          "the_figure_of_the_depth_weights": figure}
+
+
+def grade(out: Path, grader: Path) -> dict:
+    """{test: None or why it failed} for the runs in out; grader: this tree (its configs). The
+    logs, results.json and the figure count only once the checkpoints give the logged losses:
+    records written without the training earn nothing."""
+    problem = next(p for p in PROBLEMS if p.number == 5)
+    first = "each_checkpoint_gives_its_logged_loss"
+    verdicts = {first: verdict(first, out, grader)}
+    for name, _ in problem.tests:
+        if name != first:  # its own reason first (no results.json), else the checkpoints'
+            verdicts[name] = verdict(name, out, grader) or (verdicts[first] and (
+                f"not graded: the checkpoints do not give the logged losses ({first})"))
+    return verdicts
+
+
+def verdict(name, out, grader):
+    try:
+        CHECKS[name](out, results_of(out), grader)
+        return None
+    except Fail as e:
+        return str(e)
+    except (KeyError, TypeError, ValueError, IndexError, OSError) as e:
+        return (f"the runs' records are not what the handout's command writes "
+                f"({type(e).__name__}: {e}): {HINT}")
+    except UserError as e:  # support.sweep's: an unreadable record, in one line
+        return str(e)

@@ -1,0 +1,319 @@
+"""
+What a graded test asks of a model.py, and the process that asks it of a student's.
+
+Each op takes a model module and plain inputs (tensors, lists, dicts of numbers) and returns plain
+outputs. course/grade.py runs the ops twice: in a child process on the student's model.py (`serve`
+below), and in the trusted parent on the reference model.py for the expected outputs (or reads
+them from the practice fixtures in a student copy). The child imports only torch and the student's
+model.py; it never sees the expected outputs, the report or a grader file. It talks to the parent
+over two pipes, in torch.save's format; the parent reads the child's answers with
+torch.load(weights_only=True), so a child can send data, never code.
+
+While problem 3 is graded, the child's functions of problems 1, 2 and 4 are stubs that ask the
+parent: it answers any call with the reference computed from the call's own inputs (a student copy
+answers from its record, else with the student's own function). A stub sends a KV cache or a config
+by value and applies the state the parent sends back, so the caller sees views of its own cache.
+This file imports only torch: the child runs it from its source, without the grader's tree.
+"""
+import dataclasses
+import inspect
+import io
+import os
+import struct
+import sys
+
+import torch
+
+# A row with its own default stride (as LIMe's 1 in baselines.py), registered by the grader in both
+# the student's model and the reference: ModelConfig.stride must read a row's default_stride.
+OWN_STRIDE_MODE = "own_stride"
+
+
+def prepare(model):
+    """The grader's extra rows of DEPTH_MODES (before any function is replaced)."""
+    if OWN_STRIDE_MODE not in model.DEPTH_MODES:
+        model.DEPTH_MODES[OWN_STRIDE_MODE] = dataclasses.replace(model.DEPTH_MODES["value"],
+                                                                 default_stride=1)
+
+
+# ------------------------------------------------------------------------------- the ops
+
+def clone(x):
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    return [clone(i) for i in x] if isinstance(x, (list, tuple)) else x
+
+
+def stride(model, rule):
+    return model.ModelConfig(**rule).stride
+
+
+def sources(model, rule):
+    config = model.ModelConfig(**rule)
+    return [list(config.sources(e)) for e in range(config.n_eff_layer)]
+
+
+def group_mean(model, q, n_kv):
+    return model.group_mean(q.clone(), n_kv)
+
+
+def softmax_weights(model, qbar, keys):
+    return model.softmax_weights(qbar.clone(), clone(keys))
+
+
+def weighted_sum(model, alpha, xs):
+    return model.weighted_sum(alpha.clone(), clone(xs))
+
+
+def depth_mix(model, mode, args):
+    return list(model.depth_mix(*clone(args), model.DEPTH_MODES[mode], fast=False))
+
+
+def depth_mix_one(model, mode, args):
+    return list(model.depth_mix_one(*clone(args), model.DEPTH_MODES[mode]))
+
+
+def build(model, config, state, dtype):
+    """A GPT of these settings with these weights (the ones it has), in dtype, in eval mode."""
+    torch.manual_seed(0)
+    gpt = model.GPT(model.ModelConfig(**config)).to(dtype)
+    gpt.load_state_dict({k: v.to(dtype) for k, v in state.items() if k in gpt.state_dict()})
+    return gpt.eval()
+
+
+def logits(model, config, state, idx, dtype=torch.float64):
+    return build(model, config, state, dtype)(idx)[0]
+
+
+def decode(model, config, state, idx, prefill=3, dtype=torch.float64):
+    """Logits of a cached decoding: a prefill, then one token at a time, concatenated."""
+    gpt = build(model, config, state, dtype)
+    cache = gpt.new_cache(idx.shape[0], idx.shape[1])
+    parts = [gpt(idx[:, :prefill], cache=cache)[0]]
+    parts += [gpt(idx[:, t:t + 1], cache=cache)[0] for t in range(prefill, idx.shape[1])]
+    return torch.cat(parts, 1)
+
+
+def together(model, config, state, idx):
+    """The full forward and a cached decoding of one model, nothing replaced."""
+    return [logits(model, config, state, idx), decode(model, config, state, idx)]
+
+
+def causal_attention(model, q, k, v):
+    return model.causal_attention(q.clone(), k.clone(), v.clone())
+
+
+def cache_chunks(model, layers, chunks):
+    """A stack of layers writing each chunk into a KVCache and attending over it, as a forward
+    does; what it observes, step by step (the parent compares each with the reference's)."""
+    B, n_kv, T, D = layers[0][1].shape
+    config = model.ModelConfig(n_layer=len(layers), n_head=layers[0][0].shape[1], n_kv_head=n_kv,
+                               head_dim=D, block_size=T)
+    cache = model.KVCache(config, B, T, dtype=layers[0][1].dtype)
+    seen, start = [], 0
+    for n in chunks:
+        end = start + n
+        for e, (q, k, v) in enumerate(layers):
+            K, V = cache.update(e, k[:, :, start:end].clone(), v[:, :, start:end].clone())
+            views = (K.data_ptr() == cache.k[e].data_ptr() and V.data_ptr() == cache.v[e].data_ptr()
+                     and K.untyped_storage().data_ptr() == cache.k.untyped_storage().data_ptr())
+            seen.append({"chunk": [start, end], "layer": e, "pos": cache.pos, "views": views,
+                         "K": K.clone(), "V": V.clone(),
+                         "y": model.causal_attention(q[:, :, start:end].clone(), K, V)})
+        cache.advance(n)
+        seen.append({"chunk": [start, end], "advanced": cache.pos})
+        start = end
+    seen.append({"keys": cache.k.clone(), "values": cache.v.clone()})
+    return seen
+
+
+OPS = {f.__name__: f for f in (stride, sources, group_mean, softmax_weights, weighted_sum,
+                               depth_mix, depth_mix_one, logits, decode, together,
+                               causal_attention, cache_chunks)}
+
+
+# --------------------------------------------------------------- a call, by value, both ways
+
+def owner_and_name(model, function):
+    """"model.py:KVCache.update" -> (model.KVCache, "update")."""
+    path = function.split(":")[1].split(".")
+    owner = model
+    for part in path[:-1]:
+        owner = getattr(owner, part)
+    return owner, path[-1]
+
+
+def original(model, function):
+    value = inspect.getattr_static(*owner_and_name(model, function))
+    return value.fget if isinstance(value, property) else value
+
+
+def freeze(x):
+    """A call's argument or result as plain data: tensors copied, a config as its fields, a KV
+    cache as its state (what a call depends on besides its arguments)."""
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone()
+    if isinstance(x, (list, tuple)):
+        return [freeze(i) for i in x]
+    if type(x).__name__ == "KVCache":
+        return {"KVCache": {"k": x.k.clone(), "v": x.v.clone(), "pos": x.pos}}
+    if dataclasses.is_dataclass(x):
+        return {"ModelConfig": {f.name: getattr(x, f.name) for f in dataclasses.fields(x)}}
+    if isinstance(x, dict):
+        return {str(k): freeze(v) for k, v in x.items()}
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return x
+    raise TypeError(f"cannot send a {type(x).__name__}")
+
+
+def bound(fn, args, kwargs) -> dict:
+    """The call's arguments by name, defaults filled in, frozen."""
+    call = inspect.signature(fn).bind(*args, **kwargs)
+    call.apply_defaults()
+    return {k: freeze(v) for k, v in call.arguments.items()}
+
+
+def answer(model, function, arguments, fn=None) -> dict:
+    """The reference's answer to a call sent by value: its result (a tensor that is a view of the
+    cache's own says where it lies) and the state a KV cache is left in."""
+    fn, objects = fn or original(model, function), {}
+    args = {}
+    for name, value in arguments.items():
+        if isinstance(value, dict) and "KVCache" in value:
+            cache = objects[name] = object.__new__(model.KVCache)
+            cache.k, cache.v, cache.pos = (value["KVCache"][key] for key in ("k", "v", "pos"))
+            value = cache
+        elif isinstance(value, dict) and "ModelConfig" in value:
+            value = model.ModelConfig(**value["ModelConfig"])
+        args[name] = value
+    result = fn(**args)
+    cache = next(iter(objects.values()), None)
+    return {"result": where(result, cache),
+            "state": None if cache is None else {"k": cache.k, "v": cache.v, "pos": cache.pos}}
+
+
+def where(result, cache):
+    if isinstance(result, (list, tuple)):
+        return [where(r, cache) for r in result]
+    if isinstance(result, torch.Tensor) and cache is not None:
+        for name in ("k", "v"):
+            if result.untyped_storage().data_ptr() == getattr(cache, name).untyped_storage()\
+                    .data_ptr():
+                return {"view_of": name, "size": list(result.shape),
+                        "stride": list(result.stride()), "offset": result.storage_offset()}
+    return freeze(result)
+
+
+def applied(reply, args):
+    """The parent's answer in the child: the cache's state written in place, views rebuilt."""
+    cache = args[0] if args and type(args[0]).__name__ == "KVCache" else None
+    if reply["state"] is not None:
+        cache.k.copy_(reply["state"]["k"])
+        cache.v.copy_(reply["state"]["v"])
+        cache.pos = reply["state"]["pos"]
+
+    def thaw(x):
+        if isinstance(x, dict) and "view_of" in x:
+            return getattr(cache, x["view_of"]).as_strided(x["size"], x["stride"], x["offset"])
+        return [thaw(i) for i in x] if isinstance(x, list) else x
+    result = thaw(reply["result"])
+    return tuple(result) if isinstance(result, list) and cache is not None else result
+
+
+def replace(model, functions, wrap):
+    """Each named function replaced by wrap(function, original): module globals, class attributes
+    and properties, and the DEPTH_MODES rows that hold the function (a row's weights). Returns the
+    undo list (restore)."""
+    undo = []
+    for function in functions:
+        owner, name = owner_and_name(model, function)
+        static, old = inspect.getattr_static(owner, name), original(model, function)
+        new = wrap(function, old)
+        setattr(owner, name, property(new) if isinstance(static, property) else new)
+        undo.append((owner, name, static))
+        for row in model.DEPTH_MODES.values():
+            if row.weights is old:
+                object.__setattr__(row, "weights", new)
+                undo.append((row, "weights", old))
+    return undo
+
+
+def restore(model, undo):
+    for owner, name, value in reversed(undo):
+        (object.__setattr__ if isinstance(owner, model.DepthMode) else setattr)(owner, name, value)
+
+
+# ------------------------------------------------------------------------- the pipes
+
+def send(f, message):
+    buffer = io.BytesIO()
+    torch.save(message, buffer)
+    f.write(struct.pack("<Q", buffer.tell()) + buffer.getvalue())
+    f.flush()
+
+
+def receive(f, trusted=True, limit=1 << 28):
+    """A message, or EOFError; from a child (trusted=False) only data, and at most `limit` bytes."""
+    head = f.read(8)
+    if len(head) < 8:
+        raise EOFError
+    (n,) = struct.unpack("<Q", head)
+    if n > limit:
+        raise ValueError(f"a message of {n} bytes")
+    body = f.read(n)
+    if len(body) < n:
+        raise EOFError
+    return torch.load(io.BytesIO(body), weights_only=not trusted)
+
+
+def serve(read_fd, write_fd):
+    """The child: import the student's model.py from the current folder, say so, then run each op
+    the parent sends ({"op", "args", "stubs"}) and send back {"result"} or {"error"}. A stub's call
+    is {"call", "arguments"}, answered {"result", "state"} or {"own": True}."""
+    inbox, outbox = os.fdopen(read_fd, "rb"), os.fdopen(write_fd, "wb")
+    sys.path.insert(0, os.getcwd())
+    try:
+        import model
+        prepare(model)
+    except BaseException as e:  # a SystemExit at import is the code's too
+        send(outbox, {"error": describe(e, import_time=True)})
+        return
+    send(outbox, {"ready": True})
+
+    def stub(function, fn):
+        def asking(*args, **kwargs):
+            send(outbox, {"call": function, "arguments": bound(fn, args, kwargs)})
+            reply = receive(inbox)
+            return fn(*args, **kwargs) if reply.get("own") else applied(reply, args)
+        return asking
+    while True:
+        try:
+            task = receive(inbox)
+        except EOFError:
+            return
+        undo = replace(model, task["stubs"], stub)
+        try:
+            with torch.no_grad():
+                result = {"result": freeze(OPS[task["op"]](model, *task["args"]))}
+        except BaseException as e:
+            result = {"error": describe(e)}
+        finally:
+            restore(model, undo)
+        send(outbox, result)
+
+
+def describe(e, import_time=False):
+    """An exception as one line, with the student's file and line where it was raised."""
+    where, tb = "", e.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.endswith("model.py"):
+            where = f" (model.py, line {tb.tb_lineno})"
+        tb = tb.tb_next
+    if isinstance(e, SyntaxError):  # its message names the whole path: the line is enough
+        return f"SyntaxError: {e.msg} (model.py, line {e.lineno})"
+    if isinstance(e, SystemExit):
+        text = f"model.py called sys.exit({e.code!r})" + (" at import" if import_time else "")
+    else:
+        text = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e).strip() else ''}".rstrip(
+            ": ") + where
+    return text[:300]

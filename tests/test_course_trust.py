@@ -1,0 +1,345 @@
+"""What an instructor can trust of the course's grader (course/grade.py): graded code that forges a
+report, patches the grader, shadows pytest, rewrites the grader's tree or looks answers up in the
+copy's fixtures scores nothing by it; problem 5 re-evaluates the runs' checkpoints, so runs written
+without training score 0; damaged fixtures, bad arguments and make.py's destinations are refused in
+one line."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from support.cli import mark
+
+from test_course import (ENV, EXPERIMENT, FIXTURES, MARKER, ROOT, earned, experiment, failing,
+                         fake_experiment, full, grade, make_copy, with_bodies)
+
+ZERO = dict.fromkeys([1, 2, 3, 4], 0)
+
+
+@pytest.fixture(scope="module")
+def copy(tmp_path_factory):
+    return make_copy(tmp_path_factory.mktemp("course") / "student")
+
+
+@pytest.fixture(scope="module")
+def instructor(tmp_path_factory):
+    """The repository's files in a folder of their own: a tree the graded code may try to rewrite,
+    and a git clone of it (make.py's stamp and its untracked files)."""
+    tree = tmp_path_factory.mktemp("instructor") / "tree"
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
+                           capture_output=True, check=True).stdout.decode().split("\0")
+    for f in filter(None, files):
+        if (ROOT / f).is_file():
+            (tree / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, tree / f)
+    return tree
+
+
+def stub_copy(copy, where, prefix, name="forgery"):
+    """The fresh copy (every function a stub) with `prefix` run when model.py is imported."""
+    other = where / name
+    shutil.copytree(copy, other)
+    (other / "model.py").write_text(textwrap.dedent(prefix) + (copy / "model.py").read_text())
+    return other
+
+
+def test_a_forged_report_or_a_patched_grader_scores_nothing(copy, tmp_path):
+    """At import: records of passed tests appended to $COURSE_REPORT (the old grader's report),
+    then sys.exit(0); or the grader's conftest and checks patched to pass everything. The child
+    sees no report and no grader module: 0, and the exit said as such."""
+    report = tmp_path / "report.jsonl"
+    forged = stub_copy(copy, tmp_path, """\
+        import json, os, sys
+        for n in range(1, 6):
+            try:  # no file can be written: refused
+                with open(os.environ.get("COURSE_REPORT", "report.jsonl"), "a") as f:
+                    f.write(json.dumps({"test": f"test_problem{n}.py::t", "outcome": "passed"}))
+            except OSError:
+                pass
+        sys.exit(0)
+        """, "report")
+    patched = stub_copy(copy, tmp_path, """\
+        import sys
+        try:
+            import conftest
+            conftest.note = lambda **record: None
+        except ImportError:
+            pass
+        for m in list(sys.modules.values()):
+            if hasattr(m, "judge"):
+                m.judge = lambda *args, **kwargs: None
+        """, "patched")
+    # where the forgery would write, were it let
+    printed, result, _ = grade(forged, env={"COURSE_REPORT": str(report)})
+    assert {k: v for k, v in earned(result).items() if k < 5} == ZERO
+    assert "the code does not import: model.py called sys.exit(0) at import" in printed
+    assert not report.exists()
+    _, result, _ = grade(patched)
+    assert {k: v for k, v in earned(result).items() if k < 5} == ZERO
+
+
+def test_a_pytest_at_the_copys_root_is_never_run(copy, tmp_path):
+    shadow = stub_copy(copy, tmp_path, "", "shadow")
+    (shadow / "pytest.py").write_text("print('5 passed')\nraise SystemExit(0)\n")
+    (shadow / "conftest.py").write_text("raise SystemExit(0)\n")
+    _, result, _ = grade(shadow)
+    assert {k: v for k, v in earned(result).items() if k < 5} == ZERO
+
+
+def test_code_that_rewrites_the_grader_voids_the_grading(copy, tmp_path, instructor):
+    """At import it finds the grader from its parent's command line, appends a judge that passes
+    everything to the grader's checks.py (no file can be written: refused) and moves its own
+    model.py over the grader's conftest-like module (a rename needs no write): the grading that
+    saw it is void, scores 0, names the file and exits 1."""
+    rewriter = stub_copy(copy, tmp_path, """\
+        import os, pathlib
+        argv = open(f"/proc/{os.getppid()}/cmdline", "rb").read().split(b"\\0")
+        course = next(pathlib.Path(a.decode()).parent for a in argv if a.endswith(b"grade.py"))
+        try:
+            with open(course / "checks.py", "a") as f:
+                f.write("\\ndef judge(*args, **kwargs):\\n    return None\\n")
+        except OSError:
+            pass
+        os.replace(__file__, course / "fixtures.py")
+        """, "rewriter")
+    before = (instructor / "course" / "checks.py").read_bytes()
+    _, result, proc = grade(rewriter, "--problem=1", grader=instructor, ok=False)
+    assert (instructor / "course" / "checks.py").read_bytes() == before
+    assert proc.returncode == 2 and "this grading is void" in proc.stderr
+    assert "course/fixtures.py" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    assert earned(result) == {1: 0} and result["tampered"]
+    shutil.copy2(ROOT / "course" / "fixtures.py", instructor / "course" / "fixtures.py")
+
+
+def test_answers_looked_up_in_the_copys_fixtures_fail_the_hidden_tests(copy, tmp_path):
+    """A model.py that answers from the practice fixtures passes the copy's own grader on what
+    it looks up, and 0 from the instructor's: fresh inputs, and scenarios the copy never saw."""
+    bodies = {"ModelConfig.stride": 'return _lookup("stride", lambda a: ModelConfig(**a[0]) == '
+                                    'self)',
+              "ModelConfig.sources": 'return _lookup("sources", lambda a: ModelConfig(**a[0]) == '
+                                     'self)[e]',
+              "group_mean": 'return _lookup("group_mean", lambda a: same(a[0], q) and a[1] == '
+                            'n_kv_head)',
+              "softmax_weights": 'return _lookup("softmax_weights", lambda a: same(a[0], qbar))',
+              "weighted_sum": 'return _lookup("weighted_sum", lambda a: same(a[0], alpha))',
+              "causal_attention": 'return _lookup("causal_attention", lambda a: same(a[0], q))'}
+    lookup = with_bodies(copy, tmp_path, bodies, f"""\
+        import torch as _torch
+        _TABLE = _torch.load({str(copy / FIXTURES)!r}, weights_only=True)["tests"]
+
+        def same(a, b):
+            return a.shape == b.shape and a.dtype == b.dtype and _torch.equal(a, b)
+
+        def _lookup(op, match):
+            for cases in _TABLE.values():
+                for name, args, what, want in cases:
+                    if name == op and match(args):
+                        return want
+            raise KeyError(op)
+        """, "lookup")
+    _, practice, _ = grade(lookup, "--problem=2", grader=lookup)
+    assert earned(practice) == {2: 15}, practice  # the table answers every practice scenario
+    _, result, _ = grade(lookup)
+    assert earned(result)[1] == 0 and earned(result)[2] == 0, result
+    assert {"the_weighted_sum_of_the_candidates"} <= failing(result)[3]
+    assert failing(result)[4] >= {"causal_attention_over_a_whole_sequence"}
+
+
+def test_results_that_are_not_the_functions_score_nothing(copy, tmp_path):
+    """A string that says "passed", a dict, a tensor subclass, the right tensor in the wrong dtype:
+    each fails its test in one line, and the grading goes on."""
+    garbage = with_bodies(copy, tmp_path, {
+        "group_mean": 'return "passed"',
+        "softmax_weights": 'return {"alpha": 1, "passed": True}',
+        "causal_attention": "return torch.nn.Parameter(q.float())",
+        "ModelConfig.stride": "return float(self.depth_stride or 1) + 0.5"}, "", "garbage")
+    printed, result, _ = grade(garbage, "--problem=2")
+    assert earned(result) == {2: 0}
+    assert "returned str, not a tensor" in printed
+    _, result, _ = grade(garbage, "--problem=4")
+    assert failing(result) == {4: {"causal_attention_over_a_whole_sequence",
+                                   "a_prefill_then_chunks_and_single_tokens_equal_the_whole_sequence"}}
+
+
+def test_prints_that_are_not_utf8_cost_nothing(copy, tmp_path):
+    noisy = with_bodies(copy, tmp_path, {}, """\
+        import sys
+        sys.stdout.buffer.write(b"\\xff\\xfe not UTF-8\\n")
+        sys.stderr.buffer.write(b"\\xc3\\x28\\n")
+        sys.stdout.flush()
+        """, "noisy")
+    _, result, _ = grade(noisy, "--problem=2")
+    assert earned(result) == {2: 15}
+
+
+def test_damaged_or_foreign_fixtures_are_named_in_one_line(copy, tmp_path):
+    for damage in ("truncated", "foreign"):
+        other = tmp_path / damage
+        shutil.copytree(copy, other)
+        path = other / FIXTURES
+        if damage == "truncated":
+            path.write_bytes(path.read_bytes()[:1000])
+        else:
+            torch.save({"sources": 1}, path)
+        _, result, proc = grade(other, grader=other, ok=False)
+        err = proc.stderr.strip()
+        assert proc.returncode == 2 and err.startswith("error: ") and str(path) in err \
+            and "\n" not in err and result is None, err
+
+
+# ------------------------------------------------------------------------------- problem 5
+
+def test_problem_5_reevaluates_the_checkpoints(tmp_path):
+    """Logs fabricated from course/expected with no checkpoint, or beside checkpoints that do not
+    give them, score 0 on every test (checkpoints that do: tests/test_course.py, the repository's
+    full marks)."""
+    bare = experiment.grade(fake_experiment(tmp_path / "bare", checkpoints=False), ROOT)
+    assert all(bare.values()) and "no " in bare["each_checkpoint_gives_its_logged_loss"], bare
+    expected = json.loads((ROOT / "course" / "expected" / "results.json").read_text())
+    losses = {run: dict(enumerate(v["losses"])) for run, v in expected["runs"].items()}
+    forged = experiment.grade(fake_experiment(tmp_path / "forged", losses), ROOT)
+    assert all(forged.values()), forged
+    assert "the log is not the checkpoint's" in forged["each_checkpoint_gives_its_logged_loss"]
+
+
+def test_problem_5s_checks_of_the_records(tmp_path):
+    """On logs alone: the measured losses pass; value trained like vanilla, an edited results.json,
+    a shorter run and a missing figure each fail their check."""
+    def check(name, out):
+        try:
+            experiment.CHECKS[name](out, experiment.results_of(out), ROOT)
+        except experiment.Fail as e:
+            return str(e)
+        return None
+    good = fake_experiment(tmp_path / "good", checkpoints=False)
+    for name in experiment.CHECKS:
+        if name != "each_checkpoint_gives_its_logged_loss":
+            assert check(name, good) is None, name
+    vanilla = {0: 1.79, 1: 1.80}  # each mean within the tolerance, value's gain too small
+    like = fake_experiment(tmp_path / "like", {"vanilla": vanilla, "uniform": {0: 1.74, 1: 1.76},
+                                               "value": {0: 1.78, 1: 1.79}}, False)
+    assert "value is -0.0100 against vanilla" in check("the_losses_are_those_of_a_correct_model",
+                                                       like)
+    results = json.loads((good / "results.json").read_text())
+    results["runs"]["value"]["losses"][0] -= 0.05
+    (good / "results.json").write_text(json.dumps(results))
+    assert "results.json's value is not its logs'" in check("results_json_says_what_the_logs_say",
+                                                            good)
+    config = json.loads((good / "uniform" / "seed1" / "config.json").read_text())
+    (good / "uniform" / "seed1" / "config.json").write_text(json.dumps({**config,
+                                                                       "max_iters": 300}))
+    (good / "uniform" / "seed1" / "log.jsonl").write_text(json.dumps(
+        {"kind": "eval", "step": 300, "val_loss": 1.75}))
+    assert "max_iters 300 -> 600" in check("every_run_finished_with_the_handouts_settings", good)
+    (good / "depth_weights.png").unlink()
+    assert "pip install matplotlib" in check("the_figure_of_the_depth_weights", good)
+    assert EXPERIMENT["tolerance"] < EXPERIMENT["gain"]  # it can tell value from vanilla
+
+
+def test_problem_5s_reference_was_measured_with_todays_recipe():
+    """course/expected holds the measured run: its seed-0 configs are what the handout's command
+    asks for today, and its losses and value's paired gain are the grader's reference."""
+    from support.sweep import differences, train_config
+    measured = json.loads((ROOT / "course" / "expected" / "configs.json").read_text())
+    for run in EXPERIMENT["runs"]:
+        asked = train_config([str(ROOT / EXPERIMENT["base"]),
+                              str(ROOT / "configs" / "ablations" / f"mode_{run}.py"), "--seed=0"])
+        assert not differences(measured[run], [], asked), run
+    results = json.loads((ROOT / "course" / "expected" / "results.json").read_text())
+    assert {run: round(results["runs"][run]["mean"], 4) for run in EXPERIMENT["runs"]} \
+        == EXPERIMENT["reference"]
+    gain = sum(a - b for a, b in zip(results["runs"]["value"]["losses"],
+                                     results["runs"]["vanilla"]["losses"])) / 2
+    assert round(-gain, 4) == EXPERIMENT["gain"]
+
+
+# ------------------------------------------------------------------------ the scripts' refusals
+
+def run(script, *args, cwd=ROOT):
+    proc = subprocess.run([sys.executable, str(script), *map(str, args)], cwd=cwd, env=ENV,
+                          capture_output=True, text=True)
+    return proc.returncode, proc.stderr.strip(), proc.stdout
+
+
+def test_make_refuses_destinations_that_would_lose_files(copy, tmp_path):
+    make = ROOT / "course" / "make.py"
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    fake = tmp_path / "fake"
+    (fake / "course").mkdir(parents=True)
+    (fake / MARKER).write_text("not make.py's\n")
+    for args, cwd, fragment in [((ROOT / "student",), ROOT, "lies inside this repository"),
+                                ((ROOT.parent,), ROOT, "holds"), ((copy,), ROOT, "--overwrite"),
+                                ((mine, "--overwrite"), ROOT, "is not a student copy"),
+                                ((fake, "--overwrite"), ROOT, "is not a student copy"),
+                                ((mine / "notes.txt",), ROOT, "is a file"),
+                                ((".",), empty, "is the current folder")]:
+        code, err, _ = run(make, *args, cwd=cwd)
+        assert (code == 2 and err.startswith("error: ") and fragment in err
+                and "\n" not in err), (args, err)
+    assert (mine / "notes.txt").read_text() == "mine" and not (ROOT / "student").exists()
+    assert empty.is_dir() and not any(empty.iterdir())
+    # a make.py killed mid-write left its part of a copy, and the copy it was replacing
+    (copy.parent / ".student.tmp999999999").mkdir()
+    os.replace(copy, copy.parent / ".student.old999999998")
+    code, err, _ = run(make, copy, "--untracked")
+    assert code == 2 and "pass --overwrite" in err, err  # the old copy is back in place first
+    code, err, _ = run(make, copy, "--overwrite", "--untracked")
+    assert code == 0 and (copy / MARKER).is_file(), err
+    assert not list(copy.parent.glob(".student.*"))
+
+
+def test_make_copies_tracked_files_and_stamps_a_dirty_tree(tmp_path):
+    """In a clone: an untracked scratch file is named and refused (--untracked copies it, under a
+    dirty stamp); a model.py the fixtures cannot be recorded from is one line, no traceback."""
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
+    (clone / "scratch").mkdir()
+    (clone / "scratch" / "solution.py").write_text("# the instructor's notes\n")
+    code, err, _ = run(clone / "course" / "make.py", tmp_path / "a", cwd=clone)
+    assert code == 2 and "scratch/solution.py" in err and "--untracked" in err, err
+    code, err, _ = run(clone / "course" / "make.py", tmp_path / "b", "--untracked", cwd=clone)
+    assert code == 0 and (tmp_path / "b" / "scratch" / "solution.py").is_file(), err
+    assert "-dirty (a dirty tree" in (tmp_path / "b" / MARKER).read_text()
+    (clone / "scratch" / "solution.py").unlink()
+    source = (clone / "model.py").read_text()
+    (clone / "model.py").write_text(source.replace("    return q.unflatten(1, (n_kv_head, -1))"
+                                                   ".mean(2)", "    raise RuntimeError('broken')"))
+    code, err, out = run(clone / "course" / "make.py", tmp_path / "c", cwd=clone)
+    assert code == 2 and "cannot record the fixtures" in err and "\n" not in err, err
+    assert "Traceback" not in err + out and not (tmp_path / "c").exists()
+
+
+def test_grade_refuses_bad_arguments_in_one_line_before_grading(tmp_path):
+    mine = tmp_path / "notes.txt"
+    mine.write_text("mine")
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"score": 3, "from": "another program"}))
+    for args, fragment in [([str(tmp_path)], "not a copy"), ([f"--json={tmp_path}"], "is a folder"),
+                           ([f"--json={mine}"], "was not written by grade.py"),
+                           ([f"--json={other}"], "was not written by grade.py"),
+                           ([f"--experiment={mine}"], "is not a folder"),
+                           (["--seed=-1"], "out of range"),
+                           ([f"--json={tmp_path / 'run' / 'ckpt.dcp' / 'g.json'}"],
+                            "sharded checkpoint")]:
+        code, err, _ = run(ROOT / "course" / "grade.py", *args)
+        assert code == 2 and err.startswith("error: ") and fragment in err and "\n" not in err, err
+    assert mine.read_text() == "mine" and json.loads(other.read_text())["score"] == 3
+    earlier = tmp_path / "earlier.json"
+    earlier.write_text(json.dumps({"written_by": mark("grade.py"), "score": 0}))
+    code, err, _ = run(ROOT / "course" / "grade.py", "--problem=1", f"--json={earlier}")
+    assert code == 0 and json.loads(earlier.read_text())["problems"][0]["earned"] == 10, err
+
+
+def test_grade_help_says_what_it_protects_against():
+    code, _, out = run(ROOT / "course" / "grade.py", "--help")
+    assert code == 0 and "What it does not" in out and "--network=none" in out
+    assert full(1) == {1: 10}
