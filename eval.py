@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from model import fp32_or_wider
 from support import paper
-from support.checkpoint import load_model
+from support.checkpoint import check_source, load_model
 from support.cli import ArgumentParser, MissingPackage, mark, output_file, resolve_device, write_atomically
 from support.config import check_ranges
 from support.data import NotPrepared, load_meta
@@ -427,6 +427,7 @@ def evaluate(model, enc, tasks, manager, data, args):
 def main(argv):
     args = parse_args(argv)
     device, json_path = check_flags(args)
+    check_source(args.init_from)  # before the tasks: offline, their download retries for minutes
     data = open_ppl_data(args.data_root, args.ppl) if args.ppl else None
     manager, tasks = build_tasks(args.names, args.include_path) if args.names else (None, [])
 

@@ -150,6 +150,10 @@ def build(cfg, meta, data_dir, ckpt, asked=None):
         cfg["vocab_size"] = meta["vocab_size"]
     model_config = make_config(**{k: cfg[k] for k in run_config.MODEL_KEYS})
     needed = max(meta["vocab_size"], meta.get("max_token_id", -1) + 1)  # old data: no max_token_id
+    if model_config.vocab_size < needed and ckpt is not None:  # a resumed run keeps its model
+        raise DataError(f"{data_dir} has token ids up to {needed - 1}, beyond the resumed run's "
+                        f"vocab_size {model_config.vocab_size}: continue it on the data it trained "
+                        f"on ({ckpt.get('data_dir', 'its --dataset')}), or start a new --out_dir")
     if model_config.vocab_size < needed:
         raise DataError(f"vocab_size={cfg['vocab_size']} but {data_dir} uses the "
                         f"{meta['tokenizer']} tokenizer with ids up to {needed - 1}; set "

@@ -216,9 +216,7 @@ def read_checkpoint(path, verify=None) -> dict:
         ckpt = read_checkpoint(path / "run.pt", verify)
         return {**ckpt, "shards": str(path)}
     if not path.is_file():
-        where = f"{path} or {path.with_name(SHARDED)}" if path.name == "ckpt.pt" else str(path)
-        raise CheckpointError(f"no checkpoint at {where}{unfinished(path.parent)}; train one with "
-                              f"`python train.py` or check the path")
+        raise no_checkpoint(path)
     if path.name not in ("ckpt.pt", "run.pt") and not is_torch_file(path):
         raise CheckpointError(f"{path} is not a checkpoint; give a train.py out_dir, its ckpt.pt "
                               f"or ckpt.dcp, or a Hugging Face folder or hub id")
@@ -353,6 +351,22 @@ class Loaded:
     tokenizer: object     # encode(text, allowed_special=...), decode(ids), eot_token, name
     source: str           # the file or folder the weights came from
     step: int             # training steps behind the weights (None when unknown)
+
+
+def no_checkpoint(path) -> CheckpointError:
+    where = f"{path} or {path.with_name(SHARDED)}" if path.name == "ckpt.pt" else str(path)
+    return CheckpointError(f"no checkpoint at {where}{unfinished(path.parent)}; train one with "
+                           f"`python train.py` or check the path")
+
+
+def check_source(init_from):
+    """A CheckpointError now, before any slow work (lm-eval's task downloads), when init_from names
+    no model: not a Hugging Face folder, not a hub id, and no checkpoint there."""
+    if hf.is_hf_folder(init_from) or looks_like_hub_id(init_from):
+        return
+    path = checkpoint_path(init_from)
+    if not path.exists():
+        raise no_checkpoint(path)
 
 
 def checkpoint_path(init_from) -> Path:

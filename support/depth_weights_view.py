@@ -21,6 +21,7 @@ import torch
 
 from support.checkpoint import checkpoint_path, read_model, read_snapshot
 from support.cli import figure_metadata, output_file, require
+from support.hf import is_hf_folder
 from support.depth_weights import as_matrix, mean_depth_weights, table
 from support.errors import CheckpointError, DataError
 
@@ -84,6 +85,10 @@ def show(source, figure=""):
     """Print a run's (a run folder or a checkpoint) depth weights as a table and draw them at figure
     (default <run>/depth_weights.png; an existing file is replaced only if ablate.py drew it). A
     UserError names the fix."""
+    if is_hf_folder(source):
+        raise CheckpointError(f"{source} is a Hugging Face folder; --depth_weights reads a train.py "
+                              f"run (its checkpoint and its validation data): give the run it was "
+                              f"exported from")
     path = checkpoint_path(source)
     figure = output_file(figure or path.parent / "depth_weights.png", "--figure",
                          written_by="ablate.py")

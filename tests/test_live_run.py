@@ -321,3 +321,38 @@ def test_export_help_keeps_its_whole_first_paragraph():
     text = subprocess.run([sys.executable, "export.py", "--help"], cwd=ROOT, env=ENV,
                           capture_output=True, text=True, timeout=60).stdout
     assert "the code transformers runs it with" in " ".join(text.split())
+
+
+def test_resume_onto_data_with_more_ids_names_the_run_s_data(vanilla_run, data_root, tmp_path):
+    """The hint said --vocab_size=N, which the next --resume refuses (a resumed run keeps its
+    model)."""
+    out = copy_run(vanilla_run, tmp_path)
+    shutil.copytree(data_root / "tiny", tmp_path / "data" / "wide")
+    meta = json.loads((tmp_path / "data" / "wide" / "meta.json").read_text())
+    meta["max_token_id"] = 400  # the same tokenizer's record, with ids beyond the model's 257
+    (tmp_path / "data" / "wide" / "meta.json").write_text(json.dumps(meta))
+    line = error_line(train(f"--out_dir={out}", "--resume=True", "--dataset=wide",
+                            f"--data_root={tmp_path / 'data'}"))
+    assert "beyond the resumed run's vocab_size" in line and "--vocab_size" not in line, line
+
+
+def test_eval_says_the_model_is_missing_before_loading_tasks(monkeypatch, tmp_path):
+    """Offline, the default tasks spent minutes in download retries before a line that never said
+    the model folder was missing."""
+    import eval as eval_py
+    from support.errors import CheckpointError
+
+    def loaded_first(*args):
+        raise AssertionError("the tasks were loaded before the model was found")
+    monkeypatch.setattr(eval_py, "build_tasks", loaded_first)
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
+        eval_py.main([f"--init_from={tmp_path / 'no_such_run'}"])
+
+
+def test_depth_weights_of_an_export_names_the_run_it_needs(vanilla_run, tmp_path):
+    subprocess.run([sys.executable, "export.py", str(vanilla_run), str(tmp_path / "hf")],
+                   cwd=ROOT, env=ENV, check=True, capture_output=True, timeout=120)
+    proc = subprocess.run([sys.executable, "ablate.py", f"--depth_weights={tmp_path / 'hf'}"],
+                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    line = error_line(proc)
+    assert "is a Hugging Face folder" in line and "train one" not in line, line
