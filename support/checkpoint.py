@@ -209,15 +209,14 @@ def read_checkpoint(path, verify=None) -> dict:
     verify (None = all). Memory-mapped, so a large optimizer state beside the model is never read
     unless verified or used; only tensors and plain values, so the safe loader suffices."""
     path = Path(path)
-    if path.name == "run.pt" and path.parent.name in (SHARDED, OLD):  # the folder is the checkpoint
-        path = path.parent
     # an FSDP run's: run.pt here, the tensors in the shards
     if path.is_dir() and path.name in (SHARDED, OLD):
         ckpt = read_checkpoint(path / "run.pt", verify)
         return {**ckpt, "shards": str(path)}
     if not path.is_file():
         raise no_checkpoint(path)
-    if path.name not in ("ckpt.pt", "run.pt") and not is_torch_file(path):
+    # a .pt that does not start as one is a damaged checkpoint; a log, a config or a shard is not one
+    if path.suffix not in (".pt", ".pth", ".ckpt") and not is_torch_file(path):
         raise CheckpointError(f"{path} is not a checkpoint; give a train.py out_dir, its ckpt.pt "
                               f"or ckpt.dcp, or a Hugging Face folder or hub id")
     try:
@@ -371,8 +370,11 @@ def check_source(init_from):
 
 def checkpoint_path(init_from) -> Path:
     """An out_dir means its checkpoint (ckpt.pt, or an FSDP run's ckpt.dcp, or a lone ckpt.dcp.old:
-    a save between its two renames, or killed there); a file or a ckpt.dcp is itself."""
+    a save between its two renames, or killed there); a ckpt.dcp's run.pt means the ckpt.dcp; a file
+    or a ckpt.dcp is itself."""
     p = Path(init_from)
+    if p.name == "run.pt" and p.parent.name in (SHARDED, OLD):  # the folder is the checkpoint
+        return p.parent
     if p.is_dir() and p.name not in (SHARDED, OLD):
         if not (p / "ckpt.pt").exists():
             for name in (SHARDED, OLD):
