@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 import torch
+import sys
 
 from support import hf
 from support.checkpoint import checkpoint_path, load_model
@@ -54,4 +55,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    run_main(main)
+    sys.exit(run_main(main))

@@ -10,6 +10,8 @@ Writes <out_dir>/<name>/train.bin, val.bin (uint16 token ids) and meta.json; sup
 how the documents are split and tokenized, and why an interrupted run never leaves a half-written
 dataset.
 """
+import sys
+
 from support.cli import ArgumentParser
 from support.data import SOURCES, check_request, prepare
 from support.errors import run_main
@@ -54,4 +56,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    run_main(main)
+    sys.exit(run_main(main))

@@ -219,4 +219,4 @@ def interruptible(argv):
 
 
 if __name__ == "__main__":
-    run_main(interruptible)
+    sys.exit(run_main(interruptible))

@@ -47,28 +47,29 @@ class ShowHelp(Exception):
 USER_ERRORS = (UserError, ModelConfigError)
 
 
-def run_main(main, argv=None):
-    """Run a script's main(argv): a user error is its one line on stderr (rank 0's, under
+def run_main(main, argv=None) -> int:
+    """Run a script's main(argv) and return the exit status for `sys.exit(run_main(main))` (no
+    support/ module ends the process): a user error is its one line on stderr (rank 0's, under
     torchrun) and EXIT_USER_ERROR; Ctrl-C one line (KeyboardInterrupt's text: what is kept) and
-    EXIT_INTERRUPTED; a reader that closed the pipe (`| head`) nothing; anything else is a
-    traceback."""
+    EXIT_INTERRUPTED; a reader that closed the pipe (`| head`) nothing and EXIT_CLOSED_PIPE;
+    anything else is a traceback."""
     try:
-        result = main(sys.argv[1:] if argv is None else argv)
+        main(sys.argv[1:] if argv is None else argv)
         sys.stdout.flush()  # here, where a closed pipe is caught, not in the interpreter's exit
-        return result
+        return 0
     except ShowHelp as e:
         print(e)
-        sys.exit(0)
+        return 0
     except USER_ERRORS as e:
         say(f"error: {e}")
-        sys.exit(EXIT_USER_ERROR)
+        return EXIT_USER_ERROR
     except KeyboardInterrupt as e:
         say(f"interrupted{f'; {e}' if str(e) else ''}")
-        sys.exit(EXIT_INTERRUPTED)
+        return EXIT_INTERRUPTED
     except BrokenPipeError:
         # the reader wanted no more; the interpreter's last flush of stdout would fail again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        sys.exit(EXIT_CLOSED_PIPE)
+        return EXIT_CLOSED_PIPE
 
 
 def say(line):

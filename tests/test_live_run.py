@@ -46,7 +46,7 @@ def recording(run, lr):
             f.write(f"{run.step} {d}\\n")
 
 train.save = recording
-train.run_main(train.interruptible, sys.argv[1:])
+sys.exit(train.run_main(train.interruptible, sys.argv[1:]))
 """
 
 
@@ -211,18 +211,16 @@ def test_init_from_refuses_a_typed_setting_that_equals_the_default(setting, vani
 def test_ctrl_c_is_one_line_and_exit_130(capsys):
     def main(argv):
         raise KeyboardInterrupt("the last checkpoint is intact")
-    with pytest.raises(SystemExit) as stop:
-        run_main(main, [])
+    code = run_main(main, [])
     err = capsys.readouterr().err
-    assert stop.value.code == 130 and err == "interrupted; the last checkpoint is intact\n", err
+    assert code == 130 and err == "interrupted; the last checkpoint is intact\n", err
 
 
 def test_a_user_error_exits_2(capsys):
     def main(argv):
         raise ConfigError("--x must be 1")
-    with pytest.raises(SystemExit) as stop:
-        run_main(main, [])
-    assert stop.value.code == 2 and capsys.readouterr().err == "error: --x must be 1\n"
+    code = run_main(main, [])
+    assert code == 2 and capsys.readouterr().err == "error: --x must be 1\n"
 
 
 def test_a_closed_pipe_is_silent(vanilla_run):
@@ -269,38 +267,47 @@ def test_a_log_or_config_given_as_a_checkpoint_is_not_called_damaged(name, vanil
     assert "is not a checkpoint; give a train.py out_dir" in line and "corrupt" not in line, line
 
 
-def prepare(*args, cwd=ROOT):
-    return subprocess.run([sys.executable, str(ROOT / "prepare_data.py"), *map(str, args)],
-                          cwd=cwd, env=ENV, capture_output=True, text=True, timeout=120)
+def prepare(capsys, *args):
+    """The one error line (exit 2) of `python prepare_data.py args`, run in this process."""
+    import prepare_data
+    capsys.readouterr()
+    code = run_main(prepare_data.main, [str(a) for a in args])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err and err[-1].startswith("error: "), err
+    return err[-1]
 
 
-def test_prepare_data_names_the_flag_before_loading_a_tokenizer(tmp_path):
+def test_prepare_data_names_the_flag_before_loading_a_tokenizer(tmp_path, monkeypatch, capsys):
     """--out_dir=README.md and --num_proc=-1 failed on gpt2's download (offline), naming neither."""
+    from support import data
+
+    def loaded(*args):
+        raise AssertionError("the tokenizer was loaded before the flags were checked")
+    monkeypatch.setattr(data, "get_tokenizer", loaded)
+    monkeypatch.chdir(tmp_path)
     (tmp_path / "a.txt").write_text("text\n" * 50)
     (tmp_path / "README.md").write_text("mine")
-    line = error_line(prepare("text", "--input", tmp_path / "a.txt", "--out_dir=README.md",
-                              cwd=tmp_path))
+    line = prepare(capsys, "text", "--input", "a.txt", "--out_dir=README.md")
     assert "--out_dir=README.md is a file" in line, line
     assert (tmp_path / "README.md").read_text() == "mine"
     for flag in ("--num_proc=-1", "--num_proc=0", "--shards=0"):
-        line = error_line(prepare("text", "--input", tmp_path / "a.txt", flag,
-                                  f"--out_dir={tmp_path / 'd'}"))
+        line = prepare(capsys, "text", "--input", "a.txt", flag, "--out_dir=d")
         assert line.startswith(f"error: {flag}") and not (tmp_path / "d").exists(), line
 
 
-def test_random_bytes_are_binary_not_an_encoding_to_convert(tmp_path):
+def test_random_bytes_are_binary_not_an_encoding_to_convert(tmp_path, capsys):
     """Random bytes were told to convert with iconv, and --decode_errors=replace then prepared
     noise."""
     rng = random.Random(0)
     (tmp_path / "noise.txt").write_bytes(bytes(rng.randrange(256) for _ in range(4096)))
     for extra in ([], ["--decode_errors=replace"]):
-        line = error_line(prepare("text", "--input", tmp_path / "noise.txt", "--tokenizer=bytes",
-                                  f"--out_dir={tmp_path / 'd'}", *extra))
+        line = prepare(capsys, "text", "--input", tmp_path / "noise.txt", "--tokenizer=bytes",
+                       f"--out_dir={tmp_path / 'd'}", *extra)
         assert "looks binary" in line and "iconv" not in line, line
     latin1 = tmp_path / "latin1.txt"  # a real 8-bit text is still told to convert
     latin1.write_bytes("caf\u00e9 cr\u00e8me br\u00fbl\u00e9e\n".encode("latin1") * 50)
-    line = error_line(prepare("text", "--input", latin1, "--tokenizer=bytes",
-                              f"--out_dir={tmp_path / 'd'}"))
+    line = prepare(capsys, "text", "--input", latin1, "--tokenizer=bytes",
+                   f"--out_dir={tmp_path / 'd'}")
     assert "iconv" in line, line
 
 
