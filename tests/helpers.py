@@ -65,7 +65,7 @@ def train(monkeypatch, *args):
         with contextlib.redirect_stderr(err):
             runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
     except SystemExit as e:
-        return err.getvalue().strip().splitlines()[-1] if e.code else str(e.code)
+        return err.getvalue().strip().splitlines()[-1] if e.code else None
     return None
 
 # ----------------------------------------------------------------------------- what a run logged

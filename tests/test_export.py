@@ -145,7 +145,9 @@ def tokenizer_run(tmp_path, monkeypatch):
                          out_dir="data", num_proc=1)
     monkeypatch.setattr(sys, "argv", ["train.py", *TINY_EXPORT, "--dataset=tk", "--data_root=data",
                                       "--out_dir=run"])
-    runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+    with pytest.raises(SystemExit) as done:  # its __main__ exits with run_main's status
+        runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
+    assert done.value.code == 0
     return tmp_path
 
 
