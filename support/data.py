@@ -26,6 +26,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -291,6 +292,12 @@ def _chunks(docs, every):
     yield from ((split, texts) for split, texts in pending.items() if texts)
 
 
+def _ignore_ctrl_c():
+    """A worker's start: Ctrl-C reaches the whole process group, and the parent alone answers it
+    (one line; the pool is terminated), where each worker printed a traceback of its own."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _encode(task):
     """Worker: one task's documents as a uint16 array, each document's ids followed by EOT."""
     tokenizer, split, texts = task
@@ -413,7 +420,7 @@ def prepare(
     )
     try:
         with open(tmp / "train.bin", "wb") as train_f, open(tmp / "val.bin", "wb") as val_f, \
-                (Pool(num_proc) if num_proc > 1 else nullcontext()) as pool, \
+                (Pool(num_proc, _ignore_ctrl_c) if num_proc > 1 else nullcontext()) as pool, \
                 tqdm(desc=f"tokenizing {name}", unit="doc") as bar:
             out, encode, chunks = (
                 {"train": train_f, "val": val_f},

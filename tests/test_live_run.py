@@ -3,8 +3,10 @@ takes one consistent snapshot of a live run (never a false "damaged", never weig
 step), a lone ckpt.dcp.old is the checkpoint, resume is as strict as init, and the entry points
 say one line."""
 import json
+import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -363,3 +365,38 @@ def test_depth_weights_of_an_export_names_the_run_it_needs(vanilla_run, tmp_path
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     line = error_line(proc)
     assert "is a Hugging Face folder" in line and "train one" not in line, line
+
+
+SLOW_PREPARE = """
+import runpy, sys, time
+sys.path.insert(0, ".")
+import support.data as data
+encode = data._encode
+def slow(task):
+    time.sleep(5)
+    return encode(task)
+slow.__module__, slow.__qualname__ = "support.data", "_encode"  # pickled by that name
+data._encode = slow  # workers forked after this take it
+sys.argv = ["prepare_data.py", *sys.argv[1:]]
+runpy.run_path("prepare_data.py", run_name="__main__")
+"""
+
+
+def test_ctrl_c_while_preparing_is_one_line_and_leaves_nothing(tmp_path):
+    """Ctrl-C reaches the whole process group: each tokenizer worker printed a traceback too."""
+    for i in range(40):
+        (tmp_path / f"doc{i}.txt").write_text("the cat sat on the mat. " * 50)
+    out = tmp_path / "d"
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_PREPARE, "text", "--input", str(tmp_path),
+                             "--tokenizer=bytes", "--num_proc=2", f"--out_dir={out}"], cwd=ROOT,
+                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    deadline = time.time() + 120
+    while not list(out.glob("text.tmp*")) and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.1)
+    time.sleep(1.0)  # the workers are inside their tasks
+    os.killpg(proc.pid, signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("interrupted"), err[-3000:]
+    assert not (out / "text").exists() and not list(out.glob("text.tmp*"))
