@@ -29,14 +29,15 @@ into the model:
 
     model = build_model(make_config(residual="mhc", depth_mode="vanilla", n_layer=12))
 """
+import functools
 import math
 from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
 
-from model import (DEPTH_MODES, GPT, Attention, ConfigError, DepthMode, ModelConfig, RMSNorm,
-                   config_check, fp32_or_wider)
+from model import (DEPTH_MODES, GPT, Attention, ConfigError, DepthMode, KVCache, ModelConfig,
+                   RMSNorm, causal_attention, config_check, fp32_or_wider, rope_tables)
 
 
 @dataclass
@@ -44,6 +45,8 @@ class BaselineConfig(ModelConfig):
     # The baselines of the paper's Table 1; each runs with depth_mode="vanilla".
     residual: str = "add"           # residual path: add (the plain stream) or a baseline, with
                                     # depth_mode=vanilla
+    attention: str = "standard"     # standard (q . k), or keyless (q R . v: no keys, a V-only
+                                    # cache; Keyless Attention) with depth_mode vanilla/value/uniform
     denseformer_dwa_dilation: int = 1       # DenseFormer: every k-th earlier output (authors: 1)
     denseformer_dwa_period: int = 1         # DenseFormer: after every p-th block (authors: 1)
     attnres_block_size: int = 12            # AttnRes: sublayers per block, 2 a layer (authors: 12)
@@ -67,15 +70,22 @@ class BaselineConfig(ModelConfig):
                  f"(not depth_mode={self.depth_mode})")
             need(self.n_loops == 1, f"residual={self.residual} is defined for one pass over the "
                  f"layers; use --n_loops=1 with --residual={self.residual}")
+        need(self.attention in ATTENTIONS,
+             f"unknown attention {self.attention!r}; choose one of {', '.join(ATTENTIONS)}")
+        if self.attention == "keyless":  # its depth step mixes values; there is no key to mix
+            need(not DEPTH_MODES[self.depth_mode].mixes_k, f"attention=keyless has no keys for "
+                 f"depth_mode={self.depth_mode} to mix; use --depth_mode=value, uniform or vanilla")
+            need(self.residual == "add", f"attention=keyless runs on the plain residual stream; use "
+                 f"--residual=add with --attention=keyless (not residual={self.residual})")
         need(self.mhc_num_streams >= 2,
              f"mhc_num_streams must be at least 2, got {self.mhc_num_streams}")
 
 
-# The baselines' own keys beyond ModelConfig's: `residual` and the methods' knobs, which a plain
-# model (residual "add") has no use for.
+# The baselines' own keys beyond ModelConfig's: `residual`, `attention` and the methods' knobs,
+# which a plain model (residual "add", standard attention) has no use for.
 BASELINE_KEYS = tuple(f.name for f in fields(BaselineConfig)
                       if f.name not in {g.name for g in fields(ModelConfig)})
-KNOBS = tuple(k for k in BASELINE_KEYS if k != "residual")
+KNOBS = tuple(k for k in BASELINE_KEYS if k not in ("residual", "attention"))
 
 
 def make_config(**keys) -> ModelConfig:
@@ -89,7 +99,7 @@ def make_config(**keys) -> ModelConfig:
         raise ConfigError(f"unknown model keys {unknown} (from a newer version of this code?); this "
                          f"version knows {', '.join(known)}")
     config = BaselineConfig(**keys)
-    if config.residual == "add":
+    if config.residual == "add" and config.attention == "standard":
         return ModelConfig(**{k: v for k, v in keys.items() if k not in BASELINE_KEYS})
     return config
 
@@ -342,7 +352,7 @@ class LIMeAttention(Attention):
 
 
 class LIMe(GPT):
-    attention = LIMeAttention
+    attention_type = LIMeAttention
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)  # the backbone first, so a seed gives it vanilla's weights
@@ -377,11 +387,94 @@ DEPTH_MODES["lime"] = DepthMode(router_weights, mixes_k=True, mixes_v=True, defa
                                 cost=lime_cost)
 
 
+# ----------------------------------------------------------------------------- Keyless Attention
+
+class ValueCache(KVCache):
+    """A keyless model's cache: V alone, (n_eff_layer, B, n_kv_head, max_len, D), half of KVCache's
+    bytes; `k` is None. The routing views attention scores against are recomputed from V."""
+
+    def __init__(self, config: ModelConfig, batch_size: int, max_len: int, device=None,
+                 dtype=torch.float32):
+        super().__init__(config, batch_size, max_len, "meta", dtype)  # KVCache's checks, no memory
+        self.k, self.v = None, torch.zeros(self.v.shape, device=device, dtype=dtype)
+
+    @property
+    def max_len(self) -> int:
+        return self.v.shape[3]
+
+    @property
+    def nbytes(self) -> int:
+        return self.v.nbytes
+
+    def update(self, e: int, k, v):
+        """Write layer e's values of this chunk (k is None); return (None, V over 0..pos+T-1)."""
+        end = self.pos + v.shape[2]
+        self.v[e, :, :, self.pos:end] = v
+        return None, self.v[e, :, :, :end]
+
+
+class KeylessAttention(Attention):
+    """Keyless Attention (arXiv 2606.21848): no key projection. Query head h is scored against the
+    values of its KV group through its D x D routing matrix R_h, and reads those same values:
+
+        s_ts = (q_t R_h) . v_s / sqrt(D),   o_t = sum_{s <= t} softmax_s(s_ts) v_s
+
+    Ours, where the paper leaves it open (README, "Where we deviate"): q R_h takes q_norm and RoPE
+    like any query (q_norm after R, so W_Q R still folds into one matrix); it is scored against a
+    routing view of each value, RoPE_s(k_norm(v_s)), while attention reads the raw v_s; R_h starts
+    at the identity (the model starts as K = V sharing). The cache holds raw v only (ValueCache):
+    the views are recomputed from it when attending, every cached position rotated again.
+
+    With a depth step (depth_mode value or uniform) the routing views play the keys: the routed
+    group-mean query weighs the sources' views at the same position and the mixed value replaces
+    v in its slot. A keyless layer is scored against its values, so mixing V here also moves what
+    later queries are scored against: the step is no longer "value only" in effect."""
+
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__(config, layer)
+        del self.k_proj
+        self.rope_tables = functools.partial(rope_tables, config)  # (start, T, device, dtype)
+        eye = torch.eye(config.head_dim)
+        self.routing = nn.Parameter(eye.repeat(config.n_head, 1, 1))      # R: (n_head, D, D)
+
+    def forward(self, x, cos, sin, src_k, src_v, cache, e):
+        q, view, v = self.rotate(*self.project(x), cos, sin)             # (B, heads, T, D)
+        if src_k:  # src_k: the sources' routing views, the keys of the depth step
+            _, v = self.depth_step(q, view, v, src_k, src_v, e)
+        return self.attend_values(q, v, cos, sin, cache, e)
+
+    def project(self, x):
+        """q R: (B, T, n_head, D), and v (B, T, n_kv_head, D) twice: as the value, and where the
+        key was, for rotate to make its routing view."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim)
+        return torch.einsum("bthd,hde->bthe", q, self.routing.to(q.dtype)), v, v
+
+    def attend_values(self, q, v, cos, sin, cache, e):
+        """Store v in layer e's slots, attend with the routing views of every stored value.
+        Returns (output, record): the record is (views, values) of this chunk's positions."""
+        start = 0 if cache is None else cache.pos
+        if cache is not None:
+            v = cache.update(e, None, v)[1]                               # (B, n_kv, pos+T, D)
+            if start:  # the rotations of the cached positions too
+                cos, sin = self.rope_tables(0, v.shape[2], v.device, cos.dtype)
+        view = self.position_key(v, cos, sin)
+        y = causal_attention(q, view, v).transpose(1, 2)                 # (B, T, n_head, D)
+        return self.o_proj(y.flatten(2)), (view[:, :, start:], v[:, :, start:])
+
+
+class Keyless(GPT):
+    attention_type = KeylessAttention
+    cache_type = ValueCache
+
+
 # ----------------------------------------------------------------------------- any config
 
 BASELINES = {"denseformer": DenseFormer, "attnres": BlockAttnRes, "mhc": MHC}  # by `residual`
 RESIDUALS = ("add", *BASELINES)
 DEPTH_MODELS = {"lime": LIMe}  # by depth_mode, where model.GPT's layers are not the mode's
+ATTENTIONS = {"standard": GPT, "keyless": Keyless}  # by `attention`
 
 
 def residual_of(config: ModelConfig) -> str:
@@ -389,10 +482,17 @@ def residual_of(config: ModelConfig) -> str:
     return getattr(config, "residual", "add")
 
 
+def attention_of(config: ModelConfig) -> str:
+    """A config's attention: "standard" for a ModelConfig, else its `attention` key."""
+    return getattr(config, "attention", "standard")
+
+
 def build_model(config: ModelConfig) -> GPT:
-    """The model a config describes: a baseline, LIMe, or GPT."""
+    """The model a config describes: a baseline, LIMe, a keyless model, or GPT."""
     if residual_of(config) != "add":
         return BASELINES[residual_of(config)](config)
+    if attention_of(config) != "standard":
+        return ATTENTIONS[attention_of(config)](config)
     return DEPTH_MODELS.get(config.depth_mode, GPT)(config)
 
 

@@ -341,11 +341,13 @@ class Attention(nn.Module):
     def rotate(self, q, k, v, cos, sin):
         """q/k-norm and RoPE; q, k, v come back (B, heads, T, D)."""
         q = apply_rope(self.q_norm(q).transpose(1, 2), cos, sin)
+        return q, self.position_key(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+
+    def position_key(self, k, cos, sin):
+        """k_norm and RoPE of keys (B, n_kv_head, T, D) in the configured order."""
         if self.k_norm_after_rope:  # RoPE keeps the RMS: the orders differ by k_norm's weight
-            k = self.k_norm(apply_rope(k.transpose(1, 2), cos, sin))
-        else:
-            k = apply_rope(self.k_norm(k).transpose(1, 2), cos, sin)
-        return q, k, v.transpose(1, 2)
+            return self.k_norm(apply_rope(k, cos, sin))
+        return apply_rope(self.k_norm(k), cos, sin)
 
     def depth_step(self, q, k, v, src_k, src_v, e):
         """k, v mixed with the sources' records as the layer's row of DEPTH_MODES says."""
@@ -400,13 +402,15 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    attention = Attention  # the class of every block's attention: the seam for a variant
+    attention_type = Attention  # the class of every block's attention: the seam for a variant
+    cache_type = KVCache        # the cache new_cache makes: a variant may store less
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.n_embd)
-        self.layers = nn.ModuleList(Block(config, i, self.attention) for i in range(config.n_layer))
+        self.layers = nn.ModuleList(Block(config, i, self.attention_type)
+                                    for i in range(config.n_layer))
         self.norm = RMSNorm(config.n_embd, config.norm_eps)
         self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
         if config.tie_embeddings:
@@ -489,8 +493,8 @@ class GPT(nn.Module):
 
     def new_cache(self, batch_size: int, max_len: Optional[int] = None, dtype=None) -> KVCache:
         p = self.lm_head.weight
-        return KVCache(self.config, batch_size, max_len or self.config.block_size, p.device,
-                       dtype or p.dtype)
+        return self.cache_type(self.config, batch_size, max_len or self.config.block_size,
+                               p.device, dtype or p.dtype)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())  # parameters() yields a tied weight once

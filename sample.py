@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from baselines import residual_of
+from baselines import attention_of, residual_of
 from support.checkpoint import load_model
 from support.cli import ArgumentParser, resolve_device
 from support.config import check_ranges
@@ -69,7 +69,7 @@ def main(argv):
     step = "" if loaded.step is None else f"step {loaded.step}, "
     print(f"{loaded.source}: {step}{model.num_params() / 1e6:.2f}M parameters, "
           f"depth_mode={model.config.depth_mode}, residual={residual_of(model.config)}, "
-          f"tokenizer {enc.name}",
+          f"attention={attention_of(model.config)}, tokenizer {enc.name}",
           file=sys.stderr)
     # a prompt and new tokens beyond the context: model.ConfigError, a user error (run_main)
     out = model.generate(idx, args.max_new_tokens, temperature=args.temperature,

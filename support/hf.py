@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from baselines import KNOBS, build_model, make_config, residual_of
+from baselines import KNOBS, attention_of, build_model, make_config, residual_of
 from model import GPT, ModelConfig
 from support.cli import SHARDED_NAMES, clean_stale, read_json_object, require
 from support.errors import USER_ERRORS, CheckpointError
@@ -178,12 +178,14 @@ def _config(kw: dict, where) -> ModelConfig:
 
 def hf_config(c: ModelConfig, dtype: torch.dtype, eos_token_id=None) -> dict:
     """config.json for a model: Qwen3's (Llama's without q/k-norm) when transformers' own class
-    computes it exactly (vanilla, plain residual, one pass, q/k-norm before RoPE), else our
+    computes it exactly (vanilla, plain residual, standard attention, one pass, q/k-norm before
+    RoPE), else our
     architecture with the auto_map to its code. Either way the authors' Llama keys are written and
     asdict(c) is recorded, so nothing is lost."""
     baseline = residual_of(c) != "add"
     plain = (
         not baseline
+        and attention_of(c) == "standard"
         and c.depth_mode == "vanilla"
         and c.n_loops == 1
         and not (c.qk_norm and c.k_norm_after_rope)

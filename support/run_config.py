@@ -14,7 +14,7 @@ from typing import Optional
 
 import torch
 
-from baselines import (DEPTH_MODES, KNOBS, RESIDUALS, BaselineConfig, build_model,
+from baselines import (ATTENTIONS, DEPTH_MODES, KNOBS, RESIDUALS, BaselineConfig, build_model,
                        make_config)
 from support.cli import not_in_a_checkpoint, resolve_device
 from support.config import argument_updates, check_ranges, key_comments, parse_config
@@ -44,7 +44,8 @@ def _model_keys() -> dict:
                           n_embd=128, mlp_hidden=384, depth_mode="value")
     sources = [sys.modules[cls.__module__].__file__ for cls in BaselineConfig.__mro__[:2]]
     helps = key_comments(reversed(sources))  # model.py first: the field's own comment
-    choices = {"depth_mode": tuple(DEPTH_MODES), "residual": RESIDUALS}
+    choices = {"depth_mode": tuple(DEPTH_MODES), "residual": RESIDUALS,
+               "attention": tuple(ATTENTIONS)}
     keys = {f.name: Key(getattr(demo, f.name), helps.get(f.name, ""), choices=choices.get(f.name))
             for f in fields(BaselineConfig)}
     keys["vocab_size"] = Key(None, "None = the tokenizer's vocabulary (meta.json); larger values "

@@ -39,7 +39,8 @@ MODES = {"value": dict(depth_mode="value", depth_stride=2), "kv-tied": dict(dept
          "looped-value": dict(depth_mode="value", n_layer=2, n_loops=3, depth_stride=None),
          "denseformer": dict(residual="denseformer", denseformer_dwa_period=2, **BASELINE),
          "attnres": dict(residual="attnres", attnres_block_size=2, **BASELINE),
-         "mhc": dict(residual="mhc", mhc_num_streams=2, mhc_sinkhorn_iters=5, **BASELINE)}
+         "mhc": dict(residual="mhc", mhc_num_streams=2, mhc_sinkhorn_iters=5, **BASELINE),
+         "keyless-value": dict(attention="keyless", depth_mode="value", depth_stride=1)}
 TOL = 1e-5  # float32 on both sides, and the same code: any drift is a bug, not rounding
 
 
@@ -244,8 +245,10 @@ def test_a_folder_transformers_saves_again_still_loads_everywhere(tmp_path, monk
         assert max_diff(again(input_ids=idx).logits, want) < TOL
 
 
-def test_what_the_cache_cannot_do_is_refused_and_beam_search_reorders_it(tmp_path, monkeypatch):
-    _, folder = export(tmp_path, "kv", **MODES["kv-tied"])
+@pytest.mark.parametrize("mode", ["kv-tied", "keyless-value"])  # K and V, V alone
+def test_what_the_cache_cannot_do_is_refused_and_beam_search_reorders_it(tmp_path, monkeypatch,
+                                                                         mode):
+    _, folder = export(tmp_path, "kv", **MODES[mode])
     theirs = load_elsewhere(folder, monkeypatch, tmp_path)
     idx = torch.randint(0, 256, (2, 6))
     gapped = torch.ones_like(idx)

@@ -49,6 +49,11 @@ except ImportError:
     pass
 
 
+def held(kv):
+    """The names of a model.KVCache's tensors: k and v, or v alone (a keyless model's ValueCache)."""
+    return [name for name in ("k", "v") if getattr(kv, name) is not None]
+
+
 class DepthAttentionCache(Cache):
     """Our KVCache, allocated by the first forward for its batch with room ahead (twice the prompt,
     up to block_size) and doubled when a longer sequence needs more, so generate() needs no length
@@ -80,17 +85,17 @@ class DepthAttentionCache(Cache):
             grown = 2 * need if old is None else max(need, 2 * old.max_len)
             self.kv = gpt.new_cache(batch_size, min(gpt.config.block_size, grown))
             if old is not None:
-                # (n_eff_layer, B, n_kv_head, pos, D)
-                self.kv.k[:, :, :, :old.pos] = old.k[:, :, :, :old.pos]
-                self.kv.v[:, :, :, :old.pos] = old.v[:, :, :, :old.pos]
+                for name in held(old):  # (n_eff_layer, B, n_kv_head, pos, D)
+                    getattr(self.kv, name)[:, :, :, :old.pos] = getattr(old, name)[:, :, :, :old.pos]
                 self.kv.pos = old.pos
         return self.kv
 
     def reorder_cache(self, beam_idx):
         if self.rows is not None:
             self._unsupported()  # beams would share (and both write) one row's cache
-        rows = beam_idx.to(self.kv.k.device)  # the batch rows (beams) to keep, in their new order
-        self.kv.k, self.kv.v = self.kv.k[:, rows], self.kv.v[:, rows]
+        rows = beam_idx.to(self.kv.v.device)  # the batch rows (beams) to keep, in their new order
+        for name in held(self.kv):
+            setattr(self.kv, name, getattr(self.kv, name)[:, rows])
 
     def reset(self):
         self.kv, self.rows, self.length = None, None, 0
