@@ -34,6 +34,8 @@ TABLES = [
     ("Stride (Figure 4)", ["vanilla", "stride_first", "value", "stride_quarter", "stride_full"],
      "vanilla"),
     ("Looped, 3 loops", ["looped_vanilla", "looped_value"], "looped_vanilla"),
+    ("Keyless Attention (no keys, a V-only cache), with and without the depth step",
+     ["vanilla", "value", "keyless", "keyless_value"], "vanilla"),
 ]
 # a fork's rows: the depth modes no table above shows
 OTHER_MODES = [m for m in DEPTH_MODES if not any(m in rows for _, rows, _ in TABLES)]
