@@ -8,8 +8,9 @@ What the depth step and the hidden-state baselines cost over vanilla: measured o
     python bench_cache.py --preset=paper_1p5b --batch=4 --prompt_len=1024 --new_tokens=64   # GPU
 
 A mode is a depth_mode (a row of model.DEPTH_MODES), a baseline (the `residual` key, with vanilla
-attention) or `transformers`: Hugging Face transformers' Qwen3 with vanilla's weights, its SDPA attention
-and its DynamicCache (pip install transformers); --help lists them all. For every mode: the KV-cache bytes
+attention), `keyless` (Keyless Attention, a V-only cache; `keyless+value` with the depth step) or
+`transformers`: Hugging Face transformers' Qwen3 with vanilla's weights, its SDPA attention and its
+DynamicCache (pip install transformers); --help lists them all. For every mode: the KV-cache bytes
 after the decode steps (read from the cache); the allocator's peak, above what it held before, of that
 prefill and of a training step's forward and backward (measured once each); the prefill time, the decode
 time per token and a training step (forward, backward, AdamW), each the median of interleaved repeats.
@@ -52,6 +53,8 @@ BASELINE_MODES = tuple(BASELINES)  # denseformer, attnres, mhc: hidden-state bas
 TRANSFORMERS = "transformers"  # Hugging Face transformers' Qwen3ForCausalLM with vanilla's weights
                                # (pip install transformers)
 OTHER_MODES = BASELINE_MODES + (TRANSFORMERS,)  # compared with vanilla; no depth step of their own
+KEYLESS = "keyless"  # Keyless Attention (attention=keyless, a V-only cache); keyless+value adds the
+                     # depth step of that depth_mode
 BENCH_KEYS = dict(
     preset="",         # the paper's shape; --key=value still overrides it
     device="auto",     # auto = cuda if available, else cpu; cuda is the current GPU
@@ -97,7 +100,8 @@ def parse_args(argv):
     writing or loading anything."""
     cfg = parse_config(DEFAULTS, argv, __doc__,
                        [__file__, inspect.getfile(BaselineConfig), inspect.getfile(GPT)],
-                       {"modes": [*DEPTH_MODES, *OTHER_MODES], "preset": PRESETS})
+                       {"modes": [*DEPTH_MODES, *OTHER_MODES, KEYLESS, "keyless+value"],
+                        "preset": PRESETS})
     if cfg["preset"]:
         if cfg["preset"] not in PRESETS:
             raise ConfigError(f"unknown preset {cfg['preset']!r}; "
@@ -167,15 +171,18 @@ def model_config(cfg, label):
     mode, _, loops = label.partition("@")
     if loops and not loops.isdigit():
         raise ConfigError(f"mode {label!r}: write the loop count as a number, e.g. value@3")
-    if mode not in [*DEPTH_MODES, *OTHER_MODES]:
-        raise ConfigError(f"unknown mode {mode!r}; "
-                          f"choose from {', '.join([*DEPTH_MODES, *OTHER_MODES])}")
+    attention, _, depth = mode.partition("+")
+    if mode not in [*DEPTH_MODES, *OTHER_MODES] and attention != KEYLESS:
+        raise ConfigError(f"unknown mode {mode!r}; choose from "
+                          f"{', '.join([*DEPTH_MODES, *OTHER_MODES, KEYLESS])}, keyless+value")
     if mode == TRANSFORMERS and (loops or cfg["n_loops"] != 1 or cfg["k_norm_after_rope"]
                                  or not cfg["qk_norm"]):
         raise ConfigError(f"mode {label}: transformers' Qwen3 is one pass of q/k-norm before RoPE; "
                           f"drop the loops, --k_norm_after_rope and --qk_norm=False")
     kind = (dict(depth_mode="vanilla", residual=mode) if mode in BASELINE_MODES else
-            dict(depth_mode="vanilla") if mode == TRANSFORMERS else dict(depth_mode=mode))
+            dict(depth_mode="vanilla") if mode == TRANSFORMERS else
+            dict(depth_mode=depth or "vanilla", attention=KEYLESS) if attention == KEYLESS else
+            dict(depth_mode=mode))
     return make_config(**{**{k: cfg[k] for k in MODEL_KEYS}, **kind,
                           "n_loops": int(loops or cfg["n_loops"])})
 

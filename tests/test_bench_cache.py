@@ -19,7 +19,7 @@ GiB = 2 ** 30
 # RSS of the measuring process well above page noise, or a peak of 0 would pass for "measured".
 TINY_BENCH = ["--n_layer=2", "--n_embd=64", "--n_head=4", "--n_kv_head=2", "--head_dim=16", "--mlp_hidden=128",
         "--block_size=64", "--batch=2", "--prompt_len=32", "--new_tokens=4", "--warmup=1", "--repeats=1",
-        "--device=cpu", "--modes=vanilla,value,mhc"]
+        "--device=cpu", "--modes=vanilla,value,mhc,keyless,keyless+value"]
 
 
 def test_bench_cache_json(tmp_path):
@@ -29,13 +29,17 @@ def test_bench_cache_json(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     res = json.loads(out.read_text())
     modes = res["modes"]
-    assert list(modes) == ["vanilla", "value", "mhc"]
+    assert list(modes) == ["vanilla", "value", "mhc", "keyless", "keyless+value"]
 
     # The paper's claim, read from the cache object itself: mixing changes no byte of the persistent
-    # state, and neither do the hidden-state baselines.
-    assert {m["cache_bytes"] for m in modes.values()} == {modes["vanilla"]["cache_bytes"]} and \
+    # state, and neither do the hidden-state baselines. A keyless cache holds V alone: half, with
+    # or without the depth step.
+    keyed = [m for label, m in modes.items() if not label.startswith("keyless")]
+    assert {m["cache_bytes"] for m in keyed} == {modes["vanilla"]["cache_bytes"]} and \
         modes["vanilla"]["cache_bytes"] > 0
     assert modes["value"]["ratios"]["cache_bytes"] == 1.0
+    assert modes["keyless"]["ratios"]["cache_bytes"] == modes["keyless+value"]["ratios"][
+        "cache_bytes"] == 0.5
     for label, m in modes.items():
         # The measured prefill peak includes allocating the cache, so it cannot be below the cache's
         # size.

@@ -5,9 +5,14 @@ at init), the routing matrix folding into W_Q, its parameter count, the refusals
 import pytest
 import torch
 
-from baselines import Keyless, ValueCache, build_model, make_config
+from baselines import Keyless, ValueCache, make_config
 from conftest import tiny_model
+import export
+from helpers import TINY_SHORT, eval_losses, train
 from model import ConfigError, KVCache
+import sample
+from support import hf
+from support.checkpoint import load_model
 from test_model import (MODEL_REFERENCES, REFERENCE_MODES, assert_matches_reference, ref_attention,
                         ref_mlp, reference_sources, rms, rope)
 
@@ -168,3 +173,30 @@ def test_parameters_trade_the_key_projection_for_the_routing_matrices():
 def test_configs_it_cannot_run_are_refused_by_name(keys, fragment):
     with pytest.raises(ConfigError, match=fragment):
         make_config(**{"attention": "keyless", **keys})
+
+
+def test_train_resume_sample_and_export_a_keyless_run(data_root, tmp_path, monkeypatch, capsys):
+    """`python train.py --attention=keyless` (with the default depth_mode=value) trains, a resume
+    reproduces the run in one go, sample.py reads it, export.py writes a folder our loader reads
+    back; --init_from of a vanilla run cannot switch attention (its keys would be dropped)."""
+    out = tmp_path / "keyless"
+    args = [*TINY_SHORT, "--n_layer=3", f"--data_root={data_root}", "--attention=keyless",
+            "--max_iters=20", "--eval_interval=10"]
+    assert train(monkeypatch, *args, f"--out_dir={out}") is None
+    losses = eval_losses(out)
+    assert losses[20] < losses[0] - 1.0, losses
+    assert train(monkeypatch, *args, f"--out_dir={tmp_path / 'resumed'}", "--stop_at_step=10") is None
+    assert train(monkeypatch, f"--out_dir={tmp_path / 'resumed'}", "--resume") is None
+    assert eval_losses(tmp_path / "resumed") == losses
+    capsys.readouterr()
+    sample.main([f"--init_from={out}", "--prompt=the", "--max_new_tokens=8", "--device=cpu"])
+    assert "depth_mode=value, residual=add, attention=keyless" in capsys.readouterr().err
+    export.main([str(out), str(tmp_path / "hf")])
+    loaded = load_model(out).model
+    assert type(hf.from_pretrained(tmp_path / "hf")) is type(loaded) is Keyless
+
+    vanilla = [*TINY_SHORT, f"--data_root={data_root}", "--depth_mode=vanilla", "--max_iters=2"]
+    assert train(monkeypatch, *vanilla, f"--out_dir={tmp_path / 'vanilla'}") is None
+    err = train(monkeypatch, *vanilla, f"--init_from={tmp_path / 'vanilla'}", "--attention=keyless",
+                f"--out_dir={tmp_path / 'switched'}")
+    assert err and "attention" in err, err
