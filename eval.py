@@ -9,10 +9,12 @@ lm-evaluation-harness (`pip install lm-eval`), zero-shot or five-shot, and valid
     python eval.py --init_from=out/RUN --include_path=my_tasks --tasks=my_task   # task YAMLs on disk
     python eval.py --init_from=out/RUN --tasks='arc_*'          # a glob: every task whose name matches
 
-The model is an lm-eval language model here (`EvalLM`): lm-eval builds the prompts, asks for log-likelihoods
-or generations and computes the metrics; this file only turns text into token scores. Inputs longer than the
-context are left-truncated, as lm-eval's Hugging Face models do. Task data downloads from the Hugging Face Hub
-on first use (then cached); tasks defined by local files (--include_path) need no network.
+The model is an lm-eval language model here (`EvalLM`): lm-eval builds the prompts, asks for
+log-likelihoods or generations and computes the metrics; this file only turns text into token
+scores. Inputs longer than the context are left-truncated, as lm-eval's Hugging Face models do. Task
+data downloads from the Hugging Face Hub on first use (then cached). Tasks on local files
+(--include_path) need no network; their relative data_files are read from the task file's folder, so
+they run from any folder.
 
 Bad input stops with one `error:` line: the flags, the --json path and the --ppl data are checked first,
 then lm-eval builds the tasks (reading their files and data) and what it raises is one line too, then the
@@ -21,6 +23,7 @@ in this file's code, even one lm-eval called, is a bug and a traceback.
 """
 import argparse
 import functools
+import glob
 import json
 import math
 import sys
@@ -220,6 +223,8 @@ def build_tasks(names, include_path):
         local = TaskManager(include_path=include_path, include_defaults=False)
         manager = local if set(names) <= set(local.all_subtasks) | set(local.all_tags) else None
     manager = manager or TaskManager(include_path=include_path)
+    if include_path:
+        read_data_beside_task_files(manager, include_path)
     single = set(manager.all_subtasks)
     selected = {n: [t for t in manager.match_tasks([n]) if t in single] if GLOB_CHARACTERS & set(n)
                 else [n] * (n in manager.all_tasks) for n in names}
@@ -247,6 +252,55 @@ def build_tasks(names, include_path):
     with lm_eval_says("--tasks"):
         manager.load(built)  # lm-eval's own check that no task runs twice (alone and in a group)
     return manager, built
+
+
+def read_data_beside_task_files(manager, include_path):
+    """Make lm-eval read the relative data_files (or data_dir) of a task file in --include_path
+    from that file's own folder: lm-eval hands them to datasets as they are, which reads them from
+    the current folder, so a folder of tasks would run from one folder only. A path that is not
+    beside the file is left as it is (a task written against the current folder still runs), and so
+    are absolute paths, URLs and a Hub dataset's files (paths in its repository). lm-eval 0.4.13
+    reads every task's config in one private method (also for a group's tasks), wrapped here on
+    this manager alone; an lm-eval without it keeps its own rule."""
+    factory = getattr(manager, "_factory", None)
+    read = getattr(factory, "_load_full_config", None)
+    if read is None:
+        return
+    folder = Path(include_path).resolve()
+
+    def read_beside(entry, overrides=None):
+        cfg = read(entry, overrides)
+        yaml = Path(entry.yaml_path).resolve() if getattr(entry, "yaml_path", None) else None
+        if yaml and folder in yaml.parents and local_builder(cfg) \
+                and isinstance(cfg.get("dataset_kwargs"), dict):
+            cfg["dataset_kwargs"] = beside(yaml.parent, cfg["dataset_kwargs"])
+        return cfg
+    factory._load_full_config = read_beside
+
+
+def local_builder(cfg):
+    """Whether a task's dataset_path is one of datasets' builders of files (json, csv, parquet...),
+    whose data_files are local paths or URLs, not paths in a Hub repository."""
+    from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
+    path = cfg.get("dataset_path")
+    return isinstance(path, str) and path in _PACKAGED_DATASETS_MODULES
+
+
+def beside(folder, kwargs):
+    """dataset_kwargs with its relative data_dir, or else its relative data_files (datasets reads
+    them in data_dir when there is one), in folder where they exist there (a pattern: where it
+    matches a file)."""
+    def resolve(p):
+        if isinstance(p, (list, tuple)):
+            return [resolve(q) for q in p]
+        if isinstance(p, dict):
+            return {k: resolve(v) for k, v in p.items()}
+        if (isinstance(p, str) and "://" not in p and not Path(p).expanduser().is_absolute()
+                and glob.glob(p, root_dir=folder, recursive=True)):
+            return str(folder / p)
+        return p
+    key = "data_dir" if kwargs.get("data_dir") else "data_files"
+    return {**kwargs, key: resolve(kwargs[key])} if kwargs.get(key) else kwargs
 
 
 def one_line(e):
@@ -368,7 +422,8 @@ def parse_args(argv):
                    help="sequences per forward pass; default 16")
     p.add_argument("--device", default="auto", help="default auto: cuda, then mps, then cpu")
     p.add_argument("--include_path",
-                   help="a folder of extra lm-eval task YAML files (lm-eval's own option)")
+                   help="a folder of extra lm-eval task YAML files (lm-eval's own option; "
+                        "relative data_files are read from the YAML's folder)")
     p.add_argument("--json",
                    help="write lm-eval's results dictionary here (plus 'ppl' with --ppl); "
                         "an existing file is replaced only if it holds an earlier result")

@@ -266,3 +266,67 @@ def test_table_gives_both_averages_beside_the_papers(capsys):
     assert "paper, Table 1, 5-shot average: 1.5B vanilla 51.65" in out and "3B Depth-Attention 56.17" in out
     assert "perplexity 7.3891 (mean NLL 2.0000 over 6,141 tokens of data/pile/val.bin" in out
     assert "Pile validation perplexity (GPT-NeoX tokens): 1.5B vanilla 8.17" in out
+
+
+# ----------------------------------------------------------------------------- the task data: local
+# files beside their YAML
+
+SHIPPED = ROOT / "docs" / "eval_tasks"
+
+
+@pytest.mark.parametrize("cwd, include_path", [("elsewhere", str(SHIPPED)), ("docs", "eval_tasks")],
+                         ids=["from a temporary folder", "from docs/, a relative --include_path"])
+def test_the_shipped_local_task_runs_from_any_folder(cwd, include_path, trained, tmp_path):
+    """docs/eval_tasks names its data relative to the YAML; lm-eval alone reads it from the current
+    folder, eval.py from the YAML's."""
+    out = tmp_path / "eval.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(tmp_path / "hf"),
+           **OFFLINE}
+    proc = subprocess.run([sys.executable, str(ROOT / "eval.py"), f"--init_from={trained}",
+                           f"--include_path={include_path}", "--tasks=shakespeare_last_word",
+                           "--limit=4", f"--json={out}"],
+                          cwd=tmp_path if cwd == "elsewhere" else ROOT / cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "acc,none" in json.loads(out.read_text())["results"]["shakespeare_last_word"]
+
+
+def test_relative_data_files_beside_the_yaml_else_in_the_current_folder(
+        trained, task_dir, tmp_path, monkeypatch, local_tasks_only):
+    """A user's task written against the current folder runs as before; one with its data beside
+    it runs from anywhere."""
+    import datasets.config
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    folder, data = tmp_path / "tasks", tmp_path / "data"
+    folder.mkdir()
+    data.mkdir()
+    (data / "mc.jsonl").write_text((task_dir[0] / "mc.jsonl").read_text())
+    (folder / "mc.jsonl").write_text((task_dir[0] / "mc.jsonl").read_text())
+    yaml = json.loads((task_dir[0] / "tiny_mc.yaml").read_text())
+    for name, path in [("from_cwd", "data/mc.jsonl"), ("beside", "mc.jsonl")]:
+        (folder / f"{name}.yaml").write_text(json.dumps(
+            {**yaml, "task": name, "dataset_kwargs": {"data_files": {"test": path}}}))
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "eval.json"
+    eval_py.main([f"--init_from={trained}", f"--include_path={folder}", "--tasks=from_cwd,beside",
+                  "--limit=3", f"--json={out}"])
+    results = json.loads(out.read_text())["results"]
+    assert results["from_cwd"]["acc,none"] == results["beside"]["acc,none"]
+
+
+def test_a_hub_datasets_files_are_paths_in_its_repository_not_beside_the_yaml(tmp_path):
+    """data_files of a Hub dataset name files in its repository: a file of that name beside the
+    YAML changes nothing; a builder of local files (json) reads it from beside the YAML."""
+    from lm_eval.tasks import TaskManager
+    (tmp_path / "x.jsonl").write_text("{}\n")
+    for name, path in [("hub", "someone/dataset"), ("files", "json")]:
+        (tmp_path / f"{name}.yaml").write_text(json.dumps(
+            {"task": name, "dataset_path": path, "test_split": "test",
+             "dataset_kwargs": {"data_files": {"test": "x.jsonl"}}}))
+    manager = TaskManager(include_path=str(tmp_path), include_defaults=False)
+    eval_py.read_data_beside_task_files(manager, str(tmp_path))
+    # the config step eval.py wraps (private in lm-eval 0.4.13): this fails if lm-eval renames it
+    read = manager._factory._load_full_config
+    assert read(manager.task_index["hub"])["dataset_kwargs"]["data_files"] == {"test": "x.jsonl"}
+    assert read(manager.task_index["files"])["dataset_kwargs"]["data_files"] == \
+        {"test": str(tmp_path / "x.jsonl")}
