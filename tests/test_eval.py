@@ -2,12 +2,19 @@
 to end on a checkpoint in train.py's format with task files written by the test (lm-eval's
 `dataset_path: json`), offline. lm-eval is optional for users; requirements-dev.txt (and so .ci/run)
 installs it."""
+import http.server
 import json
 import math
 import os
 import random
+import shutil
+import socket
 import subprocess
 import sys
+import threading
+import time
+import urllib.error
+import urllib.request
 
 import numpy as np
 import pytest
@@ -266,3 +273,186 @@ def test_table_gives_both_averages_beside_the_papers(capsys):
     assert "paper, Table 1, 5-shot average: 1.5B vanilla 51.65" in out and "3B Depth-Attention 56.17" in out
     assert "perplexity 7.3891 (mean NLL 2.0000 over 6,141 tokens of data/pile/val.bin" in out
     assert "Pile validation perplexity (GPT-NeoX tokens): 1.5B vanilla 8.17" in out
+
+
+# ----------------------------------------------------------------------------- the task data: local
+# files beside their YAML, the Hub out of reach
+
+SHIPPED = ROOT / "docs" / "eval_tasks"
+
+
+@pytest.mark.parametrize("cwd, include_path", [("elsewhere", str(SHIPPED)), ("docs", "eval_tasks")],
+                         ids=["from a temporary folder", "from docs/, a relative --include_path"])
+def test_the_shipped_local_task_runs_from_any_folder(cwd, include_path, trained, tmp_path):
+    """docs/eval_tasks names its data relative to the YAML; lm-eval alone reads it from the current
+    folder, eval.py from the YAML's."""
+    out = tmp_path / "eval.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(tmp_path / "hf"),
+           **OFFLINE}
+    proc = subprocess.run([sys.executable, str(ROOT / "eval.py"), f"--init_from={trained}",
+                           f"--include_path={include_path}", "--tasks=shakespeare_last_word",
+                           "--limit=4", f"--json={out}"],
+                          cwd=tmp_path if cwd == "elsewhere" else ROOT / cwd, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "acc,none" in json.loads(out.read_text())["results"]["shakespeare_last_word"]
+
+
+def test_relative_data_files_beside_the_yaml_else_in_the_current_folder(
+        trained, task_dir, tmp_path, monkeypatch, hub_cache, local_tasks_only):
+    """A user's task written against the current folder runs as before; one with its data beside
+    it runs from anywhere; neither asks the Hub anything (no probe: the data is local)."""
+    monkeypatch.setattr(eval_py, "hub_unreachable", lambda *a: pytest.fail("probed the Hub"))
+    folder, data = tmp_path / "tasks", tmp_path / "data"
+    folder.mkdir()
+    data.mkdir()
+    (data / "mc.jsonl").write_text((task_dir[0] / "mc.jsonl").read_text())
+    (folder / "mc.jsonl").write_text((task_dir[0] / "mc.jsonl").read_text())
+    yaml = json.loads((task_dir[0] / "tiny_mc.yaml").read_text())
+    for name, path in [("from_cwd", "data/mc.jsonl"), ("beside", "mc.jsonl")]:
+        (folder / f"{name}.yaml").write_text(json.dumps(
+            {**yaml, "task": name, "dataset_kwargs": {"data_files": {"test": path}}}))
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "eval.json"
+    eval_py.main([f"--init_from={trained}", f"--include_path={folder}", "--tasks=from_cwd,beside",
+                  "--limit=3", f"--json={out}"])
+    results = json.loads(out.read_text())["results"]
+    assert results["from_cwd"]["acc,none"] == results["beside"]["acc,none"]
+
+
+def test_a_hub_datasets_files_are_paths_in_its_repository_not_beside_the_yaml(tmp_path):
+    """data_files of a Hub dataset name files in its repository: a file of that name beside the
+    YAML changes nothing; a builder of local files (json) reads it from beside the YAML."""
+    from lm_eval.tasks import TaskManager
+    (tmp_path / "x.jsonl").write_text("{}\n")
+    for name, path in [("hub", "someone/dataset"), ("files", "json")]:
+        (tmp_path / f"{name}.yaml").write_text(json.dumps(
+            {"task": name, "dataset_path": path, "test_split": "test",
+             "dataset_kwargs": {"data_files": {"test": "x.jsonl"}}}))
+    manager = TaskManager(include_path=str(tmp_path), include_defaults=False)
+    eval_py.read_data_beside_task_files(manager, str(tmp_path))
+    # the config step eval.py wraps (private in lm-eval 0.4.13): this fails if lm-eval renames it
+    read = manager._factory._load_full_config
+    assert read(manager.task_index["hub"])["dataset_kwargs"]["data_files"] == {"test": "x.jsonl"}
+    assert read(manager.task_index["files"])["dataset_kwargs"]["data_files"] == \
+        {"test": str(tmp_path / "x.jsonl")}
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An empty datasets cache of the test's own, and datasets out of offline mode whatever the
+    environment says: what eval.py decides from its probe is what is tested."""
+    import datasets.config
+    import huggingface_hub.constants
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    for variable in eval_py.OFFLINE_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    return tmp_path / "hf"
+
+
+def test_offline_the_default_tasks_fail_fast_naming_each_and_the_fix(trained, tmp_path):
+    """HF_DATASETS_OFFLINE=1 and an empty cache: the paper's eight tasks (all on the Hub) named in
+    one line with the fix, not the first one alone."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(tmp_path / "hf"),
+           **OFFLINE}
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "eval.py", f"--init_from={trained}"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    seconds = time.monotonic() - start
+    line = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and seconds < 60, (seconds, proc.stderr[-3000:])
+    assert line.startswith(f"error: task(s) {', '.join(eval_py.PAPER_TASKS)}: their data is on "
+                           f"the Hugging Face Hub, but datasets is in offline mode "
+                           f"(HF_DATASETS_OFFLINE=1"), line
+    assert f"not in the datasets cache ({tmp_path / 'hf'})" in line
+    assert "run once with network access" in line and "--include_path" in line
+    assert "Retrying" not in proc.stderr
+
+
+def hub_task(folder, name, repo):
+    """A task YAML over a Hub dataset `repo` (multiple choice, the shipped task's fields)."""
+    folder.mkdir(exist_ok=True)
+    (folder / f"{name}.yaml").write_text(json.dumps(
+        {"task": name, "dataset_path": repo, "test_split": "test", "output_type": "multiple_choice",
+         "doc_to_text": "{{context}}", "doc_to_choice": "choices", "doc_to_target": "answer",
+         "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}]}))
+    return folder
+
+
+def cache_as_hub_dataset(cache, repo, docs, tmp_path):
+    """docs in the datasets cache as a Hub dataset's test split downloaded earlier: the layout
+    datasets reads offline (<owner>___<name>/<config>/<version>/<commit>/<name>-test.arrow)."""
+    import datasets
+    data = tmp_path / "docs.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in docs))
+    datasets.load_dataset("json", data_files={"test": str(data)}, cache_dir=str(tmp_path / "build"))
+    built, = (d for d in (tmp_path / "build" / "json").glob("*/0.0.0/*") if d.is_dir())
+    owner, name = repo.split("/")
+    commit = cache / f"{owner}___{name}" / "default" / "0.0.0" / "0123456789abcdef"
+    commit.mkdir(parents=True)
+    for f in built.iterdir():
+        if f.suffix in (".arrow", ".json"):
+            shutil.copy(f, commit / f.name.replace("json-", f"{name}-"))
+
+
+def test_out_of_reach_the_hub_is_probed_once_and_cached_data_still_loads(
+        trained, tmp_path, hub_cache, local_tasks_only, monkeypatch, capsys):
+    """The probe decides only between trying the Hub and datasets' offline mode: a cached dataset
+    runs as online, one not cached is one line within seconds, not after datasets' retries."""
+    probes = []
+    monkeypatch.setattr(eval_py, "hub_unreachable", lambda endpoint: probes.append(endpoint)
+                        or "simulated")
+    docs = [json.loads(line) for line in (SHIPPED / "shakespeare_last_word.jsonl").open()][:4]
+    cache_as_hub_dataset(hub_cache, "eval_py_test/cached", docs, tmp_path)
+    folder = hub_task(hub_task(tmp_path / "tasks", "cached", "eval_py_test/cached"), "gone",
+                      "eval_py_test/gone")
+    out = tmp_path / "eval.json"
+    eval_py.main([f"--init_from={trained}", f"--include_path={folder}", "--tasks=cached",
+                  f"--json={out}"])
+    assert json.loads(out.read_text())["results"]["cached"]["acc,none"] >= 0
+    assert "is out of reach (simulated): the tasks read their data from the datasets cache" in \
+        capsys.readouterr().err
+    import datasets.config
+    import huggingface_hub.constants
+    assert not datasets.config.HF_HUB_OFFLINE and not huggingface_hub.constants.HF_HUB_OFFLINE
+
+    start = time.monotonic()
+    with pytest.raises(USER_ERRORS) as e:
+        eval_py.main([f"--init_from={trained}", f"--include_path={folder}",
+                      "--tasks=gone,cached"])
+    assert time.monotonic() - start < 60
+    assert str(e.value).startswith("task(s) gone: their data is on the Hugging Face Hub, but "
+                                   "https://huggingface.co is out of reach (simulated), and it "
+                                   f"is not in the datasets cache ({hub_cache}): run once with "
+                                   "network access"), e.value
+    assert "\n" not in str(e.value) and len(probes) == 2  # once a run
+    assert not datasets.config.HF_HUB_OFFLINE and not huggingface_hub.constants.HF_HUB_OFFLINE
+
+
+def test_the_probe_calls_out_of_reach_only_what_has_no_answer(monkeypatch):
+    """A closed port and a silent connect are out of reach; any HTTP answer, an error status too,
+    is not (the run tries the Hub): the probe must never stop a run that could download."""
+    class NotFound(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self):
+            self.send_response(404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+    server = http.server.HTTPServer(("127.0.0.1", 0), NotFound)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        assert eval_py.hub_unreachable(f"http://127.0.0.1:{server.server_port}") is None
+    finally:
+        server.shutdown()
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    assert "ConnectionRefusedError" in eval_py.hub_unreachable(f"http://127.0.0.1:{closed}")
+
+    def silent(*args, **kwargs):
+        raise urllib.error.URLError(TimeoutError("timed out"))
+    monkeypatch.setattr(urllib.request, "urlopen", silent)
+    assert eval_py.hub_unreachable("https://huggingface.co") == "no connection within 3 s"

@@ -54,7 +54,9 @@ def write_task(folder, docs=DOCS, name="shakespeare_last_word", edit=lambda yaml
     if docs is not None:
         data.write_text(docs if isinstance(docs, str) else "".join(json.dumps(d) + "\n"
                                                                    for d in docs))
-    yaml = TASK.read_text().replace("docs/eval_tasks/shakespeare_last_word.jsonl", str(data))
+    yaml = TASK.read_text()
+    assert "test: shakespeare_last_word.jsonl" in yaml  # the data's line, to point elsewhere
+    yaml = yaml.replace("test: shakespeare_last_word.jsonl", f"test: {data}")
     (folder / f"{name}.yaml").write_text(edit(yaml.replace("task: shakespeare_last_word",
                                                            f"task: {name}")))
     return folder

@@ -281,16 +281,17 @@ def test_lm_eval_hf_backend_scores_as_eval_py(tmp_path, monkeypatch):
     vocab = make_tokenizer_json(tokenizer_json)
     _, folder = export(tmp_path, "value_tok", get_tokenizer(str(tokenizer_json)), **MODES["value"],
                        init_std=0.05, vocab_size=vocab)
-    monkeypatch.chdir(ROOT)  # the task's data_files are relative to the repository
+    # lm-eval alone reads the task's data_files from the current folder (eval.py from the YAML's)
+    monkeypatch.chdir(ROOT / "docs" / "eval_tasks")
     task, limit = "shakespeare_last_word", 24
-    eval_py.main([f"--init_from={folder}", f"--tasks={task}", "--include_path=docs/eval_tasks",
+    eval_py.main([f"--init_from={folder}", f"--tasks={task}", "--include_path=.",
                   f"--limit={limit}", "--batch_size=8", "--device=cpu",
                   f"--json={tmp_path / 'eval.json'}"])
     ours = json.loads((tmp_path / "eval.json").read_text())["results"][task]
     theirs = lm_eval.simple_evaluate(model="hf",
                                      model_args=f"pretrained={folder},trust_remote_code=True,dtype=float32",
                                      tasks=[task],
-                                     task_manager=TaskManager(include_path="docs/eval_tasks",
+                                     task_manager=TaskManager(include_path=".",
                                                               include_defaults=False), limit=limit,
                                      batch_size=8, device="cpu", log_samples=True)
     assert (theirs["results"][task]["acc,none"], theirs["results"][task]["acc_norm,none"]) == \
@@ -505,12 +506,12 @@ def test_lm_eval_hf_backend_at_batch_size_4_equals_batch_size_1(tmp_path, monkey
     vocab = make_tokenizer_json(tokenizer_json)
     _, folder = export(tmp_path, "value_tok", get_tokenizer(str(tokenizer_json)), **MODES["value"],
                        init_std=0.05, vocab_size=vocab)
-    monkeypatch.chdir(ROOT)
+    monkeypatch.chdir(ROOT / "docs" / "eval_tasks")  # lm-eval reads the data_files from here
     task, scores = "shakespeare_last_word", {}
     for batch in (1, 4):
         out = lm_eval.simple_evaluate(
             model="hf", model_args=f"pretrained={folder},trust_remote_code=True,dtype=float32",
-            tasks=[task], task_manager=TaskManager(include_path="docs/eval_tasks",
+            tasks=[task], task_manager=TaskManager(include_path=".",
                                                    include_defaults=False),
             limit=8, batch_size=batch, device="cpu", log_samples=True)
         scores[batch] = [resp[0][0] for s in out["samples"][task] for resp in s["resps"]]
