@@ -29,7 +29,6 @@ into the model:
 
     model = build_model(make_config(residual="mhc", depth_mode="vanilla", n_layer=12))
 """
-import functools
 import math
 from dataclasses import dataclass, fields
 
@@ -433,12 +432,14 @@ class KeylessAttention(Attention):
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__(config, layer)
         del self.k_proj
-        self.rope_tables = functools.partial(rope_tables, config)  # (start, T, device, dtype)
         eye = torch.eye(config.head_dim)
         self.routing = nn.Parameter(eye.repeat(config.n_head, 1, 1))      # R: (n_head, D, D)
 
     def forward(self, x, cos, sin, src_k, src_v, cache, e):
-        q, view, v = self.rotate(*self.project(x), cos, sin)             # (B, heads, T, D)
+        """cos, sin: the rotations of every position the layer attends to, 0 .. pos+T-1 (Keyless
+        .run_layers); the chunk's are the last T."""
+        T = x.shape[1]
+        q, view, v = self.rotate(*self.project(x), cos[-T:], sin[-T:])   # (B, heads, T, D)
         if src_k:  # src_k: the sources' routing views, the keys of the depth step
             _, v = self.depth_step(q, view, v, src_k, src_v, e)
         return self.attend_values(q, v, cos, sin, cache, e)
@@ -457,8 +458,6 @@ class KeylessAttention(Attention):
         start = 0 if cache is None else cache.pos
         if cache is not None:
             v = cache.update(e, None, v)[1]                               # (B, n_kv, pos+T, D)
-            if start:  # the rotations of the cached positions too
-                cos, sin = self.rope_tables(0, v.shape[2], v.device, cos.dtype)
         view = self.position_key(v, cos, sin)
         y = causal_attention(q, view, v).transpose(1, 2)                 # (B, T, n_head, D)
         return self.o_proj(y.flatten(2)), (view[:, :, start:], v[:, :, start:])
@@ -467,6 +466,13 @@ class KeylessAttention(Attention):
 class Keyless(GPT):
     attention_type = KeylessAttention
     cache_type = ValueCache
+
+    def run_layers(self, x, cos, sin, cache):
+        """GPT's, with the rotations of every cached position too, made once for all the layers:
+        the routing views of the cached values are rotated again at every step."""
+        if cache is not None and cache.pos:
+            cos, sin = rope_tables(self.config, 0, cache.pos + x.shape[1], x.device, cos.dtype)
+        return super().run_layers(x, cos, sin, cache)
 
 
 # ----------------------------------------------------------------------------- any config
