@@ -27,26 +27,29 @@ def keyless_reference(model, idx):
     own value at position t (each view made by the layer that stored the value); the mix replaces
     the value, and the view attention scores against is the mixed value's."""
     c = model.config
-    spec, g, D, theta = REFERENCE_MODES[c.depth_mode], c.n_head // c.n_kv_head, c.head_dim, c.rope_theta
+    spec, g, D, theta = (REFERENCE_MODES[c.depth_mode], c.n_head // c.n_kv_head, c.head_dim,
+                         c.rope_theta)
 
     def norm(x, module):
         return rms(x, module.weight, c.norm_eps) if c.qk_norm else x
 
     def view(at, u, t):  # the routing view of value u at position t, by layer `at`'s k_norm
-        return norm(rope(u, t, theta), at.k_norm) if c.k_norm_after_rope else rope(norm(u, at.k_norm), t, theta)
+        if c.k_norm_after_rope:
+            return norm(rope(u, t, theta), at.k_norm)
+        return rope(norm(u, at.k_norm), t, theta)
 
     rows = []
     for row in idx:
         x, T = model.embed_tokens.weight[row], len(row)
-        stored = {}  # effective layer -> (views, values), lists over positions of lists over KV heads
+        stored = {}  # effective layer -> (views, values): lists over positions, then KV heads
         for e in range(c.n_eff_layer):
             blk = model.layers[e % c.n_layer]
             at = blk.self_attn
             h = rms(x, blk.input_layernorm.weight, c.norm_eps)
             q = (h @ at.q_proj.weight.T).view(T, c.n_head, D)
             v = (h @ at.v_proj.weight.T).view(T, c.n_kv_head, D)
-            qs = [[rope(norm(q[t, i] @ at.routing[i], at.q_norm), t, theta) for i in range(c.n_head)]
-                  for t in range(T)]
+            qs = [[rope(norm(q[t, i] @ at.routing[i], at.q_norm), t, theta)
+                   for i in range(c.n_head)] for t in range(T)]
             V = [[v[t, j] for j in range(c.n_kv_head)] for t in range(T)]
             src = reference_sources(c, e) if spec else []
             for t in range(T):
@@ -64,7 +67,7 @@ def keyless_reference(model, idx):
     return torch.stack(rows)
 
 
-MODEL_REFERENCES["keyless"] = MODEL_REFERENCES["keyless+value"] = keyless_reference  # the contract's
+MODEL_REFERENCES["keyless"] = MODEL_REFERENCES["keyless+value"] = keyless_reference  # the contract
 
 
 def keyless(seed=0, dtype=torch.float64, **overrides):
@@ -83,7 +86,8 @@ CASES = ([dict(depth_mode=m, n_kv_head=kv) for m in KEYLESS_MODES for kv in (4, 
             dict(depth_mode="value", k_norm_after_rope=True)])
 
 
-@pytest.mark.parametrize("overrides", CASES, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
+@pytest.mark.parametrize("overrides", CASES,
+                         ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
 def test_matches_naive_reference_logits_and_gradients(overrides):
     assert_matches_reference(keyless(**overrides), keyless_reference)
 
@@ -130,7 +134,8 @@ def test_starts_as_key_value_sharing():
     with torch.no_grad():
         state = {k: v for k, v in model.state_dict().items() if ".routing" not in k}
         for i in range(len(model.layers)):
-            state[f"layers.{i}.self_attn.k_proj.weight"] = state[f"layers.{i}.self_attn.v_proj.weight"]
+            attn = f"layers.{i}.self_attn"
+            state[f"{attn}.k_proj.weight"] = state[f"{attn}.v_proj.weight"]
         vanilla.load_state_dict(state)
         idx = torch.randint(0, 50, (2, 9))
         assert torch.allclose(model(idx)[0], vanilla(idx)[0], atol=1e-5)
@@ -185,9 +190,10 @@ def test_train_resume_sample_and_export_a_keyless_run(data_root, tmp_path, monke
     assert train(monkeypatch, *args, f"--out_dir={out}") is None
     losses = eval_losses(out)
     assert losses[20] < losses[0] - 1.0, losses
-    assert train(monkeypatch, *args, f"--out_dir={tmp_path / 'resumed'}", "--stop_at_step=10") is None
-    assert train(monkeypatch, f"--out_dir={tmp_path / 'resumed'}", "--resume") is None
-    assert eval_losses(tmp_path / "resumed") == losses
+    resumed = tmp_path / "resumed"
+    assert train(monkeypatch, *args, f"--out_dir={resumed}", "--stop_at_step=10") is None
+    assert train(monkeypatch, f"--out_dir={resumed}", "--resume") is None
+    assert eval_losses(resumed) == losses
     capsys.readouterr()
     sample.main([f"--init_from={out}", "--prompt=the", "--max_new_tokens=8", "--device=cpu"])
     assert "depth_mode=value, residual=add, attention=keyless" in capsys.readouterr().err
