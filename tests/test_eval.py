@@ -24,6 +24,7 @@ from lm_eval.api.instance import Instance
 
 from conftest import tiny_model
 import eval as eval_py
+from support import eval_tasks
 from support.checkpoint import load_model
 from support.tokenizer import get_tokenizer
 from support.errors import USER_ERRORS
@@ -302,7 +303,7 @@ def test_relative_data_files_beside_the_yaml_else_in_the_current_folder(
         trained, task_dir, tmp_path, monkeypatch, hub_cache, local_tasks_only):
     """A user's task written against the current folder runs as before; one with its data beside
     it runs from anywhere; neither asks the Hub anything (no probe: the data is local)."""
-    monkeypatch.setattr(eval_py, "hub_unreachable", lambda *a: pytest.fail("probed the Hub"))
+    monkeypatch.setattr(eval_tasks, "hub_unreachable", lambda *a: pytest.fail("probed the Hub"))
     folder, data = tmp_path / "tasks", tmp_path / "data"
     folder.mkdir()
     data.mkdir()
@@ -330,8 +331,9 @@ def test_a_hub_datasets_files_are_paths_in_its_repository_not_beside_the_yaml(tm
             {"task": name, "dataset_path": path, "test_split": "test",
              "dataset_kwargs": {"data_files": {"test": "x.jsonl"}}}))
     manager = TaskManager(include_path=str(tmp_path), include_defaults=False)
-    eval_py.read_data_beside_task_files(manager, str(tmp_path))
-    # the config step eval.py wraps (private in lm-eval 0.4.13): this fails if lm-eval renames it
+    eval_tasks.read_data_beside_task_files(manager, str(tmp_path))
+    # the config step support/eval_tasks.py wraps (private in lm-eval 0.4.13): this fails if
+    # lm-eval renames it
     read = manager._factory._load_full_config
     assert read(manager.task_index["hub"])["dataset_kwargs"]["data_files"] == {"test": "x.jsonl"}
     assert read(manager.task_index["files"])["dataset_kwargs"]["data_files"] == \
@@ -347,7 +349,7 @@ def hub_cache(tmp_path, monkeypatch):
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "hf"))
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
-    for variable in eval_py.OFFLINE_VARIABLES:
+    for variable in eval_tasks.OFFLINE_VARIABLES:
         monkeypatch.delenv(variable, raising=False)
     return tmp_path / "hf"
 
@@ -402,7 +404,7 @@ def test_out_of_reach_the_hub_is_probed_once_and_cached_data_still_loads(
     """The probe decides only between trying the Hub and datasets' offline mode: a cached dataset
     runs as online, one not cached is one line within seconds, not after datasets' retries."""
     probes = []
-    monkeypatch.setattr(eval_py, "hub_unreachable", lambda endpoint: probes.append(endpoint)
+    monkeypatch.setattr(eval_tasks, "hub_unreachable", lambda endpoint: probes.append(endpoint)
                         or "simulated")
     docs = [json.loads(line) for line in (SHIPPED / "shakespeare_last_word.jsonl").open()][:4]
     cache_as_hub_dataset(hub_cache, "eval_py_test/cached", docs, tmp_path)
@@ -444,15 +446,15 @@ def test_the_probe_calls_out_of_reach_only_what_has_no_answer(monkeypatch):
     server = http.server.HTTPServer(("127.0.0.1", 0), NotFound)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        assert eval_py.hub_unreachable(f"http://127.0.0.1:{server.server_port}") is None
+        assert eval_tasks.hub_unreachable(f"http://127.0.0.1:{server.server_port}") is None
     finally:
         server.shutdown()
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         closed = s.getsockname()[1]
-    assert "ConnectionRefusedError" in eval_py.hub_unreachable(f"http://127.0.0.1:{closed}")
+    assert "ConnectionRefusedError" in eval_tasks.hub_unreachable(f"http://127.0.0.1:{closed}")
 
     def silent(*args, **kwargs):
         raise urllib.error.URLError(TimeoutError("timed out"))
     monkeypatch.setattr(urllib.request, "urlopen", silent)
-    assert eval_py.hub_unreachable("https://huggingface.co") == "no connection within 3 s"
+    assert eval_tasks.hub_unreachable("https://huggingface.co") == "no connection within 3 s"
