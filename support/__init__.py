@@ -2,16 +2,15 @@
 What the scripts at the repository's root import and nobody runs: the error types, configuration
 and command-line helpers, train.py's table of keys, tokenizers and datasets, checkpoints, Hugging
 Face folders (and hf_remote/, the code an export carries), DDP/FSDP, signals, a run's log, the
-    signals runlog memory speed eval_tasks sweep depth_weights_view report recall
+memory plan, a run's speed (MFU, ETA), eval.py's lm-eval tasks, the ablation sweep's records and
+report, the paper's numbers, the depth weights as numbers and their viewer; and recall, the one
+module run as itself (`python -m support.recall`): a synthetic associative-recall check of Keyless
+Attention.
 
 It stands on model.py and baselines.py (imported from the root, where every script runs) and never
 on a script; within it, each module imports only those below it (tests/test_layout.py), in this
 order:
 
     errors cli config paper depth_weights tokenizer data hf checkpoint parallel run_config
-<<<<<<< HEAD
-    signals runlog memory speed eval_tasks sweep depth_weights_view report
-=======
-    signals runlog memory speed sweep depth_weights_view report recall
->>>>>>> recall
+    signals runlog memory speed eval_tasks sweep depth_weights_view report recall
 """
