@@ -56,7 +56,7 @@ DEFAULTS = {
     "base": "configs/ablations/cpu.py",  # the shared base config; GPU: configs/ablations/base.py
     "out": "out/ablate_cpu",              # one folder per run and seed below it, plus the results
     "runs": "all",                        # comma-separated names from RUNS or RUN_SETS (all, main,
-                                          # ablations, keyless)
+                                          # ablations, keyless_study)
     "seeds": 3,                           # seeds 0 .. seeds-1 for every run
     "jobs": 2,                            # train.py processes at once (CPU: one per core, one
                                           # thread each)
@@ -93,7 +93,7 @@ RUNS = {
     "keyless": ["attention_keyless", "mode_vanilla"], "keyless_value": ["attention_keyless"],
 }
 KEYLESS = ["vanilla", "value", "keyless", "keyless_value"]  # related work beside the paper's runs
-RUN_SETS = {"all": list(RUNS), "main": MAIN, "keyless": KEYLESS,
+RUN_SETS = {"all": list(RUNS), "main": MAIN, "keyless_study": KEYLESS,
             "ablations": [n for n in RUNS if n not in MAIN[2:] + KEYLESS[2:]]}
 KEY_RANGES = {"seeds": ">= 1", "jobs": ">= 1", "threads": ">= 0", "lr_seeds": ">= 1",
               "long_factor": ">= 1"}

@@ -331,7 +331,9 @@ def test_main_comparison_table(tmp_path):
     paper's 3B figures."""
     RUN_SETS = ablate_py.RUN_SETS
     assert RUN_SETS["main"] == ["vanilla", "value", "lime", "denseformer", "attnres", "mhc"]
-    assert set(RUN_SETS["main"]) | set(RUN_SETS["ablations"]) == set(RUN_SETS["all"])
+    assert (set(RUN_SETS["main"]) | set(RUN_SETS["ablations"]) | set(RUN_SETS["keyless_study"])
+            == set(RUN_SETS["all"]))
+    assert not {"keyless", "keyless_value"} & set(RUN_SETS["ablations"])  # not the paper's
     losses = {"vanilla": [2.0, 2.2], "value": [1.9, 2.0], "lime": [1.92, 2.05],
               "denseformer": [1.95, 2.1],
               "attnres": [2.0, 2.1],
