@@ -13,18 +13,20 @@ import tempfile
 import textwrap
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, fields
+from functools import partial
 from pathlib import Path
 
 import pytest
 
-from course import experiment
+from course import experiment, grade as grade_py, make as make_py
 from course.make import LEFT_OUT, WITHHELD_PAGES, blank, replace_bodies, repository_files, stubs
 from course.problems import EXPERIMENT, FIXTURES, GRADED, MARKER, PROBLEMS
 from helpers import ENV, ROOT
 from support.cli import mark
 
-# tests/test_course_trust.py reads course/ through this module (the one test that imports it)
-__all__ = ["experiment", "EXPERIMENT", "FIXTURES", "MARKER"]
+# tests/test_course_trust.py reads course/ through this module (the one test that imports it);
+# grade_py and make_py are the scripts, whose refusals it runs in its own process
+__all__ = ["experiment", "grade_py", "make_py", "EXPERIMENT", "FIXTURES", "MARKER"]
 
 CODE = [p for p in GRADED if p.functions]  # problems 1-4
 # each graded test's limit here (60 s in use); the slowest takes 1-3 s on a loaded 2-core machine
@@ -246,12 +248,11 @@ def write_runs(out, given, measured, checkpoints, logged):
                                                          "val_loss": loss}))
 
 
-def test_the_repository_grades_full_marks_with_its_hidden_tests(tmp_path):
+def test_the_repository_grades_full_marks_with_its_hidden_tests(graded):
     """The instructor's grader on its own code: problems 1-4 full with the hidden scenarios; problem
-    5 on an untrained model's checkpoints (made here; the real runs take 10 minutes) passes every
-    test but the losses' (test_course_trust.py grades the losses)."""
-    runs = fake_experiment(tmp_path / "runs")
-    printed, result, _ = grade(ROOT, f"--experiment={runs}")
+    5 on an untrained model's checkpoints (made by the fixture; the real runs take 10 minutes)
+    passes every test but the losses' (test_course_trust.py grades the losses)."""
+    printed, result = graded["repository"]
     assert result["hidden_tests"] is True and result["written_by"] == mark("grade.py")
     assert earned(result) == {**full(1, 2, 3, 4), 5: 11} and result["together"] is True, result
     assert failing(result) == {5: {"the_losses_are_those_of_a_correct_model"}}
@@ -286,22 +287,24 @@ def test_the_handout_lists_the_problems_and_tests_as_the_grader_has_them():
     assert f"{sum(p.points for p in GRADED)} points are graded" in text
 
 
-def test_a_fresh_copy_grades_zero_imports_and_trains_nothing_yet(copy):
+def test_a_fresh_copy_grades_zero_imports_and_trains_nothing_yet(copy, graded):
     """The copy's own grader (practice: its recorded fixtures, no hidden tests)."""
-    printed, result, _ = grade(copy, grader=copy)
+    printed, result = graded["fresh copy"]
     assert result["hidden_tests"] is False
     assert earned(result) == dict.fromkeys([1, 2, 3, 4, 5], 0) and result["together"] is False
     assert f"no {copy / EXPERIMENT['out'] / 'results.json'}: run `python ablate.py" in printed
     for p in CODE:
         entry = next(e for e in result["problems"] if e["problem"] == p.number)
         assert all(f"Problem {p.number}: write " in t["why"] for t in entry["tests"]), entry
-    help_ = subprocess.run([sys.executable, "train.py", "--help"], cwd=copy, env=ENV,
-                           capture_output=True, text=True)
-    assert help_.returncode == 0 and "--depth_mode" in help_.stdout, help_.stderr
-    imports = subprocess.run([sys.executable, "-c",
-                              "import model, baselines, train, sample, eval, ablate"],
-                             cwd=copy, env=ENV, capture_output=True, text=True)
-    assert imports.returncode == 0, imports.stderr
+    # two fresh Pythons, side by side: each spends its time importing torch, on one core
+    help_, imports = (subprocess.Popen([sys.executable, *args], cwd=copy, env=ENV, text=True,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                      for args in (["train.py", "--help"],
+                                   ["-c", "import model, baselines, train, sample, eval, ablate"]))
+    out, err = help_.communicate(timeout=300)
+    assert help_.returncode == 0 and "--depth_mode" in out, err
+    _, err = imports.communicate(timeout=300)
+    assert imports.returncode == 0, err
 
 
 def test_the_copy_holds_no_solution(copy):
@@ -346,19 +349,29 @@ def half_written(where):
 
 @pytest.fixture(scope="module")
 def graded(copy, tmp_path_factory):
-    """{case: (printed, result)} for the copies below, graded by the instructor's grader (this
-    repository: hidden scenarios), two at a time: the bodies pasted back, the solutions right in
-    another way, each wrong solution, and a model.py that does not import; and the bodies pasted
-    back in the copy's own grader (practice)."""
+    """{case: (printed, result)}: the repository graded by its own grader, with an untrained
+    experiment (fake_experiment); the fresh copy graded by its own grader (practice); copies of it
+    graded by the instructor's grader (this repository: hidden scenarios): the bodies pasted back,
+    the solutions right in another way, each wrong solution, and a model.py that does not import;
+    and the bodies pasted back in the copy's own grader. Each grading is a process of its own (a
+    grader and its child taking turns: one core), so they run two at a time, the longest first
+    (on an idle 2-core machine the endless loop takes 27 s, the repository 16 s, the crash 12 s,
+    each other 4-7 s): no long one is left to finish alone at the end."""
     cases = {"pasted back": {}, "different": DIFFERENT,
              **{name: bodies for name, (bodies, _) in WRONG.items()}, "does not import": {}}
     copies = {name: with_bodies(copy, tmp_path_factory.mktemp("graded"), bodies)
               for name, bodies in cases.items()}
     half_written(copies["does not import"])
+    jobs = {name: partial(grade, where, timeout=LOOP_TIMEOUT if "loop" in name else TIMEOUT)
+            for name, where in copies.items()}
+    jobs["practice"] = partial(grade, copies["pasted back"], grader=copies["pasted back"])
+    jobs["fresh copy"] = partial(grade, copy, grader=copy)
+    runs = tmp_path_factory.mktemp("experiment") / "runs"
+    jobs["repository"] = lambda: grade(ROOT, f"--experiment={fake_experiment(runs)}")
+    first = ["positions, no self, endless loop", "repository", "raw value cached, a crash"]
+    order = [*first, *(name for name in jobs if name not in first)]
     with ThreadPoolExecutor(2) as pool:
-        done = {name: pool.submit(grade, where, timeout=LOOP_TIMEOUT if "loop" in name else TIMEOUT)
-                for name, where in copies.items()}
-        done["practice"] = pool.submit(grade, copies["pasted back"], grader=copies["pasted back"])
+        done = {name: pool.submit(jobs[name]) for name in order}
         return {name: job.result()[:2] for name, job in done.items()}
 
 
