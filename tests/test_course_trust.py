@@ -9,14 +9,17 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import pytest
 import torch
 
 from support.cli import mark
+from support.errors import run_main
 
 from test_course import (ENV, EXPERIMENT, FIXTURES, MARKER, ROOT, earned, experiment, failing,
-                         fake_experiment, full, grade, make_copy, with_bodies)
+                         fake_experiment, full, grade, grade_py, make_copy, make_py, with_bodies)
 
 ZERO = dict.fromkeys([1, 2, 3, 4], 0)
 
@@ -38,6 +41,13 @@ def instructor(tmp_path_factory):
             (tree / f).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / f, tree / f)
     return tree
+
+
+def side_by_side(*gradings):
+    """Gradings that share nothing, both at once, their results in order: each is a process of its
+    own (a grader and its child taking turns: one core), so on 2 cores two take the time of one."""
+    with ThreadPoolExecutor(2) as pool:
+        return [job.result() for job in [pool.submit(grading) for grading in gradings]]
 
 
 def stub_copy(copy, where, prefix, name="forgery"):
@@ -75,12 +85,12 @@ def test_a_forged_report_or_a_patched_grader_scores_nothing(copy, tmp_path):
                 m.judge = lambda *args, **kwargs: None
         """, "patched")
     # where the forgery would write, were it let
-    printed, result, _ = grade(forged, env={"COURSE_REPORT": str(report)})
+    (printed, result, _), (_, patched_result, _) = side_by_side(
+        partial(grade, forged, env={"COURSE_REPORT": str(report)}), partial(grade, patched))
     assert {k: v for k, v in earned(result).items() if k < 5} == ZERO
     assert "the code does not import: model.py called sys.exit(0) at import" in printed
     assert not report.exists()
-    _, result, _ = grade(patched)
-    assert {k: v for k, v in earned(result).items() if k < 5} == ZERO
+    assert {k: v for k, v in earned(patched_result).items() if k < 5} == ZERO
 
 
 def test_a_pytest_at_the_copys_root_is_never_run(copy, tmp_path):
@@ -142,9 +152,9 @@ def test_answers_looked_up_in_the_copys_fixtures_fail_the_hidden_tests(copy, tmp
                         return want
             raise KeyError(op)
         """, "lookup")
-    _, practice, _ = grade(lookup, "--problem=2", grader=lookup)
+    (_, practice, _), (_, result, _) = side_by_side(
+        partial(grade, lookup, "--problem=2", grader=lookup), partial(grade, lookup))
     assert earned(practice) == {2: 15}, practice  # the table answers every practice scenario
-    _, result, _ = grade(lookup)
     assert earned(result)[1] == 0 and earned(result)[2] == 0, result
     assert {"the_weighted_sum_of_the_candidates"} <= failing(result)[3]
     assert failing(result)[4] >= {"causal_attention_over_a_whole_sequence"}
@@ -158,11 +168,11 @@ def test_results_that_are_not_the_functions_score_nothing(copy, tmp_path):
         "softmax_weights": 'return {"alpha": 1, "passed": True}',
         "causal_attention": "return torch.nn.Parameter(q.float())",
         "ModelConfig.stride": "return float(self.depth_stride or 1) + 0.5"}, "", "garbage")
-    printed, result, _ = grade(garbage, "--problem=2")
+    (printed, result, _), (_, fourth, _) = side_by_side(partial(grade, garbage, "--problem=2"),
+                                                         partial(grade, garbage, "--problem=4"))
     assert earned(result) == {2: 0}
     assert "returned str, not a tensor" in printed
-    _, result, _ = grade(garbage, "--problem=4")
-    assert failing(result) == {4: {"causal_attention_over_a_whole_sequence",
+    assert failing(fourth) == {4: {"causal_attention_over_a_whole_sequence",
                                    "a_prefill_then_chunks_and_single_tokens_equal_the_whole_sequence"}}
 
 
@@ -178,15 +188,19 @@ def test_prints_that_are_not_utf8_cost_nothing(copy, tmp_path):
 
 
 def test_damaged_or_foreign_fixtures_are_named_in_one_line(copy, tmp_path):
+    damaged = {}
     for damage in ("truncated", "foreign"):
-        other = tmp_path / damage
+        other = damaged[damage] = tmp_path / damage
         shutil.copytree(copy, other)
         path = other / FIXTURES
         if damage == "truncated":
             path.write_bytes(path.read_bytes()[:1000])
         else:
             torch.save({"sources": 1}, path)
-        _, result, proc = grade(other, grader=other, ok=False)
+    gradings = side_by_side(*(partial(grade, other, grader=other, ok=False)
+                              for other in damaged.values()))
+    for other, (_, result, proc) in zip(damaged.values(), gradings):
+        path = other / FIXTURES
         err = proc.stderr.strip()
         assert proc.returncode == 2 and err.startswith("error: ") and str(path) in err \
             and "\n" not in err and result is None, err
@@ -261,13 +275,24 @@ def test_problem_5s_reference_was_measured_with_todays_recipe():
 # ------------------------------------------------------------------------ the scripts' refusals
 
 def run(script, *args, cwd=ROOT):
+    """The script as a user runs it, in a fresh Python: (exit status, stderr, stdout)."""
     proc = subprocess.run([sys.executable, str(script), *map(str, args)], cwd=cwd, env=ENV,
                           capture_output=True, text=True)
     return proc.returncode, proc.stderr.strip(), proc.stdout
 
 
-def test_make_refuses_destinations_that_would_lose_files(copy, tmp_path):
-    make = ROOT / "course" / "make.py"
+def refused(capsys, script, *args):
+    """A refusal as the script's entry point (run_main) answers it, in this process: (exit status,
+    its one line on stderr). Every refusal comes before the script's work, so a fresh Python would
+    spend its time importing torch; one refusal of each script still runs as a subprocess (run)."""
+    capsys.readouterr()
+    code = run_main(script.interruptible, [str(a) for a in args])
+    return code, capsys.readouterr().err.strip()
+
+
+def test_make_refuses_destinations_that_would_lose_files(copy, tmp_path, capsys, monkeypatch):
+    student = tmp_path / "student"  # the module's copy stays as make.py wrote it
+    shutil.copytree(copy, student)
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("mine")
@@ -277,24 +302,33 @@ def test_make_refuses_destinations_that_would_lose_files(copy, tmp_path):
     (fake / "course").mkdir(parents=True)
     (fake / MARKER).write_text("not make.py's\n")
     for args, cwd, fragment in [((ROOT / "student",), ROOT, "lies inside this repository"),
-                                ((ROOT.parent,), ROOT, "holds"), ((copy,), ROOT, "--overwrite"),
+                                ((ROOT.parent,), ROOT, "holds"), ((student,), ROOT, "--overwrite"),
                                 ((mine, "--overwrite"), ROOT, "is not a student copy"),
                                 ((fake, "--overwrite"), ROOT, "is not a student copy"),
                                 ((mine / "notes.txt",), ROOT, "is a file"),
                                 ((".",), empty, "is the current folder")]:
-        code, err, _ = run(make, *args, cwd=cwd)
+        monkeypatch.chdir(cwd)
+        code, err = refused(capsys, make_py, *args)
         assert (code == 2 and err.startswith("error: ") and fragment in err
                 and "\n" not in err), (args, err)
+    monkeypatch.chdir(ROOT)
     assert (mine / "notes.txt").read_text() == "mine" and not (ROOT / "student").exists()
-    assert empty.is_dir() and not any(empty.iterdir())
     # a make.py killed mid-write left its part of a copy, and the copy it was replacing
-    (copy.parent / ".student.tmp999999999").mkdir()
-    os.replace(copy, copy.parent / ".student.old999999998")
-    code, err, _ = run(make, copy, "--untracked")
+    (tmp_path / ".student.tmp999999999").mkdir()
+    os.replace(student, tmp_path / ".student.old999999998")
+    code, err = refused(capsys, make_py, student, "--untracked")
     assert code == 2 and "pass --overwrite" in err, err  # the old copy is back in place first
-    code, err, _ = run(make, copy, "--overwrite", "--untracked")
-    assert code == 0 and (copy / MARKER).is_file(), err
-    assert not list(copy.parent.glob(".student.*"))
+    # the command line itself, in fresh Pythons side by side: a refusal in the folder it names is
+    # one line and exit status 2; --overwrite replaces the copy whole
+    (code, err, out), again = side_by_side(
+        partial(run, ROOT / "course" / "make.py", ".", cwd=empty),
+        partial(run, ROOT / "course" / "make.py", student, "--overwrite", "--untracked"))
+    assert code == 2 and err.startswith("error: ") and "is the current folder" in err \
+        and "\n" not in err and "Traceback" not in err + out, err
+    assert empty.is_dir() and not any(empty.iterdir())
+    code, err, _ = again
+    assert code == 0 and (student / MARKER).is_file(), err
+    assert not list(tmp_path.glob(".student.*"))
 
 
 def test_make_copies_tracked_files_and_stamps_a_dirty_tree(tmp_path):
@@ -304,9 +338,11 @@ def test_make_copies_tracked_files_and_stamps_a_dirty_tree(tmp_path):
     subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
     (clone / "scratch").mkdir()
     (clone / "scratch" / "solution.py").write_text("# the instructor's notes\n")
-    code, err, _ = run(clone / "course" / "make.py", tmp_path / "a", cwd=clone)
+    (code, err, _), untracked = side_by_side(  # both only read what git sees of the clone
+        partial(run, clone / "course" / "make.py", tmp_path / "a", cwd=clone),
+        partial(run, clone / "course" / "make.py", tmp_path / "b", "--untracked", cwd=clone))
     assert code == 2 and "scratch/solution.py" in err and "--untracked" in err, err
-    code, err, _ = run(clone / "course" / "make.py", tmp_path / "b", "--untracked", cwd=clone)
+    code, err, _ = untracked
     assert code == 0 and (tmp_path / "b" / "scratch" / "solution.py").is_file(), err
     assert "-dirty (a dirty tree" in (tmp_path / "b" / MARKER).read_text()
     (clone / "scratch" / "solution.py").unlink()
@@ -318,28 +354,37 @@ def test_make_copies_tracked_files_and_stamps_a_dirty_tree(tmp_path):
     assert "Traceback" not in err + out and not (tmp_path / "c").exists()
 
 
-def test_grade_refuses_bad_arguments_in_one_line_before_grading(tmp_path):
+def test_grade_refuses_bad_arguments_in_one_line_before_grading(tmp_path, capsys):
     mine = tmp_path / "notes.txt"
     mine.write_text("mine")
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"score": 3, "from": "another program"}))
-    for args, fragment in [([str(tmp_path)], "not a copy"), ([f"--json={tmp_path}"], "is a folder"),
+    for args, fragment in [([f"--json={tmp_path}"], "is a folder"),
                            ([f"--json={mine}"], "was not written by grade.py"),
                            ([f"--json={other}"], "was not written by grade.py"),
                            ([f"--experiment={mine}"], "is not a folder"),
                            (["--seed=-1"], "out of range"),
                            ([f"--json={tmp_path / 'run' / 'ckpt.dcp' / 'g.json'}"],
                             "sharded checkpoint")]:
-        code, err, _ = run(ROOT / "course" / "grade.py", *args)
+        code, err = refused(capsys, grade_py, *args)
         assert code == 2 and err.startswith("error: ") and fragment in err and "\n" not in err, err
     assert mine.read_text() == "mine" and json.loads(other.read_text())["score"] == 3
+    # the command line itself, in fresh Pythons side by side: a refusal is one line and exit
+    # status 2; a result grade.py wrote earlier is replaced
     earlier = tmp_path / "earlier.json"
     earlier.write_text(json.dumps({"written_by": mark("grade.py"), "score": 0}))
-    code, err, _ = run(ROOT / "course" / "grade.py", "--problem=1", f"--json={earlier}")
+    (code, err, out), again = side_by_side(
+        partial(run, ROOT / "course" / "grade.py", tmp_path),
+        partial(run, ROOT / "course" / "grade.py", "--problem=1", f"--json={earlier}"))
+    assert code == 2 and err.startswith("error: ") and "not a copy" in err and "\n" not in err \
+        and "Traceback" not in err + out, err
+    code, err, _ = again
     assert code == 0 and json.loads(earlier.read_text())["problems"][0]["earned"] == 10, err
 
 
-def test_grade_help_says_what_it_protects_against():
-    code, _, out = run(ROOT / "course" / "grade.py", "--help")
-    assert code == 0 and "What it does not" in out and "--network=none" in out
+def test_grade_help_says_what_it_protects_against(capsys):
+    with pytest.raises(SystemExit) as done:  # argparse's --help prints and exits 0
+        run_main(grade_py.interruptible, ["--help"])
+    out = capsys.readouterr().out
+    assert done.value.code == 0 and "What it does not" in out and "--network=none" in out
     assert full(1) == {1: 10}
