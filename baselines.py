@@ -364,7 +364,7 @@ class LIMe(GPT):
 
 
 def lime_cost(config: ModelConfig, bytes_per_element: int = 2) -> dict:
-    """LIMe's terms for model.depth_cost: no scores, K and V mixed, but every output head reads all
+    """LIMe's terms for support.cost.depth_cost: no scores, K and V mixed, but every output head reads all
     R = n_kv_head heads of a candidate layer: FLOPs 4 R d_kv C; I/O bytes (2C + 2L) d_kv (read each
     candidate's raw K and V once, write the mixed K and V); its router adds R^2 C parameters. With
     the default sources (every earlier layer) C = L (L + 1) / 2 - 1. C counts layers, not heads."""
@@ -396,10 +396,6 @@ class ValueCache(KVCache):
                  dtype=torch.float32):
         super().__init__(config, batch_size, max_len, "meta", dtype)  # KVCache's checks, no memory
         self.k, self.v = None, torch.zeros(self.v.shape, device=device, dtype=dtype)
-
-    @property
-    def max_len(self) -> int:
-        return self.v.shape[3]
 
     @property
     def nbytes(self) -> int:

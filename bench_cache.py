@@ -16,7 +16,7 @@ prefill and of a training step's forward and backward (measured once each); the 
 time per token and a training step (forward, backward, AdamW), each the median of interleaved repeats.
 Every figure has its ratio to vanilla measured in the same run. `value@3` is the value mode with
 n_loops=3; its baseline is `vanilla@3`, added when missing. Then the analytic per-token cost of the depth
-step (model.depth_cost) and the paper's Table 2 for its 3B model.
+step (support.cost.depth_cost) and the paper's Table 2 for its 3B model.
 """
 import inspect
 import json
@@ -32,7 +32,8 @@ import torch
 from tqdm import tqdm
 
 from baselines import BASELINES, DEPTH_MODES, BaselineConfig, build_model, make_config
-from model import GPT, depth_cost
+from model import GPT
+from support.cost import depth_cost
 from support import hf, paper
 from support.memory import allocator_peak
 from support.cli import mark, output_file, reason, require, resolve_device, table, write_atomically
@@ -369,7 +370,7 @@ def measure(cfg):
 # ----------------------------------------------------------------------------- analytic cost
 
 def paper_table2():
-    """Table 2 for the paper's 3B model: Depth-Attention from model.depth_cost, the baselines' extra
+    """Table 2 for the paper's 3B model: Depth-Attention from support.cost.depth_cost, the baselines' extra
     prefill memory from the number of extra D-vectors each keeps per token (at the authors' default
     knobs), their FLOPs and I/O quoted."""
     shape = preset("paper_3b")

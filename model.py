@@ -7,8 +7,8 @@ layers stored *at the same token position* and mixes their values into its own v
 exactly a normal KV cache (`KVCache`). The paper's variants are the rows of one table, DEPTH_MODES.
 
 Reading order: ModelConfig and the source rule; the method (the depth weights, DEPTH_MODES,
-`depth_mix`); `KVCache`; the decoder (RoPE, RMSNorm, Attention, MLP, Block, GPT); `depth_cost`
-(Table 2). It imports only torch; the comparisons build on it in baselines.py (LIMe: "lime").
+`depth_mix`); `KVCache`; the decoder (RoPE, RMSNorm, Attention, MLP, Block, GPT). It imports only
+torch; baselines.py builds the comparisons on it, support/cost.py the cost formulas (Table 2).
 """
 import math
 from dataclasses import dataclass
@@ -93,9 +93,8 @@ class ModelConfig:
         Layer 0 has none, and neither has a mode without a depth step (vanilla)."""
         if not DEPTH_MODES[self.depth_mode].mixes or e == 0:
             return []
-        picked = {j for j in range(e) if j % self.stride == 0}
-        picked |= set(range(max(0, e - self.depth_recent_window), e))
-        return sorted(picked)
+        recent = range(max(0, e - self.depth_recent_window), e)
+        return sorted({j for j in range(e) if j % self.stride == 0}.union(recent))
 
 
 # ----------------------------------------------------------------------------- the method
@@ -233,13 +232,12 @@ class KVCache:
             raise ValueError(f"KVCache max_len {max_len} exceeds the context length block_size="
                              f"{config.block_size}; shorten the prompt or the number of new tokens")
         shape = (config.n_eff_layer, batch_size, config.n_kv_head, max_len, config.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.k, self.v = (torch.zeros(shape, device=device, dtype=dtype) for _ in "kv")
         self.pos = 0  # tokens written so far: advance(T) once per forward, after every layer
 
     @property
     def max_len(self) -> int:
-        return self.k.shape[3]
+        return self.v.shape[3]
 
     @property
     def nbytes(self) -> int:
@@ -456,10 +454,8 @@ class GPT(nn.Module):
         if cache is not None:
             cache.advance(T)
         logits = self.lm_head(self.norm(x))                                    # (B, T, vocab)
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(fp32_or_wider(logits).flatten(0, 1), targets.reshape(-1),
-                                   ignore_index=-1)
+        loss = None if targets is None else F.cross_entropy(
+            fp32_or_wider(logits).flatten(0, 1), targets.reshape(-1), ignore_index=-1)
         return logits, loss
 
     @torch.no_grad()
@@ -471,8 +467,7 @@ class GPT(nn.Module):
         if T + max_new_tokens > self.config.block_size:
             raise ConfigError(f"prompt ({T} tokens) + max_new_tokens ({max_new_tokens}) = "
                               f"{T + max_new_tokens} exceeds the context length block_size="
-                              f"{self.config.block_size}; shorten the prompt or ask for fewer "
-                              f"tokens")
+                              f"{self.config.block_size}; shorten the prompt or ask for fewer tokens")
         cache = self.new_cache(B, T + max_new_tokens, dtype=cache_dtype)
         logits, _ = self(idx, cache=cache)
         out = [idx]
@@ -502,36 +497,3 @@ class GPT(nn.Module):
     def _init_weights(self, module):
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=self.config.init_std)
-
-
-# ----------------------------------------------------------------------------- cost (Table 2)
-
-def depth_cost(config: ModelConfig, bytes_per_element: int = 2) -> dict:
-    """Per-token extra cost of the depth step over vanilla, the paper's formulas (Table 2).
-    C = candidates (sources plus self) summed over the layers, d_kv = n_kv_head * head_dim.
-    value: FLOPs 4 d_kv C (2 for the scores, 2 for the mix); activation I/O bytes (2C + L) d_kv
-    (read K and V of each candidate, write one vector per layer). Uniform Mix has no scores and
-    reads only V; a row mixing K mixes and writes it too. The KV cache is vanilla's in every
-    mode; extra_params counts a learned row's params. A row with its own `cost` (LIMe's) gives
-    its own terms."""
-    mode = DEPTH_MODES[config.depth_mode]
-    if mode.cost is not None:
-        return mode.cost(config, bytes_per_element)
-    L, d_kv = config.n_eff_layer, config.n_kv_head * config.head_dim
-    C = sum(len(config.sources(e)) + 1 for e in range(1, L)) if mode.mixes else 0
-    n_mix = mode.mixes_k + mode.mixes_v                    # vectors mixed per layer: K, V or both
-    scored = mode.mixes and mode.weights is not uniform_weights  # <qbar, K_c> per candidate
-    reads = C * ((scored or mode.mixes_k) + mode.mixes_v)  # each candidate's K and/or V, once
-    writes = n_mix * L if C else 0  # the paper counts L written vectors (Table 2: L = 48)
-    return {"candidates": C, "flops_per_token": 2 * d_kv * C * (scored + n_mix),
-            "io_bytes_per_token": bytes_per_element * (reads + writes) * d_kv,
-            "extra_persistent_bytes": 0, "extra_params": learned_params(config, mode)}
-
-
-def learned_params(config: ModelConfig, mode: DepthMode) -> int:
-    """The number of a learned row's parameters over the blocks (built on the meta device)."""
-    if mode.params is None:
-        return 0
-    with torch.device("meta"):
-        held = [Attention(config, layer).depth_params for layer in range(config.n_layer)]
-    return sum(p.numel() for params in held if params is not None for p in params.parameters())

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_config, tiny_model
-from model import DEPTH_MODES, GPT, KVCache, ModelConfig, apply_rope, depth_cost, depth_mix, rope_tables
+from model import DEPTH_MODES, GPT, KVCache, ModelConfig, apply_rope, depth_mix, rope_tables
+from support.cost import depth_cost
 from support.depth_weights import capture
 
 # ----------------------------------------------------------------------------- naive reference

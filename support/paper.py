@@ -26,7 +26,7 @@ ABLATION_LOSS = {"vanilla": 2.2348, "uniform": 2.2153, "value": 2.2115, "key": 2
                  "looped_vanilla": 2.208, "looped_value": 2.194}
 
 # Table 2, the 3B model (fp16): extra cost per token over vanilla. Depth-Attention's row is also
-# derived by model.depth_cost; the hidden-state baselines' FLOPs and I/O are quoted (their
+# derived by support.cost.depth_cost; the hidden-state baselines' FLOPs and I/O are quoted (their
 # derivations are not given).
 TABLE2_DEPTH_ATTENTION = {"flops_per_token": 2.40e5, "io_kib_per_token": 282,
                           "extra_prefill_gib_128k": 0.0}

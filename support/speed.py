@@ -5,14 +5,14 @@ FLOPs utilisation (MFU) and the time left (ETA).
 MFU = the model's training FLOPs per token x tokens per second / the devices' peak FLOP/s. The
 FLOPs per token are the PaLM/nanoGPT count, 6N for the weights' matmuls (forward and backward)
 plus 12 L n_head head_dim T for attention's scores and mix, plus 3x the depth step's forward
-FLOPs (model.depth_cost, the paper's Table 2). The peak is --peak_flops, or the bf16 dense peak of
+FLOPs (support.cost.depth_cost, the paper's Table 2). The peak is --peak_flops, or the bf16 dense peak of
 a GPU known by name; on a CPU or an unknown GPU there is no MFU rather than an invented one.
 """
 import time
 
 import torch
 
-from model import depth_cost
+from support.cost import depth_cost
 
 # bf16 dense tensor-core peaks (FLOP/s, no sparsity) from the vendors' datasheets, by a substring
 # of torch.cuda.get_device_name(); the longest match wins ("H100 PCIe" before "H100").

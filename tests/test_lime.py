@@ -9,7 +9,8 @@ import torch
 
 from baselines import LIMe, build_model, make_config
 from conftest import tiny_config, tiny_model
-from model import ModelConfig, depth_cost
+from model import ModelConfig
+from support.cost import depth_cost
 import sample
 from support import hf, memory
 from support.depth_weights import capture

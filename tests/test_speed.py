@@ -5,7 +5,7 @@ import torch
 
 from conftest import tiny_model
 from helpers import TINY_SHORT, log_records, train
-from model import depth_cost
+from support.cost import depth_cost
 from support import speed
 
 
