@@ -341,9 +341,9 @@ def test_the_copy_holds_no_solution(copy):
 
 
 def half_written(where):
-    """A model.py that ends in a line that does not parse; returns that line's number."""
-    lines = (ROOT / "model.py").read_text().splitlines()
-    (where / "model.py").write_text("\n".join(lines[:-1] + ["def half_written(:"]) + "\n")
+    """model.py with a line that does not parse added at its end; returns that line's number."""
+    lines = (ROOT / "model.py").read_text().splitlines() + ["def half_written(:"]
+    (where / "model.py").write_text("\n".join(lines) + "\n")
     return len(lines)
 
 
