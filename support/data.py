@@ -382,17 +382,99 @@ def prepare(
     only (e.g. rank 0).
     """
     check_request(source, name, val_fraction, num_proc, shards)
-    if Path(out_dir).exists() and not Path(out_dir).is_dir():
-        raise ConfigError(f"--out_dir={out_dir} is a file; give the folder that holds the datasets "
-                          f"(the dataset is made inside it, in --name)")
     name, tokenizer = name or source, tokenizer or DEFAULT_TOKENIZER[source]
     inputs = [str(inputs)] if isinstance(inputs, (str, Path)) else [str(i) for i in inputs or []]
-    data_dir = Path(out_dir) / name
-    not_in_a_checkpoint(data_dir, "--out_dir")
-    clean_stale(data_dir, inside=True)
+    data_dir = _destination(out_dir, name)
     if (data_dir / "meta.json").exists() and not force:
         print(f"{data_dir} is already prepared; pass --force to rebuild it")
         return data_dir
+    _check_replaceable(data_dir)
+    docs, description, split_rule = _documents(
+        source, inputs, shards, tokenizer, val_fraction, decode_errors
+    )
+    enc = _uint16_tokenizer(tokenizer)
+    every, start = round(1 / val_fraction), time.time()
+    tmp = data_dir.with_name(f"{data_dir.name}.tmp{os.getpid()}")
+    try:
+        tmp.mkdir(parents=True)
+    except OSError as e:
+        raise DataError(f"cannot write {tmp} ({e.strerror or e}); pick a writable --out_dir") from e
+    try:
+        tokens, documents, max_id = _tokenize(docs, every, tmp, name, enc.name,
+                                              num_proc or min(8, os.cpu_count() or 1))
+        meta = {
+            "source": source,
+            "input": description,
+            "tokenizer": enc.name,
+            "vocab_size": enc.n_vocab,
+            "eot_token": enc.eot_token,
+            "max_token_id": max_id,
+            "dtype": "uint16",
+            "eot": "appended after every document",
+            "split": split_rule or f"non-empty document i is val if i % {every} == 0",
+            "tokens": tokens,
+            "documents": documents,
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        _swap_in(tmp, data_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    print(
+        f"prepared {data_dir}: train {tokens['train']} tokens ({documents['train']} docs), "
+        f"val {tokens['val']} tokens ({documents['val']} docs), tokenizer {enc.name}, "
+        f"{time.time() - start:.1f}s"
+    )
+    return data_dir
+
+
+def _destination(out_dir, name) -> Path:
+    """<out_dir>/<name>, checked to be a dataset's place, with a killed run's leftovers removed."""
+    if Path(out_dir).exists() and not Path(out_dir).is_dir():
+        raise ConfigError(f"--out_dir={out_dir} is a file; give the folder that holds the datasets "
+                          f"(the dataset is made inside it, in --name)")
+    data_dir = Path(out_dir) / name
+    not_in_a_checkpoint(data_dir, "--out_dir")
+    clean_stale(data_dir, inside=True)
+    return data_dir
+
+
+def _uint16_tokenizer(tokenizer):
+    """The tokenizer, whose ids must fit the uint16 files. Its `name` is a local folder for a hub
+    id, which the worker processes then load from there."""
+    enc = get_tokenizer(tokenizer)
+    if enc.n_vocab > 2**16:
+        raise DataError(
+            f"tokenizer {enc.name} has {enc.n_vocab} tokens, more than uint16 ids can hold"
+        )
+    return enc
+
+
+def _tokenize(docs, every, tmp, name, tokenizer, num_proc):
+    """Tokenize docs into tmp/{train,val}.bin, num_proc workers in waves; returns the tokens and
+    documents per split and the largest id. An empty split is a DataError."""
+    tokens, documents, max_id = {"train": 0, "val": 0}, {"train": 0, "val": 0}, 0
+    with open(tmp / "train.bin", "wb") as train_f, open(tmp / "val.bin", "wb") as val_f, \
+            (Pool(num_proc, _ignore_ctrl_c) if num_proc > 1 else nullcontext()) as pool, \
+            tqdm(desc=f"tokenizing {name}", unit="doc") as bar:
+        out, encode, chunks = (
+            {"train": train_f, "val": val_f}, pool.imap if pool else map, _chunks(docs, every))
+        while wave := [
+            (tokenizer, split, texts) for split, texts in islice(chunks, WAVE * num_proc)
+        ]:
+            for split, n_docs, ids in encode(_encode, wave):
+                ids.tofile(out[split])
+                tokens[split] += len(ids)
+                documents[split] += n_docs
+                max_id = max(max_id, int(ids.max()))
+                bar.update(n_docs)
+    for split in tokens:
+        if not tokens[split]:
+            raise DataError(
+                f"the {split} split is empty ({sum(documents.values())} documents in all): "
+                f"give more documents or change --val_fraction"
+            )
+    return tokens, documents, max_id
     _check_replaceable(data_dir)
     docs, description, split_rule = _documents(
         source, inputs, shards, tokenizer, val_fraction, decode_errors
