@@ -68,6 +68,12 @@ def train(monkeypatch, *args):
         return err.getvalue().strip().splitlines()[-1] if e.code else None
     return None
 
+def resumed_losses(monkeypatch, args, out_dir, stop):
+    """{step: val_loss} of train.py stopped at step `stop`, then resumed to its end."""
+    assert train(monkeypatch, *args, f"--out_dir={out_dir}", f"--stop_at_step={stop}") is None
+    assert train(monkeypatch, f"--out_dir={out_dir}", "--resume") is None
+    return eval_losses(out_dir)
+
 # ----------------------------------------------------------------------------- what a run logged
 
 

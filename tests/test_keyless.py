@@ -8,7 +8,7 @@ import torch
 from baselines import Keyless, ValueCache, make_config
 from conftest import tiny_model
 import export
-from helpers import TINY_SHORT, eval_losses, train
+from helpers import TINY_SHORT, eval_losses, resumed_losses, train
 from model import ConfigError, KVCache
 import sample
 from support import hf
@@ -190,10 +190,7 @@ def test_train_resume_sample_and_export_a_keyless_run(data_root, tmp_path, monke
     assert train(monkeypatch, *args, f"--out_dir={out}") is None
     losses = eval_losses(out)
     assert losses[20] < losses[0] - 1.0, losses
-    resumed = tmp_path / "resumed"
-    assert train(monkeypatch, *args, f"--out_dir={resumed}", "--stop_at_step=10") is None
-    assert train(monkeypatch, f"--out_dir={resumed}", "--resume") is None
-    assert eval_losses(resumed) == losses
+    assert resumed_losses(monkeypatch, args, tmp_path / "resumed", stop=10) == losses
     capsys.readouterr()
     sample.main([f"--init_from={out}", "--prompt=the", "--max_new_tokens=8", "--device=cpu"])
     assert "depth_mode=value, residual=add, attention=keyless" in capsys.readouterr().err

@@ -14,7 +14,7 @@ from support.cost import depth_cost
 import sample
 from support import hf, memory
 from support.depth_weights import capture
-from helpers import TINY_SHORT, eval_losses, train
+from helpers import TINY_SHORT, eval_losses, resumed_losses, train
 from test_model import (MODEL_REFERENCES, assert_matches_reference, ref_attention, ref_mlp,
                         ref_positioned, ref_projections, ref_sources, rms)
 import train as train_script
@@ -220,6 +220,4 @@ def test_train_lowers_the_loss_and_sample_reads_the_run(data_root, tmp_path, mon
     assert "depth_mode=lime" in printed.err and "--- sample 1/1: 3 prompt + 8 new tokens" in printed.out
     # A resumed run keeps the router's group and its multiplied lr: the same losses as the run in
     # one go
-    assert train(monkeypatch, *args, f"--out_dir={tmp_path / 'resumed'}", "--stop_at_step=10") is None
-    assert train(monkeypatch, f"--out_dir={tmp_path / 'resumed'}", "--resume=True") is None
-    assert eval_losses(tmp_path / "resumed") == losses
+    assert resumed_losses(monkeypatch, args, tmp_path / "resumed", stop=10) == losses
