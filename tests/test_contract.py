@@ -23,6 +23,7 @@ import export
 from model import DEPTH_MODES, KVCache
 import model as model_py
 from support import checkpoint, hf
+from support.cost import depth_cost
 from support.tokenizer import tokenizer_record
 from helpers import ROOT
 from test_model import (MODEL_REFERENCES, REFERENCE_MODES, SOURCE_CASES, assert_matches_reference,
@@ -370,7 +371,7 @@ def test_the_learned_example_passes_the_whole_contract(learned_example, tmp_path
     with capture(model) as alphas:
         model(idx)
     assert sorted(alphas) == [e for e, src in enumerate(model.depth_sources) if src]
-    assert model_py.depth_cost(model.config)["extra_params"] == sum(
+    assert depth_cost(model.config)["extra_params"] == sum(
         model.get_parameter(n).numel() for n in names)
 
 
