@@ -40,7 +40,8 @@ def tiny_model(seed=0, dtype=torch.float32, **overrides) -> GPT:
 # on 2 cores. Every other test file is slow unless it is named here, so a new file cannot make the
 # fast tier slow unnoticed.
 FAST_FILES = {"test_model.py", "tests/test_contract.py", "tests/test_config.py",
-              "tests/test_docs.py", "tests/test_layout.py"}
+              "tests/test_docs.py", "tests/test_layering.py", "tests/test_old_formats.py",
+              "tests/test_mode_lists.py"}
 
 
 def pytest_collection_modifyitems(config, items):

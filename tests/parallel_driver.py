@@ -19,12 +19,15 @@ from baselines import build_model, make_config  # noqa: E402
 from support.parallel import Parallel, Process, checkpoint_activations  # noqa: E402
 from support.run_config import DEFAULTS  # noqa: E402
 import train  # noqa: E402
-from test_contract import VARIANTS  # noqa: E402
+from helpers import contract_variants  # noqa: E402
+from test_model import SOURCE_CASES  # noqa: E402
 
 SHAPE = dict(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_kv_head=1, head_dim=8, n_embd=16,
              mlp_hidden=32, init_std=0.1)
-# Every variant the contract holds (tests/test_contract.py's VARIANTS: the rows, the source rules,
-# a looped model, the baselines, so a fork's too), and the cases only training has.
+# Every variant the contract holds (helpers.contract_variants, tests/test_contract.py's VARIANTS:
+# the rows, the source rules, a looped model, the baselines, so a fork's too), and the cases only
+# training has.
+VARIANTS = contract_variants(SOURCE_CASES)
 CASES = {**VARIANTS,
          "value+ac": dict(VARIANTS["value"], activation_checkpointing=True),
          "kv-looped": dict(depth_mode="kv", n_loops=2),

@@ -4,9 +4,10 @@ causality, the sequences of a batch kept apart, vanilla's KV cache, every added 
 registered, trained and saved, exact round trips through a train.py checkpoint and a Hugging Face
 export (whose logits in transformers are ours), and one graph under torch.compile.
 
-VARIANTS is derived from model.DEPTH_MODES, test_model.SOURCE_CASES and baselines.BASELINES, and
-REFERENCES from test_model's registries (REFERENCE_MODES, MODEL_REFERENCES), so a new row, source
-rule or baseline is held to the contract with no edit here; docs/forking.md's examples are
+VARIANTS is derived from model.DEPTH_MODES, test_model.SOURCE_CASES and baselines.BASELINES (by
+helpers.contract_variants, which tests/parallel_driver.py trains too), and REFERENCES from
+test_model's registries (REFERENCE_MODES, MODEL_REFERENCES), so a new row, source rule or baseline
+is held to the contract with no edit here; docs/forking.md's examples are
 registered at test time and run through every clause (test_the_forking_examples_pass_...)."""
 import importlib
 import itertools
@@ -17,7 +18,6 @@ from dataclasses import asdict, replace
 import pytest
 import torch
 
-from baselines import ATTENTIONS, BASELINES
 from conftest import added_parameters, tiny_variant
 import export
 from model import DEPTH_MODES, KVCache
@@ -25,7 +25,7 @@ import model as model_py
 from support import checkpoint, hf
 from support.cost import depth_cost
 from support.tokenizer import tokenizer_record
-from helpers import ROOT
+from helpers import ROOT, contract_variants
 from test_model import (MODEL_REFERENCES, REFERENCE_MODES, SOURCE_CASES, assert_matches_reference,
                         reference_forward)
 import test_model
@@ -35,18 +35,7 @@ for path in sorted((ROOT / "tests").glob("test_*.py")):
     if path.name != "test_contract.py" and "\nMODEL_REFERENCES" in path.read_text():
         importlib.import_module(path.stem)
 
-# The variant's keys beyond conftest.tiny_config's: LIMe reads every earlier layer, as published;
-# AttnRes takes a snapshot at every layer, so caching exercises its snapshots.
-SHAPES = {"lime": dict(depth_stride=None), "attnres": dict(attnres_block_size=2)}
-VARIANTS = {**{mode: dict(depth_mode=mode) for mode in DEPTH_MODES},
-            "looped": dict(depth_mode="value", n_layer=2, n_loops=2, depth_stride=None),
-            **{f"value+{rule}": dict(depth_mode="value", **keys)
-               for rule, keys in SOURCE_CASES.items()},
-            **{name: dict(depth_mode="vanilla", residual=name) for name in BASELINES},
-            **{f"{name}{plus}": dict(depth_mode=mode, attention=name)
-               for name in ATTENTIONS if name != "standard"
-               for plus, mode in (("", "vanilla"), ("+value", "value"))}}
-VARIANTS = {name: {**keys, **SHAPES.get(name, {})} for name, keys in VARIANTS.items()}
+VARIANTS = contract_variants(SOURCE_CASES)
 # variant -> its naive reference (model, idx) -> logits, each written from its own equations
 REFERENCES = {**{name: reference_forward for name, keys in VARIANTS.items()
                  if keys.get("residual") is None and keys["depth_mode"] in REFERENCE_MODES},

@@ -5,32 +5,20 @@ instructor's; solutions that are right in another way keep full marks; each know
 loses the tests of its own problem that catch it and nothing else; a crash or an endless loop costs
 only the tests it is in. The forgeries, problem 5's runs and make.py: tests/test_course_trust.py."""
 import ast
-import json
-import shutil
 import subprocess
 import sys
-import tempfile
-import textwrap
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, fields
 from functools import partial
-from pathlib import Path
 
 import pytest
 
-from course import experiment, grade as grade_py, make as make_py
-from course.make import LEFT_OUT, WITHHELD_PAGES, blank, replace_bodies, repository_files, stubs
-from course.problems import EXPERIMENT, FIXTURES, GRADED, MARKER, PROBLEMS
-from helpers import ENV, ROOT
+from course.make import LEFT_OUT, WITHHELD_PAGES, blank, repository_files, stubs
+from course.problems import EXPERIMENT, GRADED, PROBLEMS
+from helpers import (COURSE_TIMEOUT, ENV, ROOT, earned, failing, fake_experiment, full, grade,
+                     make_copy, with_bodies)
 from support.cli import mark
 
-# tests/test_course_trust.py reads course/ through this module (the one test that imports it);
-# grade_py and make_py are the scripts, whose refusals it runs in its own process
-__all__ = ["experiment", "grade_py", "make_py", "EXPERIMENT", "FIXTURES", "MARKER"]
-
 CODE = [p for p in GRADED if p.functions]  # problems 1-4
-# each graded test's limit here (60 s in use); the slowest takes 1-3 s on a loaded 2-core machine
-TIMEOUT = 30
 LOOP_TIMEOUT = 10  # the copy whose causal_attention loops forever: its passing tests take 0.1 s
 TESTS = {p.number: {name for name, _ in p.tests} for p in GRADED}
 
@@ -137,115 +125,10 @@ DIFFERENT = {
 }
 
 
-def grade(copy, *args, grader=ROOT, timeout=TIMEOUT, ok=True, env=None):
-    """course/grade.py of `grader` on copy: (its printed lines, its --json result, the process);
-    ok: it must exit 0 without a traceback; env: more variables for it."""
-    # beside a copy, never beside the repository (the instructor's own grading writes there)
-    out = Path(tempfile.mkdtemp(prefix="grade")) / f"{copy.name}.json"
-    env = {**ENV, "COURSE_TEST_TIMEOUT": str(timeout), **(env or {})}
-    proc = subprocess.run([sys.executable, str(grader / "course" / "grade.py"), str(copy),
-                           f"--json={out}", *args],
-                          cwd=grader, env=env, capture_output=True, text=True, timeout=900)
-    assert "Traceback" not in proc.stderr + proc.stdout, proc.stdout + proc.stderr
-    if ok:
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout, json.loads(out.read_text()) if out.is_file() else None, proc
-
-
-def earned(result):
-    return {e["problem"]: e["earned"] for e in result["problems"] if e["graded"]}
-
-
-def failing(result):
-    """{problem: the names of its failing tests} for the problems with one."""
-    return {e["problem"]: {t["test"] for t in e["tests"] if t["why"] is not None}
-            for e in result["problems"] if e["graded"] and e["earned"] < e["points"]}
-
-
-def full(*numbers):
-    return {p.number: p.points for p in PROBLEMS if p.number in numbers}
-
-
 @pytest.fixture(scope="module")
 def copy(tmp_path_factory):
     """A fresh student copy, made once; tests that change it work on copies of it."""
     return make_copy(tmp_path_factory.mktemp("course") / "student")
-
-
-def make_copy(out):
-    proc = subprocess.run([sys.executable, "course/make.py", str(out), "--untracked"], cwd=ROOT,
-                          env=ENV, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith(f"wrote the student copy {out}")
-    return out
-
-
-def with_bodies(copy, where, bodies, prefix="", name="copy"):
-    """A copy of the student copy whose model.py is the repository's with these functions'
-    bodies, and `prefix` run at its import."""
-    other = where / name
-    shutil.copytree(copy, other)
-    source = replace_bodies((ROOT / "model.py").read_text(),
-                            {k: textwrap.dedent(v) for k, v in bodies.items()})
-    (other / "model.py").write_text(textwrap.dedent(prefix) + source)
-    return other
-
-
-def model_config(cfg):
-    """The ModelConfig train.py builds from a config (the byte tokenizer's 257 ids)."""
-    import model
-    keys = {f.name for f in fields(model.ModelConfig)}
-    return model.ModelConfig(**{**{k: v for k, v in cfg.items() if k in keys},
-                                "vocab_size": cfg["vocab_size"] or 257})
-
-
-def fake_experiment(out, losses=None, checkpoints=True):
-    """The folder the handout's command writes, without the training: for each run and seed the
-    config train.py records, a checkpoint of an untrained model (checkpoints) and a log that ends
-    with its loss on the validation windows, or with `losses` ({run: {seed: loss}}; default
-    course/expected's, the measured run's); results.json and the figure."""
-    import ablate
-    import torch
-    expected = json.loads((ROOT / "course" / "expected" / "results.json").read_text())
-    given = losses or {run: dict(enumerate(v["losses"])) for run, v in expected["runs"].items()}
-    logged = {}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # on a loaded 2-core machine, two threads take 10x as long
-    try:
-        write_runs(out, given, losses is None, checkpoints, logged)
-    finally:
-        torch.set_num_threads(threads)
-    stats, tables = ablate.summarize(logged)
-    (out / "results.json").write_text(json.dumps({**expected, "runs": stats, "tables": tables}))
-    shutil.copy(ROOT / "course" / "expected" / "depth_weights.png", out)
-    return out
-
-
-def write_runs(out, given, measured, checkpoints, logged):
-    """Each run's folder (fake_experiment); measured: log the checkpoint's own loss."""
-    import torch
-    from support.sweep import run_dir, train_config
-    val = None
-    for run, by_seed in given.items():
-        for seed, loss in by_seed.items():
-            where = run_dir(out, run, seed)
-            where.mkdir(parents=True)
-            cfg = train_config([str(ROOT / EXPERIMENT["base"]),
-                                str(ROOT / "configs" / "ablations" / f"mode_{run}.py"),
-                                f"--seed={seed}"])
-            if checkpoints:
-                import model
-                torch.manual_seed(seed)
-                gpt = model.GPT(model_config(cfg))
-                val = experiment.validation(cfg) if val is None else val
-                loss = experiment.val_loss(gpt, val, cfg) if measured else loss
-                torch.save({"model": gpt.state_dict(), "model_config": asdict(gpt.config),
-                            "config": cfg, "step": cfg["max_iters"]}, where / "ckpt.pt")
-            logged.setdefault(run, {})[seed] = loss
-            (where / "config.json").write_text(json.dumps({**cfg, "out_dir": str(where),
-                                                           "resumes": []}))
-            (where / "log.jsonl").write_text(json.dumps({"kind": "eval", "step": cfg["max_iters"],
-                                                         "val_loss": loss}))
 
 
 def test_the_repository_grades_full_marks_with_its_hidden_tests(graded):
@@ -362,7 +245,7 @@ def graded(copy, tmp_path_factory):
     copies = {name: with_bodies(copy, tmp_path_factory.mktemp("graded"), bodies)
               for name, bodies in cases.items()}
     half_written(copies["does not import"])
-    jobs = {name: partial(grade, where, timeout=LOOP_TIMEOUT if "loop" in name else TIMEOUT)
+    jobs = {name: partial(grade, where, timeout=LOOP_TIMEOUT if "loop" in name else COURSE_TIMEOUT)
             for name, where in copies.items()}
     jobs["practice"] = partial(grade, copies["pasted back"], grader=copies["pasted back"])
     jobs["fresh copy"] = partial(grade, copy, grader=copy)

@@ -15,11 +15,12 @@ from functools import partial
 import pytest
 import torch
 
+from course import experiment, grade as grade_py, make as make_py
+from course.problems import EXPERIMENT, FIXTURES, MARKER
+from helpers import (ENV, ROOT, earned, failing, fake_experiment, full, grade, make_copy,
+                     with_bodies)
 from support.cli import mark
 from support.errors import run_main
-
-from test_course import (ENV, EXPERIMENT, FIXTURES, MARKER, ROOT, earned, experiment, failing,
-                         fake_experiment, full, grade, grade_py, make_copy, make_py, with_bodies)
 
 ZERO = dict.fromkeys([1, 2, 3, 4], 0)
 

@@ -1,6 +1,7 @@
 """The docs run: every Python import line and every command of a root script in the code blocks of
-README.md and docs/*.md is executed or parsed here, so a renamed module or flag fails a test instead
-of a reader. And the code reads beside a PDF: line lengths of every module."""
+README.md and docs/*.md is executed or parsed here (docs/gpu.md's command resolved as its scripts
+resolve it), so a renamed module or flag fails a test instead of a reader. And the code reads beside
+a PDF: line lengths of every module; no tracked file holds a merge's conflict markers."""
 import importlib.util
 import json
 import re
@@ -263,3 +264,75 @@ def test_every_module_fits_beside_a_pdf():
     worst = "\n".join(f"  {name}: {long} of {n} lines over {LONG} ({share:.0%}), {over} over "
                       f"{TOO_LONG}" for share, name, long, n, over in sorted(bad, reverse=True))
     assert not bad, f"{len(bad)} modules do not fit beside a PDF, worst first:\n{worst}"
+
+
+def test_the_gpu_command_names_only_known_flags():
+    """docs/gpu.md's one command, resolved here as each script resolves its arguments (a key or
+    value it would refuse stops with its error line): the page cannot drift from the scripts."""
+    import bench_cache
+    import train
+    block = re.search(r"```bash\n(.*?)```", (ROOT / "docs" / "gpu.md").read_text(), re.S).group(1)
+    words = " ".join(line.split("#")[0].rstrip(" \\") for line in block.splitlines()).split()
+    commands = " ".join(words).split(" && ")
+    bench = next(c for c in commands if c.startswith("python bench_cache.py")).split()[2:]
+    assert bench_cache.resolve([a for a in bench
+                                if not a.startswith("--json")])["preset"] == "paper_1p5b"
+    trains = next(c for c in commands if "python train.py" in c)
+    args = trains[trains.index("python train.py") + len("python train.py"):].split()
+    for mode in ("value", "vanilla"):
+        cfg = train.parse_args([a.replace("$mode", mode) for a in args])
+        assert cfg["depth_mode"] == mode and cfg["n_embd"] == 1536 and cfg["max_iters"] == 12
+
+
+# A merge's conflict markers, as git writes them: a side's first and last line start with seven
+# "<" or ">" and a space (or end there). A lone "=======" is also a Markdown heading's underline
+# or a Python divider, so it counts only in a file that has the other markers.
+SIDE_MARKER = re.compile(r"^(?:<{7}|>{7})(?: |$)")
+MIDDLE_MARKER = re.compile(r"^={7}$")
+
+
+def conflict_markers(text):
+    """The line numbers of the merge-conflict markers in text."""
+    lines = text.splitlines()
+    sides = [number for number, line in enumerate(lines, 1) if SIDE_MARKER.match(line)]
+    middles = [number for number, line in enumerate(lines, 1) if MIDDLE_MARKER.match(line)]
+    return sorted(sides + middles) if sides else []
+
+
+def tracked_text_files():
+    """(path, text) of every file git tracks that is in the working tree and is text: a binary file
+    (a NUL byte, or not UTF-8) cannot hold a marker a reader would see."""
+    proc = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True)
+    if proc.returncode != 0:
+        pytest.skip(f"not a git checkout: {proc.stderr.decode().strip()}")
+    for name in filter(None, proc.stdout.decode().split("\0")):
+        path = ROOT / name
+        if not path.is_file() or path.is_symlink():
+            continue
+        data = path.read_bytes()
+        if b"\0" in data:
+            continue
+        try:
+            yield path, data.decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+
+
+def test_conflict_markers_are_told_from_underlines():
+    """The check below sees a conflict and is blind to a heading's underline or a divider."""
+    left, right = "<" * 7, ">" * 7
+    conflict = f"a\n{left} HEAD\nours\n{'=' * 7}\ntheirs\n{right} branch\nb\n"
+    assert conflict_markers(conflict) == [2, 4, 6]
+    assert conflict_markers(f"Title\n{'=' * 7}\n\n# {'=' * 7}\nx = 1\n") == []
+    assert conflict_markers(f"{left}\n") == [1] and conflict_markers(f"x {left} y\n") == []
+
+
+def test_no_tracked_file_holds_merge_conflict_markers():
+    """A merge resolved by committing both sides leaves markers in the file (a doc reads both
+    versions; a module does not even import): every tracked text file is free of them."""
+    files = list(tracked_text_files())
+    assert files, "git tracks no text file"
+    found = {path.relative_to(ROOT).as_posix(): lines for path, text in files
+             if (lines := conflict_markers(text))}
+    assert not found, ("merge-conflict markers (resolve them: keep the right text, drop the "
+                       f"markers), file: lines: {found}")

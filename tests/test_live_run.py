@@ -16,8 +16,7 @@ import pytest
 from support import checkpoint
 from support.checkpoint import CheckpointError, load_model
 from support.errors import ConfigError, run_main
-from test_sharded import FSDP_RUN, TORCHRUN
-from helpers import ENV, ROOT, TINY
+from helpers import ENV, FSDP_RUN, ROOT, TINY, TORCHRUN
 
 # The writer: train.py, with every save followed by a line "step digest" of the weights it saved
 # (the full state dict, gathered under FSDP), so a reader's weights can be checked against the

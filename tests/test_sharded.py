@@ -21,10 +21,8 @@ from baselines import build_model
 from support import checkpoint, hf
 from support.checkpoint import CheckpointError, load_model
 from support.errors import USER_ERRORS
-from helpers import ENV, ROOT, TINY, max_diff, read_log, run
+from helpers import ENV, FSDP_RUN, ROOT, TINY, TORCHRUN, max_diff, read_log, run
 
-TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
-FSDP_RUN = [*TINY, "--micro_batch=2", "--batch_tokens=256", "--parallel=fsdp"]
 SHARDS = ("__0_0.distcp", "__1_0.distcp", ".metadata")
 
 
