@@ -23,84 +23,19 @@ depth inside attention like Depth-Attention, but with a static learned router: a
 are built with LIMeAttention, and a row of model.DEPTH_MODES added here.
 
 Module and parameter names follow the authors' released checkpoints (theirs are ours with a
-`model.` prefix, support/hf.py). The baselines' switches extend model.ModelConfig in
-`BaselineConfig`; `make_config` turns any flat dict of keys into the right config, `build_model`
-into the model:
+`model.` prefix, support/hf.py). Their switches (`BaselineConfig`) and the choice of the model a
+config names (`build_model`) are support/variants.py's, which imports this file only for a config
+that names one of these models:
 
     model = build_model(make_config(residual="mhc", depth_mode="vanilla", n_layer=12))
 """
 import math
-from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
 
-from model import (DEPTH_MODES, GPT, Attention, ConfigError, DepthMode, KVCache, ModelConfig,
-                   RMSNorm, causal_attention, config_check, fp32_or_wider, rope_tables)
-
-
-@dataclass
-class BaselineConfig(ModelConfig):
-    # The baselines of the paper's Table 1; each runs with depth_mode="vanilla".
-    residual: str = "add"           # residual path: add (the plain stream) or a baseline, with
-                                    # depth_mode=vanilla
-    attention: str = "standard"     # standard (q . k), or keyless (q R . v: no keys, a V-only
-                                    # cache; Keyless Attention) with depth_mode vanilla/value/uniform
-    denseformer_dwa_dilation: int = 1       # DenseFormer: every k-th earlier output (authors: 1)
-    denseformer_dwa_period: int = 1         # DenseFormer: after every p-th block (authors: 1)
-    attnres_block_size: int = 12            # AttnRes: sublayers per block, 2 a layer (authors: 12)
-    attnres_recency_bias_init: float = 3.0  # AttnRes: the stream's initial logit bonus (authors: 3)
-    mhc_num_streams: int = 4                # mHC: parallel residual streams n (authors: 4)
-    mhc_alpha_init: float = 0.01            # mHC: initial gain of the dynamic maps (authors: 0.01)
-    mhc_sinkhorn_iters: int = 20            # mHC: Sinkhorn row/column rounds (authors: 20)
-
-    def __post_init__(self):
-        super().__post_init__()
-        need = config_check("BaselineConfig")
-        for name in ("denseformer_dwa_dilation", "denseformer_dwa_period", "attnres_block_size",
-                     "mhc_num_streams", "mhc_sinkhorn_iters"):
-            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1,
-                 f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        need(self.residual in RESIDUALS,
-             f"unknown residual {self.residual!r}; choose one of {', '.join(RESIDUALS)}")
-        if self.residual != "add":  # the paper compares each with vanilla attention, one change
-            need(self.depth_mode == "vanilla", f"residual={self.residual} is a baseline with "
-                 f"vanilla attention; use --depth_mode=vanilla with --residual={self.residual} "
-                 f"(not depth_mode={self.depth_mode})")
-            need(self.n_loops == 1, f"residual={self.residual} is defined for one pass over the "
-                 f"layers; use --n_loops=1 with --residual={self.residual}")
-        need(self.attention in ATTENTIONS,
-             f"unknown attention {self.attention!r}; choose one of {', '.join(ATTENTIONS)}")
-        if self.attention == "keyless":  # its depth step mixes values; there is no key to mix
-            need(not DEPTH_MODES[self.depth_mode].mixes_k, f"attention=keyless has no keys for "
-                 f"depth_mode={self.depth_mode} to mix; use --depth_mode=value, uniform or vanilla")
-            need(self.residual == "add", f"attention=keyless runs on the plain residual stream; use "
-                 f"--residual=add with --attention=keyless (not residual={self.residual})")
-        need(self.mhc_num_streams >= 2,
-             f"mhc_num_streams must be at least 2, got {self.mhc_num_streams}")
-
-
-# The baselines' own keys beyond ModelConfig's: `residual`, `attention` and the methods' knobs,
-# which a plain model (residual "add", standard attention) has no use for.
-BASELINE_KEYS = tuple(f.name for f in fields(BaselineConfig)
-                      if f.name not in {g.name for g in fields(ModelConfig)})
-KNOBS = tuple(k for k in BASELINE_KEYS if k not in ("residual", "attention"))
-
-
-def make_config(**keys) -> ModelConfig:
-    """The config a flat dict of keys describes (train.py's namespace, a checkpoint's stored dict of
-    any version, a Hugging Face record): a BaselineConfig for a baseline, else a ModelConfig, whose
-    dict then carries no baseline keys. Every key is checked either way; an unknown one is a
-    ConfigError."""
-    known = [f.name for f in fields(BaselineConfig)]
-    unknown = sorted(keys.keys() - set(known))
-    if unknown:
-        raise ConfigError(f"unknown model keys {unknown} (from a newer version of this code?); this "
-                         f"version knows {', '.join(known)}")
-    config = BaselineConfig(**keys)
-    if config.residual == "add" and config.attention == "standard":
-        return ModelConfig(**{k: v for k, v in keys.items() if k not in BASELINE_KEYS})
-    return config
+from model import (DEPTH_MODES, GPT, Attention, DepthMode, KVCache, ModelConfig, RMSNorm,
+                   causal_attention, fp32_or_wider, rope_tables)
 
 
 # ----------------------------------------------------------------------------- DenseFormer
@@ -132,7 +67,7 @@ class DepthWeightedAverage(nn.Module):
 
 
 class DenseFormer(GPT):
-    def __init__(self, config: BaselineConfig):
+    def __init__(self, config: ModelConfig):
         super().__init__(config)
         self.densetransformer_dwa = DepthWeightedAverage(
             config.n_layer, config.denseformer_dwa_dilation, config.denseformer_dwa_period)
@@ -158,7 +93,7 @@ class AttnResAggregator(nn.Module):
     beside one snapshot). rms(s) = sqrt(mean(s^2) + eps), the RMSNorm denominator; the norm's
     weight is folded into w."""
 
-    def __init__(self, config: BaselineConfig):
+    def __init__(self, config: ModelConfig):
         super().__init__()
         self.pseudo_query = nn.Parameter(torch.zeros(config.n_embd))
         self.norm = RMSNorm(config.n_embd, config.norm_eps)
@@ -181,7 +116,7 @@ class BlockAttnRes(GPT):
     at the end of a layer) a snapshot of the stream joins the snapshots; the embedding is the
     first one."""
 
-    def __init__(self, config: BaselineConfig):
+    def __init__(self, config: ModelConfig):
         super().__init__(config)  # the backbone first, so a seed gives it vanilla's weights
         for block in self.layers:
             block.attnres_attn_aggregator = AttnResAggregator(config)
@@ -226,7 +161,7 @@ class MHCConnector(nn.Module):
         X' = H_res X + h_post f(sum_j h_pre_j X_j)
     At init h_pre = 1/n (the read is the mean stream), h_post = 1, H_res is nearly the identity."""
 
-    def __init__(self, config: BaselineConfig):
+    def __init__(self, config: ModelConfig):
         super().__init__()
         n, D = config.mhc_num_streams, config.n_embd
         self.n, self.iters = n, config.mhc_sinkhorn_iters
@@ -266,7 +201,7 @@ class StreamReduce(nn.Module):
 
 
 class MHC(GPT):
-    def __init__(self, config: BaselineConfig):
+    def __init__(self, config: ModelConfig):
         super().__init__(config)  # the backbone first, so a seed gives it vanilla's weights
         for block in self.layers:
             block.attn_residual_connector = MHCConnector(config)
@@ -378,7 +313,7 @@ def lime_cost(config: ModelConfig, bytes_per_element: int = 2) -> dict:
 
 def router_weights(qbar, keys):
     """LIMe's depth weights are not a function of the query: they are its router, a parameter."""
-    raise ValueError("depth_mode=lime runs on LIMeAttention: build it with baselines.build_model")
+    raise ValueError("depth_mode=lime runs on LIMeAttention: build it with support.variants.build_model")
 
 
 # The row LIMe adds to the table: its router mixes K and V, every earlier layer by default.
@@ -471,62 +406,9 @@ class Keyless(GPT):
         return super().run_layers(x, cos, sin, cache)
 
 
-# ----------------------------------------------------------------------------- any config
+# ----------------------------------------------------------------------------- by name
 
+# What support/variants.build_model builds for a config that names one of them.
 BASELINES = {"denseformer": DenseFormer, "attnres": BlockAttnRes, "mhc": MHC}  # by `residual`
-RESIDUALS = ("add", *BASELINES)
 DEPTH_MODELS = {"lime": LIMe}  # by depth_mode, where model.GPT's layers are not the mode's
 ATTENTIONS = {"standard": GPT, "keyless": Keyless}  # by `attention`
-
-
-def residual_of(config: ModelConfig) -> str:
-    """A config's residual path: "add" (the plain stream) for a ModelConfig, else the baseline."""
-    return getattr(config, "residual", "add")
-
-
-def attention_of(config: ModelConfig) -> str:
-    """A config's attention: "standard" for a ModelConfig, else its `attention` key."""
-    return getattr(config, "attention", "standard")
-
-
-def build_model(config: ModelConfig) -> GPT:
-    """The model a config describes: a baseline, LIMe, a keyless model, or GPT."""
-    if residual_of(config) != "add":
-        return BASELINES[residual_of(config)](config)
-    if attention_of(config) != "standard":
-        return ATTENTIONS[attention_of(config)](config)
-    return DEPTH_MODELS.get(config.depth_mode, GPT)(config)
-
-
-# ----------------------------------------------------------------------------- checkpointing
-
-# What is recomputed, per residual path: the block (a plain model, DenseFormer), or the pieces a
-# baseline's run_layers calls in its place: AttnRes's two sublayers and their depth aggregators,
-# mHC's two sublayers. mHC's connectors (its n streams and Sinkhorn) stay outside: a recomputed
-# connector calls its sublayer through FSDP's hooks again inside the backward pass, which gave wrong
-# gradients (tests/test_parallel.py).
-RECOMPUTED = {"add": ("forward",), "denseformer": ("forward",),
-              "attnres": ("attend", "feed_forward", "attnres_attn_aggregator",
-                          "attnres_mlp_aggregator"),
-              "mhc": ("attend", "feed_forward")}
-
-
-def checkpoint_units(model) -> list:
-    """The (object, method name) pairs activation checkpointing recomputes (RECOMPUTED): a block's
-    method, or the forward of a block's module."""
-    units = []
-    for block in model.layers:
-        for name in RECOMPUTED[residual_of(model.config)]:
-            part = getattr(block, name)
-            units.append((part, "forward") if isinstance(part, nn.Module) else (block, name))
-    return units
-
-
-def wrap_units(model, wrap):
-    """Replace every unit's method by wrap(method); returns the function that puts them back. An
-    instance attribute shadows the class's method, and nn.Module.__call__ (with its hooks) and the
-    baselines find it."""
-    units = checkpoint_units(model)
-    for owner, name in units:
-        setattr(owner, name, wrap(getattr(owner, name)))
-    return lambda: [delattr(owner, name) for owner, name in units]

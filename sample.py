@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from baselines import attention_of, residual_of
+from support.variants import attention_of, residual_of
 from support.checkpoint import load_model
 from support.cli import ArgumentParser, resolve_device
 from support.config import check_ranges

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from baselines import build_model, make_config
+from support.variants import build_model, make_config
 from model import GPT
 from support import checkpoint as ckpts
 from support import run_config

@@ -25,7 +25,7 @@ import torch
 
 import torch.distributed as dist
 
-from baselines import build_model, make_config
+from support.variants import build_model, make_config
 from model import GPT
 from model import ConfigError as ModelConfigError
 from support import hf

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from baselines import KNOBS, attention_of, build_model, make_config, residual_of
+from support.variants import KNOBS, attention_of, build_model, make_config, residual_of
 from model import GPT, ModelConfig
 from support.cli import SHARDED_NAMES, clean_stale, read_json_object, require
 from support.errors import USER_ERRORS, CheckpointError
@@ -51,6 +51,9 @@ AUTO_MAP = {"AutoConfig": "configuration_depth_attention.DepthAttentionConfig",
             "AutoModelForCausalLM": "modeling_depth_attention.DepthAttentionForCausalLM"}
 RUN_MARKERS = ("train.lock", "ckpt.pt", "ckpt.dcp")  # what train.py writes into its out_dir
 # unused / recomputed on the fly
+# An import of one of the files write_remote_code copies, at any indent (variants.build_model
+# imports baselines where it needs it).
+OUR_IMPORT = re.compile(r"^( *)from (model|baselines) import ", re.M)
 IGNORED = re.compile(r"(^|\.)lm_head_layernorm\.weight$|rotary_emb\.inv_freq$")
 # The authors' `baseline_mode` values (their code accepts these spellings) -> our `residual`. Their baseline
 # knobs carry our names (KNOBS).
@@ -224,21 +227,16 @@ def hf_config(c: ModelConfig, dtype: torch.dtype, eos_token_id=None) -> dict:
 
 
 def write_remote_code(folder: Path):
-    """The code transformers runs for REMOTE_ARCH: model.py and baselines.py as this repository
-    holds them now, and hf_remote/'s two classes. transformers loads the folder as a package and
-    follows relative imports only (an absolute `from model import` is refused as a missing package),
-    so baselines.py's import becomes relative; nothing else changes."""
-    model_py, baselines_py = Path(inspect.getfile(GPT)), Path(inspect.getfile(build_model))
-    shutil.copyfile(model_py, folder / model_py.name)
-    source = baselines_py.read_text()
-    if source.count("\nfrom model import ") != 1:
-        raise CheckpointError(
-            f"{baselines_py} must import model.py in exactly one `from model import ...` line, which "
-            f"the export makes relative; restore that line"
-        )
-    (folder / baselines_py.name).write_text(
-        source.replace("\nfrom model import ", "\nfrom .model import ")
-    )
+    """The code transformers runs for REMOTE_ARCH: model.py, baselines.py and support/variants.py
+    as this repository holds them now, and hf_remote/'s two classes. transformers loads the folder
+    as a package and follows relative imports only (an absolute `from model import` is refused as a
+    missing package), so their imports of one another become relative; nothing else changes."""
+    import baselines
+    from support import variants
+    for module in (inspect.getmodule(GPT), baselines, variants):
+        source = Path(inspect.getfile(module))
+        (folder / source.name).write_text(
+            OUR_IMPORT.sub(r"\1from .\2 import ", source.read_text()))
     for code in sorted(REMOTE_CODE.glob("*.py")):
         shutil.copyfile(code, folder / code.name)
 

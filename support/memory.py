@@ -50,7 +50,7 @@ from torch.overrides import TorchFunctionMode
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._pytree import tree_leaves, tree_map
 
-from baselines import build_model, make_config, wrap_units
+from support.variants import build_model, make_config, wrap_units
 from support.cli import table
 from support.data import load_meta
 from support.errors import ConfigError, DataError

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 # what activation checkpointing recomputes: baselines.py's, so an export's code shares it
-from baselines import wrap_units
+from support.variants import wrap_units
 from support.cli import resolve_device
 from support.errors import ConfigError
 

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from baselines import build_model, make_config
+from support.variants import build_model, make_config
 from support.cli import ArgumentParser, mark, output_file, write_atomically
 from support.config import check_ranges
 from support.errors import ConfigError, run_main

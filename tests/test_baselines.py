@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from baselines import build_model, make_config
+from support.variants import build_model, make_config
 from conftest import tiny_config, tiny_model, tiny_variant
 from model import GPT, ModelConfig
 from support import hf

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from baselines import build_model, make_config
+from support.variants import build_model, make_config
 from model import ModelConfig
 from support.config import read_config_file
 from support.memory import plan

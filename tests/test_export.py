@@ -78,7 +78,8 @@ def test_export_into_an_older_sharded_export_replaces_it_whole(run_dir, tmp_path
                                                      "configuration_depth_attention.py", "model.py",
                                                      "model.safetensors",
                                                      "modeling_depth_attention.py",
-                                                     "tokenizer.json", "tokenizer_config.json"]
+                                                     "tokenizer.json", "tokenizer_config.json",
+                                                     "variants.py"]
     new = load_model(run_dir).model.state_dict()
     assert all(torch.equal(new[k], v) for k, v in weights(out).items())
     # no temporary folder left

@@ -6,7 +6,6 @@ without trust_remote_code transformers refuses it (it used to load it as a Llama
 depth step: wrong logits, with at most a notice). lm-eval's own `hf` backend scores such a folder as
 eval.py does. transformers, lm-eval and accelerate are test-only dependencies
 (requirements-dev.txt)."""
-import difflib
 import json
 import os
 import subprocess
@@ -135,17 +134,19 @@ def test_without_trust_remote_code_transformers_refuses(tmp_path, monkeypatch):
 
 
 def test_the_folder_runs_our_code(tmp_path):
-    """model.py byte for byte, baselines.py with its one import made relative, hf_remote/'s classes
-    as they are."""
+    """model.py, baselines.py and support/variants.py with only their imports of one another made
+    relative, hf_remote/'s classes as they are."""
     _, folder = export(tmp_path, "mhc", **MODES["mhc"])
-    assert (folder / "model.py").read_bytes() == (ROOT / "model.py").read_bytes()
-    diff = difflib.unified_diff((ROOT / "baselines.py").read_text().splitlines(),
-                                (folder / "baselines.py").read_text().splitlines(), lineterm="",
-                                n=0)
-    changed = [line for line in diff if line[:1] in "+-" and line[:3] not in ("+++", "---")]
-    assert len(changed) == 2 and changed[0].startswith("-from model import ") \
-        and changed[1] == "+from ." + changed[0][len("-from "):], changed
-    for code in (ROOT / "hf_remote").glob("*.py"):
+    for source in (ROOT / "model.py", ROOT / "baselines.py", ROOT / "support" / "variants.py"):
+        ours, copied = source.read_text().splitlines(), (folder / source.name).read_text().splitlines()
+        changed = [(a, b) for a, b in zip(ours, copied) if a != b]
+        assert len(ours) == len(copied) and bool(changed) == (source.name != "model.py"), source.name
+        for a, b in changed:
+            assert a.lstrip().startswith(("from model import", "from baselines import")) \
+                and b == a.replace("from ", "from .", 1), (source.name, a, b)
+    codes = sorted((ROOT / "support" / "hf_remote").glob("*.py"))
+    assert len(codes) == 2
+    for code in codes:
         assert (folder / code.name).read_bytes() == code.read_bytes(), code.name
     config = AutoConfig.from_pretrained(folder, trust_remote_code=True)
     assert config.model_type == hf.REMOTE_MODEL_TYPE and config.model_config["residual"] == "mhc"

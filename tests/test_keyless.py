@@ -5,7 +5,8 @@ at init), the routing matrix folding into W_Q, its parameter count, the refusals
 import pytest
 import torch
 
-from baselines import Keyless, ValueCache, make_config
+from baselines import Keyless, ValueCache
+from support.variants import make_config
 from conftest import tiny_model
 import export
 from helpers import TINY_SHORT, eval_losses, resumed_losses, train

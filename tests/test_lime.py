@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from baselines import LIMe, build_model, make_config
+from baselines import LIMe
+from support.variants import build_model, make_config
 from conftest import tiny_config, tiny_model
 from model import ModelConfig
 from support.cost import depth_cost
@@ -68,7 +69,7 @@ def test_a_plain_gpt_refuses_the_lime_row():
     from model import GPT
     config = make_config(**{**vars(tiny_config()), **LIME})
     assert type(build_model(config)) is LIMe
-    with pytest.raises(ValueError, match="build it with baselines.build_model"):
+    with pytest.raises(ValueError, match="build it with support.variants.build_model"):
         GPT(config)(torch.zeros(1, 3, dtype=torch.long))
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from baselines import BaselineConfig, build_model, make_config
+from support.variants import BaselineConfig, build_model, make_config
 from conftest import tiny_config
 from support import memory
 from support.config import read_config_file

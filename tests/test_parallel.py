@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from baselines import build_model, make_config
+from support.variants import build_model, make_config
 from support import memory
 from helpers import ROOT, TINY, run
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from baselines import make_config
+from support.variants import make_config
 from support import run_config
 from support.errors import ConfigError
 from helpers import ROOT, SINGLE, TINY, log_records, max_diff, read_log, run

@@ -14,7 +14,7 @@ from transformers import PretrainedConfig
 # it imports, and registers the model class per config class, so without it two folders whose
 # model.py differ (exports from two versions of the repository) would share one config class and, in
 # one process, run the first folder's model.
-from .baselines import make_config
+from .variants import make_config
 
 
 class DepthAttentionConfig(PretrainedConfig):

@@ -18,7 +18,7 @@ batched pass (pads after them are causal-masked away); a cached padded batch (ge
 row on a cache of its own, one pass per row at every step. output_hidden_states gives transformers'
 tuple (the embeddings, each effective layer's output, the last one after the final norm; a plain
 residual stream only), and gradient_checkpointing_enable() recomputes what train.py's
---activation_checkpointing does (baselines.checkpoint_units).
+--activation_checkpointing does (variants.checkpoint_units).
 """
 import torch
 import torch.nn as nn
@@ -29,7 +29,7 @@ from transformers import GenerationMixin, PreTrainedModel
 from transformers.cache_utils import Cache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from .baselines import build_model, make_config, residual_of, wrap_units
+from .variants import build_model, make_config, residual_of, wrap_units
 from .configuration_depth_attention import DepthAttentionConfig
 
 # generate() passes the cache as `cache` (before 5.24: past_key_values); tested on 5.24
@@ -151,7 +151,7 @@ class DepthAttentionForCausalLM(PreTrainedModel, GenerationMixin):
             if name != "lm_head":
                 self.model.add_module(name, module)
         self.lm_head = gpt.lm_head
-        self.unwrap = None  # undoes gradient checkpointing's wrappers (baselines.wrap_units)
+        self.unwrap = None  # undoes gradient checkpointing's wrappers (variants.wrap_units)
         self.post_init()
 
     def get_input_embeddings(self):
