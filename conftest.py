@@ -9,9 +9,9 @@ import torch
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
-from baselines import build_model, make_config  # noqa: E402
+from support.variants import build_model, make_config  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
-from support.data import prepare  # noqa: E402
+from support.prepare import prepare  # noqa: E402
 
 
 def tiny_config(**overrides) -> ModelConfig:

@@ -19,6 +19,7 @@ from support import hf
 from support.checkpoint import checkpoint_path, load_model
 from support.cli import ArgumentParser
 from support.errors import CheckpointError, run_main
+from support.tokenizer import is_hf_folder
 
 
 def parse_args(argv):
@@ -39,7 +40,7 @@ def main(argv):
     out = Path(args.out_dir).resolve()
     src = Path(args.src).resolve()
     if src.exists():  # a folder or a file of ours (a hub id is not a path)
-        home = src if hf.is_hf_folder(src) else checkpoint_path(src).resolve().parent
+        home = src if is_hf_folder(src) else checkpoint_path(src).resolve().parent
         if out == home or home in out.parents or out in home.parents:
             raise CheckpointError(f"{args.out_dir} is, holds or lies inside {home}, where the "
                                   f"model comes from; export into a folder outside it")

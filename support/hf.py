@@ -33,7 +33,7 @@ from support.variants import KNOBS, attention_of, build_model, make_config, resi
 from model import GPT, ModelConfig
 from support.cli import SHARDED_NAMES, clean_stale, read_json_object, require
 from support.errors import USER_ERRORS, CheckpointError
-from support.tokenizer import HFTokenizer, bytes_tokenizer_json, snapshot
+from support.tokenizer import HFTokenizer, bytes_tokenizer_json, is_hf_folder, snapshot
 
 OUR_CONFIG = "model_config"  # our exports also record asdict(config) under this config.json key
 # An export transformers has no class for (a Depth-Attention mode, a looped model, a baseline) claims our own
@@ -83,11 +83,6 @@ def our_name(theirs: str) -> str:
 
 
 # ----------------------------------------------------------------------------- finding the files
-
-def is_hf_folder(path) -> bool:
-    p = Path(path)
-    return p.is_dir() and (p / "config.json").is_file() and any(p.glob("*.safetensors"))
-
 
 # ----------------------------------------------------------------------------- config.json <-> ModelConfig
 

@@ -12,7 +12,7 @@ How train.py spreads a model over torchrun's processes, and what it keeps of the
 Neither changes the run: the same batches, schedule, accumulation and clipping on the global
 gradient norm give the same losses (tests/test_parallel.py). An FSDP run writes its checkpoint
 sharded (torch.distributed.checkpoint: each rank its part, no rank gathers the model) into
-out_dir/ckpt.dcp (checkpoint.save_sharded), read back whole for sample.py, eval.py and export.py.
+out_dir/ckpt.dcp (sharded.save_sharded), read back whole for sample.py, eval.py and export.py.
 `python train.py CONFIG --memory_plan=True` prints what each mode needs per GPU (memory.py).
 """
 import functools

@@ -13,13 +13,19 @@ from support.errors import CheckpointError, ConfigError, UserError
 
 
 class Diverged(UserError):
-    """The loss, the gradients or the weights stopped being finite; nothing of it was saved."""
+    """The loss, the gradients or the weights stopped being finite at step; nothing of it was
+    saved (saved: the step of the last checkpoint, or None)."""
+
+    def __init__(self, step, what, lr, saved):
+        fix = (f"its last checkpoint (step {saved}) is kept: lower --learning_rate and continue "
+               f"it with --resume=True, or start over with --overwrite=True" if saved is not None
+               else "rerun with a lower --learning_rate")
+        super().__init__(f"training diverged at step {step} ({what}, lr {lr:.3g}); {fix}")
 
 
 def start_log(cfg, history, out_dir, step):
     """config.json, and log.jsonl cut back to the steps done: lines a killed run wrote after its
     checkpoint go. Returns wandb when --wandb_log, else None."""
-    print(json.dumps(cfg, indent=1))
     (out_dir / "config.json").write_text(json.dumps({**cfg, "resumes": history}, indent=1) + "\n")
     log_path = out_dir / "log.jsonl"
     old = log_path.read_text().splitlines() if step and log_path.exists() else []
@@ -65,24 +71,17 @@ def log(record, out_dir, wandb):
         wandb.log({**plain, **flat}, step=record["step"])
 
 
-def diverged(step, what, lr, saved):
-    """Stop a run whose loss, gradients or weights stopped being finite, before any is saved."""
-    fix = (f"its last checkpoint (step {saved}) is kept: lower --learning_rate and continue it "
-           f"with --resume=True, or start over with --overwrite=True" if saved is not None
-           else "rerun with a lower --learning_rate")
-    raise Diverged(f"training diverged at step {step} ({what}, lr {lr:.3g}); {fix}")
+class SaveFailed(CheckpointError):
+    """A checkpoint that could not be written, in one line that says why and what is kept: a rank
+    that stopped mid-write (its peers lose their connection to it), or a write that failed (a full
+    disk, a folder made read-only)."""
 
-
-def save_failed(path, step, e, saved):
-    """Stop a run whose checkpoint could not be written, in one line that says why and what is
-    kept: a rank that stopped mid-write (its peers lose their connection to it), or a write that
-    failed (a full disk, a folder made read-only)."""
-    kept, then = ((f"the checkpoint of step {saved} is kept", "--resume=True") if saved is not None
-                  else ("no checkpoint was written", "rerun"))
-    if isinstance(e, dist.DistError) or getattr(e, "peer_lost", False):
-        message = (f"a rank stopped while {path} of step {step} was written ({reason(e)}); "
-                   f"{kept}: {then}")
-    else:
-        message = (f"could not write {path} at step {step} ({reason(e)}); {kept}: free space or "
-                   f"make --out_dir writable, then {then}")
-    raise CheckpointError(message) from None
+    def __init__(self, path, step, e, saved):
+        kept, then = ((f"the checkpoint of step {saved} is kept", "--resume=True")
+                      if saved is not None else ("no checkpoint was written", "rerun"))
+        if isinstance(e, dist.DistError) or getattr(e, "peer_lost", False):
+            super().__init__(f"a rank stopped while {path} of step {step} was written "
+                             f"({reason(e)}); {kept}: {then}")
+        else:
+            super().__init__(f"could not write {path} at step {step} ({reason(e)}); {kept}: free "
+                             f"space or make --out_dir writable, then {then}")

@@ -15,6 +15,7 @@ a DataError (a MissingPackage with the pip line for a missing package).
 import re
 from functools import lru_cache
 from pathlib import Path
+from typing import Union
 
 import tiktoken
 
@@ -103,6 +104,7 @@ class HFTokenizer:
         return self._tok.decode(list(ids), skip_special_tokens=False)
 
 
+Tokenizer = Union[tiktoken.Encoding, HFTokenizer]  # what get_tokenizer and from_record return
 TIKTOKEN = ("bytes", "gpt2")  # rebuilt from their names; any other tokenizer is a tokenizer.json
 
 
@@ -192,6 +194,11 @@ def bytes_tokenizer_json() -> str:
 
 
 # ----------------------------------------------------------------------------- the Hugging Face hub
+
+def is_hf_folder(path) -> bool:
+    p = Path(path)
+    return p.is_dir() and (p / "config.json").is_file() and any(p.glob("*.safetensors"))
+
 
 def looks_like_hub_id(name) -> bool:
     """owner/name that is not a local path: no such file and no local folder called `owner`."""

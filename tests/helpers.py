@@ -319,7 +319,7 @@ def trained(tmp_path_factory):
     """An out_dir with a ckpt.pt in train.py's format (building the model here is faster than
     training one)."""
     from conftest import tiny_model
-    from support.checkpoint import save_checkpoint
+    from support.run_dir import save_checkpoint
     out = tmp_path_factory.mktemp("eval_run")
     model = tiny_model(vocab_size=257, block_size=32)
     save_checkpoint({"model": model.state_dict(), "model_config": asdict(model.config),

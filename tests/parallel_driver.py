@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from baselines import build_model, make_config  # noqa: E402
+from support.variants import build_model, make_config  # noqa: E402
 from support.parallel import Parallel, Process, checkpoint_activations  # noqa: E402
 from support.run_config import DEFAULTS  # noqa: E402
 import train  # noqa: E402

@@ -22,7 +22,7 @@ from conftest import added_parameters, tiny_variant
 import export
 from model import DEPTH_MODES, KVCache
 import model as model_py
-from support import checkpoint, hf
+from support import checkpoint, hf, run_dir
 from support.cost import depth_cost
 from support.tokenizer import tokenizer_record
 from helpers import ROOT, contract_variants
@@ -183,7 +183,7 @@ def test_contract_kv_cache_is_vanillas(variant):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_contract_round_trips_through_a_checkpoint_and_an_export(variant, tmp_path, monkeypatch):
-    """A train.py checkpoint (checkpoint.save_checkpoint, as train.py writes it) and its export
+    """A train.py checkpoint (run_dir.save_checkpoint, as train.py writes it) and its export
     (`export.py`) load to the same logits bit for bit; transformers, loaded from another
     folder, runs the export to ours: exactly (our code travels in the folder), or within float32
     rounding for a vanilla export, which transformers runs as its own Qwen3."""
@@ -194,8 +194,8 @@ def test_contract_round_trips_through_a_checkpoint_and_an_export(variant, tmp_pa
         want = model(idx)[0]
     run = tmp_path / "run"
     run.mkdir()
-    checkpoint.save_checkpoint({"model": model.state_dict(), "model_config": asdict(model.config),
-                                **tokenizer_record("bytes"), "step": 3}, run / "ckpt.pt")
+    run_dir.save_checkpoint({"model": model.state_dict(), "model_config": asdict(model.config),
+                             **tokenizer_record("bytes"), "step": 3}, run / "ckpt.pt")
     loaded = checkpoint.load_model(run).model
     export.main([str(run), str(tmp_path / "hf")])
     exported = hf.from_pretrained(tmp_path / "hf").eval()

@@ -21,7 +21,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 
 from conftest import tiny_model
 import eval as eval_py
-from support.checkpoint import save_checkpoint
+from support.run_dir import save_checkpoint
 from support.errors import USER_ERRORS
 from helpers import ROOT, WORDS, local_tasks_only, trained  # noqa: F401 (eval.py's fixtures, shared)
 

@@ -16,9 +16,10 @@ from safetensors.torch import load_file, save_file
 from conftest import tiny_model
 import export as export_py
 import sample
-from support import checkpoint, hf
+from support import hf
 from support.checkpoint import CheckpointError, load_model
-from support.data import prepare
+from support.run_dir import save_checkpoint
+from support.prepare import prepare
 from support.tokenizer import get_tokenizer
 from support.errors import EXIT_USER_ERROR, USER_ERRORS, DataError
 from helpers import ROOT, TINY_SHAPE, make_tokenizer_json
@@ -47,8 +48,8 @@ def run_dir(tmp_path):
     model = tiny_model(vocab_size=257)
     run = tmp_path / "run"
     run.mkdir()
-    checkpoint.save_checkpoint({"model": model.state_dict(), "model_config": vars(model.config),
-                                "tokenizer": "bytes", "step": 3}, run / "ckpt.pt")
+    save_checkpoint({"model": model.state_dict(), "model_config": vars(model.config),
+                     "tokenizer": "bytes", "step": 3}, run / "ckpt.pt")
     return run
 
 

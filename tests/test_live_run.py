@@ -172,7 +172,7 @@ def copy_run(run_dir, tmp_path):
 def test_resume_onto_data_of_another_tokenizer_is_refused(vanilla_run, data_root, tmp_path):
     """--resume=True --dataset=OTHER with a vocabulary the model holds trained on ids that mean other
     text, and rewrote the checkpoint's tokenizer record."""
-    from support.data import prepare
+    from support.prepare import prepare
     from test_eval_robustness import word_tokenizer
     out = copy_run(vanilla_run, tmp_path)
     words = word_tokenizer(tmp_path / "tokenizer.json", 200)  # fewer ids than bytes' 257
@@ -369,12 +369,12 @@ def test_depth_weights_of_an_export_names_the_run_it_needs(vanilla_run, tmp_path
 SLOW_PREPARE = """
 import runpy, sys, time
 sys.path.insert(0, ".")
-import support.data as data
+import support.prepare as data
 encode = data._encode
 def slow(task):
     time.sleep(5)
     return encode(task)
-slow.__module__, slow.__qualname__ = "support.data", "_encode"  # pickled by that name
+slow.__module__, slow.__qualname__ = "support.prepare", "_encode"  # pickled by that name
 data._encode = slow  # workers forked after this take it
 sys.argv = ["prepare_data.py", *sys.argv[1:]]
 runpy.run_path("prepare_data.py", run_name="__main__")

@@ -10,7 +10,8 @@ import torch
 from conftest import tiny_model
 import sample
 from support import hf
-from support.checkpoint import CheckpointError, load_model, model_from_checkpoint, save_checkpoint
+from support.checkpoint import CheckpointError, load_model, model_from_checkpoint
+from support.run_dir import save_checkpoint
 from support.tokenizer import get_tokenizer
 from helpers import TINY_SHORT, train
 

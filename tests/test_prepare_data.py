@@ -9,7 +9,8 @@ import pytest
 
 import prepare_data
 from support import data
-from support.data import load_meta, prepare
+from support.data import load_meta
+from support.prepare import prepare
 from support.tokenizer import get_tokenizer
 from support.cli import MissingPackage
 from support.errors import DataError

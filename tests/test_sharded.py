@@ -17,8 +17,8 @@ import torch.distributed.checkpoint as dcp
 import export
 import sample
 from conftest import tiny_config
-from baselines import build_model
-from support import checkpoint, hf
+from support.variants import build_model
+from support import checkpoint, hf, run_dir, sharded
 from support.checkpoint import CheckpointError, load_model
 from support.errors import USER_ERRORS
 from helpers import ENV, FSDP_RUN, ROOT, TINY, TORCHRUN, max_diff, read_log, run
@@ -152,13 +152,13 @@ def test_a_failed_sharded_write_is_one_line_and_keeps_the_previous_checkpoint(fs
 KILLED_RANK = """
 import os, runpy, sys
 sys.path.insert(0, os.getcwd())  # the repository, where torchrun starts it
-import support.checkpoint as checkpoint
-digest_files = checkpoint.digest_files
+import support.sharded as sharded
+digest_files = sharded.digest_files
 def dying(folder, names):  # rank 1 dies as kill -9 would leave it, its shard written, unhashed
     if os.environ["RANK"] == "1":
         os._exit(9)
     return digest_files(folder, names)
-checkpoint.digest_files = dying
+sharded.digest_files = dying
 sys.argv = ["train.py", *sys.argv[1:]]
 runpy.run_path("train.py", run_name="__main__")
 """
@@ -195,13 +195,13 @@ def test_a_kill_during_a_sharded_save_keeps_the_previous_checkpoint(fsdp_run, tm
     copy = copy_of(fsdp_run, tmp_path)
     (copy / checkpoint.SHARDED).rename(copy / f"{checkpoint.SHARDED}.old")
     (copy / f"{checkpoint.SHARDED}.tmp").mkdir()
-    checkpoint.claim_out_dir(copy, resuming=True, overwrite=False).close()
+    run_dir.claim_out_dir(copy, resuming=True, overwrite=False).close()
     assert sorted(p.name for p in copy.iterdir()
                   if p.name.startswith("ckpt")) == [checkpoint.SHARDED]
     assert load_model(copy).step == 16
     with pytest.raises(CheckpointError, match="already holds a checkpoint"):
-        checkpoint.claim_out_dir(copy, resuming=False, overwrite=False)
-    checkpoint.claim_out_dir(copy, resuming=False, overwrite=True).close()
+        run_dir.claim_out_dir(copy, resuming=False, overwrite=False)
+    run_dir.claim_out_dir(copy, resuming=False, overwrite=True).close()
     assert not (copy / checkpoint.SHARDED).exists()
 
 
@@ -229,7 +229,7 @@ def test_a_checkpoint_without_file_checksums_still_loads(fsdp_run, tmp_path, cap
     is."""
     folder = copy_of(fsdp_run, tmp_path) / checkpoint.SHARDED
     ckpt = checkpoint.read_checkpoint(folder)
-    checkpoint.save_checkpoint({k: v for k, v in ckpt.items() if k not in ("files", "shards")},
+    run_dir.save_checkpoint({k: v for k, v in ckpt.items() if k not in ("files", "shards")},
                                folder / "run.pt")
     assert torch.equal(load_model(folder.parent).model.lm_head.weight,
                        load_model(fsdp_run).model.lm_head.weight)
@@ -254,7 +254,7 @@ def test_shards_are_read_into_the_model_itself(tmp_path, monkeypatch):
             p.add_(1.0)  # away from what a fresh model with the same seed holds
     with pytest.warns(UserWarning, match="single process"):  # no process group here, as intended
         dcp.save({"model": saved.state_dict()}, checkpoint_id=tmp_path / "ckpt.dcp")
-    files = checkpoint.digest_files(tmp_path / "ckpt.dcp", os.listdir(tmp_path / "ckpt.dcp"))
+    files = sharded.digest_files(tmp_path / "ckpt.dcp", os.listdir(tmp_path / "ckpt.dcp"))
     torch.manual_seed(0)
     model = checkpoint.model_from_checkpoint({"model_config": asdict(saved.config),
                                               "shards": tmp_path / "ckpt.dcp", "files": files})

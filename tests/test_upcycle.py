@@ -13,7 +13,7 @@ import train as train_py
 from conftest import tiny_model
 from helpers import log_records, read_log, train
 from support import run_config
-from support.checkpoint import save_checkpoint
+from support.run_dir import save_checkpoint
 from support.data import load_meta
 
 
@@ -36,11 +36,11 @@ def run_args(data_root, out_dir, *extra):
 
 def build(argv, data_root):
     """train.py's model for a command line, and what it printed."""
-    cfg = train_py.parse_args(argv)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
+        cfg, _, init = run_config.resolve(argv)
         model, _ = train_py.build(cfg, load_meta(data_root / "tiny"), data_root / "tiny", None,
-                                  run_config.typed_keys(argv))
+                                  init)
     return model, out.getvalue()
 
 

@@ -1,0 +1,127 @@
+"""
+A training run's folder, which train.py writes: the lock that makes it the folder's one writer
+(claim_out_dir), ckpt.pt written atomically with its checksums (save_checkpoint; an FSDP run's
+ckpt.dcp is support/sharded.py's), and the RNG states a checkpoint carries. Reading a checkpoint,
+for every script, is support/checkpoint.py's.
+"""
+import os
+import random
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from support.checkpoint import OLD, checksums
+from support.cli import SHARDED
+from support.errors import CheckpointError
+
+try:
+    import fcntl  # the out_dir lock; absent on Windows, where runs go unlocked
+except ImportError:
+    fcntl = None
+
+
+def save_checkpoint(obj, path):
+    """Write obj with its checksums to a temporary file in the same folder, sync it, then rename: a
+    kill at any moment leaves either the previous checkpoint or the new one, never a torn file."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save({**obj, "checksums": checksums(obj)}, f)
+            f.flush()
+            os.fsync(f.fileno())
+    # a full disk, an interrupt: the previous checkpoint stays, the partial file goes
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(folder):
+    """Make a rename inside folder durable."""
+    dir_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def rng_state():
+    """Every generator a run draws from (Python, numpy, torch, CUDA), as plain tensors and
+    values."""
+    kind, key, pos, has_gauss, gauss = np.random.get_state()
+    return {
+        "python": random.getstate(),
+        "numpy": [kind, torch.from_numpy(key.astype(np.int64)), pos, has_gauss, gauss],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+    }
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    kind, key, *rest = state["numpy"]
+    np.random.set_state((kind, key.numpy().astype(np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def claim_out_dir(out_dir, resuming, overwrite):
+    """Create out_dir and lock it for the life of this process (flock: the kernel releases it when
+    the process dies, so a killed run never blocks the next one). A second run into the folder is
+    refused rather than mixed with this one, and a fresh start over a checkpoint needs overwrite.
+    Returns the open lock file."""
+    out_dir = Path(out_dir)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(out_dir / "train.lock", "a+")
+    except OSError as e:
+        raise CheckpointError(
+            f"cannot write to --out_dir={out_dir} ({e.strerror}); pick a writable folder"
+        ) from e
+    if fcntl:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            raise CheckpointError(
+                f"another train.py ({lock.read().strip() or 'pid unknown'}) is writing to "
+                f"{out_dir}; wait for it to finish or pick another --out_dir"
+            ) from None
+    lock.truncate(0)
+    lock.write(f"pid {os.getpid()}\n")
+    lock.flush()
+    # a write cut short by a kill; no other writer holds the lock
+    for torn in out_dir.glob("ckpt.pt.tmp*"):
+        torn.unlink()
+    shutil.rmtree(out_dir / f"{SHARDED}.tmp", ignore_errors=True)
+    recover_sharded(out_dir)
+    shutil.rmtree(out_dir / OLD, ignore_errors=True)  # the new ckpt.dcp is whole: the old one goes
+    held = [out_dir / name for name in ("ckpt.pt", SHARDED) if (out_dir / name).exists()]
+    if held and not resuming:
+        if not overwrite:
+            raise CheckpointError(
+                f"{out_dir} already holds a checkpoint; continue it with --resume=True, or start "
+                f"over with --overwrite=True (which deletes it)"
+            )
+        for ckpt in held:
+            if ckpt.is_dir():
+                shutil.rmtree(ckpt)
+            else:
+                ckpt.unlink()
+            print(f"warning: --overwrite=True: deleted {ckpt}, starting over", file=sys.stderr)
+    return lock
+
+
+def recover_sharded(out_dir):
+    """Put back the checkpoint a save killed between save_sharded's two renames left as a lone
+    ckpt.dcp.old (every reader already takes it for the checkpoint: checkpoint_path). Only under the
+    out_dir lock: a live run between its renames would lose its save."""
+    old = Path(out_dir) / OLD
+    if old.is_dir() and not old.with_name(SHARDED).exists():
+        old.rename(old.with_name(SHARDED))

@@ -1,0 +1,178 @@
+"""
+An FSDP run's checkpoint, the folder ckpt.dcp: the model and optimizer shards through
+torch.distributed.checkpoint, plus run.pt, the rest of a checkpoint (config, step, RNG, and every
+file's size and sha256). train.py --parallel=fsdp writes and resumes it (save_sharded,
+load_sharded); any reader of a model gets whole tensors from it (read_shards). Only a run or a
+checkpoint that is sharded imports this.
+"""
+import hashlib
+import os
+import shutil
+import sys
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from support.checkpoint import OLD
+from support.cli import SHARDED, reason
+from support.errors import CheckpointError
+from support.run_dir import fsync_dir, save_checkpoint
+
+
+def read_shards(state, ckpt, rank=0, world=1):
+    """Fill state's tensors from an FSDP run's ckpt.dcp folder (torch.distributed.checkpoint): whole
+    tensors in one process, each rank its shards under torchrun. Every file is first checked against
+    the sizes and digests run.pt recorded (verify_shards; rank r of world checks every world-th
+    file), so a damaged, truncated, missing or swapped file is a CheckpointError naming it, never
+    weights served."""
+    path = Path(ckpt["shards"])
+    if path.name == OLD and not path.exists():  # put back since by the run's lock holder
+        path = path.with_name(SHARDED)
+    if "files" in ckpt:
+        bad = verify_shards(path, ckpt["files"], rank, world)
+        if world > 1:  # every rank hears of every rank's findings, and all stop together
+            found = [None] * world
+            dist.all_gather_object(found, bad)
+            bad = [b for part in found for b in part]
+        if bad:
+            raise CheckpointError(
+                f"{path} is damaged: {'; '.join(bad)}; restore the folder or retrain"
+            )
+    elif rank == 0:
+        print(f"warning: {path} has no file checksums (written before they were added); reading it "
+              f"unverified", file=sys.stderr)
+    try:
+        # "no process group: loading in a single process", as intended
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*single process")
+            dcp.load(state, checkpoint_id=path)
+    except (Exception, CheckpointException) as e:
+        raise CheckpointError(
+            f"{path}: the shards cannot be read ({reason(e)}); restore the folder " f"or retrain"
+        ) from e
+
+
+def file_digest(path, chunk=1 << 24) -> str:
+    """sha256 of a file, read in 16 MiB chunks (hashlib releases the GIL: files hash in
+    parallel)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def digest_files(folder, names) -> dict:
+    """{name: {"bytes": size, "sha256": digest}} of the named files in folder, several at once."""
+    names = list(names)
+    with ThreadPoolExecutor(max(1, min(len(names), os.cpu_count() or 1))) as pool:
+        digests = list(pool.map(lambda n: file_digest(Path(folder) / n), names))
+    return {
+        n: {"bytes": (Path(folder) / n).stat().st_size, "sha256": d} for n, d in zip(names, digests)
+    }
+
+
+def verify_shards(path, files, rank=0, world=1) -> list:
+    """What is wrong with the files of a ckpt.dcp folder against files, run.pt's record of them
+    ({name: {bytes, sha256}}): this rank's share, every world-th file from the rank-th. [] when all
+    is well."""
+    mine = sorted(files)[rank::world]
+    missing = [n for n in mine if not (path / n).is_file()]
+    resized = [
+        n for n in mine if n not in missing and (path / n).stat().st_size != files[n]["bytes"]
+    ]
+    bad = [f"{n} is missing" for n in missing]
+    bad += [
+        f"{n} has {(path / n).stat().st_size} bytes, {files[n]['bytes']} were written"
+        for n in resized
+    ]
+    rest = [n for n in mine if n not in missing and n not in resized]
+    found = digest_files(path, rest) if rest else {}
+    return bad + [f"{n} no longer matches its checksum" for n in rest
+                  if found[n]["sha256"] != files[n]["sha256"]]
+
+
+def save_sharded(model, optimizer, run, out_dir, master):
+    """out_dir/ckpt.dcp: the model and optimizer through torch.distributed.checkpoint (each rank
+    writes its shards; its files are synced), then every file's size and sha256 (each rank hashes
+    every world-th file) in run.pt, the rest of a checkpoint (config, step, RNG...) with checksums.
+    Written into ckpt.dcp.tmp and renamed into place by rank 0 once every rank is done, so a kill
+    leaves the previous checkpoint or the new one, never a mix. A failure on any rank raises
+    SaveError on every rank, together."""
+    path = Path(out_dir) / SHARDED
+    tmp, old = path.with_name(SHARDED + ".tmp"), path.with_name(SHARDED + ".old")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if master:
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    try:
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)
+    except CheckpointException as e:  # raised on every rank when a rank's write failed
+        raise SaveError(*shard_failure(e)) from None
+    error, digests = None, {}
+    try:
+        digests = digest_files(tmp, sorted(p.name for p in tmp.iterdir())[rank::world])
+    except OSError as e:
+        error = f"rank {rank} could not read back its files ({reason(e)})"
+    found, shared = [None] * world, [None]
+    try:  # a peer that stopped breaks the collectives: say so, not that a write failed
+        dist.all_gather_object(found, (error, digests))
+        error = next((err for err, _ in found if err), None)
+        if master and error is None:
+            try:
+                save_checkpoint({**run, "files": {k: v for _, d in found for k, v in d.items()}},
+                                tmp / "run.pt")
+            except OSError as e:
+                error = f"could not write run.pt ({reason(e)})"
+        shared = [error]
+        dist.broadcast_object_list(shared, src=0)
+    except RuntimeError as e:
+        raise SaveError(reason(e), peer_lost=True) from None
+    if shared[0]:
+        if master:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise SaveError(shared[0])
+    if master:
+        if path.exists():
+            path.rename(old)
+        tmp.rename(path)
+        shutil.rmtree(old, ignore_errors=True)
+        fsync_dir(path.parent)
+    dist.barrier()
+
+
+class SaveError(CheckpointError):
+    """A sharded checkpoint that could not be written, raised on every rank with the same message;
+    peer_lost when a rank stopped (its peers lost their connection to it) rather than a write
+    failed."""
+
+    def __init__(self, message, peer_lost=False):
+        super().__init__(message)
+        self.peer_lost = peer_lost
+
+
+def shard_failure(e):
+    """(what a CheckpointException says went wrong: the first failing rank's own error in one line,
+    whether that rank lost a peer)."""
+    failures = getattr(e, "failures", None) or {}
+    for rank, failure in sorted(failures.items()):
+        return f"rank {rank}: {reason(failure)}", isinstance(failure, dist.DistError)
+    return reason(e), False
+
+
+def load_sharded(model, optimizer, ckpt):
+    """Fill the (sharded) model and its optimizer from a run's ckpt.dcp folder (ckpt:
+    read_checkpoint's dict of it); each rank reads what it holds, after checking its share of the
+    files."""
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optimizer": optimizer_state}
+    read_shards(state, ckpt, dist.get_rank(), dist.get_world_size())
+    set_state_dict(
+        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+    )
