@@ -242,7 +242,7 @@ def test_every_command_of_the_docs_parses(place, script, argv, command, capsys, 
         pytest.fail(f"{script} refuses {place}: {command}\n{type(e).__name__}: {e}")
 
 
-SOURCE_DIRS = ("support", "course", "tests")
+SOURCE_DIRS = ("support", "course", "tests", "experiments")
 LONG, TOO_LONG, SHARE = 100, 120, 20  # columns; at most 1 line in SHARE over LONG
 
 

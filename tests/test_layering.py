@@ -61,6 +61,25 @@ def test_the_import_graph_is_layered():
     assert not {name for name, deps in graph.items() if deps & SCRIPTS}, "a module imports a script"
 
 
+def test_the_experiments_stand_on_the_model_and_the_package_and_nothing_stands_on_them():
+    """experiments/ (studies behind docs/results.md, run as `python -m experiments.NAME`) read
+    model.py, baselines.py and support/, never a script, and nothing of the repository imports
+    them but their own tests."""
+    studies = sorted((ROOT / "experiments").glob("*.py"))
+    assert studies
+    for path in studies:
+        found = {m for m in imports(path) if m in SCRIPTS}
+        assert not found, f"{path.relative_to(ROOT)} imports the scripts {sorted(found)}"
+    for path in [*ROOT.glob("*.py"), *(ROOT / "support").rglob("*.py"),
+                 *(ROOT / "course").glob("*.py")]:
+        tree = ast.parse(path.read_text())
+        users = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                 and (n.module or "").split(".")[0] == "experiments"]
+        users += [n for n in ast.walk(tree) if isinstance(n, ast.Import)
+                  and any(a.name.split(".")[0] == "experiments" for a in n.names)]
+        assert not users, f"{path.relative_to(ROOT)} imports experiments/"
+
+
 def test_the_course_stands_on_the_model_and_the_package_and_nothing_stands_on_it():
     """course/ (the assignment) reads model.py, baselines.py and support/, never a script; only its
     own tests (tests/test_course.py, tests/test_course_trust.py) import it, and tests/helpers.py
@@ -83,3 +102,61 @@ def test_the_course_stands_on_the_model_and_the_package_and_nothing_stands_on_it
             in_functions = {id(n) for f in functions for n in ast.walk(f)}
             users = [n for n in users if id(n) not in in_functions]
         assert not users, f"{path.relative_to(ROOT)} imports course (line {users[0].lineno})"
+
+
+# The reading path: the lines of the repository's own files a default command imports (statically,
+# at module level, following each import into the repository), at most these. What a default run
+# does not use is imported where it is used, so these stay small as features come.
+READING_BUDGET = {"train.py": 3000, "sample.py": 1500}
+
+
+def reading_path(script) -> dict:
+    """{file: lines} of every repository file `python script` imports at module level (a top-level
+    import, or one in a top-level if/try), following each such import into the repository."""
+    def module_file(name):
+        path = ROOT / (name.replace(".", "/") + ".py")
+        return path if path.is_file() else None
+
+    def top_level(body):
+        for node in body:
+            if isinstance(node, ast.Import):
+                yield from (a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                yield node.module
+                yield from (f"{node.module}.{a.name}" for a in node.names)
+            elif isinstance(node, (ast.If, ast.Try)):
+                yield from top_level(node.body + node.orelse + getattr(node, "finalbody", [])
+                                     + [n for h in getattr(node, "handlers", []) for n in h.body])
+
+    seen, todo = {}, [ROOT / script]
+    while todo:
+        path = todo.pop()
+        if path in seen:
+            continue
+        seen[path] = len(path.read_text().splitlines())
+        for name in top_level(ast.parse(path.read_text()).body):
+            parts = name.split(".")
+            todo += [p for i in range(1, len(parts) + 1) if (p := module_file(".".join(parts[:i])))]
+    return {p.relative_to(ROOT).as_posix(): n for p, n in seen.items()}
+
+
+def test_the_reading_path_fits_its_budget_and_the_readme_states_it():
+    """The README's numbers are the measured ones, and each is within its budget."""
+    readme = (ROOT / "README.md").read_text()
+    for script, budget in READING_BUDGET.items():
+        files = reading_path(script)
+        lines = sum(files.values())
+        assert lines <= budget, (f"python {script} imports {lines} lines of our code (budget "
+                                 f"{budget}): {sorted(files.items(), key=lambda f: -f[1])}")
+        stated = f"`python {script}` imports {len(files)} of our files, {lines:,} lines"
+        assert stated in readme, f"README.md should say: {stated}"
+
+
+def test_the_reading_path_follows_imports_at_module_level_only(tmp_path, monkeypatch):
+    """An import inside a function is not on the path; one in a top-level try is."""
+    for name, text in {"a.py": "import b\ntry:\n    import c\nexcept ImportError:\n    pass\n"
+                                "def f():\n    import d\n",
+                       "b.py": "x = 1\n", "c.py": "from b import x\n", "d.py": "y = 2\n"}.items():
+        (tmp_path / name).write_text(text)
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    assert reading_path("a.py") == {"a.py": 7, "b.py": 1, "c.py": 1}

@@ -1,11 +1,11 @@
-"""support/recall.py, the associative-recall check of Keyless Attention: the task's targets are the
+"""experiments/recall.py, the associative-recall check of Keyless Attention: the task's targets are the
 values the sequence paired with its queries and nothing else, a seed gives the same sequences, and
 a tiny run writes all four variants' accuracies."""
 import json
 
 import torch
 
-from support import recall
+from experiments import recall
 
 
 def batch(seed, **shape):

@@ -7,7 +7,7 @@ loss). Two layers solve it with an induction circuit: the first copies each key 
 position, the second matches the query there and reads the value. A run that has not found it
 sits near 0.2, a value of its sequence but not the paired one (loss ~ln(pairs)).
 
-    python -m support.recall --steps=1000 --heads=1,4 --seeds=0,1 --json=out/recall.json
+    python -m experiments.recall --steps=1000 --heads=1,4 --seeds=0,1 --json=out/recall.json
 
 trains vanilla, value (Depth-Attention), keyless and keyless+value (baselines.py's Keyless
 Attention, alone and with the depth step) for the same steps on the same batches from each seed,
