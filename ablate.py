@@ -39,47 +39,48 @@ import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 
 from baselines import DEPTH_MODES
 from support import depth_weights_view, report, run_config
 from support.cli import output_file
-from support.config import arg_updates, check_ranges, parse_config
+from support.config import Key, arg_updates, check_keys, key_table, parse_config
 from support.errors import CheckpointError, ConfigError, UserError, run_main
 from support.report import DEPTH_FIGURES, MAIN, RESULTS
 # tests/test_course.py reads the paired table as ablate.summarize
 from support.report import summarize  # noqa: F401
-from support.sweep import final_val_loss, run_dir, survey, train_config, unset_key
+from support.sweep import final_val_loss, run_dir, survey, train_config
 
 ROOT = Path(__file__).resolve().parent
-DEFAULTS = {
-    "base": "configs/ablations/cpu.py",  # the shared base config; GPU: configs/ablations/base.py
-    "out": "out/ablate_cpu",              # one folder per run and seed below it, plus the results
-    "runs": "all",                        # comma-separated names from RUNS or RUN_SETS (all, main,
-                                          # ablations, keyless_study)
-    "seeds": 3,                           # seeds 0 .. seeds-1 for every run
-    "jobs": 2,                            # train.py processes at once (CPU: one per core, one
-                                          # thread each)
-    "threads": 0,                         # torch threads per process; 0 = the cores shared out
-                                          # among the jobs
-    "protocol": "shared",                 # shared | lr_sweep | best_lr | long (see the docstring)
-    "lrs": "1e-3,2e-3,3e-3,6e-3",         # lr_sweep: the peak learning rates tried for every run
-    "lr_seeds": 1,                        # lr_sweep: seeds per rate; best_lr reuses its runs where
-                                          # seed and rate match
-    "long_runs": "vanilla,value",         # long: the runs trained longer; the first is the baseline
-                                          # of the gap
-    "long_factor": 5,                     # long: this many times the base's max_iters (and tokens)
-    "depth_weights": "",                  # a run folder or checkpoint: print and draw its depth
-                                          # weights, training nothing (Figure 3)
-    "curves": "",                         # a run folder: draw its loss, learning rate, tokens/s
-                                          # and depth weights over steps, training nothing
-    "figure": "",                         # where --depth_weights or --curves draws; default
-                                          # <run>/depth_weights.png, <run>/curves.png
-    "overwrite": False,                   # retrain from scratch, deleting them, the runs in --out
-                                          # that cannot be reused (trained with other settings, or
-                                          # with an unreadable record)
+KEYS = {
+    "base": Key("configs/ablations/cpu.py", "the shared base config; GPU: "
+                "configs/ablations/base.py"),
+    "out": Key("out/ablate_cpu", "one folder per run and seed below it, plus the results"),
+    "runs": Key("all", "comma-separated names from RUNS or RUN_SETS (all, main, ablations, "
+                "keyless_study)"),
+    "seeds": Key(3, "seeds 0 .. seeds-1 for every run", ">= 1"),
+    "jobs": Key(2, "train.py processes at once (CPU: one per core, one thread each)", ">= 1"),
+    "threads": Key(0, "torch threads per process; 0 = the cores shared out among the jobs",
+                   ">= 0"),
+    # what each protocol writes is the report's (support/report.RESULTS)
+    "protocol": Key("shared", "see the docstring", choices=tuple(RESULTS)),
+    "lrs": Key("1e-3,2e-3,3e-3,6e-3", "lr_sweep: the peak learning rates tried for every run"),
+    "lr_seeds": Key(1, "lr_sweep: seeds per rate; best_lr reuses its runs where seed and rate "
+                    "match", ">= 1"),
+    "long_runs": Key("vanilla,value", "long: the runs trained longer; the first is the baseline "
+                     "of the gap"),
+    "long_factor": Key(5, "long: this many times the base's max_iters (and tokens)", ">= 1"),
+    "depth_weights": Key("", "a run folder or checkpoint: print and draw its depth weights, "
+                         "training nothing (Figure 3)"),
+    "curves": Key("", "a run folder: draw its loss, learning rate, tokens/s and depth weights "
+                  "over steps, training nothing"),
+    "figure": Key("", "where --depth_weights or --curves draws; default <run>/depth_weights.png, "
+                  "<run>/curves.png"),
+    "overwrite": Key(False, "retrain from scratch, deleting them, the runs in --out that cannot "
+                     "be reused (trained with other settings, or with an unreadable record)"),
 }
-PROTOCOLS = list(RESULTS)  # shared | lr_sweep | best_lr | long: what each writes is the report's
+DEFAULTS, HELP, _, CHOICES = key_table(KEYS)
 # run name -> delta files in configs/ablations/, applied after the base: every row of the table of
 # depth modes is a run (its file mode_<name>.py), then the strides, the looped pair and the
 # baselines
@@ -95,8 +96,6 @@ RUNS = {
 KEYLESS = ["vanilla", "value", "keyless", "keyless_value"]  # related work beside the paper's runs
 RUN_SETS = {"all": list(RUNS), "main": MAIN, "keyless_study": KEYLESS,
             "ablations": [n for n in RUNS if n not in MAIN[2:] + KEYLESS[2:]]}
-KEY_RANGES = {"seeds": ">= 1", "jobs": ">= 1", "threads": ">= 0", "lr_seeds": ">= 1",
-              "long_factor": ">= 1"}
 # train.py keys that ablate.py sets for every run: given after `--`, they would be overridden or
 # fight it
 OWN_KEYS = {"seed": "the seeds are 0 .. --seeds-1",
@@ -222,12 +221,8 @@ def parse_args(argv):
     paths and the machine). A ConfigError names the fix; --help prints the usage, SystemExit(0)."""
     split = argv.index("--") if "--" in argv else len(argv)
     extra = argv[split + 1:]
-    cfg = parse_config(DEFAULTS, argv[:split], __doc__, [__file__])
-    check_ranges(cfg, KEY_RANGES)
-    unset = unset_key(cfg, DEFAULTS)
-    if unset:
-        raise ConfigError(f"--{unset}=None: give a value, e.g. the default "
-                          f"--{unset}={DEFAULTS[unset]}")
+    cfg = parse_config(DEFAULTS, argv[:split], __doc__, CHOICES, HELP)
+    check_keys(cfg, KEYS)
     # train.py's arguments: read now, so a malformed one stops the sweep before it starts (a config
     # file among them is read when the runs are planned)
     for arg in extra:
@@ -237,8 +232,6 @@ def parse_args(argv):
                               f"drop it")
     lrs = parse_rates(cfg["lrs"])
     protocol = cfg["protocol"]
-    if protocol not in PROTOCOLS:
-        raise ConfigError(f"unknown --protocol={protocol}; choose one of {', '.join(PROTOCOLS)}")
     runs = cfg["long_runs"] if protocol == "long" else cfg["runs"]
     names = list(dict.fromkeys(n for part in runs.split(",") if part.strip()
                                for n in RUN_SETS.get(part.strip(), [part.strip()])))
@@ -279,11 +272,15 @@ def run_protocol(cfg, extra, lrs, names):
     # ablate.py ran in
     base = str(Path(cfg["base"]).resolve())
     args = [a if a.startswith("--") else str(Path(a).resolve()) for a in extra]
-    # every run's files and overrides, resolved now: a wrong key stops the sweep up front
+    # every run's files and overrides, resolved and checked as train.py checks them (a model key's
+    # choices are its config's): a wrong key or value stops the sweep up front
+    keys = {k: replace(key, choices=None) if k in run_config.MODEL_KEYS else key
+            for k, key in run_config.TRAIN_KEYS.items()}
     for name in names:
-        unset = unset_key(train_config(run_files(base, name) + args), run_config.DEFAULTS)
-        if unset:
-            raise ConfigError(f"--{unset}=None for the {name} run; train.py needs a value there")
+        try:
+            check_keys(train_config(run_files(base, name) + args), keys)
+        except ConfigError as e:
+            raise ConfigError(f"the {name} run: {e}") from None
     report.check_outputs(out, protocol, names)
     threads = cfg["threads"] or max(1, (os.cpu_count() or 1) // cfg["jobs"])
     command = {"config": cfg, "train_overrides": extra}  # recorded in every results.json

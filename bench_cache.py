@@ -18,27 +18,28 @@ Every figure has its ratio to vanilla measured in the same run. `value@3` is the
 n_loops=3; its baseline is `vanilla@3`, added when missing. Then the analytic per-token cost of the depth
 step (support.cost.depth_cost) and the paper's Table 2 for its 3B model.
 """
-import inspect
 import json
 import math
 import os
 import statistics
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from baselines import BASELINES, DEPTH_MODES, BaselineConfig, build_model, make_config
+from baselines import BASELINES, DEPTH_MODES
+from support.variants import BaselineConfig, build_model, make_config
 from model import GPT
 from support.cost import depth_cost
 from support import hf, paper
 from support.memory import allocator_peak
 from support.cli import mark, output_file, reason, require, resolve_device, table, write_atomically
-from support.config import check_ranges, parse_config, read_config_file
+from support.config import Key, check_keys, key_table, parse_config, read_config_file
 from support.errors import USER_ERRORS, ConfigError, run_main
+from support.run_config import TRAIN_KEYS
 
 ROOT = Path(__file__).resolve().parent
 # The paper's shapes (section 3), read from their training configs. The 3B one also feeds Table 2
@@ -47,8 +48,11 @@ PRESETS = {"paper_3b": ROOT / "configs" / "paper_3b_value.py",
            "paper_1p5b": ROOT / "configs" / "paper_1p5b_value.py"}
 
 # depth_mode and residual are replaced by `modes`: every run compares several modes against vanilla.
-MODEL_KEYS = {k: v for k, v in asdict(BaselineConfig()).items()
+# The others are train.py's keys (their help and choices) at the model's own defaults.
+MODEL_KEYS = {k: replace(TRAIN_KEYS[k], default=v) for k, v in asdict(BaselineConfig()).items()
               if k not in ("depth_mode", "residual")}
+MODEL_KEYS["vocab_size"] = replace(MODEL_KEYS["vocab_size"],
+                                   help="the random tokens' vocabulary (paper: GPT-NeoX 50304)")
 BASELINE_MODES = tuple(BASELINES)  # denseformer, attnres, mhc: hidden-state baselines with vanilla
                                    # attention
 TRANSFORMERS = "transformers"  # Hugging Face transformers' Qwen3ForCausalLM with vanilla's weights
@@ -56,27 +60,29 @@ TRANSFORMERS = "transformers"  # Hugging Face transformers' Qwen3ForCausalLM wit
 OTHER_MODES = BASELINE_MODES + (TRANSFORMERS,)  # compared with vanilla; no depth step of their own
 KEYLESS = "keyless"  # Keyless Attention (attention=keyless, a V-only cache); keyless+value adds the
                      # depth step of that depth_mode
-BENCH_KEYS = dict(
-    preset="",         # the paper's shape; --key=value still overrides it
-    device="auto",     # auto = cuda if available, else cpu; cuda is the current GPU
-    dtype="auto",      # weights, activations and cache; auto = bfloat16 on cuda (when supported),
-                       # else float32
-    threads=1,         # CPU threads for torch, 0 = torch's default; one, as a descheduled thread
-                       # stalls every op
-    batch=2,           # sequences per prefill, decode and training step
-    prompt_len=64,     # prefill length; also the training sequence length
-    new_tokens=16,     # decode steps after the prefill (the cache holds prompt_len + new_tokens)
-    warmup=1,          # untimed rounds over every mode
-    repeats=9,         # timed rounds; each timing is the median over them (decode: over all their
-                       # tokens)
-    modes="vanilla,value,uniform,key,kv,value@3",  # comma-separated modes; X@3 = X with 3 loops
-    seed=0,            # weights and tokens
-    json="",           # write the results here too
-)
-DEFAULTS = {**MODEL_KEYS, **BENCH_KEYS}
-KEY_RANGES = {"threads": ">= 0", "batch": ">= 1", "prompt_len": ">= 1", "new_tokens": ">= 1",
-              "warmup": ">= 0", "repeats": ">= 1", "seed": ">= 0"}
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+BENCH_KEYS = {
+    "preset": Key("", f"the paper's shape; --key=value still overrides it; one of "
+                  f"{', '.join(PRESETS)}"),
+    "device": Key("auto", "auto = cuda if available, else cpu; cuda is the current GPU"),
+    "dtype": Key("auto", "weights, activations and cache; auto = bfloat16 on cuda (when "
+                 "supported), else float32", choices=("auto", "float32", "bfloat16", "float16")),
+    "threads": Key(1, "CPU threads for torch, 0 = torch's default; one, as a descheduled thread "
+                   "stalls every op", ">= 0"),
+    "batch": Key(2, "sequences per prefill, decode and training step", ">= 1"),
+    "prompt_len": Key(64, "prefill length; also the training sequence length", ">= 1"),
+    "new_tokens": Key(16, "decode steps after the prefill (the cache holds prompt_len + "
+                      "new_tokens)", ">= 1"),
+    "warmup": Key(1, "untimed rounds over every mode", ">= 0"),
+    "repeats": Key(9, "timed rounds; each timing is the median over them (decode: over all their "
+                   "tokens)", ">= 1"),
+    "modes": Key("vanilla,value,uniform,key,kv,value@3", "comma-separated modes; X@3 = X with 3 "
+                 f"loops; one of {', '.join([*DEPTH_MODES, *OTHER_MODES, KEYLESS])}, "
+                 "keyless+value"),
+    "seed": Key(0, "weights and tokens", ">= 0"),
+    "json": Key("", "write the results here too"),
+}
+KEYS = {**MODEL_KEYS, **BENCH_KEYS}
+DEFAULTS, HELP, _, CHOICES = key_table(KEYS)
 
 METRICS = ("cache_bytes", "prefill_peak_bytes", "train_peak_bytes", "prefill_s",
            "decode_s_per_token", "train_step_s")
@@ -99,24 +105,14 @@ def resolve(argv):
 def parse_args(argv):
     """The command line as a config, checked (keys, types, ranges, modes, the device) without
     writing or loading anything."""
-    cfg = parse_config(DEFAULTS, argv, __doc__,
-                       [__file__, inspect.getfile(BaselineConfig), inspect.getfile(GPT)],
-                       {"modes": [*DEPTH_MODES, *OTHER_MODES, KEYLESS, "keyless+value"],
-                        "preset": PRESETS})
+    cfg = parse_config(DEFAULTS, argv, __doc__, CHOICES, HELP)
+    check_keys(cfg, KEYS)
     if cfg["preset"]:
         if cfg["preset"] not in PRESETS:
             raise ConfigError(f"unknown preset {cfg['preset']!r}; "
                               f"choose one of {', '.join(PRESETS)}")
         cfg = parse_config({**DEFAULTS, **preset(cfg["preset"])}, argv)  # the command line wins
                                                                          # over the preset
-    check_ranges(cfg, KEY_RANGES)
-    unset = next((k for k in BENCH_KEYS if cfg[k] is None), None)  # parse_config takes None for a
-                                                                   # number
-    if unset:
-        raise ConfigError(f"--{unset}=None: give a value, e.g. the default "
-                          f"--{unset}={DEFAULTS[unset]!r}")
-    if cfg["dtype"] not in DTYPES:
-        raise ConfigError(f"--dtype must be one of {', '.join(DTYPES)}, got {cfg['dtype']!r}")
     # "cuda" is the current GPU (CUDA_VISIBLE_DEVICES picks another); mps is not measured
     cfg["device"] = resolve_device(cfg["device"], allowed=("cpu", "cuda"))
     if cfg["dtype"] == "auto":

@@ -16,6 +16,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from support.config import boolean
 from support.errors import ConfigError, UserError
 
 # An FSDP run's checkpoint folder (checkpoint.save_sharded), and its names while a save replaces it.
@@ -204,14 +205,13 @@ def write_atomically(path, text):
 
 # ----------------------------------------------------------------------------- the command line
 
-TRUE, FALSE = ("true", "1"), ("false", "0")
+class _ShowDefaults(argparse.HelpFormatter):
+    """An option's default in --help, unless unset (None, False, "") or named by its help."""
 
-
-def boolean(value, flag) -> bool:
-    """--flag=True, =1, =False, =0 (any case) as a bool; a ConfigError naming flag otherwise."""
-    if str(value).lower() in TRUE + FALSE:
-        return str(value).lower() in TRUE
-    raise ConfigError(f"{flag}={value}: give {flag} alone, {flag}=True or {flag}=False")
+    def _get_help_string(self, action):
+        d, text = action.default, action.help
+        hide = d is None or d is False or d in ("", argparse.SUPPRESS) or "default" in text
+        return text if hide else f"{text} (default: %(default)s)"
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -219,10 +219,13 @@ class ArgumentParser(argparse.ArgumentParser):
     --key=value or --key value; a boolean (add_flag) is a bare --flag or --flag=True/False/1/0;
     no abbreviations (--over is not --overwrite: a typo must not pick a flag); an unknown option
     names the nearest known one. An error is a ConfigError of one line (run_main prints it), so
-    parse_args can check a command without running it; prog is the script's file name."""
+    parse_args can check a command without running it; prog is the script's file name. --help
+    shows the options' defaults (_ShowDefaults), beside what a script's formatter_class does."""
 
-    def __init__(self, prog, **kwargs):
-        super().__init__(prog=prog, allow_abbrev=False, **kwargs)
+    def __init__(self, prog, formatter_class=argparse.HelpFormatter, **kwargs):
+        if not issubclass(formatter_class, _ShowDefaults):
+            formatter_class = type("HelpFormatter", (_ShowDefaults, formatter_class), {})
+        super().__init__(prog=prog, allow_abbrev=False, formatter_class=formatter_class, **kwargs)
         self.flags = []
 
     def add_flag(self, name, help=None):
@@ -238,7 +241,7 @@ class ArgumentParser(argparse.ArgumentParser):
             options = options and arg != "--"  # after --, everything is a positional
             key, eq, value = arg.partition("=")
             if options and key in self.flags:
-                last[key] = boolean(value, key) if eq else True
+                last[key] = boolean(key[2:], value) if eq else True
                 if eq:
                     continue
             rest.append(arg)

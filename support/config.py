@@ -12,13 +12,16 @@ are parsed to the type of the default (an int is accepted where a float is expec
 accepted anywhere, and a default of `None` accepts any literal). Anything else is a ConfigError that
 names the fix. `--help` (or `-h`) raises ShowHelp with the script's docstring and every key with its
 default and its help (run_main prints it and exits 0), so the help can never drift from the
-defaults.
+defaults. A script declares its keys once, as a table {name: Key}; key_table turns it into
+parse_config's defaults and helps and check_ranges' rules and choices.
 """
 import ast
 import difflib
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from support.errors import ConfigError, ShowHelp
 
@@ -34,6 +37,28 @@ RULES = {
 }
 
 
+@dataclass(frozen=True)
+class Key:
+    """One key of a script's table (its --help line and its checks)."""
+    default: object
+    help: str = ""
+    check: Optional[str] = None      # a range rule of RULES, e.g. "> 0"
+    choices: Optional[tuple] = None  # the values it takes
+    # train.py's: False = the key changes no number the run reports (where and how often it writes
+    # or prints, how the same computation is laid out), so a run recorded otherwise is still it
+    result: bool = True
+    per_invocation: bool = False  # how this command runs, not the run: never from a checkpoint
+
+
+def key_table(keys: dict) -> tuple:
+    """(defaults, helps, ranges, choices) of a table {name: Key}: parse_config's arguments and
+    check_ranges' rules."""
+    return ({name: key.default for name, key in keys.items()},
+            {name: key.help for name, key in keys.items()},
+            {name: key.check for name, key in keys.items() if key.check},
+            {name: key.choices for name, key in keys.items() if key.choices})
+
+
 def check_ranges(cfg: dict, rules: dict):
     """Raise ConfigError for the first key whose value is outside its range, e.g. rules = {"beta1":
     "in [0, 1)"}. None (where a default allows it) passes: it means "derive this"."""
@@ -44,16 +69,35 @@ def check_ranges(cfg: dict, rules: dict):
             raise ConfigError(f"--{key} must be a finite number {rule}, got {value!r}")
 
 
+def check_keys(cfg: dict, keys: dict):
+    """Raise ConfigError for the first key of the table {name: Key} that is None where its default
+    is not (parse_config takes None anywhere), outside its range or not one of its choices."""
+    for name, key in keys.items():
+        if cfg[name] is None and key.default is not None:
+            raise ConfigError(f"--{name}=None: give a value, e.g. the default "
+                              f"--{name}={key.default!r}")
+        if key.choices and cfg[name] not in key.choices:
+            raise ConfigError(f"--{name} must be one of {', '.join(key.choices)}, "
+                              f"got {cfg[name]!r}")
+    check_ranges(cfg, key_table(keys)[2])
+
+
+# A boolean's values, in any case, for train.py's keys and the argparse scripts' flags alike.
+BOOL_WORDS = {"true": True, "1": True, "false": False, "0": False}
+
+
+def boolean(key, value) -> bool:
+    """A boolean key's value (a bool, 0 or 1, or one of BOOL_WORDS); a ConfigError otherwise."""
+    if str(value).lower() in BOOL_WORDS:
+        return BOOL_WORDS[str(value).lower()]
+    raise ConfigError(f"--{key}={value}: give --{key} alone, --{key}=True or --{key}=False")
+
+
 def _coerce(key, value, default):
     if value is None or default is None:
         return value
     if isinstance(default, bool):
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0"):
-            return value.lower() in ("true", "1")
-        if isinstance(value, int) and value in (0, 1):
-            return bool(value)
+        return boolean(key, value)
     elif isinstance(default, float) and isinstance(value, (int, float)) and not isinstance(value,
                                                                                            bool):
         return float(value)
@@ -135,14 +179,12 @@ def help_text(defaults: dict, doc: str, helps: dict, choices=None) -> str:
             f"--flag sets a boolean):\n{keys}")
 
 
-def parse_config(defaults: dict, argv: list, doc: str = "", sources=(), choices=None,
-                 helps=None) -> dict:
+def parse_config(defaults: dict, argv: list, doc: str = "", choices=None, helps=None) -> dict:
     """defaults overridden by the config files, then the --key=value arguments, in argv's order.
-    With -h/--help anywhere in argv, ShowHelp with the help (helps: {key: text}, else the comments
-    beside the keys in sources)."""
+    With -h/--help anywhere in argv, ShowHelp with the help (helps: {key: text}; choices: listed
+    after it)."""
     if "-h" in argv or "--help" in argv:
-        raise ShowHelp(help_text(defaults, doc, key_comments(sources) if helps is None else helps,
-                                 choices))
+        raise ShowHelp(help_text(defaults, doc, helps or {}, choices))
     cfg = dict(defaults)
     for updates in argument_updates(argv, defaults):
         for key, value in updates.items():
@@ -151,8 +193,6 @@ def parse_config(defaults: dict, argv: list, doc: str = "", sources=(), choices=
             cfg[key] = _coerce(key, value, defaults[key])
     return cfg
 
-
-BOOL_WORDS = ("true", "false", "1", "0")
 
 
 def argument_updates(argv, defaults):

@@ -8,7 +8,7 @@ the batch layout must pass. Everything here raises support.errors types; train.p
 asked for" (support/sweep.py) all read TRAIN_KEYS.
 """
 import sys
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Optional
 
@@ -17,24 +17,11 @@ import torch
 from baselines import (ATTENTIONS, DEPTH_MODES, KNOBS, RESIDUALS, BaselineConfig, build_model,
                        make_config)
 from support.cli import not_in_a_checkpoint, resolve_device
-from support.config import argument_updates, check_ranges, key_comments, parse_config
+from support.config import (Key, argument_updates, check_ranges, key_comments, key_table,
+                            parse_config)
 from support.errors import CheckpointError, ConfigError
 from support.checkpoint import SHARDED, checkpoint_path, read_checkpoint, unfinished
 from support.parallel import PARALLEL
-
-
-@dataclass(frozen=True)
-class Key:
-    """One train.py key. result=False: the key changes no number the run reports (where and how
-    often it writes or prints, how the same computation is laid out), so a run recorded with another
-    value is still the run asked for. per_invocation: how this command runs rather than the run, so
-    it is never taken from a checkpoint and never a "change" on resume."""
-    default: object
-    help: str = ""
-    check: Optional[str] = None      # a range rule of support.config.RULES, e.g. "> 0"
-    choices: Optional[tuple] = None  # the values it takes
-    result: bool = True
-    per_invocation: bool = False
 
 
 def _model_keys() -> dict:
@@ -118,11 +105,8 @@ TRAIN_KEYS = {
     "wandb_project": Key("depth-attention", "the wandb project", **NO_RESULT),
     "wandb_run_name": Key("", "\"\" = the out_dir's name", **NO_RESULT),
 }
-DEFAULTS = {name: key.default for name, key in TRAIN_KEYS.items()}
+DEFAULTS, HELP, RANGES, CHOICES = key_table(TRAIN_KEYS)
 MODEL_KEYS = [f.name for f in fields(BaselineConfig)]  # the decoder's, the method's, the baselines'
-HELP = {name: key.help for name, key in TRAIN_KEYS.items()}
-RANGES = {name: key.check for name, key in TRAIN_KEYS.items() if key.check}
-CHOICES = {name: key.choices for name, key in TRAIN_KEYS.items() if key.choices}
 
 
 def parse_args(argv, doc="") -> dict:

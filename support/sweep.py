@@ -80,12 +80,6 @@ def run_dir(out, name, seed, lr=None, factor=1):
     return d / f"seed{seed}"
 
 
-def unset_key(cfg, defaults):
-    """The first key set to None whose default is not None (parse_config takes None for any
-    number), else None."""
-    return next((k for k, v in cfg.items() if v is None and defaults[k] is not None), None)
-
-
 def train_config(args) -> dict:
     """The config train.py resolves from these arguments for a fresh run: its defaults (the key
     table), the config files, then the overrides (a ConfigError for an unknown key or a value of

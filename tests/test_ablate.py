@@ -221,7 +221,19 @@ def test_parse_args_checks_the_command_alone(tmp_path, monkeypatch):
             ablate_py.parse_args(bad)
     with pytest.raises(ShowHelp) as usage:  # run_main prints it and exits 0
         ablate_py.parse_args(["--help"])
-    assert "--depth_weights=''" in str(usage.value)
+    for key, default in ablate_py.DEFAULTS.items():  # every key, its default and its help
+        assert f"--{key}={default!r}" in str(usage.value), key
+        assert ablate_py.HELP[key] and ablate_py.HELP[key] in str(usage.value), key
+
+
+@pytest.mark.parametrize("flag, expected", [
+    ("--lr_seeds=0", "--lr_seeds must be a finite number >= 1, got 0"),
+    ("--threads=-1", "--threads must be a finite number >= 0, got -1"),
+    ("--protocol=slow", "--protocol must be one of shared, lr_sweep, best_lr, long, got 'slow'"),
+])
+def test_the_key_table_refuses_a_value_outside_its_range_or_choices(flag, expected):
+    with pytest.raises(UserError, match=f"^{expected}$"):
+        ablate_py.parse_args([flag])
 
 
 def test_a_failed_train_py_run_is_one_line_naming_its_log(sweep, tmp_path):
@@ -477,12 +489,14 @@ def test_output_paths_are_checked_before_training(sweep, tmp_path, case):
     (["--", "--seed=5"], "--seed after -- is ablate.py's to set"),
     (["--", "--out_dir=elsewhere"], "--out_dir after -- is ablate.py's to set"),
     (["--", "--max_iters=None"], "--max_iters=None"),
+    # used to fail in every train.py run; train.py's key table checks them up front
+    (["--", "--beta1=2"], "the vanilla run: --beta1 must be a finite number in [0, 1), got 2"),
     (["--threads=100000"], "cores"),
     (["--seeds=None"], "--seeds=None"),  # was a TypeError
     (["--protocol=long", "--long_runs=value"], "--long_runs"),
     (["--protocol=long", "--long_factor=1"], "a factor of 2 or more"),
-], ids=["unknown_key", "seed", "out_dir", "max_iters_none", "threads", "seeds_none", "one_long_run",
-        "long_factor"])
+], ids=["unknown_key", "seed", "out_dir", "max_iters_none", "train_range", "threads", "seeds_none",
+        "one_long_run", "long_factor"])
 def test_bad_flags_are_one_line_before_training(sweep, tmp_path, flags, expected):
     out = tmp_path / "out"
     shutil.copytree(sweep[0], out)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import bench_cache
-from support.errors import USER_ERRORS
+from support.errors import USER_ERRORS, ShowHelp
 from helpers import ROOT
 
 GiB = 2 ** 30
@@ -99,6 +99,24 @@ def refused(args, monkeypatch):
 ], ids=["prompt_and_new_tokens", "prompt_at_block_size", "huge", "threads", "seed", "batch_none", "loops_0"])
 def test_out_of_range_flags_are_one_line(flags, expected, monkeypatch):
     assert expected in refused(TINY_BENCH + flags, monkeypatch)
+
+
+@pytest.mark.parametrize("flag, expected", [
+    ("--repeats=0", "--repeats must be a finite number >= 1, got 0"),
+    ("--warmup=-1", "--warmup must be a finite number >= 0, got -1"),
+    ("--dtype=float8", "--dtype must be one of auto, float32, bfloat16, float16, got 'float8'"),
+    ("--attention=dense", "--attention must be one of standard, keyless, got 'dense'"),
+])
+def test_the_key_table_refuses_a_value_outside_its_range_or_choices(flag, expected, monkeypatch):
+    assert refused(TINY_BENCH + [flag], monkeypatch) == f"error: {expected}"
+
+
+def test_help_lists_every_key_with_its_default_and_help():
+    with pytest.raises(ShowHelp) as usage:
+        bench_cache.parse_args(["--help"])
+    for key, default in bench_cache.DEFAULTS.items():
+        assert f"--{key}={default!r}" in str(usage.value), key
+        assert bench_cache.HELP[key] and bench_cache.HELP[key] in str(usage.value), key
 
 
 def test_prompt_and_new_tokens_may_fill_the_context():

@@ -1,7 +1,7 @@
 """The shared command-line config parser: typing, unknown keys, config files and base_config."""
 import pytest
-from support.errors import ConfigError
-from support.config import parse_config
+from support.errors import ConfigError, ShowHelp
+from support.config import Key, check_keys, key_table, parse_config
 
 
 DEFAULTS = {"n_layer": 12, "lr": 1e-3, "stride": None, "name": "run", "compile": False}
@@ -46,7 +46,7 @@ def test_a_bare_flag_before_a_config_file_leaves_the_file_alone(tmp_path):
     (["--n_layer"], "--n_layer needs a value: --n_layer=VALUE or --n_layer VALUE"),
     (["--n_layer", "--lr=1"], "--n_layer needs a value"),
     (["--n_layer=1.5"], "--n_layer: expected int"),
-    (["--compile=maybe"], "--compile: expected bool"),
+    (["--compile=maybe"], "--compile=maybe: give --compile alone, --compile=True or"),
     (["missing.py"], "config file missing.py not found"),
 ])
 def test_bad_arguments_name_the_fix(argv, fragment):
@@ -67,3 +67,24 @@ def test_files_apply_in_order_and_inherit_from_base_config(tmp_path):
     (tmp_path / "bad.py").write_text("n_layers = 3\n")
     with pytest.raises(ConfigError, match="unknown config key 'n_layers'"):
         parse_config(DEFAULTS, [str(tmp_path / "bad.py")])
+
+
+def test_a_key_table_gives_the_defaults_the_help_and_the_checks():
+    """One table {name: Key} is what parse_config and check_keys read; --help lists each key's
+    default, help and choices."""
+    keys = {"n_layer": Key(12, "blocks", ">= 1"), "mode": Key("a", "how", choices=("a", "b")),
+            "stride": Key(None, "every"), "compile": Key(False, "fast")}
+    defaults, helps, ranges, choices = key_table(keys)
+    assert (defaults, ranges, choices) == ({"n_layer": 12, "mode": "a", "stride": None,
+                                            "compile": False}, {"n_layer": ">= 1"},
+                                           {"mode": ("a", "b")})
+    with pytest.raises(ShowHelp) as usage:
+        parse_config(defaults, ["--help"], "doc", choices, helps)
+    assert "--n_layer=12" in str(usage.value) and "how; one of a, b" in str(usage.value)
+    check_keys(parse_config(defaults, ["--mode=b", "--stride=2"]), keys)
+    for argv, message in ((["--n_layer=0"], "--n_layer must be a finite number >= 1, got 0"),
+                          (["--mode=c"], "--mode must be one of a, b, got 'c'"),
+                          (["--n_layer=None"], "--n_layer=None: give a value, e.g. the default "
+                                               "--n_layer=12")):
+        with pytest.raises(ConfigError, match=message):
+            check_keys(parse_config(defaults, argv), keys)

@@ -65,6 +65,37 @@ def test_a_boolean_is_a_bare_flag_or_a_value(script, argv, flag):
         parse([*argv, f"--{flag}=maybe"])
 
 
+def test_flags_and_keys_take_the_same_boolean_words():
+    """support.config.BOOL_WORDS, in any case, for an argparse flag and a table's key alike."""
+    for word, value in (("TRUE", True), ("1", True), ("False", False), ("0", False)):
+        assert export.parse_args(["A", "B", f"--overwrite={word}"]).overwrite is value, word
+        assert train.parse_args([f"--compile={word}"])["compile"] is value, word
+        assert train.parse_args(["--compile", word])["compile"] is value, word
+
+
+@pytest.mark.parametrize("script, shown", [
+    ("sample.py", "keep the k most likely tokens; 0 = all (default: 200)"),
+    ("prepare_data.py", "(default: 0.1)"),
+    ("eval.py", "examples in each prompt"),  # its own formatter, and its help names its defaults
+])
+def test_argparse_help_shows_each_default_once(script, shown, capsys):
+    """support.cli.ArgumentParser's --help: an option's default, unless unset (None, False, "") or
+    already in its help; a script's own formatter_class (eval.py's raw docstring) still applies."""
+    with pytest.raises(SystemExit) as done:
+        SCRIPTS[script].parse_args(["--help"])
+    out = " ".join(capsys.readouterr().out.split())  # argparse wraps at the terminal's width
+    assert done.value.code == 0 and shown in out
+    assert "(default: None)" not in out and "(default: False)" not in out
+    assert "default 16 (default" not in out  # eval.py's --batch_size says it itself
+
+
+def test_a_script_formatter_class_is_kept(capsys):
+    with pytest.raises(SystemExit):
+        eval_py.parse_args(["--help"])
+    assert next(line for line in eval_py.__doc__.splitlines()
+                if line.startswith("    ")) in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("script, argv, nearest", [
     ("sample.py", ["--temprature=0.5"], "--temperature"),
     ("sample.py", ["--max_new_token", "5"], "--max_new_tokens"),
