@@ -34,8 +34,8 @@ import math
 import torch
 import torch.nn as nn
 
-from model import (DEPTH_MODES, GPT, Attention, DepthMode, KVCache, ModelConfig, RMSNorm,
-                   causal_attention, fp32_or_wider, rope_tables)
+from model import (DEFAULT_STRIDES, DEPTH_MODES, GPT, Attention, DepthMode, KVCache, ModelConfig,
+                   RMSNorm, causal_attention, fp32_or_wider, rope_tables)
 
 
 # ----------------------------------------------------------------------------- DenseFormer
@@ -316,9 +316,11 @@ def router_weights(qbar, keys):
     raise ValueError("depth_mode=lime runs on LIMeAttention: build it with support.variants.build_model")
 
 
-# The row LIMe adds to the table: its router mixes K and V, every earlier layer by default.
-DEPTH_MODES["lime"] = DepthMode(router_weights, mixes_k=True, mixes_v=True, default_stride=1,
-                                cost=lime_cost)
+# The row LIMe adds to the table: its router mixes K and V, every earlier layer by default (a
+# LIMe config with depth_stride=None, a checkpoint's too, means stride 1), at its own cost.
+DEPTH_MODES["lime"] = DepthMode(router_weights, mixes_k=True, mixes_v=True)
+DEFAULT_STRIDES["lime"] = 1
+DEPTH_COSTS = {"lime": lime_cost}  # by depth_mode: support.cost.depth_cost's rows not of Table 2
 
 
 # ----------------------------------------------------------------------------- Keyless Attention

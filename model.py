@@ -11,7 +11,7 @@ Reading order: ModelConfig and the source rule; the method (the depth weights, D
 torch; baselines.py builds the comparisons on it, support/cost.py the cost formulas (Table 2).
 """
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -22,59 +22,64 @@ from torch.nn.attention.bias import causal_lower_right
 
 class ConfigError(ValueError):
     """A config that describes no model; the message names the fix. The scripts print it as one
-    line (model.py imports only torch, so it cannot share their error base)."""
+    line; support.errors.ConfigError (their bad input) is a subclass, so one except catches both."""
 
 
-def config_check(name):
-    """need(ok, msg): a ConfigError "name: msg" unless ok; a config's checks read as rules."""
-    def need(ok, msg):
-        if not ok:
-            raise ConfigError(f"{name}: {msg}")
-    return need
+def knob(default, help: str):
+    """A config field with its --help line (train.py's, support/run_config.py reads it)."""
+    return field(default=default, metadata={"help": help})
 
 
 @dataclass
 class ModelConfig:
-    vocab_size: int = 50304         # tokenizer vocabulary (paper: GPT-NeoX 50304)
-    block_size: int = 1024          # context length in tokens (paper: 2048)
-    n_layer: int = 12               # distinct blocks (paper 3B: 48)
-    n_head: int = 12                # query heads (paper 3B: 32)
-    n_kv_head: int = 4              # key/value heads: n_head = MHA, 1 = MQA, else GQA (3B: 8)
-    head_dim: int = 64              # per-head width (paper: 64)
-    n_embd: int = 768               # hidden size (paper 3B: 2048)
-    mlp_hidden: int = 2048          # SwiGLU inner width (paper 3B: 6912)
-    rope_theta: float = 10000.0     # RoPE base (paper: 1e4)
-    qk_norm: bool = True            # per-head RMSNorm on q and k before RoPE, as in Qwen3
-    k_norm_after_rope: bool = False  # k_norm after RoPE: the authors' released model
-    tie_embeddings: bool = False    # share token embedding and lm_head (paper: untied)
-    norm_eps: float = 1e-6          # RMSNorm epsilon (Qwen3 default)
-    init_std: float = 0.02          # std of every Linear's and the embedding's init (3B: 0.01)
-    depth_mode: str = "value"       # a row of model.DEPTH_MODES (value = Depth-Attention)
-    depth_stride: Optional[int] = None  # a source every `stride`-th layer; None = the mode's
-                                        # default (half the effective depth; lime: 1)
-    depth_recent_window: int = 0    # also the r most recent earlier layers as sources (paper: 0)
-    n_loops: int = 1                # run the n_layer blocks this many times (looped Transformer)
+    vocab_size: int = knob(50304, "tokenizer vocabulary (paper: GPT-NeoX 50304)")
+    block_size: int = knob(1024, "context length in tokens (paper: 2048)")
+    n_layer: int = knob(12, "distinct blocks (paper 3B: 48)")
+    n_head: int = knob(12, "query heads (paper 3B: 32)")
+    n_kv_head: int = knob(4, "key/value heads: n_head = MHA, 1 = MQA, else GQA (3B: 8)")
+    head_dim: int = knob(64, "per-head width (paper: 64)")
+    n_embd: int = knob(768, "hidden size (paper 3B: 2048)")
+    mlp_hidden: int = knob(2048, "SwiGLU inner width (paper 3B: 6912)")
+    rope_theta: float = knob(10000.0, "RoPE base (paper: 1e4)")
+    qk_norm: bool = knob(True, "per-head RMSNorm on q and k before RoPE, as in Qwen3")
+    k_norm_after_rope: bool = knob(False, "k_norm after RoPE: the authors' released model")
+    tie_embeddings: bool = knob(False, "share token embedding and lm_head (paper: untied)")
+    norm_eps: float = knob(1e-6, "RMSNorm epsilon (Qwen3 default)")
+    init_std: float = knob(0.02, "std of every Linear's and the embedding's init (3B: 0.01)")
+    depth_mode: str = knob("value", "a row of model.DEPTH_MODES (value = Depth-Attention)")
+    depth_stride: Optional[int] = knob(None, "a source every `stride`-th layer; None = the mode's "
+                                       "default (half the effective depth; lime: 1)")
+    depth_recent_window: int = knob(0, "also the r most recent earlier layers as sources "
+                                    "(paper: 0)")
+    n_loops: int = knob(1, "run the n_layer blocks this many times (looped Transformer)")
 
     def __post_init__(self):
-        need = config_check("ModelConfig")
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "head_dim",
                      "n_embd", "mlp_hidden", "n_loops"):
-            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1,
-                 f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        need(self.n_head % self.n_kv_head == 0,
-             f"n_head ({self.n_head}) must be a multiple of n_kv_head ({self.n_kv_head}); "
-             f"pick n_kv_head from the divisors of n_head")
-        need(self.head_dim % 2 == 0, f"head_dim must be even for RoPE, got {self.head_dim}")
-        need(self.depth_mode in DEPTH_MODES, f"unknown depth_mode {self.depth_mode!r}; choose one "
-             f"of {', '.join(DEPTH_MODES)} (baselines.py's row, lime, needs baselines imported)")
-        need(self.depth_stride is None or (isinstance(self.depth_stride, int)
-                                           and self.depth_stride >= 1),
-             f"depth_stride must be an integer >= 1 (1 = every earlier layer, >= n_layer = layer "
-             f"0 only) or None for the mode's default, got {self.depth_stride!r}")
-        need(isinstance(self.depth_recent_window, int) and self.depth_recent_window >= 0,
-             f"depth_recent_window must be an integer >= 0, got {self.depth_recent_window!r}")
-        need(self.init_std > 0 and self.rope_theta > 0 and self.norm_eps > 0,
-             "init_std, rope_theta and norm_eps must be positive")
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ConfigError(f"ModelConfig: {name} must be a positive integer, got {value!r}")
+        if self.n_head % self.n_kv_head != 0:
+            raise ConfigError(f"ModelConfig: n_head ({self.n_head}) must be a multiple of "
+                              f"n_kv_head ({self.n_kv_head}); pick n_kv_head from the divisors "
+                              f"of n_head")
+        if self.head_dim % 2 != 0:
+            raise ConfigError(f"ModelConfig: head_dim must be even for RoPE, got {self.head_dim}")
+        if self.depth_mode not in DEPTH_MODES:
+            raise ConfigError(f"ModelConfig: unknown depth_mode {self.depth_mode!r}; choose one of "
+                              f"{', '.join(DEPTH_MODES)} (baselines.py's row, lime, needs "
+                              f"baselines imported)")
+        stride = self.depth_stride
+        if not (stride is None or (isinstance(stride, int) and stride >= 1)):
+            raise ConfigError(f"ModelConfig: depth_stride must be an integer >= 1 (1 = every "
+                              f"earlier layer, >= n_layer = layer 0 only) or None for the mode's "
+                              f"default, got {stride!r}")
+        window = self.depth_recent_window
+        if not (isinstance(window, int) and window >= 0):
+            raise ConfigError(f"ModelConfig: depth_recent_window must be an integer >= 0, got "
+                              f"{window!r}")
+        if not (self.init_std > 0 and self.rope_theta > 0 and self.norm_eps > 0):
+            raise ConfigError("ModelConfig: init_std, rope_theta and norm_eps must be positive")
 
     @property
     def n_eff_layer(self) -> int:
@@ -83,10 +88,11 @@ class ModelConfig:
 
     @property
     def stride(self) -> int:
-        """depth_stride, or the mode's default: half the effective depth (paper section 2.3)."""
+        """depth_stride, or the mode's default: half the effective depth (paper section 2.3), or
+        the stride a row outside the paper registers in DEFAULT_STRIDES (LIMe's 1)."""
         if self.depth_stride is not None:
             return self.depth_stride
-        return DEPTH_MODES[self.depth_mode].default_stride or max(1, self.n_eff_layer // 2)
+        return DEFAULT_STRIDES.get(self.depth_mode) or max(1, self.n_eff_layer // 2)
 
     def sources(self, e: int) -> list[int]:
         """S(e) = {j < e : j % stride == 0} U {e-r, ..., e-1}, ascending (paper section 2.3).
@@ -134,8 +140,6 @@ class DepthMode:
     mixes_k: bool = False         # the mixed key replaces the layer's own (its K cache slot)
     mixes_v: bool = False         # the mixed value replaces the layer's own (its V cache slot)
     decode_kernel: bool = False   # a decode step in one attention call (softmax_weights only)
-    default_stride: Optional[int] = None  # what depth_stride=None means; None: half the depth
-    cost: Optional[Callable] = None  # (config, bytes) -> depth_cost's dict, for other formulas
     params: Optional[Callable] = None  # a learned rule: (config, layer) -> the nn.Module of one
     # block's parameters, registered as Attention.depth_params; weights then takes (qbar, keys,
     # depth_params, e). Its `optimizer_group` attribute, if any, is train.py's group for them.
@@ -162,9 +166,12 @@ DEPTH_MODES = {
     "key": DepthMode(softmax_weights, mixes_k=True, decode_kernel=True),        # Table 6
     "kv": DepthMode(softmax_weights, mixes_k=True, mixes_v=True, decode_kernel=True),  # Table 6
 }
+# What depth_stride=None means for a row whose method fixes its own stride, where not the paper's
+# half depth: baselines.py's LIMe reads every earlier layer ("lime": 1).
+DEFAULT_STRIDES: dict[str, int] = {}
 
 
-def depth_mix(q, k, v, src_k, src_v, mode: DepthMode, fast=True, rule=()):
+def depth_mix(q, k, v, src_k, src_v, mode: DepthMode, rule=()):
     """The depth step of layer l at every position t at once (paper sections 2.1-2.2).
 
     q: (B, n_head, T, D) this layer's queries; k, v: (B, n_kv_head, T, D) its key and value.
@@ -178,21 +185,25 @@ def depth_mix(q, k, v, src_k, src_v, mode: DepthMode, fast=True, rule=()):
 
     q and k arrive after RoPE; every candidate carries the same rotation R_t, so the scores are
     those of the unrotated vectors and mixing keys commutes with it (README, "Where we deviate").
-    Returns (k_out, v_out, alpha (B, n_kv_head, C, T)). With fast, a decode step (T = 1) of a
-    row that opts in runs depth_mix_one, and alpha is None. rule: a learned row's (depth_params, e).
+    Returns (k_out, v_out, alpha (B, n_kv_head, C, T)). rule: a learned row's (depth_params, e).
+    A decode step of a row with decode_kernel runs depth_mix_one instead (Attention.depth_step).
     """
-    if fast and mode.decode_kernel and q.shape[2] == 1:
-        return (*depth_mix_one(q, k, v, src_k, src_v, mode), None)
     keys, values = src_k + [k], src_v + [v]
     qbar = group_mean(q, k.shape[1])                                   # (B, n_kv_head, T, D)
     alpha = mode.weights(qbar, keys, *rule)                            # (B, n_kv_head, C, T)
-    if alpha.shape != (*qbar.shape[:2], len(keys), qbar.shape[2]):  # T = C hides a transpose
-        raise ValueError(f"depth weights of shape {tuple(alpha.shape)}; want (B, n_kv_head, C, T) ="
-                         f" {(*qbar.shape[:2], len(keys), qbar.shape[2])}: candidates before "
-                         f"positions")
+    check_layout(alpha, qbar, len(keys))
     k_out = weighted_sum(alpha, keys) if mode.mixes_k else k
     v_out = weighted_sum(alpha, values) if mode.mixes_v else v
     return k_out, v_out, alpha
+
+
+def check_layout(alpha, qbar, C):
+    """A fork's weights laid out positions first, (B, n_kv_head, T, C), refused by name: at T = C
+    the shape hides the transpose and only the values tell (the contract's reference test)."""
+    want = (*qbar.shape[:2], C, qbar.shape[2])
+    if alpha.shape != want:
+        raise ValueError(f"depth weights of shape {tuple(alpha.shape)}; want (B, n_kv_head, C, T) ="
+                         f" {want}: candidates before positions")
 
 
 def weighted_sum(alpha, xs):
@@ -349,8 +360,12 @@ class Attention(nn.Module):
 
     def depth_step(self, q, k, v, src_k, src_v, e):
         """k, v mixed with the sources' records as the layer's row of DEPTH_MODES says."""
+        # A decode step (T = 1) of a row that opts in takes the one-call kernel, the same mix
+        # (section 2.1) faster; it yields no alpha, so not while capture() records the weights.
+        if self.mode.decode_kernel and q.shape[2] == 1 and self.weights_sink is None:
+            return depth_mix_one(q, k, v, src_k, src_v, self.mode)
         rule = () if self.depth_params is None else (self.depth_params, e)
-        k, v, alpha = depth_mix(q, k, v, src_k, src_v, self.mode, self.weights_sink is None, rule)
+        k, v, alpha = depth_mix(q, k, v, src_k, src_v, self.mode, rule)
         if self.weights_sink is not None:
             self.weights_sink(e, alpha)
         return k, v
@@ -417,9 +432,10 @@ class GPT(nn.Module):
         self.depth_sources = [config.sources(e) for e in range(config.n_eff_layer)]
         for e, src in enumerate(self.depth_sources):  # a fork's rule too: records exist below e
             late = [j for j in src if not 0 <= j < e]
-            config_check("ModelConfig")(not late, f"sources({e}) gives {late}: a layer mixes only "
-                                        f"the records of earlier layers, 0 <= j < {e}; fix the "
-                                        f"rule in ModelConfig.sources")
+            if late:
+                raise ConfigError(f"ModelConfig: sources({e}) gives {late}: a layer mixes only the "
+                                  f"records of earlier layers, 0 <= j < {e}; fix the rule in "
+                                  f"ModelConfig.sources")
         self.last_reader = {j: e for e, src in enumerate(self.depth_sources) for j in src}
         self.apply(self._init_weights)
 

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from conftest import tiny_config, tiny_model
-from model import DEPTH_MODES, GPT, KVCache, ModelConfig, apply_rope, depth_mix, rope_tables
+from model import (DEPTH_MODES, GPT, KVCache, ModelConfig, apply_rope, depth_mix, depth_mix_one,
+                   rope_tables)
 from support.cost import depth_cost
 from support.depth_weights import capture
 
@@ -263,10 +264,10 @@ def test_decode_kernel_equals_the_per_candidate_passes(mode, n_kv):
     g = torch.Generator().manual_seed(0)
     q = torch.randn(3, 4, 1, 8, generator=g, dtype=torch.float64)
     k, v, *src = (torch.randn(3, n_kv, 1, 8, generator=g, dtype=torch.float64) for _ in range(6))
-    fused = depth_mix(q, k, v, src[:2], src[2:], DEPTH_MODES[mode], fast=True)
-    passes = depth_mix(q, k, v, src[:2], src[2:], DEPTH_MODES[mode], fast=False)
-    assert fused[2] is None and passes[2].shape == (3, n_kv, 3, 1)
-    for a, b in zip(fused[:2], passes[:2]):
+    fused = depth_mix_one(q, k, v, src[:2], src[2:], DEPTH_MODES[mode])
+    passes = depth_mix(q, k, v, src[:2], src[2:], DEPTH_MODES[mode])
+    assert len(fused) == 2 and passes[2].shape == (3, n_kv, 3, 1)
+    for a, b in zip(fused, passes[:2]):
         assert (a - b).abs().max() < 1e-12
 
 

@@ -25,15 +25,15 @@ import sys
 import torch
 
 # A row with its own default stride (as LIMe's 1 in baselines.py), registered by the grader in both
-# the student's model and the reference: ModelConfig.stride must read a row's default_stride.
+# the student's model and the reference: ModelConfig.stride must read DEFAULT_STRIDES.
 OWN_STRIDE_MODE = "own_stride"
 
 
 def prepare(model):
     """The grader's extra rows of DEPTH_MODES (before any function is replaced)."""
     if OWN_STRIDE_MODE not in model.DEPTH_MODES:
-        model.DEPTH_MODES[OWN_STRIDE_MODE] = dataclasses.replace(model.DEPTH_MODES["value"],
-                                                                 default_stride=1)
+        model.DEPTH_MODES[OWN_STRIDE_MODE] = model.DEPTH_MODES["value"]
+        model.DEFAULT_STRIDES[OWN_STRIDE_MODE] = 1
 
 
 # ------------------------------------------------------------------------------- the ops
@@ -66,7 +66,7 @@ def weighted_sum(model, alpha, xs):
 
 
 def depth_mix(model, mode, args):
-    return list(model.depth_mix(*clone(args), model.DEPTH_MODES[mode], fast=False))
+    return list(model.depth_mix(*clone(args), model.DEPTH_MODES[mode]))
 
 
 def depth_mix_one(model, mode, args):

@@ -18,7 +18,6 @@ parse_config's defaults and helps and check_ranges' rules and choices.
 import ast
 import difflib
 import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -141,29 +140,6 @@ def read_config_file(path, _seen=()) -> dict:
     base = own.pop("base_config", None)
     return {**read_config_file(path.parent / base, (*_seen, path.resolve())),
             **own} if base else own
-
-
-# `"key": value,  # comment` (a dict literal), `key=value,  # comment` (dict()) or
-# `key: type = value  # comment` (a dataclass field), and the comment-only lines that continue it.
-_KEY_LINE = re.compile(r'^\s*"?(\w+)"?\s*(?::\s*[^=#]+?)?\s*[:=][^#]*#\s?(.*)$')
-_MORE_LINE = re.compile(r"^\s*#\s?(.*)$")
-
-
-def key_comments(sources) -> dict:
-    """{key: the comment beside its first definition} over the source files, in order."""
-    found = {}
-    for src in sources:
-        last = None  # the key whose comment a comment-only line at the same column continues
-        for line in Path(src).read_text().splitlines():
-            m, more = _KEY_LINE.match(line), _MORE_LINE.match(line)
-            if m and m.group(1) not in found:
-                last, column = m.group(1), line.rindex("#", 0, m.start(2))
-                found[last] = m.group(2).strip()
-            elif more and last and line.index("#") == column:
-                found[last] += " " + more.group(1).strip()
-            else:
-                last = None
-    return found
 
 
 def help_text(defaults: dict, doc: str, helps: dict, choices=None) -> str:

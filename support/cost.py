@@ -8,6 +8,7 @@ model's config and its row of model.DEPTH_MODES; bench_cache.py prints it beside
 import torch
 
 from model import DEPTH_MODES, Attention, DepthMode, ModelConfig, uniform_weights
+from support.variants import BASELINE_MODES
 
 
 def depth_cost(config: ModelConfig, bytes_per_element: int = 2) -> dict:
@@ -16,11 +17,12 @@ def depth_cost(config: ModelConfig, bytes_per_element: int = 2) -> dict:
     value: FLOPs 4 d_kv C (2 for the scores, 2 for the mix); activation I/O bytes (2C + L) d_kv
     (read K and V of each candidate, write one vector per layer). Uniform Mix has no scores and
     reads only V; a row mixing K mixes and writes it too. The KV cache is vanilla's in every
-    mode; extra_params counts a learned row's params. A row with its own `cost` (LIMe's) gives
-    its own terms."""
+    mode; extra_params counts a learned row's params. LIMe's terms are its own formula,
+    baselines.lime_cost (by depth_mode in baselines.DEPTH_COSTS)."""
+    if config.depth_mode in BASELINE_MODES:  # a config naming it has imported baselines already
+        from baselines import DEPTH_COSTS
+        return DEPTH_COSTS[config.depth_mode](config, bytes_per_element)
     mode = DEPTH_MODES[config.depth_mode]
-    if mode.cost is not None:
-        return mode.cost(config, bytes_per_element)
     L, d_kv = config.n_eff_layer, config.n_kv_head * config.head_dim
     C = sum(len(config.sources(e)) + 1 for e in range(1, L)) if mode.mixes else 0
     n_mix = mode.mixes_k + mode.mixes_v                    # vectors mixed per layer: K, V or both

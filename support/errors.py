@@ -8,8 +8,9 @@ lets every other exception be a traceback, because anything else is a bug (in th
       CheckpointError  a run folder, a checkpoint, an export or Hugging Face folder
       DataError      a dataset, a corpus, a tokenizer
 
-model.py imports only torch, so its config checks raise model.ConfigError (a ValueError); the entry
-points treat it as a user error too (USER_ERRORS).
+model.py imports only torch, so its config checks raise model.ConfigError (a ValueError), the base
+of ConfigError here: `except ConfigError` from either module catches both, and the entry points
+print model.py's as a user error too (USER_ERRORS).
 """
 import os
 import sys
@@ -27,8 +28,9 @@ class UserError(Exception):
     """Bad input, a missing file, a damaged folder: the message names the fix."""
 
 
-class ConfigError(UserError):
-    """Bad input on the command line or in a config file."""
+class ConfigError(UserError, ModelConfigError):
+    """Bad input on the command line or in a config file; a model.ConfigError, as a model's bad
+    shape is."""
 
 
 class CheckpointError(UserError):

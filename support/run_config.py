@@ -17,8 +17,7 @@ import torch
 from baselines import (ATTENTIONS, DEPTH_MODES, KNOBS, RESIDUALS, BaselineConfig, build_model,
                        make_config)
 from support.cli import not_in_a_checkpoint, resolve_device
-from support.config import (Key, argument_updates, check_ranges, key_comments, key_table,
-                            parse_config)
+from support.config import Key, argument_updates, check_ranges, key_table, parse_config
 from support.errors import CheckpointError, ConfigError
 from support.checkpoint import SHARDED, checkpoint_path, read_checkpoint, unfinished
 from support.parallel import PARALLEL
@@ -26,14 +25,12 @@ from support.parallel import PARALLEL
 
 def _model_keys() -> dict:
     """The fields of model.ModelConfig and baselines.BaselineConfig, sized for the Shakespeare demo
-    (1.25M parameters); their help is the comment beside each field, their checks the configs'."""
+    (1.25M parameters); their help is each field's own (model.knob), their checks the configs'."""
     demo = BaselineConfig(block_size=256, n_layer=6, n_head=4, n_kv_head=2, head_dim=32,
                           n_embd=128, mlp_hidden=384, depth_mode="value")
-    sources = [sys.modules[cls.__module__].__file__ for cls in BaselineConfig.__mro__[:2]]
-    helps = key_comments(reversed(sources))  # model.py first: the field's own comment
     choices = {"depth_mode": tuple(DEPTH_MODES), "residual": RESIDUALS,
                "attention": tuple(ATTENTIONS)}
-    keys = {f.name: Key(getattr(demo, f.name), helps.get(f.name, ""), choices=choices.get(f.name))
+    keys = {f.name: Key(getattr(demo, f.name), f.metadata["help"], choices=choices.get(f.name))
             for f in fields(BaselineConfig)}
     keys["vocab_size"] = Key(None, "None = the tokenizer's vocabulary (meta.json); larger values "
                              "pad it")

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields
 
 import torch.nn as nn
 
-from model import DEPTH_MODES, GPT, ConfigError, ModelConfig, config_check
+from model import DEPTH_MODES, GPT, ConfigError, ModelConfig, knob
 
 # The names baselines.py builds (its BASELINES, ATTENTIONS and DEPTH_MODELS, tests/test_mode_lists
 # checks they agree): a config that names none of them is a plain model.GPT.
@@ -26,42 +26,54 @@ BASELINE_MODES = ("lime",)  # the rows baselines.py adds to model.DEPTH_MODES, b
 @dataclass
 class BaselineConfig(ModelConfig):
     # The baselines of the paper's Table 1; each runs with depth_mode="vanilla".
-    residual: str = "add"           # residual path: add (the plain stream) or a baseline, with
-                                    # depth_mode=vanilla
-    attention: str = "standard"     # standard (q . k), or keyless (q R . v: no keys, a V-only
-                                    # cache; Keyless Attention) with depth_mode vanilla/value/uniform
-    denseformer_dwa_dilation: int = 1       # DenseFormer: every k-th earlier output (authors: 1)
-    denseformer_dwa_period: int = 1         # DenseFormer: after every p-th block (authors: 1)
-    attnres_block_size: int = 12            # AttnRes: sublayers per block, 2 a layer (authors: 12)
-    attnres_recency_bias_init: float = 3.0  # AttnRes: the stream's initial logit bonus (authors: 3)
-    mhc_num_streams: int = 4                # mHC: parallel residual streams n (authors: 4)
-    mhc_alpha_init: float = 0.01            # mHC: initial gain of the dynamic maps (authors: 0.01)
-    mhc_sinkhorn_iters: int = 20            # mHC: Sinkhorn row/column rounds (authors: 20)
+    residual: str = knob("add", "residual path: add (the plain stream) or a baseline, with "
+                         "depth_mode=vanilla")
+    attention: str = knob("standard", "standard (q . k), or keyless (q R . v: no keys, a V-only "
+                          "cache; Keyless Attention) with depth_mode vanilla/value/uniform")
+    denseformer_dwa_dilation: int = knob(1, "DenseFormer: every k-th earlier output (authors: 1)")
+    denseformer_dwa_period: int = knob(1, "DenseFormer: after every p-th block (authors: 1)")
+    attnres_block_size: int = knob(12, "AttnRes: sublayers per block, 2 a layer (authors: 12)")
+    attnres_recency_bias_init: float = knob(3.0, "AttnRes: the stream's initial logit bonus "
+                                            "(authors: 3)")
+    mhc_num_streams: int = knob(4, "mHC: parallel residual streams n (authors: 4)")
+    mhc_alpha_init: float = knob(0.01, "mHC: initial gain of the dynamic maps (authors: 0.01)")
+    mhc_sinkhorn_iters: int = knob(20, "mHC: Sinkhorn row/column rounds (authors: 20)")
 
     def __post_init__(self):
         super().__post_init__()
-        need = config_check("BaselineConfig")
         for name in ("denseformer_dwa_dilation", "denseformer_dwa_period", "attnres_block_size",
                      "mhc_num_streams", "mhc_sinkhorn_iters"):
-            need(isinstance(getattr(self, name), int) and getattr(self, name) >= 1,
-                 f"{name} must be a positive integer, got {getattr(self, name)!r}")
-        need(self.residual in RESIDUALS,
-             f"unknown residual {self.residual!r}; choose one of {', '.join(RESIDUALS)}")
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ConfigError(f"BaselineConfig: {name} must be a positive integer, got "
+                                  f"{value!r}")
+        if self.residual not in RESIDUALS:
+            raise ConfigError(f"BaselineConfig: unknown residual {self.residual!r}; choose one of "
+                              f"{', '.join(RESIDUALS)}")
         if self.residual != "add":  # the paper compares each with vanilla attention, one change
-            need(self.depth_mode == "vanilla", f"residual={self.residual} is a baseline with "
-                 f"vanilla attention; use --depth_mode=vanilla with --residual={self.residual} "
-                 f"(not depth_mode={self.depth_mode})")
-            need(self.n_loops == 1, f"residual={self.residual} is defined for one pass over the "
-                 f"layers; use --n_loops=1 with --residual={self.residual}")
-        need(self.attention in ATTENTIONS,
-             f"unknown attention {self.attention!r}; choose one of {', '.join(ATTENTIONS)}")
+            if self.depth_mode != "vanilla":
+                raise ConfigError(f"BaselineConfig: residual={self.residual} is a baseline with "
+                                  f"vanilla attention; use --depth_mode=vanilla with "
+                                  f"--residual={self.residual} (not depth_mode={self.depth_mode})")
+            if self.n_loops != 1:
+                raise ConfigError(f"BaselineConfig: residual={self.residual} is defined for one "
+                                  f"pass over the layers; use --n_loops=1 with "
+                                  f"--residual={self.residual}")
+        if self.attention not in ATTENTIONS:
+            raise ConfigError(f"BaselineConfig: unknown attention {self.attention!r}; choose one "
+                              f"of {', '.join(ATTENTIONS)}")
         if self.attention == "keyless":  # its depth step mixes values; there is no key to mix
-            need(not DEPTH_MODES[self.depth_mode].mixes_k, f"attention=keyless has no keys for "
-                 f"depth_mode={self.depth_mode} to mix; use --depth_mode=value, uniform or vanilla")
-            need(self.residual == "add", f"attention=keyless runs on the plain residual stream; use "
-                 f"--residual=add with --attention=keyless (not residual={self.residual})")
-        need(self.mhc_num_streams >= 2,
-             f"mhc_num_streams must be at least 2, got {self.mhc_num_streams}")
+            if DEPTH_MODES[self.depth_mode].mixes_k:
+                raise ConfigError(f"BaselineConfig: attention=keyless has no keys for "
+                                  f"depth_mode={self.depth_mode} to mix; use --depth_mode=value, "
+                                  f"uniform or vanilla")
+            if self.residual != "add":
+                raise ConfigError(f"BaselineConfig: attention=keyless runs on the plain residual "
+                                  f"stream; use --residual=add with --attention=keyless (not "
+                                  f"residual={self.residual})")
+        if self.mhc_num_streams < 2:
+            raise ConfigError(f"BaselineConfig: mhc_num_streams must be at least 2, got "
+                              f"{self.mhc_num_streams}")
 
 
 # The baselines' own keys beyond ModelConfig's: `residual`, `attention` and the methods' knobs,

@@ -236,7 +236,7 @@ def test_every_script_answers_help(script):
 
 def test_help_lists_every_key_with_its_help():
     """--help is the key table (support/run_config.py): every key, its default, its help; the
-    model's keys say what the comment beside their field in model.py or baselines.py says."""
+    model's keys say what their field's help in model.py or support/variants.py says."""
     text = run("train.py", "--help").stdout
     for key, value in run_config.DEFAULTS.items():
         line = next((l for l in text.splitlines() if l.strip().startswith(f"--{key}={value!r}")),
@@ -244,7 +244,7 @@ def test_help_lists_every_key_with_its_help():
         assert line is not None and len(line.split(None, 1)) == 2, f"--{key} has no line or no help in --help"
         assert run_config.TRAIN_KEYS[key].help in line, key
     assert "None = at every evaluation; 0 = at the end" in text
-    assert "distinct blocks (paper 3B: 48)" in text  # n_layer's comment in model.py
+    assert "distinct blocks (paper 3B: 48)" in text  # n_layer's help in model.py
     from baselines import DEPTH_MODES  # the choices come from the table itself, LIMe's row included
     line = next(l for l in text.splitlines() if "--depth_mode='value'" in l)
     assert "a row of model.DEPTH_MODES" in line and line.endswith(f"one of {', '.join(DEPTH_MODES)}")
