@@ -118,7 +118,7 @@ DIFFERENT = {
             k, v = self.depth_step(q, k, v, src_k, src_v, e)
         return self.store_and_attend(q, k, v, cache, e)""",
     "depth_mix": """
-        keys, values = src_k + [k], src_v + [v]  # no fast path: the passes at every length
+        keys, values = src_k + [k], src_v + [v]  # no layout check: the passes alone
         alpha = mode.weights(group_mean(q, k.shape[1]), keys)
         return (weighted_sum(alpha, keys) if mode.mixes_k else k,
                 weighted_sum(alpha, values) if mode.mixes_v else v, alpha)""",
@@ -262,7 +262,7 @@ def graded(copy, tmp_path_factory):
 def test_a_correct_solution_grades_full_marks(graded, case):
     """The reference's bodies, in the instructor's grader and the copy's; and bodies right in
     another way (bf16 einsum scores, KV heads repeated before causal_attention, a depth step at
-    layer 0 over itself alone, a depth_mix without the fast path) in the instructor's."""
+    layer 0 over itself alone, a depth_mix without the layout check) in the instructor's."""
     _, result = graded[case]
     assert earned(result) == {**full(1, 2, 3, 4), 5: 0} and result["together"] is True, result
 
