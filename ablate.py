@@ -44,7 +44,7 @@ from pathlib import Path
 
 from baselines import DEPTH_MODES
 from support import depth_weights_view, report, run_config
-from support.cli import output_file
+from support.outputs import output_file
 from support.config import Key, arg_updates, check_keys, key_table, parse_config
 from support.errors import CheckpointError, ConfigError, UserError, run_main
 from support.report import DEPTH_FIGURES, MAIN, RESULTS

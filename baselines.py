@@ -115,6 +115,7 @@ class BlockAttnRes(GPT):
     and adds its output to the stream as usual. After every attnres_block_size sublayers (checked
     at the end of a layer) a snapshot of the stream joins the snapshots; the embedding is the
     first one."""
+    recomputed = ("attend", "feed_forward", "attnres_attn_aggregator", "attnres_mlp_aggregator")
 
     def __init__(self, config: ModelConfig):
         super().__init__(config)  # the backbone first, so a seed gives it vanilla's weights
@@ -201,6 +202,11 @@ class StreamReduce(nn.Module):
 
 
 class MHC(GPT):
+    # The connectors (the n streams and Sinkhorn) stay outside what is recomputed: a recomputed
+    # connector calls its sublayer through FSDP's hooks again inside the backward pass, which gave
+    # wrong gradients (tests/test_parallel.py).
+    recomputed = ("attend", "feed_forward")
+
     def __init__(self, config: ModelConfig):
         super().__init__(config)  # the backbone first, so a seed gives it vanilla's weights
         for block in self.layers:

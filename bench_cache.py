@@ -36,7 +36,8 @@ from model import GPT
 from support.cost import depth_cost
 from support import hf, paper
 from support.memory import allocator_peak
-from support.cli import mark, output_file, reason, require, resolve_device, table, write_atomically
+from support.cli import reason, require, resolve_device, table
+from support.outputs import mark, output_file, write_atomically
 from support.config import Key, check_keys, key_table, parse_config, read_config_file
 from support.errors import USER_ERRORS, ConfigError, run_main
 from support.run_config import TRAIN_KEYS

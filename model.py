@@ -417,6 +417,7 @@ class Block(nn.Module):
 class GPT(nn.Module):
     attention_type = Attention  # the class of every block's attention: the seam for a variant
     cache_type = KVCache        # the cache new_cache makes: a variant may store less
+    recomputed = ("forward",)   # what --activation_checkpointing recomputes: each Block's methods
 
     def __init__(self, config: ModelConfig):
         super().__init__()

@@ -4,9 +4,8 @@ Sample text from a checkpoint written by train.py, or from a Hugging Face folder
     python sample.py --init_from=out/shakespeare --prompt="ROMEO:" --num_samples=3 --max_new_tokens=200
     python sample.py --init_from=zeng123/Depth-attention-3B --prompt="The capital of France is"
 
-A train.py checkpoint is rebuilt from its stored config dict and decodes with the tokenizer its
-training data used; a Hugging Face folder brings config.json and tokenizer.json
-(checkpoint.load_model). Generation runs through model.generate and its KV cache.
+A train.py checkpoint brings its config and its data's tokenizer, a Hugging Face folder its
+config.json and tokenizer.json (checkpoint.load_model); model.generate decodes with the KV cache.
 """
 import sys
 from pathlib import Path
@@ -15,8 +14,7 @@ import torch
 
 from support.variants import attention_of, residual_of
 from support.checkpoint import load_model
-from support.cli import ArgumentParser, resolve_device
-from support.config import check_ranges
+from support.cli import ArgumentParser, check_ranges, resolve_device
 from support.errors import ConfigError, run_main
 
 KEY_RANGES = {"num_samples": ">= 1", "max_new_tokens": ">= 0", "temperature": ">= 0",

@@ -24,7 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from course.problems import FIXTURES, MARKER, PROBLEMS  # noqa: E402
-from support.cli import ArgumentParser, clean_stale  # noqa: E402
+from support.cli import ArgumentParser  # noqa: E402
+from support.outputs import clean_stale  # noqa: E402
 from support.errors import UserError, run_main  # noqa: E402
 
 # Left out of the copy: the loop references and the tests that check the method against them, CI,

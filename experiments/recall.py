@@ -24,8 +24,8 @@ import time
 import torch
 
 from support.variants import build_model, make_config
-from support.cli import ArgumentParser, mark, output_file, write_atomically
-from support.config import check_ranges
+from support.cli import ArgumentParser, check_ranges
+from support.outputs import mark, output_file, write_atomically
 from support.errors import ConfigError, run_main
 
 VARIANTS = {"vanilla": ("vanilla", "standard"), "value": ("value", "standard"),

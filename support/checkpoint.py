@@ -11,61 +11,24 @@ else is a bug.
               = "out/shakespeare_hf"          a Hugging Face folder: config.json + *.safetensors (hf.py)
               = "zeng123/Depth-attention-3B"  a Hugging Face hub id, downloaded by huggingface_hub
 """
-import hashlib
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 from model import GPT
 from model import ConfigError as ModelConfigError
-from support.cli import SHARDED
+from support.checksums import checksums
+from support.cli import SHARDED, SHARDED_OLD
 from support.errors import CheckpointError
-from support.tokenizer import (folder_tokenizer, from_record, is_hf_folder, looks_like_hub_id,
-                               snapshot)
+from support.tokenizer import (Tokenizer, folder_tokenizer, from_record, is_hf_folder,
+                               looks_like_hub_id, snapshot)
 from support.variants import build_model, make_config
 
 TOKENIZER_KEYS = ("tokenizer", "tokenizer_json", "eot_token")  # tokenizer.tokenizer_record's keys
-OLD = SHARDED + ".old"  # the previous ckpt.dcp between save_sharded's two renames
-# An FSDP run's checkpoint (save_sharded) is the folder SHARDED: a torch.distributed.checkpoint folder of
-# the model and optimizer shards, plus run.pt, the rest of a checkpoint. train.py --parallel=ddp (and one
-# process) writes ckpt.pt.
-
-
-def _digest(value, h):
-    """Feed value into hash h: tensors as dtype, shape and bytes (one pass, a tensor at a time),
-    containers in their order, everything else as its repr. torch.load gives back equal values, so
-    an equal digest."""
-    if isinstance(value, torch.Tensor):
-        h.update(f"tensor {value.dtype} {tuple(value.shape)};".encode())
-        h.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-    elif isinstance(value, dict):
-        h.update(b"{")
-        for k, v in value.items():
-            _digest(k, h)
-            _digest(v, h)
-        h.update(b"}")
-    elif isinstance(value, (list, tuple)):
-        h.update(b"(" if isinstance(value, tuple) else b"[")
-        for v in value:
-            _digest(v, h)
-        h.update(b")")
-    else:
-        h.update(f"{type(value).__name__} {value!r};".encode())
-    return h
-
-
-def checksums(obj: dict) -> dict:
-    """{entry: sha256 of its contents} for every top-level entry of a checkpoint: a flipped byte in
-    any tensor or value changes its entry's digest, and a reader can verify just the entries it
-    uses."""
-    return {
-        key: _digest(value, hashlib.sha256()).hexdigest()
-        for key, value in obj.items()
-        if key != "checksums"
-    }
 
 
 def _torch_load(path):
@@ -94,7 +57,7 @@ def read_checkpoint(path, verify=None) -> dict:
     unless verified or used; only tensors and plain values, so the safe loader suffices."""
     path = Path(path)
     # an FSDP run's: run.pt here, the tensors in the shards
-    if path.is_dir() and path.name in (SHARDED, OLD):
+    if path.is_dir() and path.name in (SHARDED, SHARDED_OLD):
         ckpt = read_checkpoint(path / "run.pt", verify)
         return {**ckpt, "shards": str(path)}
     if not path.is_file():
@@ -110,24 +73,19 @@ def read_checkpoint(path, verify=None) -> dict:
                               f"it may be truncated or corrupt: retrain or restore it") from e
     needed = {"model_config"} if path.name == "run.pt" else {"model", "model_config"}
     if not isinstance(ckpt, dict) or not needed <= ckpt.keys():
-        raise CheckpointError(
-            f"{path} is a torch file but not a train.py checkpoint (no {' and '.join(needed)})"
-        )
+        raise CheckpointError(f"{path} is a torch file but not a train.py checkpoint (no "
+                              f"{' and '.join(needed)})")
     stored = ckpt.pop("checksums", None)
     if stored is None:
-        print(
-            f"warning: {path} has no checksums (written before they were added); loading it unverified",
-            file=sys.stderr,
-        )
+        print(f"warning: {path} has no checksums (written before they were added); loading it "
+              f"unverified", file=sys.stderr)
         return ckpt
     # older checkpoints lack newer keys
     bad = [key for key in (verify or stored) if (key in stored or key in ckpt)
            and checksums({key: ckpt.get(key)}).get(key) != stored.get(key)]
     if bad:
-        raise CheckpointError(
-            f"{path} is corrupt: its {', '.join(bad)} no longer match the checksums written with "
-            f"it; restore the file or retrain"
-        )
+        raise CheckpointError(f"{path} is corrupt: its {', '.join(bad)} no longer match the "
+                              f"checksums written with it; restore the file or retrain")
     return ckpt
 
 
@@ -154,10 +112,10 @@ def model_from_checkpoint(ckpt: dict) -> GPT:
 
 @dataclass
 class Loaded:
-    model: GPT            # in eval mode, on the requested device
-    tokenizer: object     # encode(text, allowed_special=...), decode(ids), eot_token, name
-    source: str           # the file or folder the weights came from
-    step: int             # training steps behind the weights (None when unknown)
+    model: GPT             # in eval mode, on the requested device
+    tokenizer: Tokenizer   # encode(text, allowed_special=...), decode(ids), eot_token, name
+    source: str            # the file or folder the weights came from
+    step: Optional[int]    # training steps behind the weights (None when unknown)
 
 
 def no_checkpoint(path) -> CheckpointError:
@@ -181,11 +139,11 @@ def checkpoint_path(init_from) -> Path:
     a save between its two renames, or killed there); a ckpt.dcp's run.pt means the ckpt.dcp; a file
     or a ckpt.dcp is itself."""
     p = Path(init_from)
-    if p.name == "run.pt" and p.parent.name in (SHARDED, OLD):  # the folder is the checkpoint
+    if p.name == "run.pt" and p.parent.name in (SHARDED, SHARDED_OLD):  # the folder is the one
         return p.parent
-    if p.is_dir() and p.name not in (SHARDED, OLD):
+    if p.is_dir() and p.name not in (SHARDED, SHARDED_OLD):
         if not (p / "ckpt.pt").exists():
-            for name in (SHARDED, OLD):
+            for name in (SHARDED, SHARDED_OLD):
                 if (p / name).is_dir():
                     return p / name
         return p / "ckpt.pt"
@@ -243,9 +201,8 @@ def load_model(init_from, device="cpu") -> Loaded:
         model = from_pretrained(folder)
         tokenizer = folder_tokenizer(folder)
         if tokenizer is None:
-            raise CheckpointError(
-                f"{folder} has no tokenizer.json; copy the model's tokenizer.json into it"
-            )
+            raise CheckpointError(f"{folder} has no tokenizer.json; copy the model's "
+                                  f"tokenizer.json into it")
         return Loaded(model.to(device).eval(), tokenizer, str(folder), None)
     path, ckpt, model = read_snapshot(lambda: checkpoint_path(init_from), read_model)
     return Loaded(model.to(device).eval(), from_record(ckpt), str(path), ckpt.get("step"))

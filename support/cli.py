@@ -1,27 +1,25 @@
 """
-The few helpers every script uses at its edges: `ArgumentParser` (the command-line dialect of the
-argparse scripts), `reason` (an exception's first line), `require` (an optional package, or a
-MissingPackage naming its pip line), `resolve_device` (auto = cuda, then mps, then cpu), `table`
-(aligned plain-text columns), `output_file` (a result's path, checked before any work),
-`not_in_a_checkpoint` (nothing is written into a sharded checkpoint's folder), the marks a script
-leaves on its results (`mark`, `written_here`), `read_json_object` and `write_atomically`.
+The few helpers every script uses at its edges: the command-line dialect (`ArgumentParser` for the
+argparse scripts; the boolean words and the range rules, which support/config.py's key tables use
+too), `reason` (an exception's first line), `require` (an optional package, or a MissingPackage
+naming its pip line), `resolve_device` (auto = cuda, then mps, then cpu), `table` (aligned
+plain-text columns), `not_in_a_checkpoint` (nothing is written into a sharded checkpoint's folder)
+and `read_json_object`. Where a script writes its results is support/outputs.py's.
 """
 import argparse
 import difflib
 import importlib
 import json
-import os
-import re
-import shutil
+import math
 import sys
 from pathlib import Path
 
-from support.config import boolean
 from support.errors import ConfigError, UserError
 
 # An FSDP run's checkpoint folder (checkpoint.save_sharded), and its names while a save replaces it.
 SHARDED = "ckpt.dcp"
-SHARDED_NAMES = (SHARDED, f"{SHARDED}.tmp", f"{SHARDED}.old")
+SHARDED_OLD = f"{SHARDED}.old"  # the previous ckpt.dcp between save_sharded's two renames
+SHARDED_NAMES = (SHARDED, f"{SHARDED}.tmp", SHARDED_OLD)
 
 def reason(e) -> str:
     """An exception's first line for an error message; its class name when it has no message."""
@@ -76,98 +74,6 @@ def resolve_device(name, local_rank=None, allowed=("cpu", "cuda", "cuda:N", "mps
 
 
 
-def output_file(path, flag, written_by=None) -> Path:
-    """Check before any work that `path` can be written as a file (its folder is created): a long
-    evaluation or benchmark must not end in an error about where to put its result. written_by: the
-    script whose earlier result (written_here) an existing file must be to be replaced, so a slip
-    such as --json=out/RUN/ckpt.pt or --figure=photo.png keeps the file. Raises ConfigError naming
-    `flag`."""
-    p = Path(path)
-    not_in_a_checkpoint(p, flag)
-    if p.is_dir() or str(path).endswith(("/", "\\")):
-        raise ConfigError(f"{flag}={path} is a folder; "
-                          f"give a file name such as {p / 'results.json'}")
-    try:
-        p.parent.mkdir(parents=True, exist_ok=True)
-        probe = p.parent / f".{p.name}.probe{os.getpid()}"
-        probe.touch()
-        probe.unlink()
-    except (FileExistsError, NotADirectoryError):
-        raise ConfigError(f"cannot write {flag}={path}: part of its folder path is a file; "
-                          f"pick another path") from None
-    except OSError as e:
-        raise ConfigError(f"cannot write {flag}={path} ({e.strerror or e}); "
-                          f"pick a writable path") from None
-    if written_by and p.is_file() and p.stat().st_size and not written_here(p, written_by):
-        raise ConfigError(f"{flag}={path} exists and was not written by {written_by}; pick "
-                          f"another path, or delete the file if it may go")
-    return p
-
-
-def mark(script) -> str:
-    """What a script writes into its results (JSON's "written_by") and figures (their metadata),
-    so that replacing one checks a fact rather than guessing from common keys. No parentheses: a
-    PDF would escape them."""
-    return f"{script}, Depth-Attention"
-
-
-def figure_metadata(path, script) -> dict:
-    """matplotlib's savefig metadata carrying mark(script) for a figure at path."""
-    return {"Software" if Path(path).suffix.lower() == ".png" else "Creator": mark(script)}
-
-
-def written_here(path, script) -> bool:
-    """Whether the file at path is an earlier result of script: a JSON object whose "written_by"
-    is mark(script), or a figure whose metadata holds it (PNG text chunks, PDF and SVG creator)."""
-    p = Path(path)
-    if p.stat().st_size > 1 << 26:  # an earlier result is far smaller; a larger file is not one
-        return False
-    data = p.read_bytes()
-    if p.suffix.lower() == ".json":
-        try:
-            earlier = json.loads(data)
-        except ValueError:  # not UTF-8, not JSON
-            return False
-        return isinstance(earlier, dict) and earlier.get("written_by") == mark(script)
-    return mark(script).encode() in data
-
-
-def stale_pid(path):
-    """The pid in a temporary's name (NAME.tmp<pid>, NAME.old<pid>, train.bin.tmp<pid>) if that
-    process is gone (or is this one, reborn under the same pid in a new container), else None."""
-    m = re.fullmatch(r".+\.(?:tmp|old)(\d+)", Path(path).name)
-    if not m:
-        return None
-    pid = int(m[1])
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return pid
-    except PermissionError:  # alive, another user's
-        return None
-    return pid if pid == os.getpid() else None
-
-
-def clean_stale(dest, hidden=False, inside=False, restorable=lambda old: True):
-    """Remove what killed runs of a script left beside dest: the temporaries NAME.tmp<pid> it was
-    writing and NAME.old<pid>, the dest a swap moved aside, which goes back in place first when
-    dest is gone (a swap killed half-way) and restorable(it). hidden: the names start with a dot;
-    inside: dest's own NAME.tmp<pid> files too."""
-    dest = Path(dest)
-    stem = f"{'.' if hidden else ''}{dest.name}"
-    for old in dest.parent.glob(f"{stem}.old*"):
-        pid = stale_pid(old)
-        if pid is not None and not dest.exists() and restorable(old):
-            os.rename(old, dest)
-            print(f"restored {dest} from {old}, left by a killed run (pid {pid})")
-    for path in [*dest.parent.glob(f"{stem}.tmp*"), *dest.parent.glob(f"{stem}.old*"),
-                 *(dest.glob("*.tmp*") if inside and dest.is_dir() else [])]:
-        pid = stale_pid(path)
-        if pid is not None:
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-            print(f"removed {path}, left by a killed run (pid {pid})")
-
-
 def not_in_a_checkpoint(path, flag):
     """A ConfigError naming `flag` if path is or lies inside a sharded checkpoint's folder: the
     run's next save replaces that folder whole, and whatever else was written there with it."""
@@ -191,19 +97,38 @@ def read_json_object(path, error=UserError) -> dict:
     return value
 
 
-def write_atomically(path, text):
-    """Write text to path through a temporary file and a rename: an interrupted write leaves the old
-    file."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 # ----------------------------------------------------------------------------- the command line
+
+BOOL_WORDS = {"true": True, "1": True, "false": False, "0": False}  # any case, every script
+
+# The rules check_ranges knows, each a predicate on a number; every one also requires a finite
+# value.
+RULES = {
+    "> 0": lambda v: v > 0,
+    ">= 0": lambda v: v >= 0,
+    ">= 1": lambda v: v >= 1,
+    "in [0, 1)": lambda v: 0 <= v < 1,
+    "in [0, 1]": lambda v: 0 <= v <= 1,
+    "in [0, 2**63)": lambda v: 0 <= v < 2**63,  # a seed: torch's generators take 64 signed bits
+}
+
+
+def boolean(key, value) -> bool:
+    """A boolean key's value (a bool, 0 or 1, or one of BOOL_WORDS); a ConfigError otherwise."""
+    if str(value).lower() in BOOL_WORDS:
+        return BOOL_WORDS[str(value).lower()]
+    raise ConfigError(f"--{key}={value}: give --{key} alone, --{key}=True or --{key}=False")
+
+
+def check_ranges(cfg: dict, rules: dict):
+    """Raise ConfigError for the first key whose value is outside its range, e.g. rules = {"beta1":
+    "in [0, 1)"}. None (where a default allows it) passes: it means "derive this"."""
+    for key, rule in rules.items():
+        value = cfg[key]
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if value is not None and not (number and math.isfinite(value) and RULES[rule](value)):
+            raise ConfigError(f"--{key} must be a finite number {rule}, got {value!r}")
+
 
 class _ShowDefaults(argparse.HelpFormatter):
     """An option's default in --help, unless unset (None, False, "") or named by its help."""

@@ -17,24 +17,12 @@ parse_config's defaults and helps and check_ranges' rules and choices.
 """
 import ast
 import difflib
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from support.cli import BOOL_WORDS, boolean, check_ranges
 from support.errors import ConfigError, ShowHelp
-
-# The rules check_ranges knows, each a predicate on a number; every one also requires a finite
-# value.
-RULES = {
-    "> 0": lambda v: v > 0,
-    ">= 0": lambda v: v >= 0,
-    ">= 1": lambda v: v >= 1,
-    "in [0, 1)": lambda v: 0 <= v < 1,
-    "in [0, 1]": lambda v: 0 <= v <= 1,
-    "in [0, 2**63)": lambda v: 0 <= v < 2**63,  # a seed: torch's generators take 64 signed bits
-}
-
 
 @dataclass(frozen=True)
 class Key:
@@ -58,16 +46,6 @@ def key_table(keys: dict) -> tuple:
             {name: key.choices for name, key in keys.items() if key.choices})
 
 
-def check_ranges(cfg: dict, rules: dict):
-    """Raise ConfigError for the first key whose value is outside its range, e.g. rules = {"beta1":
-    "in [0, 1)"}. None (where a default allows it) passes: it means "derive this"."""
-    for key, rule in rules.items():
-        value = cfg[key]
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
-        if value is not None and not (number and math.isfinite(value) and RULES[rule](value)):
-            raise ConfigError(f"--{key} must be a finite number {rule}, got {value!r}")
-
-
 def check_keys(cfg: dict, keys: dict):
     """Raise ConfigError for the first key of the table {name: Key} that is None where its default
     is not (parse_config takes None anywhere), outside its range or not one of its choices."""
@@ -79,17 +57,6 @@ def check_keys(cfg: dict, keys: dict):
             raise ConfigError(f"--{name} must be one of {', '.join(key.choices)}, "
                               f"got {cfg[name]!r}")
     check_ranges(cfg, key_table(keys)[2])
-
-
-# A boolean's values, in any case, for train.py's keys and the argparse scripts' flags alike.
-BOOL_WORDS = {"true": True, "1": True, "false": False, "0": False}
-
-
-def boolean(key, value) -> bool:
-    """A boolean key's value (a bool, 0 or 1, or one of BOOL_WORDS); a ConfigError otherwise."""
-    if str(value).lower() in BOOL_WORDS:
-        return BOOL_WORDS[str(value).lower()]
-    raise ConfigError(f"--{key}={value}: give --{key} alone, --{key}=True or --{key}=False")
 
 
 def _coerce(key, value, default):

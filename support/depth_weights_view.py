@@ -20,7 +20,8 @@ import numpy as np
 import torch
 
 from support.checkpoint import checkpoint_path, read_model, read_snapshot
-from support.cli import figure_metadata, output_file, require
+from support.cli import require
+from support.outputs import figure_metadata, output_file
 from support.depth_weights import as_matrix, mean_depth_weights, table
 from support.errors import CheckpointError, DataError
 from support.tokenizer import is_hf_folder

@@ -31,9 +31,10 @@ import torch
 
 from support.variants import KNOBS, attention_of, build_model, make_config, residual_of
 from model import GPT, ModelConfig
-from support.cli import SHARDED_NAMES, clean_stale, read_json_object, require
+from support.cli import SHARDED_NAMES, read_json_object, require
+from support.outputs import clean_stale
 from support.errors import USER_ERRORS, CheckpointError
-from support.tokenizer import HFTokenizer, bytes_tokenizer_json, is_hf_folder, snapshot
+from support.tokenizer import EOT, HFTokenizer, is_hf_folder, snapshot
 
 OUR_CONFIG = "model_config"  # our exports also record asdict(config) under this config.json key
 # An export transformers has no class for (a Depth-Attention mode, a looped model, a baseline) claims our own
@@ -332,6 +333,25 @@ def from_pretrained(path_or_hub_id, dtype=None) -> GPT:
     if config.tie_embeddings:  # assignment replaced the shared parameter; share it again
         model.lm_head.weight = model.embed_tokens.weight
     return model
+
+
+def bytes_tokenizer_json() -> str:
+    """The bytes tokenizer as a Hugging Face tokenizer.json, for transformers' AutoTokenizer: every
+    UTF-8 byte its own token, id = the byte (GPT-2's byte-to-character table stands each byte for a
+    character, with no merges), and <|endoftext|> the special token 256, so the ids are
+    get_tokenizer("bytes")'s."""
+    tokenizers = require("tokenizers", "a byte-level model's tokenizer.json")
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
+                 *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]  # stand for themselves + 256, in order
+    char = {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+    tok = tokenizers.Tokenizer(
+        tokenizers.models.BPE(vocab={char[b]: b for b in range(256)}, merges=[])
+    )
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = tokenizers.decoders.ByteLevel()
+    tok.add_special_tokens([tokenizers.AddedToken(EOT, special=True)])
+    return tok.to_str()
 
 
 def save_pretrained(model: GPT, out_dir, tokenizer, overwrite=False):

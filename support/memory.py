@@ -25,7 +25,7 @@ Per GPU, in bytes (bf16: train.py's bf16 autocast on CUDA; without it everything
                  probabilities, and bf16 autocast, which does not act on meta tensors (DDP: float32
                  weights, so the residual stream stays float32; FSDP's bf16 parameters make a bf16
                  model). With activation checkpointing, the units train.py recomputes
-                 (baselines.checkpoint_units: a decoder block, or a baseline's pieces of one): what
+                 (variants.checkpoint_units: a decoder block, or a baseline's pieces of one): what
                  is saved outside the units, the units' inputs (a block's input hidden state and the
                  Depth-Attention source K/V records it reads), the outputs, and the larger of one
                  unit's recomputed activations and the loss's gradients.

@@ -37,7 +37,8 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from support.cli import MissingPackage, clean_stale, not_in_a_checkpoint, reason, require
+from support.cli import MissingPackage, not_in_a_checkpoint, reason, require
+from support.outputs import clean_stale
 from support.errors import ConfigError, DataError
 from support.data import SOURCES
 from support.tokenizer import get_tokenizer

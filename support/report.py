@@ -13,7 +13,7 @@ import numpy as np
 
 from baselines import DEPTH_MODES
 from support import paper
-from support.cli import figure_metadata, output_file, write_atomically
+from support.outputs import figure_metadata, output_file, write_atomically
 from support.depth_weights import self_share
 from support.depth_weights_view import can_draw, depth_weight_matrix, plot_depth_weights, pyplot
 from support.errors import CheckpointError, ConfigError, DataError
@@ -153,7 +153,7 @@ def plot_curves(out, names, seeds, path):
 
 
 def save_figure(fig, ax, path):
-    """A line plot's legend and grid, then the file, marked as ablate.py's (support.cli.mark)."""
+    """A line plot's legend and grid, then the file, marked as ablate.py's (support.outputs.mark)."""
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -14,22 +14,21 @@ from typing import Optional
 
 import torch
 
-from baselines import (ATTENTIONS, DEPTH_MODES, KNOBS, RESIDUALS, BaselineConfig, build_model,
-                       make_config)
-from support.cli import not_in_a_checkpoint, resolve_device
-from support.config import Key, argument_updates, check_ranges, key_table, parse_config
+from model import DEPTH_MODES
+from support.cli import SHARDED, check_ranges, not_in_a_checkpoint, resolve_device
+from support.config import Key, argument_updates, key_table, parse_config
 from support.errors import CheckpointError, ConfigError
-from support.checkpoint import SHARDED, checkpoint_path, read_checkpoint, unfinished
 from support.parallel import PARALLEL
+from support.variants import (ATTENTIONS, KNOBS, RESIDUALS, BaselineConfig, build_model,
+                              depth_modes, make_config)
 
 
 def _model_keys() -> dict:
-    """The fields of model.ModelConfig and baselines.BaselineConfig, sized for the Shakespeare demo
+    """The fields of model.ModelConfig and support.variants.BaselineConfig, sized for the Shakespeare demo
     (1.25M parameters); their help is each field's own (model.knob), their checks the configs'."""
     demo = BaselineConfig(block_size=256, n_layer=6, n_head=4, n_kv_head=2, head_dim=32,
                           n_embd=128, mlp_hidden=384, depth_mode="value")
-    choices = {"depth_mode": tuple(DEPTH_MODES), "residual": RESIDUALS,
-               "attention": tuple(ATTENTIONS)}
+    choices = {"depth_mode": depth_modes(), "residual": RESIDUALS, "attention": ATTENTIONS}
     keys = {f.name: Key(getattr(demo, f.name), f.metadata["help"], choices=choices.get(f.name))
             for f in fields(BaselineConfig)}
     keys["vocab_size"] = Key(None, "None = the tokenizer's vocabulary (meta.json); larger values "
@@ -124,9 +123,11 @@ def check_keys(cfg):
 
 
 def resolve(argv, doc="", master=True):
-    """(cfg, ckpt): the run this command asks for, and with --resume its checkpoint. With resume,
-    the checkpoint's config replaces DEFAULTS, so `--out_dir=X --resume=True` alone continues the
-    run, and a repeated command line changes nothing."""
+    """(cfg, ckpt, init): the run this command asks for, with --resume its checkpoint, and on a
+    fresh run with --init_from the weights to start from (checkpoint.Loaded; their model keys are
+    cfg's, adopt_init_model). With resume, the checkpoint's config replaces DEFAULTS, so
+    `--out_dir=X --resume=True` alone continues the run, and a repeated command line changes
+    nothing."""
     cfg = parse_args(argv, doc)
     not_in_a_checkpoint(cfg["out_dir"], "--out_dir")
     ckpt = None
@@ -146,16 +147,24 @@ def resolve(argv, doc="", master=True):
         if cfg["overwrite"]:
             raise ConfigError("--resume=True continues the checkpoint and --overwrite=True "
                               "deletes it; pass one of them")
+    init = None
+    if cfg["init_from"] and ckpt is None:  # a resumed run's weights are its checkpoint's
+        from support.checkpoint import load_model
+        init = load_model(cfg["init_from"])
+        switched = adopt_init_model(cfg, init.model.config, cfg["init_from"], typed_keys(argv))
+        if switched and master:
+            print(switched)
     resolve_device(cfg["device"])
     if master:
         for key, why in ignored_keys(cfg).items():
             print(f"warning: --{key}={cfg[key]!r} does nothing in this run: {why}",
                   file=sys.stderr)
-    return cfg, ckpt
+    return cfg, ckpt, init
 
 
 def resumable_checkpoint(out_dir) -> dict:
     """The checkpoint --resume continues: it must exist and hold a whole run."""
+    from support.checkpoint import checkpoint_path, read_checkpoint, unfinished
     path = checkpoint_path(out_dir)
     if not path.exists():
         where = f"{path} or {path.with_name(SHARDED)}" if path.name == "ckpt.pt" else path
@@ -191,14 +200,15 @@ def check_same_start(cfg, ckpt):
     if asked != started and not (asked and Path(asked).exists()
                                  and Path(asked).resolve() == Path(started).resolve()):
         began = f"from --init_from={started}" if started else "from scratch"
-        raise ConfigError(f"--resume=True continues {checkpoint_path(cfg['out_dir'])}, a run that "
+        raise ConfigError(f"--resume=True continues the run in {cfg['out_dir']}, which "
                           f"began {began}; --init_from={cfg['init_from']} would not be loaded: "
                           f"drop it, or start a new --out_dir from those weights")
 
 
 def ignored_keys(cfg) -> dict:
     """{key: why} for the keys set away from their default that this run's model has no use for."""
-    no_step = (not DEPTH_MODES[cfg["depth_mode"]].mixes,
+    row = DEPTH_MODES.get(cfg["depth_mode"])  # LIMe's (not loaded here) and a typo's: checked later
+    no_step = (row is not None and not row.mixes,
                f"depth_mode={cfg['depth_mode']} has no depth step")
     why = {"lime_router_lr_mult": (cfg["depth_mode"] != "lime", "only depth_mode=lime has routers"),
            "depth_stride": no_step, "depth_recent_window": no_step,
@@ -214,6 +224,12 @@ def shaping(*configs) -> list:
     add) has no use for the baselines' knobs, so its checkpoint does not store them and another
     value changes nothing."""
     return [k for k in MODEL_KEYS if k not in KNOBS or any(c["residual"] != "add" for c in configs)]
+
+
+def overrides(cfg) -> str:
+    """The first lines of a run: each key whose value is not the default, `key = value`, as
+    nanoGPT's configurator prints them (config.json holds every key)."""
+    return "\n".join(f"{k} = {cfg[k]!r}" for k in DEFAULTS if cfg[k] != DEFAULTS[k])
 
 
 def changed_settings(cfg, ckpt) -> dict:
@@ -235,14 +251,12 @@ def typed_keys(argv) -> set:
 SWITCHABLE = ("depth_mode", "depth_stride", "depth_recent_window")
 
 
-def adopt_init_model(cfg, init_config, init_from, asked=None) -> Optional[str]:
+def adopt_init_model(cfg, init_config, init_from, asked) -> Optional[str]:
     """--init_from fixes the model keys: cfg takes init_config's, and a model setting asked for
-    (asked: typed_keys; None: those away from their default) that differs from them is a
+    (asked: typed_keys) that differs from them is a
     ConfigError, but for SWITCHABLE ones whose model has exactly the checkpoint's parameters.
     Returns the one-line notice of such a switch, else None."""
     theirs = {**asdict(BaselineConfig()), **asdict(init_config)}  # a plain model: defaults
-    if asked is None:
-        asked = {k for k in cfg if cfg[k] != DEFAULTS[k]}
     clash = {k: (theirs[k], cfg[k]) for k in shaping(theirs, cfg)
              if k in asked and cfg[k] is not None and cfg[k] != theirs[k]}
     switch = {k: clash.pop(k) for k in SWITCHABLE if k in clash}

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from support.checkpoint import OLD, checksums
-from support.cli import SHARDED
+from support.checksums import checksums
+from support.cli import SHARDED, SHARDED_OLD
 from support.errors import CheckpointError
 
 try:
@@ -101,7 +101,7 @@ def claim_out_dir(out_dir, resuming, overwrite):
         torn.unlink()
     shutil.rmtree(out_dir / f"{SHARDED}.tmp", ignore_errors=True)
     recover_sharded(out_dir)
-    shutil.rmtree(out_dir / OLD, ignore_errors=True)  # the new ckpt.dcp is whole: the old one goes
+    shutil.rmtree(out_dir / SHARDED_OLD, ignore_errors=True)  # the new ckpt.dcp is whole: the old one goes
     held = [out_dir / name for name in ("ckpt.pt", SHARDED) if (out_dir / name).exists()]
     if held and not resuming:
         if not overwrite:
@@ -122,6 +122,6 @@ def recover_sharded(out_dir):
     """Put back the checkpoint a save killed between save_sharded's two renames left as a lone
     ckpt.dcp.old (every reader already takes it for the checkpoint: checkpoint_path). Only under the
     out_dir lock: a live run between its renames would lose its save."""
-    old = Path(out_dir) / OLD
+    old = Path(out_dir) / SHARDED_OLD
     if old.is_dir() and not old.with_name(SHARDED).exists():
         old.rename(old.with_name(SHARDED))

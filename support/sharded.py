@@ -18,8 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from support.checkpoint import OLD
-from support.cli import SHARDED, reason
+from support.cli import SHARDED, SHARDED_OLD, reason
 from support.errors import CheckpointError
 from support.run_dir import fsync_dir, save_checkpoint
 
@@ -31,7 +30,7 @@ def read_shards(state, ckpt, rank=0, world=1):
     file), so a damaged, truncated, missing or swapped file is a CheckpointError naming it, never
     weights served."""
     path = Path(ckpt["shards"])
-    if path.name == OLD and not path.exists():  # put back since by the run's lock holder
+    if path.name == SHARDED_OLD and not path.exists():  # put back since by the run's lock holder
         path = path.with_name(SHARDED)
     if "files" in ckpt:
         bad = verify_shards(path, ckpt["files"], rank, world)

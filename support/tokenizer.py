@@ -174,25 +174,6 @@ def folder_tokenizer(folder):
     return None
 
 
-def bytes_tokenizer_json() -> str:
-    """The bytes tokenizer as a Hugging Face tokenizer.json, for transformers' AutoTokenizer: every
-    UTF-8 byte its own token, id = the byte (GPT-2's byte-to-character table stands each byte for a
-    character, with no merges), and <|endoftext|> the special token 256, so the ids are
-    get_tokenizer("bytes")'s."""
-    tokenizers = require("tokenizers", "a byte-level model's tokenizer.json")
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
-    others = [b for b in range(256) if b not in printable]  # stand for themselves + 256, in order
-    char = {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
-    tok = tokenizers.Tokenizer(
-        tokenizers.models.BPE(vocab={char[b]: b for b in range(256)}, merges=[])
-    )
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = tokenizers.decoders.ByteLevel()
-    tok.add_special_tokens([tokenizers.AddedToken(EOT, special=True)])
-    return tok.to_str()
-
-
 # ----------------------------------------------------------------------------- the Hugging Face hub
 
 def is_hf_folder(path) -> bool:

@@ -1,14 +1,11 @@
 """
 Which model a flat dict of keys names (train.py's namespace, a checkpoint's stored dict of any
-version, a Hugging Face record): the switches of baselines.py's comparisons (`BaselineConfig`,
-extending model.ModelConfig), `make_config` (the config) and `build_model` (the model).
-baselines.py is imported only when a config names one of its models, so a Depth-Attention run
-never loads it:
+version, a Hugging Face record): `BaselineConfig` (model.ModelConfig and baselines.py's switches),
+`make_config`, and `build_model`, which imports baselines.py only for a config that names one of
+its models; and what activation checkpointing recomputes (`wrap_units`). An export carries this
+file beside model.py and baselines.py (support/hf.py), so it imports nothing else.
 
     model = build_model(make_config(residual="mhc", depth_mode="vanilla", n_layer=12))
-
-And what activation checkpointing recomputes in each model (`wrap_units`). An export carries this
-file beside model.py and baselines.py (support/hf.py), so it imports nothing else.
 """
 from dataclasses import dataclass, fields
 
@@ -101,8 +98,6 @@ def make_config(**keys) -> ModelConfig:
     return config
 
 
-
-
 def depth_modes() -> tuple:
     """Every depth_mode a config may name: model.DEPTH_MODES's rows, then baselines.py's."""
     return tuple(dict.fromkeys([*DEPTH_MODES, *BASELINE_MODES]))
@@ -133,23 +128,12 @@ def build_model(config: ModelConfig) -> GPT:
 
 # ----------------------------------------------------------------------------- checkpointing
 
-# What is recomputed, per residual path: the block (a plain model, DenseFormer), or the pieces a
-# baseline's run_layers calls in its place: AttnRes's two sublayers and their depth aggregators,
-# mHC's two sublayers. mHC's connectors (its n streams and Sinkhorn) stay outside: a recomputed
-# connector calls its sublayer through FSDP's hooks again inside the backward pass, which gave wrong
-# gradients (tests/test_parallel.py).
-RECOMPUTED = {"add": ("forward",), "denseformer": ("forward",),
-              "attnres": ("attend", "feed_forward", "attnres_attn_aggregator",
-                          "attnres_mlp_aggregator"),
-              "mhc": ("attend", "feed_forward")}
-
-
 def checkpoint_units(model) -> list:
-    """The (object, method name) pairs activation checkpointing recomputes (RECOMPUTED): a block's
-    method, or the forward of a block's module."""
+    """The (object, method name) pairs activation checkpointing recomputes (the model class's
+    `recomputed`): a block's method, or the forward of a block's module."""
     units = []
     for block in model.layers:
-        for name in RECOMPUTED[residual_of(model.config)]:
+        for name in type(model).recomputed:
             part = getattr(block, name)
             units.append((part, "forward") if isinstance(part, nn.Module) else (block, name))
     return units

@@ -16,7 +16,7 @@ from course.make import LEFT_OUT, WITHHELD_PAGES, blank, repository_files, stubs
 from course.problems import EXPERIMENT, GRADED, PROBLEMS
 from helpers import (COURSE_TIMEOUT, ENV, ROOT, earned, failing, fake_experiment, full, grade,
                      make_copy, with_bodies)
-from support.cli import mark
+from support.outputs import mark
 
 CODE = [p for p in GRADED if p.functions]  # problems 1-4
 LOOP_TIMEOUT = 10  # the copy whose causal_attention loops forever: its passing tests take 0.1 s

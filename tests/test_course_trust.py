@@ -19,7 +19,7 @@ from course import experiment, grade as grade_py, make as make_py
 from course.problems import EXPERIMENT, FIXTURES, MARKER
 from helpers import (ENV, ROOT, earned, failing, fake_experiment, full, grade, make_copy,
                      with_bodies)
-from support.cli import mark
+from support.outputs import mark
 from support.errors import run_main
 
 ZERO = dict.fromkeys([1, 2, 3, 4], 0)

@@ -113,9 +113,10 @@ READING_BUDGET = {"train.py": 3000, "sample.py": 1500}
 def reading_path(script) -> dict:
     """{file: lines} of every repository file `python script` imports at module level (a top-level
     import, or one in a top-level if/try), following each such import into the repository."""
-    def module_file(name):
-        path = ROOT / (name.replace(".", "/") + ".py")
-        return path if path.is_file() else None
+    def module_file(name):  # a module, or a package's __init__.py (imported with any of its own)
+        path = ROOT / name.replace(".", "/")
+        return next((p for p in (path.with_suffix(".py"), path / "__init__.py") if p.is_file()),
+                    None)
 
     def top_level(body):
         for node in body:
@@ -142,7 +143,7 @@ def reading_path(script) -> dict:
 
 def test_the_reading_path_fits_its_budget_and_the_readme_states_it():
     """The README's numbers are the measured ones, and each is within its budget."""
-    readme = (ROOT / "README.md").read_text()
+    readme = " ".join((ROOT / "README.md").read_text().split())  # a sentence across lines
     for script, budget in READING_BUDGET.items():
         files = reading_path(script)
         lines = sum(files.values())
@@ -154,9 +155,12 @@ def test_the_reading_path_fits_its_budget_and_the_readme_states_it():
 
 def test_the_reading_path_follows_imports_at_module_level_only(tmp_path, monkeypatch):
     """An import inside a function is not on the path; one in a top-level try is."""
+    (tmp_path / "p").mkdir()
     for name, text in {"a.py": "import b\ntry:\n    import c\nexcept ImportError:\n    pass\n"
                                 "def f():\n    import d\n",
-                       "b.py": "x = 1\n", "c.py": "from b import x\n", "d.py": "y = 2\n"}.items():
+                       "b.py": "x = 1\n", "c.py": "from p import q\n", "d.py": "y = 2\n",
+                       "p/__init__.py": "", "p/q.py": "z = 3\n"}.items():
         (tmp_path / name).write_text(text)
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
-    assert reading_path("a.py") == {"a.py": 7, "b.py": 1, "c.py": 1}
+    assert reading_path("a.py") == {"a.py": 7, "b.py": 1, "c.py": 1, "p/__init__.py": 0,
+                                    "p/q.py": 1}

@@ -70,7 +70,7 @@ def test_activation_checkpointing_lowers_the_peak_memory(residual):
     idx = torch.randint(0, 256, (2, 1024))
     peak = {ac: memory.measured_peak(model, idx, activation_checkpointing=ac) / 2**20
             for ac in (False, True)}
-    bound = 0.5 if residual == "add" else 0.8  # mHC keeps its streams' mixing (baselines.RECOMPUTED)
+    bound = 0.5 if residual == "add" else 0.8  # mHC keeps its streams' mixing (baselines.MHC.recomputed)
     assert peak[True] < bound * peak[False], \
         f"activation checkpointing: peak {peak[True]:.0f} MiB, without {peak[False]:.0f} MiB"
 
