@@ -83,7 +83,3 @@ EXPERIMENT = {"out": "out/course", "runs": ("vanilla", "uniform", "value"), "see
               "gain": 0.0297, "tolerance": 0.015}
 EXPERIMENT_COMMAND = (f"python ablate.py --runs={','.join(EXPERIMENT['runs'])} "
                       f"--seeds={EXPERIMENT['seeds']} --out={EXPERIMENT['out']}")
-
-
-def problem_of(function: str) -> Problem:
-    return next(p for p in PROBLEMS if function in p.functions)
