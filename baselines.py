@@ -360,8 +360,9 @@ class KeylessAttention(Attention):
     Ours, where the paper leaves it open (README, "Where we deviate"): q R_h takes q_norm and RoPE
     like any query (q_norm after R, so W_Q R still folds into one matrix); it is scored against a
     routing view of each value, RoPE_s(k_norm(v_s)), while attention reads the raw v_s; R_h starts
-    at the identity (the model starts as K = V sharing). The cache holds raw v only (ValueCache):
-    the views are recomputed from it when attending, every cached position rotated again.
+    at the identity (the model starts as K = V sharing). The cache holds V only (ValueCache; the
+    mixed value where a depth step mixes): the views are recomputed from it when attending, every
+    cached position rotated again.
 
     With a depth step (depth_mode value or uniform) the routing views play the keys: the routed
     group-mean query weighs the sources' views at the same position and the mixed value replaces

@@ -9,8 +9,8 @@ files made by prepare_data.py.
     python train.py --residual=mhc --depth_mode=vanilla    # a baseline (baselines.py)
     python train.py --init_from=zeng123/Depth-attention-3B --dataset=pile_neox  # released weights
 
-Model keys (the fields of model.ModelConfig and baselines.BaselineConfig) and training keys share
-one flat namespace, the table support/run_config.py keeps (python train.py --help lists it);
+Model keys (the fields of model.ModelConfig and support.variants.BaselineConfig) and training keys
+share one flat namespace, the table support/run_config.py keeps (python train.py --help lists it);
 config files and --key=value overrides are applied in order. The run is a deterministic function
 of the config: batch `step` is drawn from a generator seeded with (seed, step) over the GLOBAL
 batch, and each rank takes its slice, so the world size, gradient accumulation and resuming all

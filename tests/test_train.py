@@ -42,6 +42,19 @@ def test_training_lowers_loss(reference):
     assert config["n_layer"] == 3 and config["vocab_size"] == 257
 
 
+def test_the_first_screen_is_what_differs_from_the_defaults_then_the_summary(reference):
+    """As nanoGPT's configurator prints it: one `key = value` line per key the command changed, the
+    one-line summary, then the losses; the whole configuration is config.json's, not the screen's."""
+    out, stdout = reference
+    lines = stdout.splitlines()
+    summary = next(i for i, line in enumerate(lines) if "M parameters | " in line)
+    config = json.loads((out / "config.json").read_text())
+    changed = [f"{k} = {config[k]!r}" for k in run_config.DEFAULTS
+               if config[k] != run_config.DEFAULTS[k]]
+    assert lines[:summary] == changed and "n_layer = 3" in changed and "seed = 1337" not in changed
+    assert lines[summary + 1].startswith("eval step 0 | val_loss"), lines[summary:summary + 2]
+
+
 def eval_weights(out_dir):
     """{step: the depth_weights of its eval record} from out_dir/log.jsonl."""
     return {r["step"]: r.get("depth_weights") for r in log_records(out_dir) if r["kind"] == "eval"}
