@@ -421,3 +421,11 @@ class Keyless(GPT):
 BASELINES = {"denseformer": DenseFormer, "attnres": BlockAttnRes, "mhc": MHC}  # by `residual`
 DEPTH_MODELS = {"lime": LIMe}  # by depth_mode, where model.GPT's layers are not the mode's
 ATTENTIONS = {"standard": GPT, "keyless": Keyless}  # by `attention`
+
+
+def __getattr__(name):
+    """The names that moved to support/variants.py: an import of one says where it went."""
+    if name in ("BaselineConfig", "make_config", "build_model", "residual_of", "attention_of",
+                "wrap_units", "checkpoint_units", "KNOBS", "BASELINE_KEYS", "RESIDUALS"):
+        raise ImportError(f"baselines.{name} moved: from support.variants import {name}")
+    raise AttributeError(f"module 'baselines' has no attribute {name!r}")

@@ -5,5 +5,5 @@ imports only those before it in this order, not even inside a function (tests/te
 
     variants errors cli outputs config paper cost depth_weights tokenizer data prepare hf
     checksums run_dir sharded checkpoint parallel run_config signals runlog memory speed
-    eval_tasks sweep depth_weights_view report
+    eval_tasks sweep depth_weights_view report recall
 """

@@ -3,6 +3,8 @@ old flat dict of every field) still load and sample exactly; a plain run that se
 still resumes; and a checkpoint from a newer version, with a key this code does not know, is one
 error."""
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -13,7 +15,7 @@ from support import hf
 from support.checkpoint import CheckpointError, load_model, model_from_checkpoint
 from support.run_dir import save_checkpoint
 from support.tokenizer import get_tokenizer
-from helpers import TINY_SHORT, train
+from helpers import ROOT, TINY_SHORT, train
 
 # ModelConfig's fields as checkpoints and exports stored them until the baselines got their own
 # config: the decoder's and Depth-Attention's keys, then `residual` and the baselines' seven knobs
@@ -97,3 +99,15 @@ def test_a_checkpoint_from_a_newer_version_is_one_error(tmp_path):
     with pytest.raises(CheckpointError,
                        match=r"unknown model keys \['depth_gate'\] \(from a newer version"):
         load_model(tmp_path)
+
+
+def test_a_moved_name_says_where_it_went():
+    """What moved in the split of baselines.py and of the package: an import names the new place,
+    and the old command prints the new one in one line, exiting non-zero."""
+    with pytest.raises(ImportError, match="from support.variants import build_model"):
+        from baselines import build_model  # noqa: F401
+    proc = subprocess.run([sys.executable, "-m", "support.recall", "--steps=1"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        "support.recall moved: run `python -m experiments.recall` (same flags)"], proc.stderr
