@@ -37,37 +37,28 @@ from support.errors import USER_ERRORS, CheckpointError
 from support.tokenizer import EOT, HFTokenizer, is_hf_folder, snapshot
 
 OUR_CONFIG = "model_config"  # our exports also record asdict(config) under this config.json key
-# An export transformers has no class for (a Depth-Attention mode, a looped model, a baseline) claims our own
-# architecture and carries its code (REMOTE_CODE), so transformers runs it with trust_remote_code=True and refuses
-# it without, rather than loading the weights into a Llama that skips the depth step.
+# An export transformers has no class for (a Depth-Attention mode, a looped model, a baseline)
+# claims our own architecture and carries its code (REMOTE_CODE), so transformers runs it with
+# trust_remote_code=True and refuses it without, rather than loading the weights into a Llama that
+# skips the depth step.
 REMOTE_ARCH, REMOTE_MODEL_TYPE = "DepthAttentionForCausalLM", "depth_attention"
-ARCHITECTURES = {
-    "LlamaForCausalLM": "llama",
-    "Qwen3ForCausalLM": "qwen3",
-    REMOTE_ARCH: REMOTE_MODEL_TYPE,
-}
-# its config and model classes, copied verbatim
-REMOTE_CODE = Path(__file__).resolve().parent / "hf_remote"
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
+                 REMOTE_ARCH: REMOTE_MODEL_TYPE}
+REMOTE_CODE = Path(__file__).resolve().parent / "hf_remote"  # its config and model classes
 AUTO_MAP = {"AutoConfig": "configuration_depth_attention.DepthAttentionConfig",
             "AutoModelForCausalLM": "modeling_depth_attention.DepthAttentionForCausalLM"}
 RUN_MARKERS = ("train.lock", "ckpt.pt", "ckpt.dcp")  # what train.py writes into its out_dir
-# unused / recomputed on the fly
 # An import of one of the files write_remote_code copies, at any indent (variants.build_model
 # imports baselines where it needs it).
 OUR_IMPORT = re.compile(r"^( *)from (model|baselines) import ", re.M)
+# unused / recomputed on the fly
 IGNORED = re.compile(r"(^|\.)lm_head_layernorm\.weight$|rotary_emb\.inv_freq$")
-# The authors' `baseline_mode` values (their code accepts these spellings) -> our `residual`. Their baseline
-# knobs carry our names (KNOBS).
+# The authors' `baseline_mode` values (their code accepts these spellings) -> our `residual`. Their
+# baseline knobs carry our names (KNOBS).
 AUTHORS_BASELINE_MODES = {
-    "denseformer": "denseformer",
-    "densetransformer": "denseformer",
-    "attnres": "attnres",
-    "block_attnres": "attnres",
-    "block-attnres": "attnres",
-    "attention_residual": "attnres",
-    "attention-residual": "attnres",
-    "mhc": "mhc",
-}
+    "denseformer": "denseformer", "densetransformer": "denseformer", "mhc": "mhc",
+    **dict.fromkeys(("attnres", "block_attnres", "block-attnres", "attention_residual",
+                     "attention-residual"), "attnres")}
 
 
 def _safetensors(module="safetensors"):
@@ -82,37 +73,22 @@ def hf_name(ours: str) -> str:
 def our_name(theirs: str) -> str:
     return theirs.removeprefix("model.")
 
-
-# ----------------------------------------------------------------------------- finding the files
-
 # ----------------------------------------------------------------------------- config.json <-> ModelConfig
 
 def config_from_hf(cfg: dict, where="config.json") -> ModelConfig:
     """ModelConfig from a config.json (Llama, Qwen3 or our DepthAttentionForCausalLM): our own
     record when present, else the authors' Llama keys (Qwen3's too)."""
     arch = (cfg.get("architectures") or ["?"])[0]
-    if (
-        arch not in ARCHITECTURES
-        or cfg.get("model_type", ARCHITECTURES[arch]) != ARCHITECTURES[arch]
-    ):
-        raise CheckpointError(
-            f"{where}: unknown architecture {arch} (model_type {cfg.get('model_type')!r}); "
-            f"this loader reads {', '.join(ARCHITECTURES)} folders"
-        )
+    model_type = ARCHITECTURES.get(arch)
+    if model_type is None or cfg.get("model_type", model_type) != model_type:
+        raise CheckpointError(f"{where}: unknown architecture {arch} (model_type "
+                              f"{cfg.get('model_type')!r}); this loader reads "
+                              f"{', '.join(ARCHITECTURES)} folders")
     if OUR_CONFIG in cfg:
         return _config(cfg[OUR_CONFIG], where)
-    unsupported = {
-        k: cfg[k]
-        for k, ok in (
-            ("hidden_act", "silu"),
-            ("attention_bias", False),
-            ("mlp_bias", False),
-            ("scale_embeds", False),
-            ("rope_scaling", None),
-            ("use_sliding_window", False),
-        )
-        if cfg.get(k, ok) != ok
-    }
+    supported = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False,
+                 "scale_embeds": False, "rope_scaling": None, "use_sliding_window": False}
+    unsupported = {k: cfg[k] for k, ok in supported.items() if cfg.get(k, ok) != ok}
     rope = cfg.get("rope_parameters") or {}  # transformers 5 keeps rope_theta here
     if rope.get("rope_type", "default") != "default":
         unsupported["rope_parameters"] = rope
@@ -121,8 +97,7 @@ def config_from_hf(cfg: dict, where="config.json") -> ModelConfig:
     try:
         n_head = cfg["num_attention_heads"]
         depth = bool(cfg.get("use_depth_attention", False))
-        # Qwen3 always has q/k-norm
-        qk_norm = bool(cfg.get("use_qk_norm", arch == "Qwen3ForCausalLM"))
+        qk_norm = bool(cfg.get("use_qk_norm", arch == "Qwen3ForCausalLM"))  # Qwen3 always has it
         kw = dict(
             vocab_size=cfg["vocab_size"],
             block_size=cfg["max_position_embeddings"],
@@ -146,24 +121,19 @@ def config_from_hf(cfg: dict, where="config.json") -> ModelConfig:
         )
     except KeyError as e:
         raise CheckpointError(f"{where} lacks the key {e.args[0]!r}") from e
-    # int() or // of a value of the wrong type: "hidden_size": "2048"
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError) as e:  # // of a value of the wrong type: "hidden_size": "2048"
         raise CheckpointError(f"{where}: a value of the wrong type ({e})") from e
-    # a hidden-state baseline (paper Table 1)
-    if cfg.get("baseline_mode") not in (None, "", "none"):
+    if cfg.get("baseline_mode") not in (None, "", "none"):  # a hidden-state baseline (Table 1)
         kw.update(_authors_baseline(cfg, where))
     return _config(kw, where)
 
 
 def _authors_baseline(cfg: dict, where) -> dict:
-    """A baseline's keys from the authors' config.json: residual, depth_mode="vanilla" and the knobs
-    it gives."""
+    """A baseline's keys from the authors' config.json: residual, depth_mode vanilla, its knobs."""
     mode = str(cfg.get("baseline_mode") or "").strip().lower()
     if mode not in AUTHORS_BASELINE_MODES:
-        raise CheckpointError(
-            f"{where}: baseline_mode={cfg.get('baseline_mode')!r} is not one of the paper's baselines "
-            f"({', '.join(sorted(AUTHORS_BASELINE_MODES))})"
-        )
+        raise CheckpointError(f"{where}: baseline_mode={cfg.get('baseline_mode')!r} is not one of "
+                              f"the paper's baselines ({', '.join(sorted(AUTHORS_BASELINE_MODES))})")
     knobs = {k: cfg[k] for k in KNOBS if k in cfg}
     return {"residual": AUTHORS_BASELINE_MODES[mode], "depth_mode": "vanilla", **knobs}
 
@@ -178,17 +148,11 @@ def _config(kw: dict, where) -> ModelConfig:
 def hf_config(c: ModelConfig, dtype: torch.dtype, eos_token_id=None) -> dict:
     """config.json for a model: Qwen3's (Llama's without q/k-norm) when transformers' own class
     computes it exactly (vanilla, plain residual, standard attention, one pass, q/k-norm before
-    RoPE), else our
-    architecture with the auto_map to its code. Either way the authors' Llama keys are written and
-    asdict(c) is recorded, so nothing is lost."""
+    RoPE), else our architecture with the auto_map to its code. Either way the authors' Llama keys
+    are written and asdict(c) is recorded, so nothing is lost."""
     baseline = residual_of(c) != "add"
-    plain = (
-        not baseline
-        and attention_of(c) == "standard"
-        and c.depth_mode == "vanilla"
-        and c.n_loops == 1
-        and not (c.qk_norm and c.k_norm_after_rope)
-    )
+    plain = (not baseline and attention_of(c) == "standard" and c.depth_mode == "vanilla"
+             and c.n_loops == 1 and not (c.qk_norm and c.k_norm_after_rope))
     arch = ("Qwen3ForCausalLM" if c.qk_norm else "LlamaForCausalLM") if plain else REMOTE_ARCH
     return {
         "architectures": [arch],
@@ -240,25 +204,21 @@ def write_remote_code(folder: Path):
 # ----------------------------------------------------------------------------- weights
 
 def read_safetensors(folder: Path) -> dict:
-    """Every tensor of a folder's safetensors (one file, or the shards its index lists),
-    memory-mapped."""
+    """Every tensor of a folder's safetensors (one file, or the shards its index lists), mmapped."""
     safetensors = _safetensors()
     index = folder / "model.safetensors.index.json"
     present = [p.name for p in sorted(folder.glob("*.safetensors"))]
     if index.is_file():
         weight_map = read_json_object(index, CheckpointError).get("weight_map")
         if not isinstance(weight_map, dict):
-            raise CheckpointError(
-                f"{index} has no weight_map; restore it, or delete it if the folder has one file"
-            )
+            raise CheckpointError(f"{index} has no weight_map; restore it, or delete it if the "
+                                  f"folder has one file")
         files = sorted(set(weight_map.values()))
         unlisted = sorted(set(present) - set(files))
-        # transformers would read model.safetensors, we the index: refuse rather than guess
-        if unlisted:
+        if unlisted:  # transformers would read model.safetensors, we the index: refuse to guess
             raise CheckpointError(
                 f"{folder} holds {', '.join(unlisted)} beside an index that lists other files, the "
-                f"remains of two exports; delete the stale ones, or export again with --overwrite"
-            )
+                f"remains of two exports; delete the stale ones, or export again with --overwrite")
     else:
         weight_map, files = None, present
     if not files:
@@ -266,23 +226,17 @@ def read_safetensors(folder: Path) -> dict:
     tensors = {}
     for name in files:
         if not (folder / name).is_file():
-            raise CheckpointError(
-                f"{index} lists {name}, which is not in {folder}; the download is incomplete"
-            )
-        try:
-            # tensors stay views of the file
+            raise CheckpointError(f"{index} lists {name}, which is not in {folder}; the download "
+                                  f"is incomplete")
+        try:  # tensors stay views of the file
             with safetensors.safe_open(folder / name, framework="pt") as f:
-                for key in f.keys():
-                    tensors[key] = f.get_tensor(key)
+                tensors.update((key, f.get_tensor(key)) for key in f.keys())
         except (safetensors.SafetensorError, OSError) as e:  # truncated or foreign bytes
-            raise CheckpointError(
-                f"{folder / name} is not a readable safetensors file ({e}); it may be truncated: "
-                f"download or export it again"
-            ) from e
+            raise CheckpointError(f"{folder / name} is not a readable safetensors file ({e}); it "
+                                  f"may be truncated: download or export it again") from e
     if weight_map is not None and weight_map.keys() != tensors.keys():
-        raise CheckpointError(
-            f"{index} and the shards disagree on {sorted(weight_map.keys() ^ tensors.keys())[:5]}"
-        )
+        raise CheckpointError(f"{index} and the shards disagree on "
+                              f"{sorted(weight_map.keys() ^ tensors.keys())[:5]}")
     return tensors
 
 
@@ -293,9 +247,8 @@ def from_pretrained(path_or_hub_id, dtype=None) -> GPT:
     (the embedding's) dtype: bf16 stays bf16."""
     folder = snapshot(path_or_hub_id)
     if not is_hf_folder(folder):
-        raise CheckpointError(
-            f"{folder} is not a Hugging Face model folder (config.json + *.safetensors)"
-        )
+        raise CheckpointError(f"{folder} is not a Hugging Face model folder (config.json + "
+                              f"*.safetensors)")
     config = config_from_hf(read_json_object(folder / "config.json", CheckpointError),
                             f"{folder}/config.json")
     with torch.device("meta"):
@@ -309,22 +262,18 @@ def from_pretrained(path_or_hub_id, dtype=None) -> GPT:
         if IGNORED.search(name) or (ours == "lm_head.weight" and config.tie_embeddings):
             continue
         if ours not in expected:
-            raise CheckpointError(
-                f"{folder}: unknown tensor {name} (shape {tuple(t.shape)}) for this config; "
-                f"the folder and config.json do not match this model"
-            )
+            raise CheckpointError(f"{folder}: unknown tensor {name} (shape {tuple(t.shape)}) for "
+                                  f"this config; the folder and config.json do not match this "
+                                  f"model")
         if t.shape != expected[ours]:
-            raise CheckpointError(
-                f"{folder}: tensor {name} has shape {tuple(t.shape)}, config.json implies "
-                f"{tuple(expected[ours])}"
-            )
+            raise CheckpointError(f"{folder}: tensor {name} has shape {tuple(t.shape)}, "
+                                  f"config.json implies {tuple(expected[ours])}")
         state[ours] = t
     missing = sorted(hf_name(k) for k in expected.keys() - state.keys())
     if missing:
         raise CheckpointError(
             f"{folder}: missing tensor{'s' * (len(missing) > 1)} {', '.join(missing[:5])}"
-            f"{f' and {len(missing) - 5} more' if len(missing) > 5 else ''}"
-        )
+            f"{f' and {len(missing) - 5} more' if len(missing) > 5 else ''}")
     dtype = dtype or state["embed_tokens.weight"].dtype
     state = {k: v if v.dtype == dtype else v.to(dtype) for k, v in state.items()}
     if config.tie_embeddings:
@@ -345,9 +294,8 @@ def bytes_tokenizer_json() -> str:
                  *range(ord("®"), ord("ÿ") + 1)]
     others = [b for b in range(256) if b not in printable]  # stand for themselves + 256, in order
     char = {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
-    tok = tokenizers.Tokenizer(
-        tokenizers.models.BPE(vocab={char[b]: b for b in range(256)}, merges=[])
-    )
+    tok = tokenizers.Tokenizer(tokenizers.models.BPE(vocab={char[b]: b for b in range(256)},
+                                                     merges=[]))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = tokenizers.decoders.ByteLevel()
     tok.add_special_tokens([tokenizers.AddedToken(EOT, special=True)])
@@ -371,8 +319,7 @@ def save_pretrained(model: GPT, out_dir, tokenizer, overwrite=False):
     if tokenizer is not None and tokenizer.n_vocab > model.config.vocab_size:
         raise CheckpointError(
             f"the tokenizer {tokenizer.name} has {tokenizer.n_vocab} tokens, more than the model's "
-            f"vocab_size {model.config.vocab_size}: it is not this model's tokenizer"
-        )
+            f"vocab_size {model.config.vocab_size}: it is not this model's tokenizer")
     state = {hf_name(k): v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()
              # a tied head is not stored twice
              if not (k == "lm_head.weight" and model.config.tie_embeddings)}
@@ -389,17 +336,10 @@ def save_pretrained(model: GPT, out_dir, tokenizer, overwrite=False):
             bytes_tokenizer_json() if getattr(tokenizer, "name", None) == "bytes" else None
         if text:  # tokenizer_config.json: what transformers' AutoTokenizer needs beside it
             (tmp / "tokenizer.json").write_text(text)
-            (tmp / "tokenizer_config.json").write_text(
-                json.dumps(
-                    {
-                        "tokenizer_class": "PreTrainedTokenizerFast",
-                        "eos_token": tokenizer.decode([tokenizer.eot_token]),
-                        "model_max_length": model.config.block_size,
-                    },
-                    indent=2,
-                )
-                + "\n"
-            )
+            (tmp / "tokenizer_config.json").write_text(json.dumps(
+                {"tokenizer_class": "PreTrainedTokenizerFast",
+                 "eos_token": tokenizer.decode([tokenizer.eot_token]),
+                 "model_max_length": model.config.block_size}, indent=2) + "\n")
         safetensors_torch.save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
         if "auto_map" in cfg:
@@ -431,35 +371,28 @@ def check_export_dir(out: Path, overwrite):
     if out.resolve() == Path.cwd().resolve():
         raise CheckpointError(f"{out} is the current folder; export into a folder inside it")
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-    # a run's folder, its checkpoint, or within
-    for folder in [out.resolve(), *out.resolve().parents]:
+    for folder in [out.resolve(), *out.resolve().parents]:  # a run's folder, its checkpoint, within
         if folder.name in SHARDED_NAMES or any((folder / name).exists() for name in RUN_MARKERS):
             where = "is" if folder == out.resolve() else f"lies inside {folder},"
-            raise CheckpointError(
-                f"{out} {where} a train.py run or checkpoint; export into a folder " f"outside it"
-            )
-    if any((out / name).is_dir() for name in held):
-        raise CheckpointError(
-            f"{out} holds folders ({', '.join(n for n in held if (out / n).is_dir())}); export into an "
-            f"empty or new folder"
-        )
+            raise CheckpointError(f"{out} {where} a train.py run or checkpoint; export into a "
+                                  f"folder outside it")
+    folders = [n for n in held if (out / n).is_dir()]
+    if folders:
+        raise CheckpointError(f"{out} holds folders ({', '.join(folders)}); export into an empty "
+                              f"or new folder")
+    listed = f"{', '.join(held[:3])}{' ...' if len(held) > 3 else ''}"
     if held and overwrite and not is_hf_folder(out):  # --overwrite replaces an export, not files
         raise CheckpointError(
-            f"{out} holds {', '.join(held[:3])}{' ...' if len(held) > 3 else ''}, not an earlier "
-            f"export (no config.json and *.safetensors): --overwrite replaces only those; export "
-            f"into a new folder"
-        )
+            f"{out} holds {listed}, not an earlier export (no config.json and *.safetensors): "
+            f"--overwrite replaces only those; export into a new folder")
     if held and not overwrite:
-        raise CheckpointError(
-            f"{out} already holds {', '.join(held[:3])}{' ...' if len(held) > 3 else ''}; replace it "
-            f"whole with --overwrite (overwrite=True in Python), or export into a new folder"
-        )
+        raise CheckpointError(f"{out} already holds {listed}; replace it whole with --overwrite "
+                              f"(overwrite=True in Python), or export into a new folder")
     try:  # the folder is written beside out_dir: check before a large model is loaded for nothing
         out.parent.mkdir(parents=True, exist_ok=True)
         writable = os.access(out.parent, os.W_OK | os.X_OK)
     except OSError:
         writable = False
     if not writable:
-        raise CheckpointError(
-            f"cannot write into {out.parent}; export into a folder you can write to"
-        )
+        raise CheckpointError(f"cannot write into {out.parent}; export into a folder you can "
+                              f"write to")
