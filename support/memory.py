@@ -7,21 +7,21 @@ batch a card takes.
 
 Per GPU, in bytes (bf16: train.py's bf16 autocast on CUDA; without it everything is float32):
 
-  weights, gradients, optimizer  float32 weights and gradients, AdamW's exp_avg and exp_avg_sq: 4 + 4 + 8 bytes
-                 per distinct parameter of the model built on the meta device (a tied weight once);
-                 every rank holds them under DDP (gradient_as_bucket_view=True: no bucket copy), 1 /
-                 world of them under FSDP.
-  gathered       parameter copies that live through a step. FSDP: the unsharded parameters and gradients of the
-                 root unit (embeddings, final norm, lm_head, the baselines' root-level modules),
-                 which stays gathered, and of PREFETCHED_BLOCKS block units, bf16 under its
-                 MixedPrecisionPolicy. DDP with bf16: the bf16 copies autocast makes of the matmul
-                 weights, which the graph keeps for backward.
-  activations    the storages the training forward (with targets) saves for backward, each counted once, traced
-                 on the meta device with saved_tensors_hooks; the forward's outputs (train.py holds
-                 the logits through backward); and the two float32 logits-sized gradients that
-                 cross_entropy's backward holds while all of that is alive, the step's peak.
-                 GPUEmulation makes meta save what a GPU saves: flash attention's q, k, v, output
-                 and (B, H, T) float32 logsumexp instead of the math path's (B, H, T, T)
+  weights, gradients, optimizer  float32 weights and gradients, AdamW's exp_avg and exp_avg_sq:
+                 4 + 4 + 8 bytes per distinct parameter of the model built on the meta device (a
+                 tied weight once); every rank holds them under DDP (gradient_as_bucket_view=True:
+                 no bucket copy), 1 / world of them under FSDP.
+  gathered       parameter copies that live through a step. FSDP: the unsharded parameters and
+                 gradients of the root unit (embeddings, final norm, lm_head, the baselines'
+                 root-level modules), which stays gathered, and of PREFETCHED_BLOCKS block units,
+                 bf16 under its MixedPrecisionPolicy. DDP with bf16: the bf16 copies autocast makes
+                 of the matmul weights, which the graph keeps for backward.
+  activations    the storages the training forward (with targets) saves for backward, each counted
+                 once, traced on the meta device with saved_tensors_hooks; the forward's outputs
+                 (train.py holds the logits through backward); and the two float32 logits-sized
+                 gradients that cross_entropy's backward holds while all of that is alive, the
+                 step's peak. GPUEmulation makes meta save what a GPU saves: flash attention's q, k,
+                 v, output and (B, H, T) float32 logsumexp instead of the math path's (B, H, T, T)
                  probabilities, and bf16 autocast, which does not act on meta tensors (DDP: float32
                  weights, so the residual stream stays float32; FSDP's bf16 parameters make a bf16
                  model). With activation checkpointing, the units train.py recomputes
@@ -29,8 +29,8 @@ Per GPU, in bytes (bf16: train.py's bf16 autocast on CUDA; without it everything
                  is saved outside the units, the units' inputs (a block's input hidden state and the
                  Depth-Attention source K/V records it reads), the outputs, and the larger of one
                  unit's recomputed activations and the loss's gradients.
-  total          their sum, every term at its largest at once (under gradient accumulation the gradients exist
-                 while a micro-step's activations do).
+  total          their sum, every term at its largest at once (under gradient accumulation the
+                 gradients exist while a micro-step's activations do).
 
 Left out, for largest_micro_batch's HEADROOM: the CUDA context, NCCL's buffers, allocator
 fragmentation, the temporaries of an op or of a unit's backward, and torch.compile's changes to what
@@ -38,9 +38,10 @@ is saved. docs/memory.md compares the plan with CPU training steps measured by m
 """
 
 import os
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import asdict, replace
 from functools import lru_cache
+from itertools import accumulate
 from pathlib import Path
 
 import torch
@@ -57,43 +58,34 @@ from support.errors import ConfigError, DataError
 from support.parallel import PARALLEL, checkpointing
 
 GIB = 2 ** 30
-# What every rank keeps per parameter under DDP, and FSDP divides by the world size (bytes per parameter).
+# Bytes per parameter that every rank keeps under DDP, and FSDP divides by the world size.
 STATE_BYTES = {"weights": 4, "gradients": 4, "optimizer": 8}
 PREFETCHED_BLOCKS = 2  # FSDP keeps the block it computes and the one it prefetched gathered
-# Left free on a card: a fraction for allocator fragmentation and the temporaries of an op or a backward step,
-# and a fixed part for the CUDA context (~0.5 GiB), cuBLAS workspaces and NCCL's buffers.
+# Left free on a card: a fraction for allocator fragmentation and the temporaries of an op or a
+# backward step, and a fixed part for the CUDA context (~0.5 GiB), cuBLAS workspaces and NCCL's
+# buffers.
 HEADROOM = (0.10, GIB)
-# The ops of CUDA autocast's bf16 list (and CPU's) that these models call; the ops on its float32 list the model
-# already runs in float32 (model.fp32_or_wider).
-AUTOCAST_BF16 = (
-    F.linear,
-    F.scaled_dot_product_attention,
-    torch.matmul,
-    torch.bmm,
-    torch.mm,
-    torch.einsum,
-    torch.linalg.vecdot,
-)
+# The ops of CUDA autocast's bf16 list (and CPU's) that these models call; the ops on its float32
+# list the model already runs in float32 (model.fp32_or_wider).
+AUTOCAST_BF16 = (F.linear, F.scaled_dot_product_attention, torch.matmul, torch.bmm, torch.mm,
+                 torch.einsum, torch.linalg.vecdot)
 # the block label of what is saved outside the decoder blocks: embeddings, logits, loss
 OUTSIDE = "outside"
 
 
 def meta_model(config, dtype=torch.float32):
-    """The real model, built on the meta device: shapes and dtypes without memory or initialisation
-    cost."""
+    """The real model on the meta device: shapes and dtypes, no memory or initialisation cost."""
     with torch.device("meta"):
         return build_model(config).to(dtype)
 
 
 def storage_key(t):
-    """One key per storage: views of a tensor share it, so a saved view is not counted twice
-    (checked on meta too: a view's key equals its base's, a second tensor's differs, while both are
-    alive)."""
+    """One key per storage: views of a tensor share it, so a saved view is not counted twice."""
     return t.untyped_storage()._cdata
 
 
 def param_counts(model) -> dict:
-    """Distinct parameters: total, in the root FSDP unit (outside model.layers) and in the largest
+    """Distinct parameters: total, in the root FSDP unit (outside model.layers), in the largest
     block unit."""
     total = model.num_params()
     blocks = [sum(p.numel() for p in block.parameters()) for block in model.layers]
@@ -106,10 +98,10 @@ class SavedTensors:
     model.layers[i]: the baselines call a block's submodules, not the block) and with the checkpoint
     unit call it was saved in.
 
-    nbytes: storage key -> bytes;  block: key -> block index or OUTSIDE (for saved storages);  unit_saved /
-    unit_inputs: per unit call, the keys saved inside it / passed to it;  outside: keys saved outside every unit;
-    outputs: the forward's. Parameters are left out (they are the weights), and so are autocast's weight copies
-    (`copies`, filled by GPUEmulation)."""
+    nbytes: storage key -> bytes;  block: key -> block index or OUTSIDE (for saved storages);
+    unit_saved / unit_inputs: per unit call, the keys saved inside it / passed to it;  outside: keys
+    saved outside every unit;  outputs: the forward's. Parameters are left out (they are the
+    weights), and so are autocast's weight copies (`copies`, filled by GPUEmulation)."""
 
     def __init__(self, model):
         self.model = model
@@ -127,26 +119,20 @@ class SavedTensors:
         return key
 
     def note(self, t):
-        """t is saved for backward."""
-        if storage_key(t) in self.params or storage_key(t) in self.copy_keys:
-            return
-        key = self.remember(t)
-        self.block.setdefault(key, self.here)
-        (self.outside if self.unit is None else self.unit_saved[self.unit]).add(key)
-
-    def pack(self, t):
-        self.note(t)
+        """t is saved for backward (the pack hook: returns t)."""
+        if storage_key(t) not in self.params and storage_key(t) not in self.copy_keys:
+            key = self.remember(t)
+            self.block.setdefault(key, self.here)
+            (self.outside if self.unit is None else self.unit_saved[self.unit]).add(key)
         return t
 
     def enter(self, i):
         self.depth += 1
-        if self.depth == 1:
-            self.here = i
+        self.here = i if self.depth == 1 else self.here
 
     def leave(self):
         self.depth -= 1
-        if self.depth == 0:
-            self.here = OUTSIDE
+        self.here = self.here if self.depth else OUTSIDE
 
     def unit_call(self, method):
         """method, recorded as one unit call: its tensor inputs, and what is saved inside it."""
@@ -161,37 +147,29 @@ class SavedTensors:
                 self.unit = None
         return call
 
-    @contextmanager
-    def tracing(self):
+    def run(self, idx, targets):
+        """The training forward, traced; its outputs (logits, loss) stay through backward."""
+        self.model.train()
         with ExitStack() as stack:
             for i, block in enumerate(self.model.layers):
                 for module in block.modules():
-                    stack.callback(
-                        module.register_forward_pre_hook(lambda m, a, i=i: self.enter(i)).remove
-                    )
-                    stack.callback(
-                        module.register_forward_hook(lambda m, a, out: self.leave()).remove
-                    )
+                    enter = module.register_forward_pre_hook(lambda m, a, i=i: self.enter(i))
+                    leave = module.register_forward_hook(lambda m, a, out: self.leave())
+                    stack.callback(enter.remove)
+                    stack.callback(leave.remove)
             stack.callback(wrap_units(self.model, self.unit_call))
-            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t))
-            yield self
-
-    def run(self, idx, targets):
-        """The training forward, traced; its outputs (logits, loss) count as kept through
-        backward."""
-        self.model.train()
-        with self.tracing():
+            stack.enter_context(torch.autograd.graph.saved_tensors_hooks(self.note, lambda t: t))
             outputs = self.model(idx, targets)
         for t in tensors_in(outputs):
             key = self.remember(t)
             self.block.setdefault(key, OUTSIDE)
             self.outputs.add(key)
-        # cross_entropy's backward holds two float32 gradients the size of the logits (of the log-probabilities
-        # and of the widened logits) while everything saved is still alive: the step's largest temporary.
+        # cross_entropy's backward holds two float32 gradients the size of the logits (of the
+        # log-probabilities and of the widened logits) while everything saved is still alive: the
+        # step's largest temporary.
         logits = outputs[0]
-        self.loss_grads = (
-            2 * logits.numel() * torch.promote_types(logits.dtype, torch.float32).itemsize
-        )
+        grad_dtype = torch.promote_types(logits.dtype, torch.float32)
+        self.loss_grads = 2 * logits.numel() * grad_dtype.itemsize
         return self
 
     def total(self, keys) -> int:
@@ -202,14 +180,12 @@ class SavedTensors:
         return self.outside | self.outputs | set().union(*self.unit_saved)
 
     def checkpointed(self) -> tuple:
-        """With checkpointing: (bytes kept through the forward, each unit call's recomputed
-        activations)."""
+        """With checkpointing: (bytes kept through the forward, each unit call's recomputed)."""
         kept = self.outside | self.outputs | set().union(*self.unit_inputs)
         return self.total(kept), tuple(self.total(s - kept) for s in self.unit_saved)
 
     def by_block(self) -> dict:
-        """Bytes saved (outputs included, no checkpointing) by the block that saved each storage
-        first."""
+        """saved()'s bytes by the block that saved each storage first."""
         parts = {}
         for key in self.saved():
             parts[self.block[key]] = parts.get(self.block[key], 0) + self.nbytes[key]
@@ -224,15 +200,12 @@ def tensors_in(tree) -> list:
 
 
 class GPUEmulation(TorchFunctionMode):
-    """Makes a meta-device forward save what a CUDA forward saves, recording into `saved`: - flash
-    attention: the kernel saves q, k, v (GQA's unexpanded K/V), its output, laid out (B, T, H, D),
-    and a
-      (B, H, T) float32 logsumexp; meta takes the math path, whose (B, H, T, T) probabilities and
-      expanded copies are muted here;
-    - bf16 autocast (autocast=True), which does not act on meta tensors: floating inputs of
-    AUTOCAST_BF16 ops are
-      cast to bf16, a weight once per forward (autocast's cache; the copy is recorded in
-      saved.copies)."""
+    """Makes a meta-device forward save what a CUDA forward saves, recording into `saved`:
+    - flash attention: the kernel saves q, k, v (GQA's unexpanded K/V), its output, laid out
+      (B, T, H, D), and a (B, H, T) float32 logsumexp; meta takes the math path, whose (B, H, T, T)
+      probabilities and expanded copies are muted here;
+    - bf16 autocast, which does not act on meta tensors: floating inputs of AUTOCAST_BF16 ops are
+      cast to bf16, a weight once per forward (autocast's cache; the copy goes in saved.copies)."""
 
     def __init__(self, saved: SavedTensors, autocast: bool, flash: bool = True):
         super().__init__()
@@ -247,11 +220,7 @@ class GPUEmulation(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def to_bf16(self, x):
-        if (
-            not isinstance(x, torch.Tensor)
-            or not x.is_floating_point()
-            or x.dtype == torch.bfloat16
-        ):
+        if not (isinstance(x, torch.Tensor) and x.is_floating_point()) or x.dtype == torch.bfloat16:
             return x
         if not isinstance(x, torch.nn.Parameter):
             return x.to(torch.bfloat16)
@@ -262,13 +231,11 @@ class GPUEmulation(TorchFunctionMode):
 
     def flash_attention(self, sdpa, args, kwargs):
         q, k, v = args[:3]
-        # mutes the math path's saves
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):  # mutes math's
             y = sdpa(*args, **kwargs)
-        # (B, H, T, D) view of a (B, T, H, D) buffer
-        y = y.transpose(1, 2).contiguous().transpose(1, 2)
-        # logsumexp: (B, H, T)
-        for t in (q, k, v, y, q.new_empty(q.shape[:-1], dtype=torch.float32)):
+        y = y.transpose(1, 2).contiguous().transpose(1, 2)  # (B, H, T, D) view of (B, T, H, D)
+        lse = q.new_empty(q.shape[:-1], dtype=torch.float32)  # logsumexp: (B, H, T)
+        for t in (q, k, v, y, lse):
             self.saved.note(t)
         return y
 
@@ -307,11 +274,8 @@ def allocator_peak(work, device="cpu") -> int:
         return torch.cuda.max_memory_allocated() - base
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         work()
-    running = peak = 0
-    for _, size in sorted(allocations(prof.profiler.kineto_results.experimental_event_tree())):
-        running += size
-        peak = max(peak, running)
-    return peak
+    events = sorted(allocations(prof.profiler.kineto_results.experimental_event_tree()))
+    return max(accumulate((size for _, size in events), initial=0))
 
 
 def allocations(events):
@@ -338,15 +302,8 @@ def trace(config, micro_batch, block_size, parallel="ddp", bf16=False, flash=Tru
 @lru_cache(maxsize=None)
 def _traced(config_type, fields, micro_batch, block_size, parallel, bf16) -> tuple:
     saved = trace(config_type(**dict(fields)), micro_batch, block_size, parallel, bf16)
-    kept, recomputes = saved.checkpointed()
-    return (
-        param_counts(saved.model),
-        saved.total(saved.saved()),
-        kept,
-        recomputes,
-        saved.loss_grads,
-        saved.copy_bytes(),
-    )
+    return (param_counts(saved.model), saved.total(saved.saved()), *saved.checkpointed(),
+            saved.loss_grads, saved.copy_bytes())
 
 
 def traced(config, micro_batch, block_size, parallel, bf16) -> dict:
@@ -356,14 +313,8 @@ def traced(config, micro_batch, block_size, parallel, bf16) -> dict:
     and two: every storage either has the micro batch as a dimension or does not, so each term is
     affine in it (tests/test_memory.py checks this)."""
     def at(mb):  # without bf16, DDP and FSDP run the same float32 forward: one trace serves both
-        values = _traced(
-            type(config),
-            tuple(asdict(config).items()),
-            mb,
-            block_size,
-            parallel if bf16 else "ddp",
-            bf16,
-        )
+        values = _traced(type(config), tuple(asdict(config).items()), mb, block_size,
+                         parallel if bf16 else "ddp", bf16)
         return dict(zip(("params", "saved", "kept", "recomputes", "loss_grads", "copies"), values))
 
     if micro_batch <= 2:
@@ -372,17 +323,13 @@ def traced(config, micro_batch, block_size, parallel, bf16) -> dict:
 
     def grow(a, b):
         return a + (b - a) * (micro_batch - 1)
-    out = {k: grow(one[k], two[k]) for k in ("saved", "kept", "loss_grads", "copies")}
-    return {
-        **out,
-        "params": one["params"],
-        "recomputes": tuple(map(grow, one["recomputes"], two["recomputes"])),
-    }
+    return {**{k: grow(one[k], two[k]) for k in ("saved", "kept", "loss_grads", "copies")},
+            "params": one["params"],
+            "recomputes": tuple(map(grow, one["recomputes"], two["recomputes"]))}
 
 
-def plan(
-    model_config, micro_batch, block_size, world, parallel, activation_checkpointing, bf16
-) -> dict:
+def plan(model_config, micro_batch, block_size, world, parallel, activation_checkpointing,
+         bf16) -> dict:
     """Per-GPU bytes of a training step: weights, gradients, optimizer, gathered, activations and
     their total, for `world` GPUs under `parallel` (ddp or fsdp), micro batches of micro_batch x
     block_size tokens, with bf16 on CUDA (train.py's default there) or float32. The module docstring
@@ -394,42 +341,29 @@ def plan(
     t = traced(model_config, micro_batch, block_size, parallel, bf16)
     n = t["params"]
     shards = world if parallel == "fsdp" else 1
-    # ceil: FSDP pads the shards
-    out = {name: -(-n["total"] * b // shards) for name, b in STATE_BYTES.items()}
+    out = {name: -(-n["total"] * b // shards) for name, b in STATE_BYTES.items()}  # ceil: FSDP pads
     if parallel == "fsdp":
-        # a parameter's bytes, and its gradient's
-        unsharded = (torch.bfloat16 if bf16 else torch.float32).itemsize
+        unsharded = (torch.bfloat16 if bf16 else torch.float32).itemsize  # a parameter, a gradient
         blocks = min(PREFETCHED_BLOCKS, model_config.n_layer)
         out["gathered"] = 2 * unsharded * (n["root"] + blocks * n["block"])
     else:
         out["gathered"] = t["copies"]
-    # The peak comes at the loss's backward, or with checkpointing possibly at a unit's recomputation.
-    out["activations"] = (
-        t["kept"] + max((*t["recomputes"], t["loss_grads"]))
-        if activation_checkpointing
-        else t["saved"] + t["loss_grads"]
-    )
+    # The peak: at the loss's backward, or with checkpointing possibly at a unit's recomputation.
+    out["activations"] = (t["kept"] + max((*t["recomputes"], t["loss_grads"]))
+                          if activation_checkpointing else t["saved"] + t["loss_grads"])
     out["total"] = sum(out.values())
     return out
 
 
-def budget(gpu_bytes, headroom=HEADROOM) -> float:
-    """What a plan may use of a card of gpu_bytes: headroom = (fraction, bytes) stays free."""
-    fraction, fixed = headroom
-    return gpu_bytes * (1 - fraction) - fixed
+def largest_micro_batch(model_config, block_size, world, parallel, ac, bf16, gpu_bytes,
+                        headroom=HEADROOM) -> int:
+    """The largest micro batch whose plan fits gpu_bytes with headroom = (fraction, bytes) left
+    free; 0 when none does. A doubling then a bisection: the plan grows with the micro batch and
+    costs no trace beyond two sequences."""
+    budget = gpu_bytes * (1 - headroom[0]) - headroom[1]
 
-
-def largest_micro_batch(
-    model_config, block_size, world, parallel, ac, bf16, gpu_bytes, headroom=HEADROOM
-) -> int:
-    """The largest micro batch whose plan fits gpu_bytes with `headroom` left free; 0 when none
-    does. A doubling then a bisection: the plan grows with the micro batch and costs no trace beyond
-    two sequences."""
     def fits(mb):
-        return plan(model_config, mb, block_size, world, parallel, ac, bf16)["total"] <= budget(
-            gpu_bytes, headroom
-        )
-
+        return plan(model_config, mb, block_size, world, parallel, ac, bf16)["total"] <= budget
     if not fits(1):
         return 0
     low, high = 1, 2  # fits(low), and high is to be tested
@@ -450,39 +384,22 @@ def report(model_config, micro_batch, block_size, bf16, gpu_gbs=(24, 40, 80), wo
     where even the states and a one-sequence micro batch do not)."""
     params = traced(model_config, 1, block_size, "ddp", bf16)["params"]["total"]
     header = ["world", "parallel", "act_ckpt", *COLUMNS, *(f"mb@{g}" for g in gpu_gbs)]
-    plans, rows = [], []
-    for world in worlds:
-        for parallel in PARALLEL:
-            for ac in (False, True):
-                p = plan(model_config, micro_batch, block_size, world, parallel, ac, bf16)
-                largest = [
-                    largest_micro_batch(
-                        model_config, block_size, world, parallel, ac, bf16, g * GIB
-                    )
-                    for g in gpu_gbs
-                ]
-                plans.append((world, parallel, ac, p, largest))
-    # the unit the largest term shows in with a digit before the point: a tiny model's plan is in KiB
+    plans = [(world, parallel, ac,
+              plan(model_config, micro_batch, block_size, world, parallel, ac, bf16),
+              [largest_micro_batch(model_config, block_size, world, parallel, ac, bf16, g * GIB)
+               for g in gpu_gbs])
+             for world in worlds for parallel in PARALLEL for ac in (False, True)]
+    # the unit that shows the largest term with a digit before the point: a tiny model's is KiB
     unit, size = next((u, b) for u, b in (("GiB", GIB), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
                       if max(p["total"] for *_, p, _ in plans) >= b or b == 1)
-    for world, parallel, ac, p, largest in plans:
-        rows.append(
-            [
-                world,
-                parallel,
-                "on" if ac else "off",
-                *(f"{p[k] / size:.2f}" for k in COLUMNS),
-                *(m or "-" for m in largest),
-            ]
-        )
+    rows = [[world, parallel, "on" if ac else "off", *(f"{p[k] / size:.2f}" for k in COLUMNS),
+             *(m or "-" for m in largest)] for world, parallel, ac, p, largest in plans]
     fraction, fixed = HEADROOM
     count = f"{params / 1e6:.1f}M" if params >= 1e5 else f"{params:,}"
-    title = (
-        f"{count} parameters, micro batch {micro_batch} x {block_size} tokens, "
-        f"{'bf16' if bf16 else 'float32'}; {unit} per GPU; mb@N: the largest micro batch for an N GiB card with "
-        f"{fraction:.0%} + {fixed / GIB:g} GiB left free (the configured one fits where it is >= "
-        f"{micro_batch})"
-    )
+    title = (f"{count} parameters, micro batch {micro_batch} x {block_size} tokens, "
+             f"{'bf16' if bf16 else 'float32'}; {unit} per GPU; mb@N: the largest micro batch for "
+             f"an N GiB card with {fraction:.0%} + {fixed / GIB:g} GiB left free (the configured "
+             f"one fits where it is >= {micro_batch})")
     return title + "\n" + table(rows, header)
 
 
@@ -492,9 +409,8 @@ def print_plan(cfg, model_keys):
     if os.environ.get("RANK", "0") != "0":
         return
     if cfg["micro_batch"] is None:
-        raise ConfigError(
-            "--memory_plan needs --micro_batch (the sequences of one forward pass on one " "GPU)"
-        )
+        raise ConfigError("--memory_plan needs --micro_batch (the sequences of one forward pass on "
+                          "one GPU)")
     if cfg["vocab_size"] is None:
         try:
             cfg["vocab_size"] = load_meta(Path(cfg["data_root"]) / cfg["dataset"])["vocab_size"]
