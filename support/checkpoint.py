@@ -1,14 +1,12 @@
 """
 Loading trained models: `load_model(init_from)`, the one way every script that reads a trained
 model (sample.py, eval.py, export.py, train.py --init_from) turns a path into a model and its
-tokenizer, and `read_checkpoint`, a train.py checkpoint verified against its checksums (train.py
-writes them: support/run_dir.py, and support/sharded.py for an FSDP run's ckpt.dcp). What the user
-can fix is a UserError (CheckpointError here and in hf.py, DataError from tokenizer.py); anything
-else is a bug.
+tokenizer, and `read_checkpoint`, a train.py checkpoint verified against its checksums (written by
+support/run_dir.py, and support/sharded.py for an FSDP run's ckpt.dcp).
 
     init_from = "out/shakespeare"             a train.py out_dir (reads its ckpt.pt or ckpt.dcp)
               = "out/shakespeare/ckpt.pt"     a checkpoint file
-              = "out/shakespeare_hf"          a Hugging Face folder: config.json + *.safetensors (hf.py)
+              = "out/shakespeare_hf"          a Hugging Face folder: config.json + *.safetensors
               = "zeng123/Depth-attention-3B"  a Hugging Face hub id, downloaded by huggingface_hub
 """
 import os
@@ -32,10 +30,9 @@ TOKENIZER_KEYS = ("tokenizer", "tokenizer_json", "eot_token")  # tokenizer.token
 
 
 def _torch_load(path):
-    """torch.load of a file through one open file: the run may rename a new checkpoint over path
-    at any moment, and torch.load(path, mmap=True) opens it twice (the archive, then the map), so
-    the two could be two checkpoints. Memory-mapped through /proc/self/fd (the open file itself)
-    where there is one, else read through the file object."""
+    """torch.load through one open file: the run may rename a new checkpoint over path at any
+    moment, and torch.load(path, mmap=True) opens it twice (the archive, then the map), maybe two
+    checkpoints. Memory-mapped through /proc/self/fd where there is one, else read from the file."""
     with open(path, "rb") as f:
         pinned = f"/proc/self/fd/{f.fileno()}"
         if os.path.exists(pinned):
@@ -44,8 +41,7 @@ def _torch_load(path):
 
 
 def is_torch_file(path) -> bool:
-    """Whether path starts as torch.save writes (a zip archive; the legacy format, a pickle): a
-    log, a config or a shard given by mistake is told apart from a damaged checkpoint."""
+    """Whether path starts as torch.save writes (a zip archive; the legacy format, a pickle)."""
     with open(path, "rb") as f:
         head = f.read(4)
     return head == b"PK\x03\x04" or head[:1] == b"\x80"
@@ -53,8 +49,8 @@ def is_torch_file(path) -> bool:
 
 def read_checkpoint(path, verify=None) -> dict:
     """torch.load a train.py checkpoint on the CPU and check the stored checksums of the entries in
-    verify (None = all). Memory-mapped, so a large optimizer state beside the model is never read
-    unless verified or used; only tensors and plain values, so the safe loader suffices."""
+    verify (None = all). Memory-mapped: a large optimizer state is never read unless verified or
+    used."""
     path = Path(path)
     # an FSDP run's: run.pt here, the tensors in the shards
     if path.is_dir() and path.name in (SHARDED, SHARDED_OLD):
@@ -90,16 +86,14 @@ def read_checkpoint(path, verify=None) -> dict:
 
 
 def unfinished(folder) -> str:
-    """'; X is a write that did not finish' for the temporaries a killed save left in folder, else
-    ''."""
+    """' (X: a write that did not finish)' for the temporaries a killed save left in folder."""
     left = sorted(p.name for p in Path(folder).glob("ckpt.*.tmp*")) if Path(folder).is_dir() else []
     return f" ({', '.join(left)}: a write that did not finish)" if left else ""
 
 
 def model_from_checkpoint(ckpt: dict) -> GPT:
-    """The model a train.py checkpoint describes (its stored config dict, a baseline's keys
-    included), with its weights. A checkpoint from before a config field existed gets that field's
-    default."""
+    """The model a train.py checkpoint describes, with its weights. A checkpoint from before a
+    config field existed gets that field's default."""
     model = build_model(make_config(**ckpt["model_config"]))
     # an FSDP run's: torch.distributed.checkpoint reads the shards into the parameters
     if "shards" in ckpt:
@@ -127,11 +121,10 @@ def no_checkpoint(path) -> CheckpointError:
 def check_source(init_from):
     """A CheckpointError now, before any slow work (lm-eval's task downloads), when init_from names
     no model: not a Hugging Face folder, not a hub id, and no checkpoint there."""
-    if is_hf_folder(init_from) or looks_like_hub_id(init_from):
-        return
-    path = checkpoint_path(init_from)
-    if not path.exists():
-        raise no_checkpoint(path)
+    if not (is_hf_folder(init_from) or looks_like_hub_id(init_from)):
+        path = checkpoint_path(init_from)
+        if not path.exists():
+            raise no_checkpoint(path)
 
 
 def checkpoint_path(init_from) -> Path:
@@ -142,11 +135,8 @@ def checkpoint_path(init_from) -> Path:
     if p.name == "run.pt" and p.parent.name in (SHARDED, SHARDED_OLD):  # the folder is the one
         return p.parent
     if p.is_dir() and p.name not in (SHARDED, SHARDED_OLD):
-        if not (p / "ckpt.pt").exists():
-            for name in (SHARDED, SHARDED_OLD):
-                if (p / name).is_dir():
-                    return p / name
-        return p / "ckpt.pt"
+        sharded = [p / name for name in (SHARDED, SHARDED_OLD) if (p / name).is_dir()]
+        return sharded[0] if sharded and not (p / "ckpt.pt").exists() else p / "ckpt.pt"
     return p
 
 
@@ -193,8 +183,7 @@ def _unchanged(held, path) -> bool:
 
 def load_model(init_from, device="cpu") -> Loaded:
     """The model and tokenizer behind init_from (see the module docstring), ready for inference. A
-    folder, file or hub id that cannot be used is a UserError whose message names the file and the
-    fix."""
+    folder, file or hub id that cannot be used is a UserError naming the file and the fix."""
     if is_hf_folder(init_from) or looks_like_hub_id(init_from):
         from support.hf import from_pretrained
         folder = snapshot(init_from)
@@ -209,12 +198,9 @@ def load_model(init_from, device="cpu") -> Loaded:
 
 
 def read_model(path):
-    """(path, its checkpoint's entries, the model they describe), the model's entries verified (not
-    the optimizer's)."""
+    """(path, its checkpoint's entries, the model they describe); the optimizer's go unverified."""
     ckpt = read_checkpoint(path, verify=("model", "model_config", "files", *TOKENIZER_KEYS))
     try:
         return path, ckpt, model_from_checkpoint(ckpt)
     except ModelConfigError as e:  # a stored config this code cannot build
         raise CheckpointError(f"{path}: {e}") from None
-
-

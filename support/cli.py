@@ -1,10 +1,8 @@
 """
 The few helpers every script uses at its edges: the command-line dialect (`ArgumentParser` for the
 argparse scripts; the boolean words and the range rules, which support/config.py's key tables use
-too), `reason` (an exception's first line), `require` (an optional package, or a MissingPackage
-naming its pip line), `resolve_device` (auto = cuda, then mps, then cpu), `table` (aligned
-plain-text columns), `not_in_a_checkpoint` (nothing is written into a sharded checkpoint's folder)
-and `read_json_object`. Where a script writes its results is support/outputs.py's.
+too), then error lines, optional packages, devices, tables, sharded checkpoints' folders (never
+written into) and JSON files. Where a script writes its results is support/outputs.py's.
 """
 import argparse
 import difflib
@@ -16,10 +14,11 @@ from pathlib import Path
 
 from support.errors import ConfigError, UserError
 
-# An FSDP run's checkpoint folder (checkpoint.save_sharded), and its names while a save replaces it.
+# An FSDP run's checkpoint folder (sharded.save_sharded), and its names while a save replaces it.
 SHARDED = "ckpt.dcp"
 SHARDED_OLD = f"{SHARDED}.old"  # the previous ckpt.dcp between save_sharded's two renames
 SHARDED_NAMES = (SHARDED, f"{SHARDED}.tmp", SHARDED_OLD)
+
 
 def reason(e) -> str:
     """An exception's first line for an error message; its class name when it has no message."""
@@ -27,8 +26,7 @@ def reason(e) -> str:
 
 
 def table(rows, header) -> str:
-    """Rows of values as aligned plain-text columns under header, two spaces apart (the scripts'
-    printed tables)."""
+    """Rows of values as aligned plain-text columns under header, two spaces apart."""
     widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
     return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
                      for r in [header] + rows)
@@ -40,8 +38,8 @@ class MissingPackage(UserError, ImportError):
 
 
 def require(module, purpose, pip=None):
-    """import module, or a MissingPackage that names the pip line: optional packages are imported
-    where used."""
+    """import module, or a MissingPackage that names the pip line (optional packages are imported
+    where used)."""
     try:
         return importlib.import_module(module)
     except ImportError as e:
@@ -73,7 +71,6 @@ def resolve_device(name, local_rank=None, allowed=("cpu", "cuda", "cuda:N", "mps
     return f"cuda:{local_rank}" if name == "cuda" and local_rank is not None else name
 
 
-
 def not_in_a_checkpoint(path, flag):
     """A ConfigError naming `flag` if path is or lies inside a sharded checkpoint's folder: the
     run's next save replaces that folder whole, and whatever else was written there with it."""
@@ -89,11 +86,11 @@ def read_json_object(path, error=UserError) -> dict:
     try:
         value = json.loads(Path(path).read_text())
     except (ValueError, UnicodeDecodeError) as e:  # json's error and the decoder's are ValueErrors
-        raise error(f"{path} is not valid JSON ({e}); "
-                    f"the file is damaged: restore or re-create it") from e
+        raise error(f"{path} is not valid JSON ({e}); the file is damaged: restore or re-create "
+                    f"it") from e
     if not isinstance(value, dict):
-        raise error(f"{path} holds a JSON {type(value).__name__}, "
-                    f"not the object it should; restore it")
+        raise error(f"{path} holds a JSON {type(value).__name__}, not the object it should; "
+                    f"restore it")
     return value
 
 
@@ -102,15 +99,10 @@ def read_json_object(path, error=UserError) -> dict:
 BOOL_WORDS = {"true": True, "1": True, "false": False, "0": False}  # any case, every script
 
 # The rules check_ranges knows, each a predicate on a number; every one also requires a finite
-# value.
-RULES = {
-    "> 0": lambda v: v > 0,
-    ">= 0": lambda v: v >= 0,
-    ">= 1": lambda v: v >= 1,
-    "in [0, 1)": lambda v: 0 <= v < 1,
-    "in [0, 1]": lambda v: 0 <= v <= 1,
-    "in [0, 2**63)": lambda v: 0 <= v < 2**63,  # a seed: torch's generators take 64 signed bits
-}
+# value. 2**63: a seed, as torch's generators take 64 signed bits.
+RULES = {"> 0": lambda v: v > 0, ">= 0": lambda v: v >= 0, ">= 1": lambda v: v >= 1,
+         "in [0, 1)": lambda v: 0 <= v < 1, "in [0, 1]": lambda v: 0 <= v <= 1,
+         "in [0, 2**63)": lambda v: 0 <= v < 2**63}
 
 
 def boolean(key, value) -> bool:
@@ -121,8 +113,8 @@ def boolean(key, value) -> bool:
 
 
 def check_ranges(cfg: dict, rules: dict):
-    """Raise ConfigError for the first key whose value is outside its range, e.g. rules = {"beta1":
-    "in [0, 1)"}. None (where a default allows it) passes: it means "derive this"."""
+    """Raise ConfigError for the first key outside its range, e.g. rules = {"beta1": "in [0, 1)"}.
+    None (where a default allows it) passes: it means "derive this"."""
     for key, rule in rules.items():
         value = cfg[key]
         number = isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -140,12 +132,11 @@ class _ShowDefaults(argparse.HelpFormatter):
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse in the dialect every script shares with train.py's --key=value: an option is
-    --key=value or --key value; a boolean (add_flag) is a bare --flag or --flag=True/False/1/0;
-    no abbreviations (--over is not --overwrite: a typo must not pick a flag); an unknown option
-    names the nearest known one. An error is a ConfigError of one line (run_main prints it), so
-    parse_args can check a command without running it; prog is the script's file name. --help
-    shows the options' defaults (_ShowDefaults), beside what a script's formatter_class does."""
+    """argparse in the dialect every script shares with train.py's --key=value: --key=value or
+    --key value; a boolean (add_flag) is a bare --flag or --flag=True/False/1/0; no abbreviations
+    (--over is not --overwrite: a typo must not pick a flag); an unknown option names the nearest
+    known one. An error is a one-line ConfigError (run_main prints it), so parse_args can check a
+    command without running it. --help shows the defaults, beside a script's formatter_class."""
 
     def __init__(self, prog, formatter_class=argparse.HelpFormatter, **kwargs):
         if not issubclass(formatter_class, _ShowDefaults):
@@ -176,8 +167,7 @@ class ArgumentParser(argparse.ArgumentParser):
         return namespace, extras
 
     def error(self, message):
-        """One line, not argparse's usage block: the message, the nearest known option to an
-        unknown one, and where the flags are listed."""
+        """One line, not argparse's usage block, naming the nearest option to an unknown one."""
         if message.startswith("unrecognized arguments:"):
             known = [o for o in self._option_string_actions if o.startswith("--")]
             unknown = [a.partition("=")[0] for a in message.split(":", 1)[1].split()]

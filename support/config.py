@@ -5,15 +5,14 @@ Command-line configuration shared by train.py, bench_cache.py and ablate.py.
 
 Positional arguments are config files: plain Python assignments (`n_layer = 12`), applied in order.
 A file may start from another with `base_config = "other.py"` (a path relative to the file): the
-other file's assignments come first, so a variant states only the lines that differ. Then
-`--key=value` overrides, written `--key=value`, `--key value`, or a bare `--flag` for a boolean.
-Every key must already exist in the defaults (an unknown one is refused naming the nearest); values
-are parsed to the type of the default (an int is accepted where a float is expected; `None` is
-accepted anywhere, and a default of `None` accepts any literal). Anything else is a ConfigError that
-names the fix. `--help` (or `-h`) raises ShowHelp with the script's docstring and every key with its
-default and its help (run_main prints it and exits 0), so the help can never drift from the
-defaults. A script declares its keys once, as a table {name: Key}; key_table turns it into
-parse_config's defaults and helps and check_ranges' rules and choices.
+other file's assignments come first, so a variant states only the lines that differ. Then the
+overrides: `--key=value`, `--key value`, or a bare `--flag` for a boolean. Every key must already
+exist in the defaults (an unknown one is refused naming the nearest); values are parsed to the type
+of the default (an int is accepted where a float is expected; `None` is accepted anywhere, and a
+default of `None` accepts any literal). Anything else is a ConfigError that names the fix. `--help`
+(or `-h`) raises ShowHelp with the script's docstring and every key with its default and its help,
+so the help can never drift from the defaults. A script declares its keys once, as a table
+{name: Key} (key_table).
 """
 import ast
 import difflib
@@ -38,8 +37,7 @@ class Key:
 
 
 def key_table(keys: dict) -> tuple:
-    """(defaults, helps, ranges, choices) of a table {name: Key}: parse_config's arguments and
-    check_ranges' rules."""
+    """(defaults, helps, ranges, choices) of a table {name: Key}."""
     return ({name: key.default for name, key in keys.items()},
             {name: key.help for name, key in keys.items()},
             {name: key.check for name, key in keys.items() if key.check},
@@ -54,8 +52,7 @@ def check_keys(cfg: dict, keys: dict):
             raise ConfigError(f"--{name}=None: give a value, e.g. the default "
                               f"--{name}={key.default!r}")
         if key.choices and cfg[name] not in key.choices:
-            raise ConfigError(f"--{name} must be one of {', '.join(key.choices)}, "
-                              f"got {cfg[name]!r}")
+            raise ConfigError(f"--{name} must be one of {', '.join(key.choices)}, got {cfg[name]!r}")
     check_ranges(cfg, key_table(keys)[2])
 
 
@@ -64,13 +61,13 @@ def _coerce(key, value, default):
         return value
     if isinstance(default, bool):
         return boolean(key, value)
-    elif isinstance(default, float) and isinstance(value, (int, float)) and not isinstance(value,
-                                                                                           bool):
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if isinstance(default, float) and number:
         return float(value)
-    elif isinstance(value, type(default)) and not (isinstance(value, bool)
-                                                   and not isinstance(default, bool)):
+    if isinstance(value, type(default)) and not isinstance(value, bool):  # True is an int too
         return value
-    raise ConfigError(f"--{key}: expected {type(default).__name__} like the default {default!r}, got {value!r}")
+    raise ConfigError(f"--{key}: expected {type(default).__name__} like the default {default!r}, "
+                      f"got {value!r}")
 
 
 def _unknown(key, known):
@@ -100,9 +97,10 @@ def read_config_file(path, _seen=()) -> dict:
     try:
         exec(compile(path.read_text(), str(path), "exec"), {}, scope)
     except Exception as e:  # a syntax error or a failing expression in the file
-        line = getattr(e, "lineno", None) or (e.__traceback__.tb_next.tb_lineno if e.__traceback__.tb_next else "?")
-        raise ConfigError(f"config file {path}, line {line}: {type(e).__name__}: {e}; config files hold plain "
-                          f"assignments such as `n_layer = 12`") from e
+        tb = e.__traceback__.tb_next
+        line = getattr(e, "lineno", None) or (tb.tb_lineno if tb else "?")
+        raise ConfigError(f"config file {path}, line {line}: {type(e).__name__}: {e}; config files "
+                          f"hold plain assignments such as `n_layer = 12`") from e
     own = {k: v for k, v in scope.items() if not k.startswith("_")}
     base = own.pop("base_config", None)
     return {**read_config_file(path.parent / base, (*_seen, path.resolve())),
@@ -135,7 +133,6 @@ def parse_config(defaults: dict, argv: list, doc: str = "", choices=None, helps=
                 raise _unknown(key, defaults)
             cfg[key] = _coerce(key, value, defaults[key])
     return cfg
-
 
 
 def argument_updates(argv, defaults):

@@ -42,19 +42,16 @@ class DataError(UserError):
 
 
 class ShowHelp(Exception):
-    """-h/--help: the usage text, printed by run_main, which then exits 0 (no support/ module
-    ends the process)."""
+    """-h/--help: the usage text, printed by run_main, which then exits 0."""
 
 
 USER_ERRORS = (UserError, ModelConfigError)
 
 
 def run_main(main, argv=None) -> int:
-    """Run a script's main(argv) and return the exit status for `sys.exit(run_main(main))` (no
-    support/ module ends the process): a user error is its one line on stderr (rank 0's, under
-    torchrun) and EXIT_USER_ERROR; Ctrl-C one line (KeyboardInterrupt's text: what is kept) and
-    EXIT_INTERRUPTED; a reader that closed the pipe (`| head`) nothing and EXIT_CLOSED_PIPE;
-    anything else is a traceback."""
+    """main(argv)'s exit status for `sys.exit(run_main(main))` (no support/ module ends the
+    process): a user error or Ctrl-C prints one line on stderr (Ctrl-C's says what is kept), a
+    reader that closed the pipe (`| head`) nothing; anything else is a traceback."""
     try:
         main(sys.argv[1:] if argv is None else argv)
         sys.stdout.flush()  # here, where a closed pipe is caught, not in the interpreter's exit

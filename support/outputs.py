@@ -16,10 +16,9 @@ from support.errors import ConfigError
 
 def output_file(path, flag, written_by=None) -> Path:
     """Check before any work that `path` can be written as a file (its folder is created): a long
-    evaluation or benchmark must not end in an error about where to put its result. written_by: the
-    script whose earlier result (written_here) an existing file must be to be replaced, so a slip
-    such as --json=out/RUN/ckpt.pt or --figure=photo.png keeps the file. Raises ConfigError naming
-    `flag`."""
+    evaluation must not end in an error about where to put its result. written_by: the script whose
+    earlier result (written_here) an existing file must be to be replaced, so a slip such as
+    --json=out/RUN/ckpt.pt keeps the file. Raises ConfigError naming `flag`."""
     p = Path(path)
     not_in_a_checkpoint(p, flag)
     if p.is_dir() or str(path).endswith(("/", "\\")):
@@ -50,7 +49,7 @@ def mark(script) -> str:
 
 
 def figure_metadata(path, script) -> dict:
-    """matplotlib's savefig metadata carrying mark(script) for a figure at path."""
+    """matplotlib's savefig metadata carrying mark(script)."""
     return {"Software" if Path(path).suffix.lower() == ".png" else "Creator": mark(script)}
 
 

@@ -1,13 +1,13 @@
 """
 How train.py spreads a model over torchrun's processes, and what it keeps of the activations.
 
-    --parallel=ddp    every rank holds the whole model, its gradients and AdamW's state (about 16 bytes per
-                      parameter); gradients are all-reduced (DistributedDataParallel). The default.
-    --parallel=fsdp   each rank holds 1/world of them (FSDP2, `fully_shard` on every decoder block and on the
-                      whole model); a block's parameters are gathered while it runs and freed after. On CUDA the
-                      gathered parameters are bf16 and gradients are reduced in fp32 (MixedPrecisionPolicy).
-    --activation_checkpointing=True   keep only each block's input and recompute the block in the backward
-                      pass (torch.utils.checkpoint, non-reentrant): a second forward for much less memory.
+    --parallel=ddp   every rank holds the whole model, its gradients and AdamW's state (about 16
+                     bytes per parameter); gradients are all-reduced (DistributedDataParallel).
+    --parallel=fsdp  each rank holds 1/world of them (FSDP2, `fully_shard` on every decoder block
+                     and on the whole model); a block's parameters are gathered while it runs and
+                     freed after. On CUDA they are gathered in bf16 and gradients reduced in fp32.
+    --activation_checkpointing=True  keep only each block's input and recompute the block in the
+                     backward pass: a second forward for much less memory.
 
 Neither changes the run: the same batches, schedule, accumulation and clipping on the global
 gradient norm give the same losses (tests/test_parallel.py). An FSDP run writes its checkpoint
@@ -52,27 +52,24 @@ def shard(model, bf16):
     from torch.distributed.fsdp import (MixedPrecisionPolicy, fully_shard,
                                         register_fsdp_forward_method)
     # FSDP2 warns of every view a unit returns: an in-place op on it would lose the unit's
-    # pre-backward hook. A block returns its record, its K and V for later layers' depth steps,
-    # which is a view (of the V projection, or of the cache slots); depth_mix and lime_mix only read
-    # records (stack, vecdot, matmul, an addcmul_ into a new tensor), so no hook is lost, and the
-    # gradients equal one process's (tests/test_parallel.py). The warning would be a false alarm in
-    # every run.
+    # pre-backward hook. A block returns its record, its K and V for later layers' depth steps, a
+    # view (of the V projection, or of the cache slots); depth_mix and lime_mix only read records
+    # (stack, vecdot, matmul, an addcmul_ into a new tensor), so no hook is lost, and the gradients
+    # equal one process's (tests/test_parallel.py): the warning would be a false alarm.
     warnings.filterwarnings("ignore",
                             message=r"FSDP2-wrapped module \(FSDPBlock\) returned a view tensor")
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else \
-        MixedPrecisionPolicy()
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if bf16 else MixedPrecisionPolicy())
     # fully_shard cannot shard a 0-dim parameter (mHC's gains, AttnRes's recency biases): those stay
     # whole on every rank, and sync_replicated averages their gradients as DDP would.
     replicated = [p for p in model.parameters() if p.dim() == 0]  # in the same order on every rank
     base = {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}
     for block in model.layers:
         for name, child in block.named_children():
-            if name not in base:  # a baseline's per-block module, called by its own forward: a unit
-                                  # of its own
+            if name not in base:  # a baseline's per-block module, called by its forward: a unit
                 fully_shard(child, mp_policy=policy, ignored_params=set(replicated))
         fully_shard(block, mp_policy=policy, ignored_params=set(replicated))
-        for method in ("attend", "feed_forward"):  # the baselines call these, not the block's
-                                                   # forward
+        for method in ("attend", "feed_forward"):  # the baselines call these, not its forward
             register_fsdp_forward_method(block, method)
     fully_shard(model, mp_policy=policy, ignored_params=set(replicated))
     return replicated
@@ -95,10 +92,9 @@ def clip_grad_norm(params, max_norm):
     per parameter."""
     grads = [p.grad for p in params if p.grad is not None]
     sharded = [g.to_local() for g in grads if hasattr(g, "to_local")]
-    whole = [g for g in grads if not hasattr(g, "to_local")]  # the same on every rank after
-                                                              # sync_replicated
-    def square(g):  # the float32 norm, as torch's clip computes it, squared in float64; no copy of
-                    # g
+    whole = [g for g in grads if not hasattr(g, "to_local")]  # alike on every rank (synced)
+
+    def square(g):  # the float32 norm, as torch's clip computes it, squared in float64; no copy
         return torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
     zero = torch.zeros((), dtype=torch.float64, device=grads[0].device)
     squares = sum(map(square, sharded), zero)
@@ -113,15 +109,13 @@ def clip_grad_norm(params, max_norm):
 
 class Parallel:
     """The model as train.py trains it: `.forward` is what the training step calls (the DDP wrapper,
-    or the model itself, sharded in place under FSDP); the rest are the few places where the modes
-    differ."""
+    or the model itself, sharded in place under FSDP); the rest are where the modes differ."""
 
     def __init__(self, model, mode, distributed, device, bf16):
         self.model, self.mode = model, mode if distributed else "single"
         self.replicated = shard(model, bf16) if self.mode == "fsdp" else []
         self.forward = model
-        if self.mode == "ddp":  # gradients as views of the all-reduce buckets: no second copy of
-                                # them
+        if self.mode == "ddp":  # gradients as views of the all-reduce buckets: no second copy
             from torch.nn.parallel import DistributedDataParallel
             ids = [torch.cuda.current_device()] if device.startswith("cuda") else None
             self.forward = DistributedDataParallel(model, device_ids=ids,
@@ -132,8 +126,7 @@ class Parallel:
         return self.mode == "fsdp"
 
     def gradient_sync(self, sync):
-        """A context for one micro-step's backward: gradients are reduced only on the last of the
-        accumulation."""
+        """A context for one micro-step's backward: gradients are reduced only on the last one."""
         if self.mode == "ddp" and not sync:
             return self.forward.no_sync()
         if self.sharded:
@@ -160,8 +153,7 @@ class Parallel:
 
 @dataclass
 class Process:
-    """Where this process runs: its rank among `world` processes (torchrun) and its device, with
-    bf16 or not."""
+    """Where this process runs: its rank among `world` processes (torchrun), its device, bf16."""
     rank: int
     world: int
     device: str
@@ -173,9 +165,8 @@ class Process:
         return self.rank == 0
 
     def autocast(self):
-        if not self.bf16:
-            return nullcontext()
-        return torch.autocast(self.device.split(":")[0], dtype=torch.bfloat16)
+        return (torch.autocast(self.device.split(":")[0], dtype=torch.bfloat16) if self.bf16
+                else nullcontext())
 
 
 def setup_process(cfg) -> Process:
@@ -188,7 +179,8 @@ def setup_process(cfg) -> Process:
                           "single process")
     if cfg["parallel"] == "fsdp" and not distributed:
         raise ConfigError("--parallel=fsdp shards the model over torchrun's processes: launch with "
-                          "`torchrun --standalone --nproc_per_node=N train.py ...` (N = 1 works too)")
+                          "`torchrun --standalone --nproc_per_node=N train.py ...` (N = 1 works "
+                          "too)")
     if distributed:
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
     if device.startswith("cuda"):

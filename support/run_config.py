@@ -24,7 +24,7 @@ from support.variants import (ATTENTIONS, KNOBS, RESIDUALS, BaselineConfig, buil
 
 
 def _model_keys() -> dict:
-    """The fields of model.ModelConfig and support.variants.BaselineConfig, sized for the Shakespeare demo
+    """BaselineConfig's fields (model.ModelConfig's among them), sized for the Shakespeare demo
     (1.25M parameters); their help is each field's own (model.knob), their checks the configs'."""
     demo = BaselineConfig(block_size=256, n_layer=6, n_head=4, n_kv_head=2, head_dim=32,
                           n_embd=128, mlp_hidden=384, depth_mode="value")
@@ -116,18 +116,15 @@ def parse_args(argv, doc="") -> dict:
 def check_keys(cfg):
     check_ranges(cfg, RANGES)
     for key, values in CHOICES.items():
-        if key in MODEL_KEYS:  # the model's config names its own choices
-            continue
-        if cfg[key] not in values:
+        if key not in MODEL_KEYS and cfg[key] not in values:  # the model's config checks its own
             raise ConfigError(f"--{key} must be one of {', '.join(values)}, got {cfg[key]!r}")
 
 
 def resolve(argv, doc="", master=True):
     """(cfg, ckpt, init): the run this command asks for, with --resume its checkpoint, and on a
-    fresh run with --init_from the weights to start from (checkpoint.Loaded; their model keys are
-    cfg's, adopt_init_model). With resume, the checkpoint's config replaces DEFAULTS, so
-    `--out_dir=X --resume=True` alone continues the run, and a repeated command line changes
-    nothing."""
+    fresh run with --init_from the weights to start from (checkpoint.Loaded). With resume, the
+    checkpoint's config replaces DEFAULTS, so `--out_dir=X --resume=True` alone continues the run,
+    and a repeated command line changes nothing."""
     cfg = parse_args(argv, doc)
     not_in_a_checkpoint(cfg["out_dir"], "--out_dir")
     ckpt = None
@@ -182,8 +179,7 @@ def resumable_checkpoint(out_dir) -> dict:
 
 
 def check_same_model(cfg, ckpt):
-    """A resumed run keeps its model; vocab_size None (a config file's "follow the data") is the
-    checkpoint's."""
+    """A resumed run keeps its model; vocab_size None ("follow the data") is the checkpoint's."""
     saved = {**DEFAULTS, **ckpt["model_config"]}  # a field added since: its default
     if cfg["vocab_size"] is None:
         cfg["vocab_size"] = saved["vocab_size"]
@@ -220,15 +216,13 @@ def ignored_keys(cfg) -> dict:
 
 
 def shaping(*configs) -> list:
-    """The model keys that shape the models these flat dicts describe: a plain model (residual
-    add) has no use for the baselines' knobs, so its checkpoint does not store them and another
-    value changes nothing."""
+    """The model keys that shape the models these flat dicts describe: a plain model (residual add)
+    stores no baseline knobs, and another value of them changes nothing."""
     return [k for k in MODEL_KEYS if k not in KNOBS or any(c["residual"] != "add" for c in configs)]
 
 
 def overrides(cfg) -> str:
-    """The first lines of a run: each key whose value is not the default, `key = value`, as
-    nanoGPT's configurator prints them (config.json holds every key)."""
+    """The first lines of a run: `key = value` for each key off its default, as nanoGPT prints."""
     return "\n".join(f"{k} = {cfg[k]!r}" for k in DEFAULTS if cfg[k] != DEFAULTS[k])
 
 
@@ -245,17 +239,16 @@ def typed_keys(argv) -> set:
     return {key for updates in argument_updates(argv, DEFAULTS) for key in updates}
 
 
-# What --init_from lets a command change: the depth step, where the checkpoint's parameters are
-# exactly the new model's (vanilla -> value, uniform, key, kv and back), so every vanilla checkpoint
-# starts a Depth-Attention run (issue 39).
+# What --init_from may change: the depth step, where the checkpoint's parameters are exactly the
+# new model's (vanilla -> value, uniform, key, kv and back): a vanilla checkpoint starts a
+# Depth-Attention run (issue 39).
 SWITCHABLE = ("depth_mode", "depth_stride", "depth_recent_window")
 
 
 def adopt_init_model(cfg, init_config, init_from, asked) -> Optional[str]:
     """--init_from fixes the model keys: cfg takes init_config's, and a model setting asked for
-    (asked: typed_keys) that differs from them is a
-    ConfigError, but for SWITCHABLE ones whose model has exactly the checkpoint's parameters.
-    Returns the one-line notice of such a switch, else None."""
+    (asked: typed_keys) that differs from them is a ConfigError, but for SWITCHABLE ones whose model
+    has exactly the checkpoint's parameters. Returns the one-line notice of a switch, or None."""
     theirs = {**asdict(BaselineConfig()), **asdict(init_config)}  # a plain model: defaults
     clash = {k: (theirs[k], cfg[k]) for k in shaping(theirs, cfg)
              if k in asked and cfg[k] is not None and cfg[k] != theirs[k]}
@@ -266,8 +259,8 @@ def adopt_init_model(cfg, init_config, init_from, asked) -> Optional[str]:
     cfg.update({k: theirs[k] for k in shaping(theirs) if k not in switch})
     if not switch:
         return None
-    changed = parameters_changed(theirs, cfg)
-    if changed:  # LIMe's routers: no identity-preserving init here yet, so no silent random ones
+    # LIMe's routers: no identity-preserving init here yet, so no silent random ones
+    if changed := parameters_changed(theirs, cfg):
         raise ConfigError(f"--init_from={init_from}: --depth_mode={cfg['depth_mode']} has other "
                           f"parameters than the checkpoint ({', '.join(changed[:2])}, ...); "
                           f"switch only between modes without parameters of their own: vanilla, "
@@ -290,8 +283,7 @@ def parameters_changed(before: dict, after: dict) -> list:
 
 def batch_layout(cfg, world):
     """(micro_batch, accumulation steps, rows): the global batch is rows = batch_tokens / block_size
-    sequences, each rank takes rows / world of them in accum passes of micro_batch. Any layout
-    gives the same run."""
+    sequences, each rank rows / world in passes of micro_batch. Any layout gives the same run."""
     T, tokens, mb = cfg["block_size"], cfg["batch_tokens"], cfg["micro_batch"]
     if tokens % (T * world):
         nearest = max(1, round(tokens / (T * world))) * T * world

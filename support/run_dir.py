@@ -33,8 +33,7 @@ def save_checkpoint(obj, path):
             torch.save({**obj, "checksums": checksums(obj)}, f)
             f.flush()
             os.fsync(f.fileno())
-    # a full disk, an interrupt: the previous checkpoint stays, the partial file goes
-    except BaseException:
+    except BaseException:  # a full disk, an interrupt: the old checkpoint stays, the partial goes
         tmp.unlink(missing_ok=True)
         raise
     os.replace(tmp, path)
@@ -51,15 +50,12 @@ def fsync_dir(folder):
 
 
 def rng_state():
-    """Every generator a run draws from (Python, numpy, torch, CUDA), as plain tensors and
-    values."""
+    """Every generator a run draws from (Python, numpy, torch, CUDA), as tensors and values."""
     kind, key, pos, has_gauss, gauss = np.random.get_state()
-    return {
-        "python": random.getstate(),
-        "numpy": [kind, torch.from_numpy(key.astype(np.int64)), pos, has_gauss, gauss],
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-    }
+    return {"python": random.getstate(),
+            "numpy": [kind, torch.from_numpy(key.astype(np.int64)), pos, has_gauss, gauss],
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
 
 
 def set_rng_state(state):
@@ -81,18 +77,16 @@ def claim_out_dir(out_dir, resuming, overwrite):
         out_dir.mkdir(parents=True, exist_ok=True)
         lock = open(out_dir / "train.lock", "a+")
     except OSError as e:
-        raise CheckpointError(
-            f"cannot write to --out_dir={out_dir} ({e.strerror}); pick a writable folder"
-        ) from e
+        raise CheckpointError(f"cannot write to --out_dir={out_dir} ({e.strerror}); pick a "
+                              f"writable folder") from e
     if fcntl:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             lock.seek(0)
-            raise CheckpointError(
-                f"another train.py ({lock.read().strip() or 'pid unknown'}) is writing to "
-                f"{out_dir}; wait for it to finish or pick another --out_dir"
-            ) from None
+            raise CheckpointError(f"another train.py ({lock.read().strip() or 'pid unknown'}) is "
+                                  f"writing to {out_dir}; wait for it to finish or pick another "
+                                  f"--out_dir") from None
     lock.truncate(0)
     lock.write(f"pid {os.getpid()}\n")
     lock.flush()
@@ -101,19 +95,15 @@ def claim_out_dir(out_dir, resuming, overwrite):
         torn.unlink()
     shutil.rmtree(out_dir / f"{SHARDED}.tmp", ignore_errors=True)
     recover_sharded(out_dir)
-    shutil.rmtree(out_dir / SHARDED_OLD, ignore_errors=True)  # the new ckpt.dcp is whole: the old one goes
+    shutil.rmtree(out_dir / SHARDED_OLD, ignore_errors=True)  # ckpt.dcp is whole: the old one goes
     held = [out_dir / name for name in ("ckpt.pt", SHARDED) if (out_dir / name).exists()]
     if held and not resuming:
         if not overwrite:
-            raise CheckpointError(
-                f"{out_dir} already holds a checkpoint; continue it with --resume=True, or start "
-                f"over with --overwrite=True (which deletes it)"
-            )
+            raise CheckpointError(f"{out_dir} already holds a checkpoint; continue it with "
+                                  f"--resume=True, or start over with --overwrite=True (which "
+                                  f"deletes it)")
         for ckpt in held:
-            if ckpt.is_dir():
-                shutil.rmtree(ckpt)
-            else:
-                ckpt.unlink()
+            shutil.rmtree(ckpt) if ckpt.is_dir() else ckpt.unlink()
             print(f"warning: --overwrite=True: deleted {ckpt}, starting over", file=sys.stderr)
     return lock
 

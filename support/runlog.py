@@ -53,8 +53,7 @@ def start_log(cfg, history, out_dir, step):
 
 
 def whole(line) -> bool:
-    """Whether a log.jsonl line is a whole record."""
-    try:
+    try:  # a whole record, not a line cut short
         return isinstance(json.loads(line), dict)
     except ValueError:
         return False
@@ -73,8 +72,7 @@ def log(record, out_dir, wandb):
 
 class SaveFailed(CheckpointError):
     """A checkpoint that could not be written, in one line that says why and what is kept: a rank
-    that stopped mid-write (its peers lose their connection to it), or a write that failed (a full
-    disk, a folder made read-only)."""
+    that stopped mid-write (its peers lose their connection to it), or a write that failed."""
 
     def __init__(self, path, step, e, saved):
         kept, then = ((f"the checkpoint of step {saved} is kept", "--resume=True")

@@ -24,11 +24,10 @@ from support.run_dir import fsync_dir, save_checkpoint
 
 
 def read_shards(state, ckpt, rank=0, world=1):
-    """Fill state's tensors from an FSDP run's ckpt.dcp folder (torch.distributed.checkpoint): whole
-    tensors in one process, each rank its shards under torchrun. Every file is first checked against
-    the sizes and digests run.pt recorded (verify_shards; rank r of world checks every world-th
-    file), so a damaged, truncated, missing or swapped file is a CheckpointError naming it, never
-    weights served."""
+    """Fill state's tensors from an FSDP run's ckpt.dcp folder: whole tensors in one process, each
+    rank its shards under torchrun. Every file is first checked against the sizes and digests run.pt
+    recorded (verify_shards), so a damaged, truncated, missing or swapped file is a CheckpointError
+    naming it, never weights served."""
     path = Path(ckpt["shards"])
     if path.name == SHARDED_OLD and not path.exists():  # put back since by the run's lock holder
         path = path.with_name(SHARDED)
@@ -39,9 +38,8 @@ def read_shards(state, ckpt, rank=0, world=1):
             dist.all_gather_object(found, bad)
             bad = [b for part in found for b in part]
         if bad:
-            raise CheckpointError(
-                f"{path} is damaged: {'; '.join(bad)}; restore the folder or retrain"
-            )
+            raise CheckpointError(f"{path} is damaged: {'; '.join(bad)}; restore the folder or "
+                                  f"retrain")
     elif rank == 0:
         print(f"warning: {path} has no file checksums (written before they were added); reading it "
               f"unverified", file=sys.stderr)
@@ -51,14 +49,12 @@ def read_shards(state, ckpt, rank=0, world=1):
             warnings.filterwarnings("ignore", message=".*single process")
             dcp.load(state, checkpoint_id=path)
     except (Exception, CheckpointException) as e:
-        raise CheckpointError(
-            f"{path}: the shards cannot be read ({reason(e)}); restore the folder " f"or retrain"
-        ) from e
+        raise CheckpointError(f"{path}: the shards cannot be read ({reason(e)}); restore the "
+                              f"folder or retrain") from e
 
 
 def file_digest(path, chunk=1 << 24) -> str:
-    """sha256 of a file, read in 16 MiB chunks (hashlib releases the GIL: files hash in
-    parallel)."""
+    """sha256 of a file, read in 16 MiB chunks (hashlib frees the GIL: files hash in parallel)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
@@ -71,25 +67,20 @@ def digest_files(folder, names) -> dict:
     names = list(names)
     with ThreadPoolExecutor(max(1, min(len(names), os.cpu_count() or 1))) as pool:
         digests = list(pool.map(lambda n: file_digest(Path(folder) / n), names))
-    return {
-        n: {"bytes": (Path(folder) / n).stat().st_size, "sha256": d} for n, d in zip(names, digests)
-    }
+    return {n: {"bytes": (Path(folder) / n).stat().st_size, "sha256": d}
+            for n, d in zip(names, digests)}
 
 
 def verify_shards(path, files, rank=0, world=1) -> list:
-    """What is wrong with the files of a ckpt.dcp folder against files, run.pt's record of them
-    ({name: {bytes, sha256}}): this rank's share, every world-th file from the rank-th. [] when all
-    is well."""
+    """What is wrong with this rank's share (every world-th file from the rank-th) of a ckpt.dcp
+    folder against run.pt's record of its files ({name: {bytes, sha256}}); [] when all is well."""
     mine = sorted(files)[rank::world]
     missing = [n for n in mine if not (path / n).is_file()]
-    resized = [
-        n for n in mine if n not in missing and (path / n).stat().st_size != files[n]["bytes"]
-    ]
+    resized = [n for n in mine if n not in missing
+               and (path / n).stat().st_size != files[n]["bytes"]]
     bad = [f"{n} is missing" for n in missing]
-    bad += [
-        f"{n} has {(path / n).stat().st_size} bytes, {files[n]['bytes']} were written"
-        for n in resized
-    ]
+    bad += [f"{n} has {(path / n).stat().st_size} bytes, {files[n]['bytes']} were written"
+            for n in resized]
     rest = [n for n in mine if n not in missing and n not in resized]
     found = digest_files(path, rest) if rest else {}
     return bad + [f"{n} no longer matches its checksum" for n in rest
@@ -157,8 +148,7 @@ class SaveError(CheckpointError):
 
 
 def shard_failure(e):
-    """(what a CheckpointException says went wrong: the first failing rank's own error in one line,
-    whether that rank lost a peer)."""
+    """(the first failing rank's own error in one line, whether that rank lost a peer)."""
     failures = getattr(e, "failures", None) or {}
     for rank, failure in sorted(failures.items()):
         return f"rank {rank}: {reason(failure)}", isinstance(failure, dist.DistError)
@@ -166,12 +156,10 @@ def shard_failure(e):
 
 
 def load_sharded(model, optimizer, ckpt):
-    """Fill the (sharded) model and its optimizer from a run's ckpt.dcp folder (ckpt:
-    read_checkpoint's dict of it); each rank reads what it holds, after checking its share of the
-    files."""
+    """Fill the (sharded) model and its optimizer from a run's ckpt.dcp (ckpt: read_checkpoint's
+    dict of it); each rank reads what it holds, after checking its share of the files."""
     model_state, optimizer_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optimizer_state}
     read_shards(state, ckpt, dist.get_rank(), dist.get_world_size())
-    set_state_dict(
-        model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
-    )
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optimizer"])

@@ -45,8 +45,7 @@ class StopSignals:
 
 
 def peak_memory(device) -> str:
-    """This process's peak memory: what torch allocated on the GPU, or the resident size on the
-    CPU."""
+    """This process's peak memory: what torch allocated on the GPU, else the resident size."""
     if device.startswith("cuda"):
         return f"peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB allocated on the GPU"
     kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss if resource else 0

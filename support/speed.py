@@ -29,8 +29,7 @@ def train_flops_per_token(model) -> float:
 
 
 def peak_flops(asked, device) -> float:
-    """One device's peak FLOP/s: --peak_flops when given (> 0), else the table's for a known GPU,
-    else 0 (no MFU)."""
+    """One device's peak FLOP/s: --peak_flops (> 0), else a known GPU's, else 0 (no MFU)."""
     if asked:
         return float(asked)
     if not str(device).startswith("cuda"):

@@ -2,9 +2,9 @@
 Tokenizers, behind tiktoken's interface: encode(text, allowed_special=...), encode_ordinary(text),
 decode(ids), eot_token, n_vocab, name.
 
-    get_tokenizer("bytes")                         256 bytes + end-of-text (the Shakespeare demo; no download)
-    get_tokenizer("gpt2")                          tiktoken's GPT-2 BPE (MiniPile, the Pile)
-    get_tokenizer("zeng123/Depth-attention-3B")    a Hugging Face folder, tokenizer.json or hub id (HFTokenizer)
+    get_tokenizer("bytes")                       256 bytes + end-of-text, no download (Shakespeare)
+    get_tokenizer("gpt2")                        tiktoken's GPT-2 BPE (MiniPile, the Pile)
+    get_tokenizer("zeng123/Depth-attention-3B")  a Hugging Face folder, tokenizer.json or hub id
 
 Also where a Hugging Face hub id becomes a local folder (`snapshot`), for the tokenizer and the
 weights alike. No torch here, so prepare_data.py and its tokenizer processes never import it.
@@ -22,7 +22,6 @@ import tiktoken
 from support.cli import read_json_object, reason, require
 from support.errors import DataError, UserError
 
-
 EOT = "<|endoftext|>"
 
 
@@ -32,41 +31,31 @@ def get_tokenizer(name):
     is a Hugging Face folder, tokenizer.json or hub id, behind the same interface (HFTokenizer). EOT
     id: enc.eot_token."""
     if name == "bytes":
-        # With no merges the pattern only bounds the piece length; every byte is its own token, so any
-        # UTF-8 text round-trips. 256-byte pieces are faster than one piece per character.
-        return tiktoken.Encoding(
-            name="bytes",
-            pat_str=r"[\s\S]{1,256}",
-            mergeable_ranks={bytes([i]): i for i in range(256)},
-            special_tokens={EOT: 256},
-        )
+        # With no merges the pattern only bounds the piece length; every byte is its own token, so
+        # any UTF-8 text round-trips. 256-byte pieces are faster than one piece per character.
+        return tiktoken.Encoding(name="bytes", pat_str=r"[\s\S]{1,256}", special_tokens={EOT: 256},
+                                 mergeable_ranks={bytes([i]): i for i in range(256)})
     if name == "gpt2":
         try:
             return tiktoken.get_encoding("gpt2")
         except Exception as e:  # one call, whose errors are the network's or tiktoken's cache's
-            raise DataError(
-                f"could not load the gpt2 tokenizer ({type(e).__name__}): tiktoken downloads its "
-                "BPE files on first use, so run once with network access (they are cached "
-                "afterwards), or use --tokenizer=bytes"
-            ) from e
+            raise DataError(f"could not load the gpt2 tokenizer ({type(e).__name__}): tiktoken "
+                            "downloads its BPE files on first use, so run once with network access "
+                            "(they are cached afterwards), or use --tokenizer=bytes") from e
     try:
         return load_tokenizer(name)
     except UserError as e:
-        raise DataError(
-            f"unknown tokenizer {name!r}: use 'gpt2', 'bytes' or a Hugging Face folder, "
-            f"tokenizer.json or hub id ({e})"
-        ) from e
+        raise DataError(f"unknown tokenizer {name!r}: use 'gpt2', 'bytes' or a Hugging Face "
+                        f"folder, tokenizer.json or hub id ({e})") from e
 
 
 class HFTokenizer:
-    """A tokenizer.json (the `tokenizers` package) behind the interface of the tiktoken encodings
-    above."""
+    """A tokenizer.json (the `tokenizers` package) behind tiktoken's interface."""
 
     def __init__(self, path, eot_token=None, name=None, text=None):
-        """From the file at path, or from text, the file's contents kept in a checkpoint (path is
-        then only the name it was read from). `self.text` is what an export or a checkpoint stores:
-        never a path, which would break once the folder is moved or read from another working
-        directory."""
+        """From the file at path, or from text, its contents kept in a checkpoint (path is then only
+        its name). `self.text` is what an export or a checkpoint stores: never a path, which would
+        break once the folder is moved or read from another working directory."""
         tokenizers = require("tokenizers", "a Hugging Face tokenizer.json")
         try:
             self.text = Path(path).read_text() if text is None else text
@@ -77,24 +66,20 @@ class HFTokenizer:
         self._plain.encode_special_tokens = True  # special-token text is encoded as plain text
         self.name = name or str(path)
         self.n_vocab = self._tok.get_vocab_size(with_added_tokens=True)
-        self.special = {
-            t.content for t in self._tok.get_added_tokens_decoder().values() if t.special
-        }
+        added = self._tok.get_added_tokens_decoder().values()
+        self.special = {t.content for t in added if t.special}
         self.eot_token = eot_token if eot_token is not None else self._tok.token_to_id(EOT)
         if self.eot_token is None:
-            raise DataError(
-                f"{path}: no end-of-text token (no eos_token_id in config.json and no {EOT} in the "
-                f"tokenizer)"
-            )
+            raise DataError(f"{path}: no end-of-text token (no eos_token_id in config.json and no "
+                            f"{EOT} in the tokenizer)")
 
     def encode(self, text, allowed_special=()):
         """Like tiktoken: special-token text is an error unless allowed ("all" or a set of them)."""
         if allowed_special != "all":
             banned = [s for s in self.special if s in text and s not in allowed_special]
             if banned:
-                raise ValueError(
-                    f"text contains special tokens {banned}; pass allowed_special or use encode_ordinary"
-                )
+                raise ValueError(f"text contains special tokens {banned}; pass allowed_special or "
+                                 f"use encode_ordinary")
         return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_ordinary(self, text):
@@ -109,9 +94,8 @@ TIKTOKEN = ("bytes", "gpt2")  # rebuilt from their names; any other tokenizer is
 
 
 def tokenizer_record(name) -> dict:
-    """What a checkpoint stores to rebuild the tokenizer `name` anywhere: the name of a tiktoken
-    encoding, or a tokenizer.json's contents and end-of-text id (a path would break once the run is
-    moved)."""
+    """What a checkpoint stores to rebuild the tokenizer `name` anywhere: a tiktoken encoding's
+    name, or a tokenizer.json's contents and end-of-text id (never a path)."""
     if name in TIKTOKEN:
         return {"tokenizer": name}
     enc = get_tokenizer(name)
@@ -119,8 +103,7 @@ def tokenizer_record(name) -> dict:
 
 
 def from_record(record: dict):
-    """The tokenizer a tokenizer_record (or an older checkpoint, which holds only the name)
-    describes."""
+    """The tokenizer a tokenizer_record (or an older checkpoint's bare name) describes."""
     if "tokenizer_json" in record:
         return HFTokenizer(record["tokenizer"], record["eot_token"], text=record["tokenizer_json"])
     return get_tokenizer(record["tokenizer"])
@@ -149,9 +132,8 @@ def load_tokenizer(name_or_path):
     p = Path(name_or_path)
     if p.is_file():
         return HFTokenizer(p)
-    folder = snapshot(
-        name_or_path, patterns=("tokenizer*", "config.json", "special_tokens_map.json")
-    )
+    folder = snapshot(name_or_path,
+                      patterns=("tokenizer*", "config.json", "special_tokens_map.json"))
     tok = folder_tokenizer(folder) if folder.is_dir() else None
     if tok is None:
         raise DataError(f"no tokenizer.json in {folder}")
@@ -162,11 +144,8 @@ def folder_tokenizer(folder):
     """A folder's tokenizer: the tiktoken encoding our export recorded (its tokenizer.json, if any,
     is the same one written out for transformers), else its tokenizer.json; None if neither."""
     folder = Path(folder)
-    cfg = (
-        read_json_object(folder / "config.json", DataError)
-        if (folder / "config.json").is_file()
-        else {}
-    )
+    cfg = (read_json_object(folder / "config.json", DataError) if (folder / "config.json").is_file()
+           else {})
     if "tokenizer" in cfg:
         return get_tokenizer(cfg["tokenizer"])
     if (folder / "tokenizer.json").is_file():
@@ -191,15 +170,12 @@ def snapshot(path_or_hub_id, patterns=("*.json", "*.safetensors", "*.txt", "*.mo
     """A local folder as is; a hub id downloaded (or found in the cache) by huggingface_hub."""
     if Path(path_or_hub_id).exists() or not looks_like_hub_id(path_or_hub_id):
         return Path(path_or_hub_id)
-    hub = require(
-        "huggingface_hub",
-        f"downloading {path_or_hub_id} from the Hugging Face hub (it is not a local path)",
-    )
+    hub = require("huggingface_hub", f"downloading {path_or_hub_id} from the Hugging Face hub "
+                  f"(it is not a local path)")
     try:
         return Path(hub.snapshot_download(str(path_or_hub_id), allow_patterns=list(patterns)))
     except Exception as e:  # one call, whose errors are the network's or the hub's
-        raise DataError(
-            f"{path_or_hub_id} is not a local path, and downloading it from the Hugging Face hub "
-            f"failed ({reason(e)}); check the path (a train.py out_dir exists once `python train.py` "
-            f"has run) or the hub id and the network"
-        ) from e
+        raise DataError(f"{path_or_hub_id} is not a local path, and downloading it from the "
+                        f"Hugging Face hub failed ({reason(e)}); check the path (a train.py "
+                        f"out_dir exists once `python train.py` has run) or the hub id and the "
+                        f"network") from e
