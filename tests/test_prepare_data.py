@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import prepare_data
-from support import data
+from support import prepare as preparation
 from support.data import load_meta
 from support.prepare import prepare
 from support.tokenizer import get_tokenizer
@@ -120,7 +120,7 @@ def test_interrupted_run_leaves_the_previous_dataset_and_no_temporaries(tmp_path
     before = prepare("text", tokenizer="bytes", inputs=inputs, out_dir=out, num_proc=1)
     files = {p.name: p.read_bytes() for p in before.iterdir()}
 
-    encode, calls = data._encode, []
+    encode, calls = preparation._encode, []
 
     def encode_then_die(task):
         calls.append(task)
@@ -128,8 +128,8 @@ def test_interrupted_run_leaves_the_previous_dataset_and_no_temporaries(tmp_path
             raise KeyboardInterrupt
         return encode(task)
 
-    monkeypatch.setattr(data, "CHUNK_CHARS", 1)  # one document per task, so the crash is mid-file
-    monkeypatch.setattr(data, "_encode", encode_then_die)
+    monkeypatch.setattr(preparation, "CHUNK_CHARS", 1)  # one document per task, so the crash is mid-file
+    monkeypatch.setattr(preparation, "_encode", encode_then_die)
     for name, force in [("text", True), ("fresh", False)]:
         calls.clear()
         with pytest.raises(KeyboardInterrupt):
@@ -147,7 +147,7 @@ def test_finished_output_is_skipped_and_checked(tmp_path, monkeypatch):
     kwargs = dict(tokenizer="bytes", inputs=[str(tmp_path / "*.txt")], out_dir=tmp_path / "out",
                   num_proc=1)
     data_dir = prepare("text", **kwargs)
-    monkeypatch.setattr(data, "_encode", None)  # any tokenizing now would fail
+    monkeypatch.setattr(preparation, "_encode", None)  # any tokenizing now would fail
     assert prepare("text", **kwargs) == data_dir
     with open(data_dir / "train.bin", "ab") as f:
         f.write(b"\0\0")

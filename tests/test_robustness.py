@@ -161,7 +161,7 @@ CASES = [
               if k in ("model", "model_config")}, w["tmp"] / "ckpt.pt")),
     case("train.py", "cannot write to --out_dir=", *TRAIN, "--out_dir={tmp}/file",
          make=write("file", b"")),
-    case("train.py", "a run that began from scratch; --init_from=", "--out_dir={tmp}/run", "--resume=True",
+    case("train.py", "which began from scratch; --init_from=", "--out_dir={tmp}/run", "--resume=True",
          "--init_from={run}", make=lambda w, mp: copy_run(w)),  # recorded as loaded, it never was
 
     case("train.py", "bad.py, line 1: SyntaxError", *TRAIN, "{tmp}/bad.py", make=write("bad.py", b"n_layer = = 3\n")),
@@ -455,7 +455,7 @@ def test_a_resume_keeps_the_weights_it_began_from(world, tmp_path):
     assert json.loads((tune / "config.json").read_text())["init_from"] in (str(run), spelled)
     code, out, err = cli("train.py", f"--out_dir={tune}", "--resume=True", f"--init_from={tune}")
     assert_one_error_line(code, out, err,
-                          f"a run that began from --init_from={spelled}; --init_from={tune}")
+                          f"which began from --init_from={spelled}; --init_from={tune}")
 
 
 @pytest.mark.parametrize("args, warned", [(["--depth_mode=value", "--lime_router_lr_mult=2"],
