@@ -32,7 +32,6 @@ from tqdm import tqdm
 
 from baselines import BASELINES, DEPTH_MODES
 from support.variants import BaselineConfig, build_model, make_config
-from model import GPT
 from support.cost import depth_cost
 from support import hf, paper
 from support.memory import allocator_peak
@@ -42,26 +41,20 @@ from support.config import Key, check_keys, key_table, parse_config, read_config
 from support.errors import USER_ERRORS, ConfigError, run_main
 from support.run_config import TRAIN_KEYS
 
-ROOT = Path(__file__).resolve().parent
-# The paper's shapes (section 3), read from their training configs. The 3B one also feeds Table 2
-# below.
-PRESETS = {"paper_3b": ROOT / "configs" / "paper_3b_value.py",
-           "paper_1p5b": ROOT / "configs" / "paper_1p5b_value.py"}
+# The paper's shapes (section 3), read from their training configs. The 3B one also feeds Table 2.
+CONFIGS = Path(__file__).resolve().parent / "configs"
+PRESETS = {"paper_3b": CONFIGS / "paper_3b_value.py", "paper_1p5b": CONFIGS / "paper_1p5b_value.py"}
 
-# depth_mode and residual are replaced by `modes`: every run compares several modes against vanilla.
-# The others are train.py's keys (their help and choices) at the model's own defaults.
+# train.py's keys (help, choices) at the model's defaults; `modes` replaces depth_mode and residual
 MODEL_KEYS = {k: replace(TRAIN_KEYS[k], default=v) for k, v in asdict(BaselineConfig()).items()
               if k not in ("depth_mode", "residual")}
 MODEL_KEYS["vocab_size"] = replace(MODEL_KEYS["vocab_size"],
                                    help="the random tokens' vocabulary (paper: GPT-NeoX 50304)")
-BASELINE_MODES = tuple(BASELINES)  # denseformer, attnres, mhc: hidden-state baselines with vanilla
-                                   # attention
-TRANSFORMERS = "transformers"  # Hugging Face transformers' Qwen3ForCausalLM with vanilla's weights
-                               # (pip install transformers)
+BASELINE_MODES = tuple(BASELINES)  # denseformer, attnres, mhc: mix hidden states, vanilla attention
+TRANSFORMERS = "transformers"  # transformers' Qwen3ForCausalLM with vanilla's weights
 OTHER_MODES = BASELINE_MODES + (TRANSFORMERS,)  # compared with vanilla; no depth step of their own
-KEYLESS = "keyless"  # Keyless Attention (attention=keyless, a V-only cache); keyless+value adds the
-                     # depth step of that depth_mode
-BENCH_KEYS = {
+KEYLESS = "keyless"  # Keyless Attention (a V-only cache); keyless+value adds that depth_mode's step
+KEYS = {**MODEL_KEYS,
     "preset": Key("", f"the paper's shape; --key=value still overrides it; one of "
                   f"{', '.join(PRESETS)}"),
     "device": Key("auto", "auto = cuda if available, else cpu; cuda is the current GPU"),
@@ -77,12 +70,10 @@ BENCH_KEYS = {
     "repeats": Key(9, "timed rounds; each timing is the median over them (decode: over all their "
                    "tokens)", ">= 1"),
     "modes": Key("vanilla,value,uniform,key,kv,value@3", "comma-separated modes; X@3 = X with 3 "
-                 f"loops; one of {', '.join([*DEPTH_MODES, *OTHER_MODES, KEYLESS])}, "
-                 "keyless+value"),
+                 f"loops; one of {', '.join([*DEPTH_MODES, *OTHER_MODES, KEYLESS])}, keyless+value"),
     "seed": Key(0, "weights and tokens", ">= 0"),
     "json": Key("", "write the results here too"),
 }
-KEYS = {**MODEL_KEYS, **BENCH_KEYS}
 DEFAULTS, HELP, _, CHOICES = key_table(KEYS)
 
 METRICS = ("cache_bytes", "prefill_peak_bytes", "train_peak_bytes", "prefill_s",
@@ -104,8 +95,8 @@ def resolve(argv):
 
 
 def parse_args(argv):
-    """The command line as a config, checked (keys, types, ranges, modes, the device) without
-    writing or loading anything."""
+    """The command line as a config, checked (keys, types, ranges, modes, the device); it writes
+    and loads nothing."""
     cfg = parse_config(DEFAULTS, argv, __doc__, CHOICES, HELP)
     check_keys(cfg, KEYS)
     if cfg["preset"]:
@@ -113,7 +104,6 @@ def parse_args(argv):
             raise ConfigError(f"unknown preset {cfg['preset']!r}; "
                               f"choose one of {', '.join(PRESETS)}")
         cfg = parse_config({**DEFAULTS, **preset(cfg["preset"])}, argv)  # the command line wins
-                                                                         # over the preset
     # "cuda" is the current GPU (CUDA_VISIBLE_DEVICES picks another); mps is not measured
     cfg["device"] = resolve_device(cfg["device"], allowed=("cpu", "cuda"))
     if cfg["dtype"] == "auto":
@@ -122,8 +112,7 @@ def parse_args(argv):
     labels = list(dict.fromkeys(m.strip() for m in cfg["modes"].split(",") if m.strip()))
     if not labels:
         raise ConfigError("--modes is empty; give comma-separated modes such as vanilla,value")
-    # ModelConfig checks them and the model keys before anything is built; an error names the mode
-    # as typed, not the baseline added for it below
+    # checked (ModelConfig) before anything is built; an error names the mode as typed
     for label in labels:
         try:
             model_config(cfg, label)
@@ -133,13 +122,8 @@ def parse_args(argv):
     for label in list(labels):
         if baseline(label) not in labels:
             labels.insert(labels.index(label), baseline(label))
-    check_limits(cfg)
     cfg["modes"] = ",".join(labels)
-    return cfg
-
-
-def check_limits(cfg):
-    """The bounds check_ranges cannot state: what the cache, the seed and the machine can hold."""
+    # the bounds the key table cannot state: what the cache, the seed and the machine can hold
     P, G, T = cfg["prompt_len"], cfg["new_tokens"], cfg["block_size"]
     if P + G > T:  # the cache and the rotary table hold block_size positions
         raise ConfigError(f"--prompt_len + --new_tokens = {P} + {G} = {P + G} exceeds the model's "
@@ -150,13 +134,7 @@ def check_limits(cfg):
     if cfg["threads"] > cores:  # more threads than cores time the scheduler, not the model
         raise ConfigError(f"--threads={cfg['threads']} exceeds this machine's {cores} cores; "
                           f"give at most {cores} (0 = torch's default)")
-
-
-def out_of_memory(e) -> bool:
-    """An allocation that failed: Python's MemoryError, torch's CUDA OutOfMemoryError, its CPU
-    allocator's RuntimeError (also when raised in the peak-memory process, which passes it back by
-    value)."""
-    return isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e)
+    return cfg
 
 
 def baseline(label):
@@ -185,23 +163,20 @@ def model_config(cfg, label):
                           "n_loops": int(loops or cfg["n_loops"])})
 
 
-def build(cfg, label) -> GPT:
+def build(cfg, label):
     torch.manual_seed(cfg["seed"])
     with torch.device(cfg["device"]):
         model = build_model(model_config(cfg, label))
-        if label == TRANSFORMERS:
-            model = TransformersQwen3(model)
+        model = TransformersQwen3(model) if label == TRANSFORMERS else model
         return model.to(getattr(torch, cfg["dtype"]))
 
 
 class TransformersQwen3(torch.nn.Module):
     """transformers' Qwen3ForCausalLM (its SDPA attention, its DynamicCache) holding a vanilla GPT's
-    weights, behind the interface the timing loop calls: model(idx, targets, cache), new_cache,
-    num_params. An implementation written independently of ours, timed in the same run
-    (tests/test_bench_cache.py checks it computes vanilla's logits). bench_cache shares vanilla's
-    parameters with it, as with every mode."""
+    weights behind the timing loop's interface: an implementation written independently of ours,
+    timed in the same run (tests/test_bench_cache.py checks it computes vanilla's logits)."""
 
-    def __init__(self, ours: GPT):
+    def __init__(self, ours):
         super().__init__()
         transformers = require("transformers", "--modes=transformers", pip="transformers")
         self.hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
@@ -211,9 +186,8 @@ class TransformersQwen3(torch.nn.Module):
 
     def forward(self, idx, targets=None, cache=None):
         logits = self.hf(input_ids=idx, cache=cache, use_cache=cache is not None).logits
-        loss = None if targets is None else torch.nn.functional.cross_entropy(
-            logits.float().flatten(0, 1), targets.reshape(-1))
-        return logits, loss
+        return logits, (None if targets is None else torch.nn.functional.cross_entropy(
+            logits.float().flatten(0, 1), targets.reshape(-1)))
 
     def new_cache(self, batch_size, max_len=None):
         return self.cache_class(config=self.hf.config)  # grows with the sequence, whatever max_len
@@ -223,18 +197,16 @@ class TransformersQwen3(torch.nn.Module):
 
 
 def cache_nbytes(cache) -> int:
-    """Bytes of K and V a cache holds: our KVCache's preallocated slots, or a DynamicCache's tensors
-    so far."""
+    """Bytes of K and V a cache holds: our KVCache's slots, or a DynamicCache's tensors so far."""
     layers = getattr(cache, "layers", None)
     return cache.nbytes if layers is None else sum(t.nbytes for layer in layers
                                                    for t in (layer.keys, layer.values))
 
 
 def share_weights(model, ref, ref_name=lambda name: name):
-    """Point every parameter of `model` that ref also has at ref's: one set of weights and one
-    optimizer serve all modes, so a 1.5B model fits once rather than once per mode. ref_name maps
-    model's parameter names to ref's (transformers' Qwen3 puts ours under "model."); a tied head is
-    visited under both its names. A baseline keeps its own extra parameters. Returns those."""
+    """Point every parameter of `model` that ref also has at ref's, so that one set of weights and
+    one optimizer serve all modes (a 1.5B model fits once). ref_name maps model's names to ref's
+    (transformers' Qwen3 puts ours under "model."). Returns the rest, a baseline's own extras."""
     shared = dict(ref.named_parameters(remove_duplicate=False))
     own = {}
     for name, p in list(model.named_parameters(remove_duplicate=False)):
@@ -247,70 +219,50 @@ def share_weights(model, ref, ref_name=lambda name: name):
 
 
 def tokens(cfg):
+    """(B, P + G + 1) random tokens: the prompt, the decode inputs, and the shifted targets."""
+    shape = (cfg["batch"], cfg["prompt_len"] + cfg["new_tokens"] + 1)
     g = torch.Generator().manual_seed(cfg["seed"])
-    t = torch.randint(cfg["vocab_size"], (cfg["batch"], cfg["prompt_len"] + cfg["new_tokens"] + 1),
-                      generator=g)
-    return t.to(cfg["device"])  # (B, P + G + 1): prompt, decode inputs, and the shifted training
-                                # targets
+    return torch.randint(cfg["vocab_size"], shape, generator=g).to(cfg["device"])
 
 
-def sync(device):
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-# ----------------------------------------------------------------------------- peak memory
-
-def peak_memory(model, cfg, toks):
+def peak_memory(model, cfg, toks, samples):
     """Bytes the allocator held above what it held before, at the peak of (1) allocating the cache
     and the prefill, (2) a training step's forward and backward (gradients included, optimizer
-    excluded), each after one untimed run (library workspaces are allocated once).
-    memory.allocator_peak: torch.profiler's records on a CPU, CUDA's peak statistic on a GPU."""
+    excluded), each after one untimed run (library workspaces are allocated once)."""
     P = cfg["prompt_len"]
-
     @torch.no_grad()
     def prefill():
         model(toks[:, :P], cache=model.new_cache(cfg["batch"], P + cfg["new_tokens"]))
-
-    def forward_backward():
-        model(toks[:, :P], targets=toks[:, 1:P + 1])[1].backward()
-
-    peaks = []
-    for work in (prefill, forward_backward):
+    for metric, work in (("prefill_peak_bytes", prefill),
+                         ("train_peak_bytes", lambda: train_step(model, cfg, toks))):
         work()
         model.zero_grad(set_to_none=True)
-        peaks.append(allocator_peak(work, cfg["device"]))
+        samples[metric].append(allocator_peak(work, cfg["device"]))
         model.zero_grad(set_to_none=True)
-    return peaks
 
-
-# -------------------------------------------------------------------------- timing, in this process
 
 def timed(fn, device):
-    sync(device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync()
     t0 = time.perf_counter()
     fn()
-    sync(device)
+    sync()
     return time.perf_counter() - t0
 
 
-def run_train_step(model, opts, cfg, toks):
+def train_step(model, cfg, toks, opts=()):
+    """Forward, backward and each optimizer's step (with none: forward and backward alone)."""
     P = cfg["prompt_len"]
-
-    def step():
-        _, loss = model(toks[:, :P], targets=toks[:, 1:P + 1])
-        loss.backward()
-        for opt in opts:
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-    return timed(step, cfg["device"])
+    model(toks[:, :P], targets=toks[:, 1:P + 1])[1].backward()
+    for opt in opts:
+        opt.step()
+        opt.zero_grad(set_to_none=True)
 
 
 @torch.no_grad()
 def run_round(models, opts, cfg, toks, order, samples):
-    """One timed round: prefill every mode, decode token by token, one training step each, in
-    `order`. Decode alternates modes at every token, so a burst of load from elsewhere lands on all
-    of them alike."""
+    """One timed round in `order`: every mode's prefill, its decode token by token (modes alternate
+    at every token, so a burst of load from elsewhere lands on all alike), a training step each."""
     P, G, device = cfg["prompt_len"], cfg["new_tokens"], cfg["device"]
     caches = {label: models[label].new_cache(cfg["batch"], P + G) for label in order}
     for label in order:
@@ -320,14 +272,13 @@ def run_round(models, opts, cfg, toks, order, samples):
         for label in order:
             samples[label]["decode_s_per_token"].append(
                 timed(lambda: models[label](toks[:, P + i:P + i + 1], cache=caches[label]), device))
-    # full now: a cache that grows (transformers') holds what ours was allocated for
+    # full now (a growing cache, transformers', holds what ours was given); freed before training
     for label in order:
-        samples[label]["cache_bytes"].append(cache_nbytes(caches[label]))
-    caches.clear()  # free the caches before the training steps
+        samples[label]["cache_bytes"].append(cache_nbytes(caches.pop(label)))
     with torch.enable_grad():
         for label in order:
-            samples[label]["train_step_s"].append(run_train_step(models[label], opts[label], cfg,
-                                                                 toks))
+            samples[label]["train_step_s"].append(
+                timed(lambda: train_step(models[label], cfg, toks, opts[label]), device))
 
 
 def measure(cfg):
@@ -337,69 +288,49 @@ def measure(cfg):
     models = {label: build(cfg, label) for label in labels}
     ref = models[baseline(labels[0])]
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-5)  # small: the shared weights barely move
-                                                        # between modes
-    opts = {label: [opt] for label in labels}
+    opts = {}
     for label, model in models.items():
         own = (share_weights(model.hf, ref, hf.our_name) if label == TRANSFORMERS
                else share_weights(model, ref))
         # a baseline's extra parameters: updated by its own step only, so it alone pays for them
-        if own:
-            opts[label].append(torch.optim.AdamW(own, lr=1e-5))
+        opts[label] = [opt, torch.optim.AdamW(own, lr=1e-5)] if own else [opt]
     toks = tokens(cfg)
-    peaks = {label: peak_memory(models[label], cfg, toks)
-             for label in tqdm(labels, desc="peak memory", file=sys.stderr)}
-
     def empty():
         return {label: {m: [] for m in METRICS} for label in labels}
     samples = empty()
+    for label in tqdm(labels, desc="peak memory", file=sys.stderr):
+        peak_memory(models[label], cfg, toks, samples[label])
     for r in tqdm(range(cfg["warmup"] + cfg["repeats"]), desc="timing rounds (modes interleaved)",
                   file=sys.stderr):
-        # Start one mode later each round, so order effects (a cold cache after another mode) hit
-        # all alike.
+        # one mode later each round, so order effects (a cold cache after another) hit all alike
         order = labels[r % len(labels):] + labels[:r % len(labels)]
         run_round(models, opts, cfg, toks, order, samples if r >= cfg["warmup"] else empty())
-    for label in labels:
-        samples[label]["prefill_peak_bytes"].append(peaks[label][0])
-        samples[label]["train_peak_bytes"].append(peaks[label][1])
     return samples, ref.num_params()
 
 
-# ----------------------------------------------------------------------------- analytic cost
-
 def paper_table2():
-    """Table 2 for the paper's 3B model: Depth-Attention from support.cost.depth_cost, the baselines' extra
-    prefill memory from the number of extra D-vectors each keeps per token (at the authors' default
-    knobs), their FLOPs and I/O quoted."""
+    """Table 2 of the paper's 3B model: Depth-Attention by support.cost.depth_cost; the baselines'
+    extra prefill memory by the extra D-vectors each keeps per token, their FLOPs and I/O quoted."""
     shape = preset("paper_3b")
     cfg = make_config(**shape, depth_mode="value")
-    knobs = BaselineConfig()  # the authors' defaults: AttnRes pools 2L sublayers per 12, mHC keeps
-                              # 4 streams
-    bytes_per, L, D, tokens = (2, cfg.n_layer, cfg.n_embd,
-                               paper.TABLE2_PREFILL_TOKENS)  # fp16, as in the paper
+    knobs = BaselineConfig()  # the authors' defaults: AttnRes pools 2L sublayers per 12, mHC has 4
+    bytes_per, L, D, tokens = 2, cfg.n_layer, cfg.n_embd, paper.TABLE2_PREFILL_TOKENS  # fp16
     cost = depth_cost(cfg, bytes_per)
-    quoted = paper.TABLE2_DEPTH_ATTENTION
     rows = {"Depth-Attention": {
-        "flops_per_token": cost["flops_per_token"],
-        "io_bytes_per_token": cost["io_bytes_per_token"],
+        **{k: cost[k] for k in ("flops_per_token", "io_bytes_per_token")},
         "extra_prefill_bytes_128k": cost["extra_persistent_bytes"] * tokens,
-        "quoted_flops_per_token": quoted["flops_per_token"],
-        "quoted_io_kib_per_token": quoted["io_kib_per_token"],
-        "quoted_extra_prefill_gib_128k": quoted["extra_prefill_gib_128k"],
+        **{f"quoted_{k}": v for k, v in paper.TABLE2_DEPTH_ATTENTION.items()},
         "memory_formula": "KV cache only: 0 extra"}}
     block, streams = knobs.attnres_block_size, knobs.mhc_num_streams
-    extra_vectors = {"DenseFormer": (L, "L*D"),  # every layer's output
-                     "AttnRes": (2 * L // block, f"(2L/{block})*D"),
-                     "mHC": (streams - 1, f"({streams}-1)*D")}
-    for name, (n_vec, formula) in extra_vectors.items():
+    for name, n_vec, formula in (("DenseFormer", L, "L*D"),  # every layer's output
+                                 ("AttnRes", 2 * L // block, f"(2L/{block})*D"),
+                                 ("mHC", streams - 1, f"({streams}-1)*D")):
         rows[name] = {"extra_prefill_bytes_128k": n_vec * D * bytes_per * tokens,
                       "memory_formula": f"{formula} x {bytes_per} B per token",
-                      "quoted_flops_per_token": paper.TABLE2_BASELINES[name]["flops_per_token"],
-                      "quoted_io_mib_per_token": paper.TABLE2_BASELINES[name]["io_mib_per_token"]}
+                      **{f"quoted_{k}": v for k, v in paper.TABLE2_BASELINES[name].items()}}
     return {"shape": shape, "candidates": cost["candidates"], "bytes_per_element": bytes_per,
             "prefill_tokens": tokens, "rows": rows}
 
-
-# ----------------------------------------------------------------------------- report
 
 def summarize(cfg, samples, num_params):
     elem = torch.empty(0, dtype=getattr(torch, cfg["dtype"])).element_size()
@@ -411,14 +342,12 @@ def summarize(cfg, samples, num_params):
         modes[label] = {
             "baseline": baseline(label), **med,
             "ratios": {m: med[m] / base[m] if base[m] else math.nan for m in METRICS},
-            # Another machine's load only ever adds time, so the fastest repeats show the intrinsic
-            # cost when that load hits more than half of the repeats (a shared CPU); the medians
-            # above are the headline.
+            # Other load only ever adds time: when it hits over half of the repeats (a shared CPU),
+            # the fastest repeats show the intrinsic cost. The medians above are the headline.
             "ratios_fastest": {m: min(samples[label][m]) / min(samples[baseline(label)][m])
                                for m in TIMED},
             "samples": samples[label],
-            # the depth step's formulas; None for a hidden-state baseline (its cost is not the depth
-            # step's)
+            # the depth step's formulas; None for a baseline (its cost is not the depth step's)
             "depth_cost": (None if label.partition("@")[0] in OTHER_MODES
                            else depth_cost(model_config(cfg, label), elem)),
         }
@@ -433,20 +362,17 @@ def report(res):
           f"batch {cfg['batch']}, prompt {cfg['prompt_len']}, {cfg['new_tokens']} new tokens; "
           f"median of {cfg['repeats']} interleaved repeats after {cfg['warmup']} warm-up; "
           f"(x) = ratio to the baseline mode in this run")
-    fmt = {"cache_bytes": lambda v: f"{v / MiB:.2f}",
-           "prefill_peak_bytes": lambda v: f"{v / MiB:.1f}",
-           "train_peak_bytes": lambda v: f"{v / MiB:.1f}",
-           "prefill_s": lambda v: f"{v * 1e3:.0f}",
-           "decode_s_per_token": lambda v: f"{v * 1e3:.1f}",
-           "train_step_s": lambda v: f"{v * 1e3:.0f}"}
+    # (scale, format) of each metric's cell: MiB and milliseconds
+    fmt = {"cache_bytes": (1 / MiB, ".2f"), "prefill_peak_bytes": (1 / MiB, ".1f"),
+           "train_peak_bytes": (1 / MiB, ".1f"), "prefill_s": (1e3, ".0f"),
+           "decode_s_per_token": (1e3, ".1f"), "train_step_s": (1e3, ".0f")}
     rows = []
     for label, m in res["modes"].items():
-        cells = [f"{fmt[k](m[k])} ({m['ratios'][k]:.3f}x)" for k in METRICS]
+        cells = [f"{m[k] * fmt[k][0]:{fmt[k][1]}} ({m['ratios'][k]:.3f}x)" for k in METRICS]
         cost = m["depth_cost"]
         rows.append([label, m["baseline"], *cells]
                     + ([f"{cost['flops_per_token']:.3g}", f"{cost['io_bytes_per_token'] / KiB:.1f}",
-                        cost["extra_persistent_bytes"]] if cost else
-                       ["-", "-", 0]))
+                        cost["extra_persistent_bytes"]] if cost else ["-", "-", 0]))
     print(table(rows, ["mode", "vs", "cache MiB", "prefill peak MiB", "train peak MiB",
                        "prefill ms", "decode ms/token", "train step ms", "+FLOPs/token",
                        "+I/O KiB/token", "+persistent B"]))
@@ -454,12 +380,10 @@ def report(res):
           + "; ".join(f"{label} " + " ".join(f"{m['ratios_fastest'][k]:.3f}" for k in TIMED)
                       for label, m in res["modes"].items() if label != m["baseline"])
           + "  (prefill, decode, train step)")
-
     t2 = res["paper_3b_table2"]
-    print(f"\nPaper Table 2, 3B model (L=48, D=2048, d_kv=512, fp16, "
-          f"{t2['candidates']} candidates), "
-          f"extra per token and extra prefill memory at {t2['prefill_tokens'] // 1024}K tokens. "
-          f"'paper' = quoted.")
+    print(f"\nPaper Table 2, 3B model (L=48, D=2048, d_kv=512, fp16, {t2['candidates']} "
+          f"candidates), extra per token and extra prefill memory at "
+          f"{t2['prefill_tokens'] // 1024}K tokens. 'paper' = quoted.")
     da = t2["rows"]["Depth-Attention"]
     rows = [["Depth-Attention",
              f"{da['flops_per_token']:.2e} (paper {da['quoted_flops_per_token']:.2e})",
@@ -480,8 +404,9 @@ def main(argv):
     print("config:", json.dumps(cfg))
     try:
         samples, num_params = measure(cfg)
-    except (MemoryError, RuntimeError) as e:
-        if not out_of_memory(e):
+    except (MemoryError, RuntimeError) as e:  # torch's CUDA OutOfMemoryError is a RuntimeError
+        if not (isinstance(e, (MemoryError, torch.OutOfMemoryError))
+                or "can't allocate memory" in str(e)):  # the CPU allocator's
             raise
         raise ConfigError(f"out of memory on {cfg['device']} at --batch={cfg['batch']}, "
                           f"--prompt_len={cfg['prompt_len']}, --new_tokens={cfg['new_tokens']} "
@@ -489,8 +414,8 @@ def main(argv):
     res = summarize(cfg, samples, num_params)
     report(res)
     if cfg["json"]:
-        write_atomically(cfg["json"], json.dumps({"written_by": mark("bench_cache.py"), **res},
-                                                 indent=1))
+        write_atomically(cfg["json"],
+                         json.dumps({"written_by": mark("bench_cache.py"), **res}, indent=1))
         print(f"\nwrote {cfg['json']}")
     return res
 
