@@ -8,6 +8,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
+# tests/'s shared modules (helpers, the naive reference) for test_model.py too, run alone.
+sys.path.insert(1, str(ROOT / "tests"))
 
 from support.variants import build_model, make_config  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402

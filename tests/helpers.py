@@ -2,12 +2,13 @@
 test runs a script (a subprocess, or train.py in this process) and reads what the run logged, and a
 few fixtures and folders built the same way by more than one file.
 
-Test files import from here (`from helpers import ROOT, TINY, run`), never from one another; pytest
-puts tests/ on sys.path for the files in it, as it does for any folder of tests without an
-__init__.py. The one exception is test_model.py's naive reference and its registries
-(MODEL_REFERENCES, REFERENCE_MODES, SOURCE_CASES; each baseline's reference stays in its own file
-and registers there): they are what those files test, not helpers. conftest.py keeps the tiny
-models (tiny_config, tiny_model, tiny_variant) and data_root.
+Test files import from here (`from helpers import ROOT, TINY, run`), never from one another
+(tests/test_layering.py holds that); pytest puts tests/ on sys.path for the files in it, as it does
+for any folder of tests without an __init__.py, and conftest.py puts it there for test_model.py.
+The naive reference and its registries (MODEL_REFERENCES, REFERENCE_MODES, SOURCE_CASES) are the
+other shared module, tests/reference.py (`from reference import ...`): what those files test the
+model against, not helpers; each baseline's reference stays in its own test file and registers
+there. conftest.py keeps the tiny models (tiny_config, tiny_model, tiny_variant) and data_root.
 """
 import contextlib
 import io
@@ -176,7 +177,7 @@ def make_tokenizer_json(path):
 def contract_variants(source_cases):
     """{variant: the config keys beyond conftest.tiny_config's} of every variant the contract holds
     (tests/test_contract.py) and tests/parallel_driver.py trains: each row of model.DEPTH_MODES, a
-    looped model, value with each source rule of `source_cases` (test_model.SOURCE_CASES, the
+    looped model, value with each source rule of `source_cases` (reference.SOURCE_CASES, the
     registry a fork's rule joins), each baseline, each attention alone and with the value step."""
     from baselines import ATTENTIONS, BASELINES
     from model import DEPTH_MODES

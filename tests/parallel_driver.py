@@ -20,7 +20,7 @@ from support.parallel import Parallel, Process, checkpoint_activations  # noqa: 
 from support.run_config import DEFAULTS  # noqa: E402
 import train  # noqa: E402
 from helpers import contract_variants  # noqa: E402
-from test_model import SOURCE_CASES  # noqa: E402
+from reference import SOURCE_CASES  # noqa: E402
 
 SHAPE = dict(vocab_size=64, block_size=16, n_layer=4, n_head=2, n_kv_head=1, head_dim=8, n_embd=16,
              mlp_hidden=32, init_std=0.1)

@@ -14,8 +14,8 @@ from model import GPT, ModelConfig
 from support import hf
 from support.errors import CheckpointError
 from helpers import TINY_SHAPE, run
-from test_model import (MODEL_REFERENCES, ref_attention, ref_mlp, ref_positioned, ref_projections,
-                        rms)
+from reference import (MODEL_REFERENCES, ref_attention, ref_mlp, ref_positioned, ref_projections,
+                       rms)
 
 BASELINES = ["denseformer", "attnres", "mhc"]
 

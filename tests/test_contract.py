@@ -4,10 +4,10 @@ causality, the sequences of a batch kept apart, vanilla's KV cache, every added 
 registered, trained and saved, exact round trips through a train.py checkpoint and a Hugging Face
 export (whose logits in transformers are ours), and one graph under torch.compile.
 
-VARIANTS is derived from model.DEPTH_MODES, test_model.SOURCE_CASES and baselines.BASELINES (by
-helpers.contract_variants, which tests/parallel_driver.py trains too), and REFERENCES from
-test_model's registries (REFERENCE_MODES, MODEL_REFERENCES), so a new row, source rule or baseline
-is held to the contract with no edit here; docs/forking.md's examples are
+VARIANTS is derived from model.DEPTH_MODES, reference.SOURCE_CASES and baselines.BASELINES (by
+helpers.contract_variants, which tests/parallel_driver.py trains too), and REFERENCES from the
+naive reference's registries (tests/reference.py: REFERENCE_MODES, MODEL_REFERENCES), so a new row,
+source rule or baseline is held to the contract with no edit here; docs/forking.md's examples are
 registered at test time and run through every clause (test_the_forking_examples_pass_...)."""
 import importlib
 import itertools
@@ -26,9 +26,9 @@ from support import checkpoint, hf, run_dir
 from support.cost import depth_cost
 from support.tokenizer import tokenizer_record
 from helpers import ROOT, contract_variants
-from test_model import (MODEL_REFERENCES, REFERENCE_MODES, SOURCE_CASES, assert_matches_reference,
-                        reference_forward)
-import test_model
+from reference import (MODEL_REFERENCES, REFERENCE_MODES, SOURCE_CASES, assert_matches_reference,
+                       reference_forward)
+import reference
 
 # The files that register a reference in MODEL_REFERENCES (LIMe's, the baselines'), imported for it.
 for path in sorted((ROOT / "tests").glob("test_*.py")):
@@ -255,12 +255,13 @@ def code_blocks(text, fence):
 
 
 def example(heading):
-    """docs/forking.md's section `## <heading>`: its model.py block and its test_model.py block."""
+    """docs/forking.md's section `## <heading>`: its model.py block and its tests/reference.py
+    block."""
     doc = (ROOT / "docs" / "forking.md").read_text()
     text = doc[doc.index(f"\n## {heading}"):]
     text = text[:text.find("\n## ", 1) % (len(text) + 1)]
     (model_part,), (reference_part,) = (code_blocks(text, "model.py"),
-                                        code_blocks(text, "test_model.py"))
+                                        code_blocks(text, "tests/reference.py"))
     return model_part, reference_part
 
 
@@ -273,11 +274,12 @@ def export_fork(monkeypatch, fork):
 
 def row_example(heading, monkeypatch):
     """A new row as a fork writes it: the row in model.py right after DEPTH_MODES (and in the
-    exported model.py), its reference in test_model.py. Yields the name it adds to the table."""
+    exported model.py), its reference in tests/reference.py. Yields the name it adds to the
+    table."""
     model_part, reference_part = example(heading)
     before = set(DEPTH_MODES)
     exec(model_part, dict(vars(model_py)))
-    exec(reference_part, dict(vars(test_model)))
+    exec(reference_part, dict(vars(reference)))
     (name,) = set(DEPTH_MODES) - before
     source = (ROOT / "model.py").read_text()
     table_end = source.index("\n}\n", source.index("DEPTH_MODES = {")) + 3
@@ -302,16 +304,16 @@ def learned_example(monkeypatch):
 @pytest.fixture
 def source_example(monkeypatch):
     """A new source rule as a fork writes it: ModelConfig.sources replaced in model.py (and in the
-    exported model.py), reference_sources in test_model.py with the keys that select the rule in
-    SOURCE_CASES. The contract's name for it."""
+    exported model.py), reference_sources in tests/reference.py with the keys that select the
+    rule in SOURCE_CASES. The contract's name for it."""
     model_part, reference_part = example("A source rule")
     method = model_part.split("\n", 1)[1]  # under the fence line, indented as in the class
     space = dict(vars(model_py))
     exec(textwrap.dedent(method), space)
     monkeypatch.setattr(model_py.ModelConfig, "sources", space["sources"])
-    before, space = set(SOURCE_CASES), dict(vars(test_model))
+    before, space = set(SOURCE_CASES), dict(vars(reference))
     exec(reference_part, space)
-    monkeypatch.setattr(test_model, "reference_sources", space["reference_sources"])
+    monkeypatch.setattr(reference, "reference_sources", space["reference_sources"])
     (rule,) = set(SOURCE_CASES) - before
     source = (ROOT / "model.py").read_text()
     start = source.index("    def sources(self, e: int)")
@@ -369,8 +371,8 @@ def test_the_source_example_passes_the_whole_contract(source_example, tmp_path, 
     run_every_clause(source_example, tmp_path, monkeypatch)
     model = build(source_example)
     c = model.config
-    assert model.depth_sources == [test_model.reference_sources(c, e) for e in range(c.n_eff_layer)]
-    assert model.depth_sources != [test_model.ref_sources(e, c.stride, c.depth_recent_window)
+    assert model.depth_sources == [reference.reference_sources(c, e) for e in range(c.n_eff_layer)]
+    assert model.depth_sources != [reference.ref_sources(e, c.stride, c.depth_recent_window)
                                    for e in range(c.n_eff_layer)], "the paper's rule ran"
 
 
@@ -391,7 +393,7 @@ def plant(monkeypatch):
     the paper's softmax; the variant's name."""
     def plant(weights, **keys):
         monkeypatch.setitem(DEPTH_MODES, "planted", model_py.DepthMode(weights, mixes_v=True))
-        monkeypatch.setitem(REFERENCE_MODES, "planted", (test_model.softmax_ref, "v"))
+        monkeypatch.setitem(REFERENCE_MODES, "planted", (reference.softmax_ref, "v"))
         monkeypatch.setitem(VARIANTS, "planted", dict(depth_mode="planted", **keys))
         monkeypatch.setitem(REFERENCES, "planted", reference_forward)
         return "planted"

@@ -24,7 +24,7 @@ import sample
 from support import hf, tokenizer
 from support.checkpoint import CheckpointError, load_model
 from helpers import ROOT, TINY_SHORT, eval_losses, make_tokenizer_json, train, write_authors_folder
-from test_model import reference_forward
+from reference import reference_forward
 
 def max_diff(a, b):
     return (a - b).abs().max().item()

@@ -14,8 +14,8 @@ from model import ConfigError, KVCache
 import sample
 from support import hf
 from support.checkpoint import load_model
-from test_model import (MODEL_REFERENCES, REFERENCE_MODES, assert_matches_reference, ref_attention,
-                        ref_mlp, reference_sources, rms, rope)
+from reference import (MODEL_REFERENCES, REFERENCE_MODES, assert_matches_reference, ref_attention,
+                       ref_mlp, reference_sources, rms, rope)
 
 KEYLESS_MODES = ["vanilla", "value", "uniform"]
 

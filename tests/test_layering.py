@@ -164,3 +164,39 @@ def test_the_reading_path_follows_imports_at_module_level_only(tmp_path, monkeyp
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     assert reading_path("a.py") == {"a.py": 7, "b.py": 1, "c.py": 1, "p/__init__.py": 0,
                                     "p/q.py": 1}
+
+
+def imported_test_modules(path) -> list:
+    """The test modules (a file name starting with test_) a file imports anywhere, with the line."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""]
+            if node.level or node.module == "tests":  # from tests import test_x, from . import ...
+                names += [a.name for a in node.names]
+        else:
+            continue
+        found += [(name, node.lineno) for name in names
+                  if any(part.startswith("test_") for part in name.split("."))]
+    return found
+
+
+# (importer, imported test module) still to move: test_live_run.py takes word_tokenizer from
+# test_eval_robustness.py (inside a test); it belongs in tests/helpers.py. Remove the entry then.
+NOT_YET = {("tests/test_live_run.py", "test_eval_robustness")}
+
+
+def test_no_test_module_imports_another():
+    """Test files share tests/helpers.py and the naive reference, tests/reference.py, never one
+    another: what is shared lives in a module that is no test file, so each test file can be read,
+    run and changed alone. (tests/test_contract.py loads the test files that register a model's
+    reference in reference.MODEL_REFERENCES, by importlib, for that registration alone; it imports
+    none of their names.)"""
+    files = [ROOT / "test_model.py", *sorted((ROOT / "tests").glob("test_*.py")),
+             ROOT / "tests" / "parallel_driver.py"]
+    offenders = {path.relative_to(ROOT).as_posix(): found for path in files
+                 if (found := [(name, line) for name, line in imported_test_modules(path)
+                               if (path.relative_to(ROOT).as_posix(), name) not in NOT_YET])}
+    assert not offenders, f"test modules importing test modules (name, line): {offenders}"

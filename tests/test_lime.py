@@ -16,8 +16,8 @@ import sample
 from support import hf, memory
 from support.depth_weights import capture
 from helpers import TINY_SHORT, eval_losses, resumed_losses, train
-from test_model import (MODEL_REFERENCES, assert_matches_reference, ref_attention, ref_mlp,
-                        ref_positioned, ref_projections, ref_sources, rms)
+from reference import (MODEL_REFERENCES, assert_matches_reference, ref_attention, ref_mlp,
+                       ref_positioned, ref_projections, ref_sources, rms)
 import train as train_script
 from support import run_config
 
