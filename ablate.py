@@ -47,23 +47,20 @@ from support import depth_weights_view, report, run_config
 from support.outputs import output_file
 from support.config import Key, arg_updates, check_keys, key_table, parse_config
 from support.errors import CheckpointError, ConfigError, UserError, run_main
-from support.report import DEPTH_FIGURES, MAIN, RESULTS
-# tests/test_course.py reads the paired table as ablate.summarize
-from support.report import summarize  # noqa: F401
+# summarize: tests/helpers.py reads the paired table as ablate.summarize
+from support.report import DEPTH_FIGURES, MAIN, RESULTS, summarize  # noqa: F401
 from support.sweep import final_val_loss, run_dir, survey, train_config
 
 ROOT = Path(__file__).resolve().parent
 KEYS = {
-    "base": Key("configs/ablations/cpu.py", "the shared base config; GPU: "
-                "configs/ablations/base.py"),
+    "base": Key("configs/ablations/cpu.py",
+                "the shared base config; GPU: configs/ablations/base.py"),
     "out": Key("out/ablate_cpu", "one folder per run and seed below it, plus the results"),
     "runs": Key("all", "comma-separated names from RUNS or RUN_SETS (all, main, ablations, "
                 "keyless_study)"),
     "seeds": Key(3, "seeds 0 .. seeds-1 for every run", ">= 1"),
     "jobs": Key(2, "train.py processes at once (CPU: one per core, one thread each)", ">= 1"),
-    "threads": Key(0, "torch threads per process; 0 = the cores shared out among the jobs",
-                   ">= 0"),
-    # what each protocol writes is the report's (support/report.RESULTS)
+    "threads": Key(0, "torch threads per process; 0 = the cores shared out among the jobs", ">= 0"),
     "protocol": Key("shared", "see the docstring", choices=tuple(RESULTS)),
     "lrs": Key("1e-3,2e-3,3e-3,6e-3", "lr_sweep: the peak learning rates tried for every run"),
     "lr_seeds": Key(1, "lr_sweep: seeds per rate; best_lr reuses its runs where seed and rate "
@@ -82,15 +79,12 @@ KEYS = {
 }
 DEFAULTS, HELP, _, CHOICES = key_table(KEYS)
 # run name -> delta files in configs/ablations/, applied after the base: every row of the table of
-# depth modes is a run (its file mode_<name>.py), then the strides, the looped pair and the
-# baselines
+# depth modes (its file mode_<name>.py), then the strides, the looped pair and the baselines
 RUNS = {
     **{mode: [f"mode_{mode}"] for mode in DEPTH_MODES},
-    "stride_first": ["stride_first"], "stride_quarter": ["stride_quarter"],
-    "stride_full": ["stride_full"],
+    **{stride: [stride] for stride in ("stride_first", "stride_quarter", "stride_full")},
     "looped_vanilla": ["looped", "mode_vanilla"], "looped_value": ["looped", "mode_value"],
-    "denseformer": ["residual_denseformer"], "attnres": ["residual_attnres"],
-    "mhc": ["residual_mhc"],
+    **{residual: [f"residual_{residual}"] for residual in ("denseformer", "attnres", "mhc")},
     "keyless": ["attention_keyless", "mode_vanilla"], "keyless_value": ["attention_keyless"],
 }
 KEYLESS = ["vanilla", "value", "keyless", "keyless_value"]  # related work beside the paper's runs
@@ -102,8 +96,6 @@ OWN_KEYS = {"seed": "the seeds are 0 .. --seeds-1",
             "out_dir": "every run has its folder below --out",
             "resume": "a started run is resumed anyway",
             "overwrite": "ablate.py's own --overwrite retrains"}
-
-
 
 
 class TrainFailed(UserError):
@@ -122,8 +114,7 @@ def label(job):
 
 
 def train_args(job, base, extra, out):
-    """train.py's arguments for one job (run, seed, peak rate or None, step factor), --resume
-    aside."""
+    """train.py's arguments for a job (run, seed, peak rate or None, step factor) but --resume."""
     name, seed, lr, factor = job
     files = run_files(base, name)
     schedule = [f"--learning_rate={lr!r}"] if lr is not None else []
@@ -161,8 +152,7 @@ def plan(cfg, base, extra, out, jobs, reads=(), figures=()):
 
 
 def train_one(job, state, args, out, threads):
-    """Train (or resume, or report when finished) one job; a stale run goes wholly first
-    (--overwrite)."""
+    """Train, resume or report finished one job; a stale run goes wholly first (--overwrite)."""
     where = run_dir(out, *job)
     if state == "done":
         return f"{label(job)}: done already"
@@ -197,22 +187,10 @@ def run_all(cfg, out, threads, plans):
         pool.shutdown(wait=False, cancel_futures=True)
         raise TrainFailed("interrupted; every started run keeps its last checkpoint: rerun the "
                           "same command to continue") from None
-    # a failed run (TrainFailed) or a bug: no queued run starts, then the error shows
-    except BaseException:
+    except BaseException:  # a failed run (TrainFailed) or a bug: no queued run starts
         pool.shutdown(cancel_futures=True)
         raise
     pool.shutdown()
-
-
-def parse_rates(text):
-    """--lrs's peak rates, sorted and distinct: positive finite numbers, else a ConfigError."""
-    try:
-        lrs = sorted({float(x) for x in text.split(",") if x.strip()})
-    except ValueError:  # float() of a word: only the user's text is parsed here
-        raise ConfigError(f"--lrs must be comma-separated numbers, got {text!r}") from None
-    if not lrs or min(lrs) <= 0 or not all(map(math.isfinite, lrs)):
-        raise ConfigError(f"--lrs must list positive, finite peak rates, got {text!r}")
-    return lrs
 
 
 def parse_args(argv):
@@ -230,16 +208,20 @@ def parse_args(argv):
         if own:
             raise ConfigError(f"--{own[0]} after -- is ablate.py's to set ({OWN_KEYS[own[0]]}); "
                               f"drop it")
-    lrs = parse_rates(cfg["lrs"])
-    protocol = cfg["protocol"]
-    runs = cfg["long_runs"] if protocol == "long" else cfg["runs"]
+    try:  # the peak rates, sorted and distinct
+        lrs = sorted({float(x) for x in cfg["lrs"].split(",") if x.strip()})
+    except ValueError:  # float() of a word: only the user's text is parsed here
+        raise ConfigError(f"--lrs must be comma-separated numbers, got {cfg['lrs']!r}") from None
+    if not lrs or min(lrs) <= 0 or not all(map(math.isfinite, lrs)):
+        raise ConfigError(f"--lrs must list positive, finite peak rates, got {cfg['lrs']!r}")
+    runs = cfg["long_runs"] if cfg["protocol"] == "long" else cfg["runs"]
     names = list(dict.fromkeys(n for part in runs.split(",") if part.strip()
                                for n in RUN_SETS.get(part.strip(), [part.strip()])))
     unknown = [n for n in names if n not in RUNS]
     if unknown or not names:
         raise ConfigError(f"unknown runs {unknown or runs!r}; choose from {', '.join(RUNS)} "
                           f"or a set: {', '.join(RUN_SETS)}")
-    if protocol == "long" and (len(names) < 2 or cfg["long_factor"] < 2):
+    if cfg["protocol"] == "long" and (len(names) < 2 or cfg["long_factor"] < 2):
         raise ConfigError(f"--protocol=long trains --long_factor >= 2 times the steps and compares "
                           f"every run with the first of --long_runs: give two runs or more and a "
                           f"factor of 2 or more, got {names} x{cfg['long_factor']}")
@@ -252,8 +234,9 @@ def parse_args(argv):
     return cfg, extra, lrs, names
 
 
-def check_here(cfg):
-    """What parse_args cannot know: this machine's cores and the base config on disk."""
+def run_protocol(cfg, extra, lrs, names):
+    """Check every path and run this command touches (and this machine's cores), train what is
+    missing, write the protocol's results (support/report.py)."""
     cores = os.cpu_count() or 1
     if cfg["threads"] > cores:
         raise ConfigError(f"--threads={cfg['threads']} exceeds this machine's {cores} cores; "
@@ -261,15 +244,8 @@ def check_here(cfg):
     if not Path(cfg["base"]).is_file():
         raise ConfigError(f"base config {cfg['base']} not found (a relative path starts in the "
                           f"current folder)")
-
-
-def run_protocol(cfg, extra, lrs, names):
-    """Check every path and run this command touches, train what is missing, write the protocol's
-    results (support/report.py)."""
-    check_here(cfg)
     protocol, out, seeds = cfg["protocol"], Path(cfg["out"]).resolve(), range(cfg["seeds"])
-    # train.py runs in ROOT, so the paths it gets are absolute: relative ones mean the folder
-    # ablate.py ran in
+    # train.py runs in ROOT, so its paths are absolute: relative ones mean ablate.py's folder
     base = str(Path(cfg["base"]).resolve())
     args = [a if a.startswith("--") else str(Path(a).resolve()) for a in extra]
     # every run's files and overrides, resolved and checked as train.py checks them (a model key's
@@ -282,51 +258,43 @@ def run_protocol(cfg, extra, lrs, names):
         except ConfigError as e:
             raise ConfigError(f"the {name} run: {e}") from None
     report.check_outputs(out, protocol, names)
-    threads = cfg["threads"] or max(1, (os.cpu_count() or 1) // cfg["jobs"])
+    threads = cfg["threads"] or max(1, cores // cfg["jobs"])
+
+    def train(jobs, reads=(), figures=()):
+        run_all(cfg, out, threads, plan(cfg, base, args, out, jobs, reads, figures))
     command = {"config": cfg, "train_overrides": extra}  # recorded in every results.json
     sweep = [(n, s, lr, 1) for s in range(cfg["lr_seeds"]) for lr in lrs for n in names]
     if protocol == "shared":
         jobs = [(n, s, None, 1) for s in seeds for n in names]
-        figures = [(run, 0, None, 1) for run, _ in DEPTH_FIGURES]
-        run_all(cfg, out, threads, plan(cfg, base, args, out, jobs, figures=figures))
+        train(jobs, figures=[(run, 0, None, 1) for run, _ in DEPTH_FIGURES])
         return report.shared(out, names, command)
     if protocol == "lr_sweep":
-        run_all(cfg, out, threads, plan(cfg, base, args, out, sweep))
+        train(sweep)
         return report.lr_sweep(out, names, lrs, command)
-    # the sweep's runs, whose best rates this protocol takes
-    plan(cfg, base, args, out, [], reads=sweep)
+    plan(cfg, base, args, out, [], reads=sweep)  # the sweep's runs, whose best rates this takes
     best, _ = report.best_rates(out, names, lrs, cfg["lr_seeds"])
     start = train_config([base, *args])  # the base's schedule, shared by every run
     if protocol == "best_lr":
         shared = float(start["learning_rate"])
-        jobs = [(n, s, lr, 1) for s in seeds for n in names for lr in (shared, best[n])]
-        run_all(cfg, out, threads, plan(cfg, base, args, out, jobs))
+        train([(n, s, lr, 1) for s in seeds for n in names for lr in (shared, best[n])])
         return report.best_lr(out, names, best, shared, command)
-    factor = cfg["long_factor"]
-    # best_lr's runs, drawn beside the long ones
-    short_runs = [(n, s, best[n], 1) for s in seeds for n in names]
-    run_all(cfg, out, threads, plan(cfg, base, args, out,
-                                    [(n, s, best[n], factor) for s in seeds for n in names],
-                                    reads=short_runs))
+    factor = cfg["long_factor"]  # best_lr's short runs are drawn beside the long ones
+    train([(n, s, best[n], factor) for s in seeds for n in names],
+          reads=[(n, s, best[n], 1) for s in seeds for n in names])
     return report.long(out, names, best, factor, start["max_iters"], start["batch_tokens"],
                        command)
-
-
-def draw_curves(run, figure):
-    """--curves=RUN: support/report.plot_run into --figure, default RUN/curves.png (an existing
-    file is replaced only if ablate.py drew it)."""
-    figure = output_file(figure or Path(run) / "curves.png", "--figure", written_by="ablate.py")
-    steps = report.plot_run(run, figure)
-    print(f"{steps} steps of {run} drawn: {figure}")
 
 
 def main(argv):
     cfg, extra, lrs, names = parse_args(argv)
     if cfg["depth_weights"]:
         return depth_weights_view.show(cfg["depth_weights"], cfg["figure"])
-    if cfg["curves"]:
-        return draw_curves(cfg["curves"], cfg["figure"])
-    return run_protocol(cfg, extra, lrs, names)
+    if not cfg["curves"]:
+        return run_protocol(cfg, extra, lrs, names)
+    # --curves=RUN: into --figure, default RUN/curves.png (replaced only if ablate.py drew it)
+    figure = output_file(cfg["figure"] or Path(cfg["curves"]) / "curves.png", "--figure",
+                         written_by="ablate.py")
+    print(f"{report.plot_run(cfg['curves'], figure)} steps of {cfg['curves']} drawn: {figure}")
 
 
 if __name__ == "__main__":

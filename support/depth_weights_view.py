@@ -5,14 +5,10 @@ nothing:
     python ablate.py --depth_weights=out/ablate_cpu/value/seed0   # the command a user types
     show("out/ablate_cpu/value/seed0")                            # the same, from Python
 
-It lives here, beside support/depth_weights.py (the numbers: what train.py logs at each evaluation)
-because the viewer is the part that reads a checkpoint and its validation data and draws: train.py
-imports the numbers for every run and none of this. Not a root script `depth_weights.py`: the root
-holds the design card's files and the paper's comparisons (tests/test_layout.py pins it), and the
-command users already know, in the docs and the course, is ablate.py's `--depth_weights`, which
-hands the run straight to show() here; a reader who greps for that flag lands in this file.
-ablate's report (support/report.py) draws its sweep's Figure 3 with the same two functions,
-depth_weight_matrix and plot_depth_weights.
+The numbers are support/depth_weights.py's (train.py logs them and imports none of this viewer,
+which reads a checkpoint and its validation data and draws). The command is ablate.py's
+`--depth_weights` (the root holds the design card's files only: tests/test_layout.py); ablate's
+report draws its sweep's Figure 3 with the same depth_weight_matrix and plot_depth_weights.
 """
 from pathlib import Path
 
@@ -31,8 +27,8 @@ DEPTH_WINDOWS = 16  # the figures' validation windows (train.py's log: its eval_
 
 
 def pyplot():
-    """matplotlib's pyplot drawing to files (no display); an ImportError with the pip line without
-    it."""
+    """matplotlib's pyplot drawing to files (no display); without it, an ImportError with the pip
+    line."""
     require("matplotlib", "drawing figures").use("Agg")
     return require("matplotlib.pyplot", "drawing figures", pip="matplotlib")
 
@@ -66,8 +62,7 @@ def depth_weight_matrix(ckpt_path, n_windows=DEPTH_WINDOWS):
 
 
 def plot_depth_weights(m, path, title):
-    """Figure 3's heatmap of depth_weight_matrix's m: layer by candidate, the weight in each
-    cell."""
+    """Figure 3's heatmap of depth_weight_matrix's m: layer by candidate, each cell's weight."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 5))
     im = ax.imshow(m, cmap="viridis", vmin=0, vmax=1, origin="upper")
@@ -95,9 +90,9 @@ def show(source, figure=""):
                          written_by="ablate.py")
     m = depth_weight_matrix(path)
     if np.isnan(m).all():
-        raise CheckpointError(f"{source}'s model computes no per-token depth weights (vanilla, "
-                              f"the baselines and LIMe have none); give a run of a "
-                              f"Depth-Attention mode")
+        raise CheckpointError(f"{source}'s model computes no per-token depth weights (vanilla, the "
+                              f"baselines and LIMe have none); give a run of a Depth-Attention "
+                              f"mode")
     print(f"mean depth weights of {path} over {DEPTH_WINDOWS} validation windows "
           f"(row: layer, column: candidate)")
     print(table(m))

@@ -45,18 +45,22 @@ if OTHER_MODES:
 DEPTH_FIGURES = [("value", "depth_weights.png"), ("stride_full", "depth_weights_full.png"),
                  ("looped_value", "depth_weights_looped.png")]
 PAPER = paper.ABLATION_LOSS  # 500M models, validation loss (paper Tables 5-6, Figure 4)
-# The 3B models of Table 1: (Pile validation perplexity or None, zero-shot average over the eight
-# tasks).
+# Table 1's 3B models: (Pile validation perplexity or None, zero-shot average over the 8 tasks)
 PAPER_TABLE1 = {run: (paper.TABLE1_PPL.get(row), paper.TABLE1_AVG[0][row])
                 for run, row in paper.TABLE1_3B_RUNS.items()}
 
 
-def collect(out, names, seeds, rates=None, factor=1):
+def std(x):
+    """The sample standard deviation (ddof=1), None for fewer than two values."""
+    return float(np.std(x, ddof=1)) if len(x) > 1 else None
+
+
+def collect(out, names, seeds, rates=None):
     """{run: {seed: final val loss}} over the finished runs; rates: {run: peak rate}, None = the
     base's."""
     rates = rates or dict.fromkeys(names)
     return {n: {s: v for s in range(seeds)
-                if (v := final_val_loss(run_dir(out, n, s, rates[n], factor))) is not None}
+                if (v := final_val_loss(run_dir(out, n, s, rates[n]))) is not None}
             for n in names}
 
 
@@ -70,8 +74,7 @@ def summarize(losses, title_suffix=""):
     sqrt(n)), d_s = loss(run, s) - loss(baseline, s). A table is left out when it would only repeat
     runs shown above it, and the main table when no baseline ran."""
     stats = {n: {"losses": list(v.values()), "mean": float(np.mean(list(v.values()))),
-                 "std": float(np.std(list(v.values()), ddof=1)) if len(v) > 1 else None}
-             for n, v in losses.items() if v}
+                 "std": std(list(v.values()))} for n, v in losses.items() if v}
     tables, shown = [], set()
     for title, rows, baseline in TABLES:
         rows = [n for n in rows if n in stats]
@@ -82,16 +85,11 @@ def summarize(losses, title_suffix=""):
         lines = []
         for n in rows:
             d = [losses[n][s] - losses[baseline][s] for s in losses[n] if s in losses[baseline]]
-            sd = float(np.std(d, ddof=1)) if len(d) > 1 else None
-            ppl = np.exp(stats[n]["losses"])  # per seed
+            diff, sd, ppl = float(np.mean(d)), std(d), np.exp(stats[n]["losses"])  # ppl per seed
             lines.append({"run": n, "n": len(stats[n]["losses"]), "mean": stats[n]["mean"],
-                          "std": stats[n]["std"],
-                          "diff": float(np.mean(d)), "diff_std": sd,
-                          "diff_in_se": (float(np.mean(d)) / (sd / math.sqrt(len(d))) if sd
-                                         else None),
-                          "ppl": float(ppl.mean()),
-                          "ppl_std": float(ppl.std(ddof=1)) if len(ppl) > 1 else None,
-                          "paper": PAPER.get(n),
+                          "std": stats[n]["std"], "diff": diff, "diff_std": sd,
+                          "diff_in_se": diff / (sd / math.sqrt(len(d))) if sd else None,
+                          "ppl": float(ppl.mean()), "ppl_std": std(ppl), "paper": PAPER.get(n),
                           "paper_diff": PAPER[n] - PAPER[baseline] if n in PAPER else None,
                           "paper_3b": PAPER_TABLE1.get(n)})
         tables.append({"title": title + title_suffix, "baseline": baseline,
@@ -104,49 +102,41 @@ def markdown(tables):
         return "n/a" if x is None else format(x, fmt)
     out = []
     for t in tables:
-        if t["main"]:
-            out += [f"**{t['title']}** (Δ = run − `{t['baseline']}` with the same seed, "
-                    f"mean ± std over seeds; SE = std / √seeds; "
-                    f"perplexity = exp(val loss) per seed)", "",
-                    "| run | seeds | val loss (mean ± std) | Δ vs baseline | Δ / SE | "
-                    "val perplexity | paper 3B: Pile ppl | paper 3B: zero-shot avg |",
-                    "|" + " --- |" * 8]
-            out += [f"| {r['run']} | {r['n']} | {r['mean']:.4f} ± {f(r['std'], '.4f')} | "
-                    f"{r['diff']:+.4f} ± {f(r['diff_std'], '.4f')} | "
-                    f"{f(r['diff_in_se'], '+.1f')} | "
-                    f"{r['ppl']:.3f} ± {f(r['ppl_std'], '.3f')} | "
-                    f"{f((r['paper_3b'] or (None,))[0], '.2f')} | "
-                    f"{f((r['paper_3b'] or (None, None))[1], '.2f')} |" for r in t["rows"]]
-            out.append("")
-            continue
+        main = t["main"]
+        note = "; perplexity = exp(val loss) per seed" if main else ""
+        paper = ("val perplexity | paper 3B: Pile ppl | paper 3B: zero-shot avg" if main
+                 else "paper (500M) | paper Δ")
         out += [f"**{t['title']}** (Δ = run − `{t['baseline']}` with the same seed, "
-                f"mean ± std over seeds; SE = std / √seeds)", "",
-                "| run | seeds | val loss (mean ± std) | Δ vs baseline | Δ / SE | "
-                "paper (500M) | paper Δ |",
-                "| --- | --- | --- | --- | --- | --- | --- |"]
-        out += [f"| {r['run']} | {r['n']} | {r['mean']:.4f} ± {f(r['std'], '.4f')} | "
-                f"{r['diff']:+.4f} ± {f(r['diff_std'], '.4f')} | "
-                f"{f(r['diff_in_se'], '+.1f')} | "
-                f"{f(r['paper'], '.4f')} | {f(r['paper_diff'], '+.4f')} |" for r in t["rows"]]
+                f"mean ± std over seeds; SE = std / √seeds{note})", "",
+                f"| run | seeds | val loss (mean ± std) | Δ vs baseline | Δ / SE | {paper} |",
+                "|" + " --- |" * (8 if main else 7)]
+        for r in t["rows"]:
+            ppl_3b, avg_3b = r["paper_3b"] or (None, None)
+            cells = ([f"{r['ppl']:.3f} ± {f(r['ppl_std'], '.3f')}", f(ppl_3b, ".2f"),
+                      f(avg_3b, ".2f")] if main
+                     else [f(r["paper"], ".4f"), f(r["paper_diff"], "+.4f")])
+            out.append(f"| {r['run']} | {r['n']} | {r['mean']:.4f} ± {f(r['std'], '.4f')} | "
+                       f"{r['diff']:+.4f} ± {f(r['diff_std'], '.4f')} | "
+                       f"{f(r['diff_in_se'], '+.1f')} | {' | '.join(cells)} |")
         out.append("")
     return "\n".join(out)
 
 
+def evals(run):
+    """[(step, val loss)] of a run folder's evaluations, as logged."""
+    return [(r["step"], r["val_loss"]) for r in read_log(run) if r["kind"] == "eval"]
+
+
 def plot_curves(out, names, seeds, path):
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = pyplot().subplots(figsize=(8, 5))
     for n in names:
-        curves = [[(r["step"], r["val_loss"]) for r in read_log(run_dir(out, n, s))
-                   if r["kind"] == "eval"]
-                  for s in range(seeds)]
-        curves = [c for c in curves if c]
+        curves = [c for s in range(seeds) if (c := evals(run_dir(out, n, s)))]
         if not curves:
             continue
         k = min(len(c) for c in curves)  # steps every seed has reached
-        steps = [st for st, _ in curves[0][:k]]
         mean = np.mean([[v for _, v in c[:k]] for c in curves], 0)
-        ax.plot(steps[1:], mean[1:], label=n,
-                ls="--" if n.startswith("looped") else "-")  # skip the step-0 eval
+        ax.plot([st for st, _ in curves[0][1:k]], mean[1:], label=n,  # skip the step-0 eval
+                ls="--" if n.startswith("looped") else "-")
     ax.set(xlabel="step", ylabel="validation loss (mean over seeds)",
            title=f"Validation loss, {out.name}")
     save_figure(fig, ax, path)
@@ -190,19 +180,16 @@ def sweep_markdown(means, lrs, best):
 def gap_curves(out, names, seeds, rates, factor, batch_tokens):
     """The paired gap of every run to names[0] at each evaluation, over the seeds both finished
     logging: {run: [(tokens seen, mean gap, SE or None, seeds)]}."""
-    def evals(n, s):
-        return {r["step"]: r["val_loss"] for r in read_log(run_dir(out, n, s, rates[n], factor))
-                if r["kind"] == "eval"}
+    def log(n, s):
+        return dict(evals(run_dir(out, n, s, rates[n], factor)))
     curves = {}
     for n in names[1:]:
-        pairs = [(evals(n, s), evals(names[0], s)) for s in range(seeds)]
+        pairs = [(log(n, s), log(names[0], s)) for s in range(seeds)]
         pairs = [(a, b) for a, b in pairs if a and b]
         steps = sorted(set.intersection(*(set(a) & set(b) for a, b in pairs))) if pairs else []
-        curves[n] = []
-        for st in steps:
-            d = [a[st] - b[st] for a, b in pairs]
-            se = float(np.std(d, ddof=1) / math.sqrt(len(d))) if len(d) > 1 else None
-            curves[n].append((st * batch_tokens, float(np.mean(d)), se, len(d)))
+        curves[n] = [(st * batch_tokens, float(np.mean(d)),
+                      None if len(d) < 2 else std(d) / math.sqrt(len(d)), len(d))
+                     for st in steps if (d := [a[st] - b[st] for a, b in pairs])]
     return curves
 
 
@@ -214,23 +201,19 @@ def gap_markdown(curves, short, baseline, short_tokens):
            "| run | length | tokens (M) | Δ val loss | SE | seeds |",
            "| --- | --- | --- | --- | --- | --- |"]
     for n, pts in curves.items():
-        # the short runs' end, then the long runs' first evaluation after step 0, every multiple of
-        # the short runs' length, and the last
-        rows = [("short", p) for p in short.get(n, [])
-                if p[0] == short_tokens]  # only a finished pair's end
-        rows += [("long", p)
-                 for p in dict.fromkeys(pts[1:2]
-                                        + [p for p in pts if p[0] and p[0] % short_tokens == 0]
-                                        + pts[-1:])]
-        for length, (tok, gap, se, k) in rows:
-            out.append(f"| {n} | {length} | {tok / 1e6:.2f} | {gap:+.4f} | "
-                       f"{'n/a' if se is None else f'{se:.4f}'} | {k} |")
+        # a finished short pair's end, then the long runs' first evaluation after step 0, every
+        # multiple of the short runs' length, and the last
+        rows = [("short", p) for p in short.get(n, []) if p[0] == short_tokens]
+        rows += [("long", p) for p in dict.fromkeys(
+            pts[1:2] + [p for p in pts if p[0] and p[0] % short_tokens == 0] + pts[-1:])]
+        out += [f"| {n} | {length} | {tok / 1e6:.2f} | {gap:+.4f} | "
+                f"{'n/a' if se is None else f'{se:.4f}'} | {k} |"
+                for length, (tok, gap, se, k) in rows]
     return "\n".join(out) + "\n"
 
 
 def plot_gaps(curves, short, baseline, short_tokens, path):
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(8, 5))
+    fig, ax = pyplot().subplots(figsize=(8, 5))
     for n, pts in curves.items():
         for length, ls, run in (("long runs", "-", pts), ("short runs", "--", short.get(n, []))):
             tok, gap, se = (np.array([p[i] if p[i] is not None else np.nan for p in run[1:]])
@@ -245,9 +228,10 @@ def plot_gaps(curves, short, baseline, short_tokens, path):
     save_figure(fig, ax, path)
 
 
-def write_results(out, stem, payload, text):
-    write_atomically(out / f"{stem}.json", json.dumps(payload, indent=1) + "\n")
-    write_atomically(out / f"{stem}.md", text)
+def write_results(out, protocol, command, text, **results):
+    stem = out / RESULTS[protocol]
+    write_atomically(stem.with_suffix(".json"), json.dumps({**command, **results}, indent=1) + "\n")
+    write_atomically(stem.with_suffix(".md"), text)
     print(text)
 
 
@@ -258,9 +242,8 @@ def check_outputs(out, protocol, names):
         raise ConfigError(f"--out={out} is a file; give a folder (the runs and their results go "
                           f"below it)")
     figures = {"shared": ["curves.png"] + [png for run, png in DEPTH_FIGURES if run in names],
-               "long": ["gap_vs_tokens.png"]}
-    for name in [f"{RESULTS[protocol]}.json", f"{RESULTS[protocol]}.md",
-                 *figures.get(protocol, [])]:
+               "long": ["gap_vs_tokens.png"]}.get(protocol, [])
+    for name in [f"{RESULTS[protocol]}.json", f"{RESULTS[protocol]}.md", *figures]:
         if (out / name).is_dir():
             raise ConfigError(f"{out / name} is a folder where ablate.py writes its {name}; "
                               f"move it away or pick another --out")
@@ -271,60 +254,52 @@ def shared(out, names, command):
     """The shared protocol's results (every run at the base's rate, paired by seed), the loss curves
     and Figure 3 for the runs of DEPTH_FIGURES swept. command: {"config": ablate.py's,
     "train_overrides": the arguments after --}, recorded in results.json."""
-    stats, tables = summarize(collect(out, names, command["config"]["seeds"]))
-    write_results(out, RESULTS["shared"], {**command, "runs": stats, "tables": tables},
-                  markdown(tables))
+    seeds = command["config"]["seeds"]
+    stats, tables = summarize(collect(out, names, seeds))
+    write_results(out, "shared", command, markdown(tables), runs=stats, tables=tables)
     if not can_draw("no figures"):
         return
-    plot_curves(out, names, command["config"]["seeds"], out / "curves.png")
+    plot_curves(out, names, seeds, out / "curves.png")
     figures = [out / "curves.png"]
-    for run, png in DEPTH_FIGURES:
-        if run in names:
-            # a finished run's checkpoint was checked before the sweep; it or its validation data
-            # may have gone since
-            try:
-                m = depth_weight_matrix(run_dir(out, run, 0) / "ckpt.pt")
-            except (CheckpointError, DataError) as e:
-                print(f"no {png}: {e}")
-                continue
-            plot_depth_weights(m, out / png, f"Depth weights, {run}, seed 0")
-            figures.append(out / png)
+    for run, png in [(run, png) for run, png in DEPTH_FIGURES if run in names]:
+        # a finished run's checkpoint was checked before the sweep; it or its data may have gone
+        try:
+            m = depth_weight_matrix(run_dir(out, run, 0) / "ckpt.pt")
+        except (CheckpointError, DataError) as e:
+            print(f"no {png}: {e}")
+            continue
+        plot_depth_weights(m, out / png, f"Depth weights, {run}, seed 0")
+        figures.append(out / png)
     print("figures:", ", ".join(map(str, figures)))
 
 
 def lr_sweep(out, names, lrs, command):
     """Every run at each peak rate of lrs: the table of mean final losses, each run's best rate."""
     best, means = best_rates(out, names, lrs, command["config"]["lr_seeds"])
-    write_results(out, RESULTS["lr_sweep"],
-                  {**command, "best": best,
-                   "means": {n: {f"{lr:g}": v for lr, v in m.items()} for n, m in means.items()}},
-                  sweep_markdown(means, lrs, best))
+    write_results(out, "lr_sweep", command, sweep_markdown(means, lrs, best), best=best,
+                  means={n: {f"{lr:g}": v for lr, v in m.items()} for n, m in means.items()})
 
 
 def best_lr(out, names, best, shared_rate, command):
     """The runs paired by seed twice: all at the base's shared peak rate, and each at its best."""
     seeds = command["config"]["seeds"]
-    at_shared = summarize(collect(out, names, seeds, dict.fromkeys(names, shared_rate)),
-                          f", all at the shared peak rate {shared_rate:g}")
-    at_best = summarize(collect(out, names, seeds, best), ", each at its best peak rate")
+    _, at_shared = summarize(collect(out, names, seeds, dict.fromkeys(names, shared_rate)),
+                             f", all at the shared peak rate {shared_rate:g}")
+    _, at_best = summarize(collect(out, names, seeds, best), ", each at its best peak rate")
     rates = "Best peak rates: " + ", ".join(f"{n} {lr:g}" for n, lr in best.items()) + "\n\n"
-    write_results(out, RESULTS["best_lr"],
-                  {**command, "best": best, "shared_rate": shared_rate,
-                   "tables_shared": at_shared[1], "tables_best": at_best[1]},
-                  rates + markdown(at_shared[1]) + "\n" + markdown(at_best[1]))
+    write_results(out, "best_lr", command, rates + markdown(at_shared) + "\n" + markdown(at_best),
+                  best=best, shared_rate=shared_rate, tables_shared=at_shared, tables_best=at_best)
 
 
 def long(out, names, best, factor, short_steps, batch_tokens, command):
     """The paired gap of every run to names[0] as training lengthens: the runs of factor x
     short_steps steps, beside the short runs at the same best rates (best_lr's, where they
     exist)."""
-    seeds = command["config"]["seeds"]
-    short_tokens = short_steps * batch_tokens
+    seeds, short_tokens = command["config"]["seeds"], short_steps * batch_tokens
     curves = gap_curves(out, names, seeds, best, factor, batch_tokens)
     short = gap_curves(out, names, seeds, best, 1, batch_tokens)
-    write_results(out, RESULTS["long"], {**command, "best": best, "gaps": curves,
-                                         "gaps_short": short},
-                  gap_markdown(curves, short, names[0], short_tokens))
+    write_results(out, "long", command, gap_markdown(curves, short, names[0], short_tokens),
+                  best=best, gaps=curves, gaps_short=short)
     if not can_draw("no figure"):
         return
     plot_gaps(curves, short, names[0], short_tokens, out / "gap_vs_tokens.png")
@@ -336,8 +311,7 @@ def plot_run(run, figure):
     the learning rate, tokens per second, and each layer's depth weight on itself ("self only"
     is 1, vanilla) at every evaluation. Returns the number of steps drawn."""
     records = read_log(Path(run))
-    train = [r for r in records if r["kind"] == "train"]
-    evals = [r for r in records if r["kind"] == "eval"]
+    train, evaluated = ([r for r in records if r["kind"] == kind] for kind in ("train", "eval"))
     if not train:
         raise CheckpointError(f"{run}/log.jsonl has no training step to draw; give a train.py "
                               f"--out_dir that has trained")
@@ -346,21 +320,20 @@ def plot_run(run, figure):
     steps = [r["step"] for r in train]
     loss, lr, speed, depth = axes.flat
     loss.plot(steps, [r["train_loss"] for r in train], lw=0.8, label="train")
-    loss.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", label="val")
+    loss.plot([r["step"] for r in evaluated], [r["val_loss"] for r in evaluated], "o-", label="val")
     loss.set(ylabel="loss", title="loss")
     loss.legend()
     lr.plot(steps, [r["lr"] for r in train])
     lr.set(ylabel="learning rate", title="learning rate")
     speed.plot(steps, [r["tok_per_s"] for r in train], lw=0.8)
     speed.set(ylabel="tokens / s", title="throughput")
-    weighed = [r for r in evals if r.get("depth_weights")]
-    for layer in (weighed[0]["depth_weights"] if weighed else {}):
-        depth.plot([r["step"] for r in weighed],
-                   [r["depth_weights"][layer][layer] for r in weighed], "o-",
-                   label=f"layer {layer}")
+    weighed = [r for r in evaluated if r.get("depth_weights")]
     if weighed:
-        depth.plot([r["step"] for r in weighed],
-                   [self_share(r["depth_weights"]) for r in weighed], "k--", label="mean")
+        at = [r["step"] for r in weighed]
+        for layer in weighed[0]["depth_weights"]:
+            depth.plot(at, [r["depth_weights"][layer][layer] for r in weighed], "o-",
+                       label=f"layer {layer}")
+        depth.plot(at, [self_share(r["depth_weights"]) for r in weighed], "k--", label="mean")
         depth.legend(fontsize=7)
     depth.set(ylabel="weight on itself", title="depth weights (1 = self only)" if weighed
               else "no depth weights (no depth step)")

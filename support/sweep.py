@@ -49,10 +49,8 @@ def valid_log(log):
 
 def read_log(run_dir):
     path = run_dir / "log.jsonl"
-    if not path.exists():
-        return []
-    return read_record(path, lambda text: [json.loads(line) for line in text.splitlines()],
-                       valid_log, "a train.py log")
+    return read_record(path, lambda text: [*map(json.loads, text.splitlines())], valid_log,
+                       "a train.py log") if path.exists() else []
 
 
 def read_config(run_dir):
@@ -65,10 +63,9 @@ def read_config(run_dir):
 def final_val_loss(run_dir):
     """The last evaluation's loss if the run finished (evaluated at max_iters), else None."""
     evals = [r for r in read_log(run_dir) if r["kind"] == "eval"]
-    if (not (run_dir / "config.json").exists() or not evals
-            or evals[-1]["step"] != read_config(run_dir)["max_iters"]):
-        return None
-    return evals[-1]["val_loss"]
+    finished = (evals and (run_dir / "config.json").exists()
+                and evals[-1]["step"] == read_config(run_dir)["max_iters"])
+    return evals[-1]["val_loss"] if finished else None
 
 
 def run_dir(out, name, seed, lr=None, factor=1):
@@ -81,9 +78,8 @@ def run_dir(out, name, seed, lr=None, factor=1):
 
 
 def train_config(args) -> dict:
-    """The config train.py resolves from these arguments for a fresh run: its defaults (the key
-    table), the config files, then the overrides (a ConfigError for an unknown key or a value of
-    the wrong type)."""
+    """The config train.py resolves from these arguments for a fresh run: its defaults, the config
+    files, then the overrides (a ConfigError for an unknown key or a wrongly typed value)."""
     return parse_config(DEFAULTS, args)
 
 
