@@ -157,6 +157,18 @@ def write_authors_folder(folder, model, *, depth=True, shards=1, dtype=None, dro
     return folder
 
 
+def word_tokenizer(path, size):
+    """A tokenizer.json of `size` whole words, <|endoftext|> = 0: not the bytes tokenizer of the
+    data."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    vocab = {"<|endoftext|>": 0, "[UNK]": 1, **{w: i + 2 for i, w in enumerate(WORDS)}}
+    vocab.update({f"w{i}": i for i in range(len(vocab), size)})
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path))
+    return path
+
+
 def make_tokenizer_json(path):
     """A byte-level BPE trained here on a few lines, with <|endoftext|> as id 0 like the GPT-NeoX
     tokenizer."""

@@ -17,13 +17,12 @@ import datasets.config
 import numpy as np
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
 
 from conftest import tiny_model
 import eval as eval_py
 from support.run_dir import save_checkpoint
 from support.errors import USER_ERRORS
-from helpers import ROOT, WORDS, local_tasks_only, trained  # noqa: F401 (eval.py's fixtures, shared)
+from helpers import ROOT, WORDS, local_tasks_only, trained, word_tokenizer  # noqa: F401
 
 TASK = ROOT / "docs" / "eval_tasks" / "shakespeare_last_word.yaml"
 DOCS = [json.loads(line)
@@ -79,17 +78,6 @@ def error_line(*args):
 
 def digest(path):
     return hashlib.sha256(Path(path).read_bytes()).hexdigest()
-
-
-def word_tokenizer(path, size):
-    """A tokenizer.json of `size` whole words, <|endoftext|> = 0: not the bytes tokenizer of the
-    data."""
-    vocab = {"<|endoftext|>": 0, "[UNK]": 1, **{w: i + 2 for i, w in enumerate(WORDS)}}
-    vocab.update({f"w{i}": i for i in range(len(vocab), size)})
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.save(str(path))
-    return path
 
 
 # ----------------------------------------------------------------------------- --ppl data against

@@ -183,11 +183,6 @@ def imported_test_modules(path) -> list:
     return found
 
 
-# (importer, imported test module) still to move: test_live_run.py takes word_tokenizer from
-# test_eval_robustness.py (inside a test); it belongs in tests/helpers.py. Remove the entry then.
-NOT_YET = {("tests/test_live_run.py", "test_eval_robustness")}
-
-
 def test_no_test_module_imports_another():
     """Test files share tests/helpers.py and the naive reference, tests/reference.py, never one
     another: what is shared lives in a module that is no test file, so each test file can be read,
@@ -197,6 +192,5 @@ def test_no_test_module_imports_another():
     files = [ROOT / "test_model.py", *sorted((ROOT / "tests").glob("test_*.py")),
              ROOT / "tests" / "parallel_driver.py"]
     offenders = {path.relative_to(ROOT).as_posix(): found for path in files
-                 if (found := [(name, line) for name, line in imported_test_modules(path)
-                               if (path.relative_to(ROOT).as_posix(), name) not in NOT_YET])}
+                 if (found := imported_test_modules(path))}
     assert not offenders, f"test modules importing test modules (name, line): {offenders}"

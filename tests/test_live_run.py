@@ -173,7 +173,7 @@ def test_resume_onto_data_of_another_tokenizer_is_refused(vanilla_run, data_root
     """--resume=True --dataset=OTHER with a vocabulary the model holds trained on ids that mean other
     text, and rewrote the checkpoint's tokenizer record."""
     from support.prepare import prepare
-    from test_eval_robustness import word_tokenizer
+    from helpers import word_tokenizer
     out = copy_run(vanilla_run, tmp_path)
     words = word_tokenizer(tmp_path / "tokenizer.json", 200)  # fewer ids than bytes' 257
     prepare("text", name="words", tokenizer=str(words), inputs=[str(data_root / "doc*.txt")],
