@@ -6,8 +6,8 @@ Write the student copy of this repository for the course assignment (the handout
     python course/make.py ../student --untracked  # also copy the files git does not track
 
 The functions course/problems.py names get the body `raise NotImplementedError("Problem N: ...")`,
-their signatures and docstrings kept. What would show a solution stays out: test_model.py's loop
-reference, the tests/ that check the method, the docs that print its code, the instructor's answers
+their signatures and docstrings kept. What would show a solution stays out: the loop reference
+(tests/reference.py) and the tests that check the method (test_model.py, tests/), the docs that print its code, the instructor's answers
 (course/answers.md). The graded tests' fixtures are recorded from this repository's model.py as it
 is now, so they match it. Only the files git tracks are copied (an untracked scratch file is listed
 and refused unless --untracked), and the copy's stamp says whether the tree was dirty.
