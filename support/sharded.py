@@ -48,7 +48,7 @@ def read_shards(state, ckpt, rank=0, world=1):
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*single process")
             dcp.load(state, checkpoint_id=path)
-    except (Exception, CheckpointException) as e:
+    except (CheckpointException, OSError) as e:  # a bug of ours stays a traceback
         raise CheckpointError(f"{path}: the shards cannot be read ({reason(e)}); restore the "
                               f"folder or retrain") from e
 
