@@ -1,9 +1,8 @@
 """
-The report of an ablate.py sweep: from the runs in its --out folder, the tables (markdown and JSON,
-the paper's numbers beside ours), the results files of each protocol and the figures (the loss
-curves, the sweep's depth-weight heatmaps and the gap against training length). It reads the runs'
-records only (support.sweep) and trains nothing: ablate.py runs the jobs, then calls the protocol's
-function here (shared, lr_sweep, best_lr, long), which writes <out>/<RESULTS[protocol]>.{md,json}.
+The report of an ablate.py sweep, from the records of the runs in its --out folder (support.sweep),
+training nothing: the tables (markdown and JSON, the paper's numbers beside ours) and figures (loss
+curves, depth-weight heatmaps, the gap against training length). After ablate.py runs the jobs, its
+protocol's function (shared, lr_sweep, best_lr, long) writes <out>/<RESULTS[protocol]>.{md,json}.
 """
 import json
 import math
@@ -25,22 +24,21 @@ RESULTS = {"shared": "results", "lr_sweep": "results_lr_sweep", "best_lr": "resu
 # lime: LIMe, the closest prior work
 MAIN = ["vanilla", "value", "lime", "denseformer", "attnres", "mhc"]
 MAIN_TITLE = "Main comparison (Table 1 at CPU scale)"
-# the paper's tables (`value` is also the stride-half run), each compared with its own baseline
+# the paper's tables (`value` is also the stride-half run), each compared with its first row
 TABLES = [
-    (MAIN_TITLE, MAIN, "vanilla"),
+    (MAIN_TITLE, MAIN),
     ("Mixing rule (Table 5; lime: LIMe, static learned routing)",
-     ["vanilla", "uniform", "lime", "value"], "vanilla"),
-    ("Updated state (Table 6)", ["vanilla", "key", "kv", "value"], "vanilla"),
-    ("Stride (Figure 4)", ["vanilla", "stride_first", "value", "stride_quarter", "stride_full"],
-     "vanilla"),
-    ("Looped, 3 loops", ["looped_vanilla", "looped_value"], "looped_vanilla"),
+     ["vanilla", "uniform", "lime", "value"]),
+    ("Updated state (Table 6)", ["vanilla", "key", "kv", "value"]),
+    ("Stride (Figure 4)", ["vanilla", "stride_first", "value", "stride_quarter", "stride_full"]),
+    ("Looped, 3 loops", ["looped_vanilla", "looped_value"]),
     ("Keyless Attention (no keys, a V-only cache), with and without the depth step",
-     ["vanilla", "value", "keyless", "keyless_value"], "vanilla"),
+     ["vanilla", "value", "keyless", "keyless_value"]),
 ]
 # a fork's rows: the depth modes no table above shows
-OTHER_MODES = [m for m in DEPTH_MODES if not any(m in rows for _, rows, _ in TABLES)]
+OTHER_MODES = [m for m in DEPTH_MODES if not any(m in rows for _, rows in TABLES)]
 if OTHER_MODES:
-    TABLES.append(("Other depth modes", ["vanilla", *OTHER_MODES, "value"], "vanilla"))
+    TABLES.append(("Other depth modes", ["vanilla", *OTHER_MODES, "value"]))
 # runs whose seed-0 depth weights are drawn like the paper's Figure 3
 DEPTH_FIGURES = [("value", "depth_weights.png"), ("stride_full", "depth_weights_full.png"),
                  ("looped_value", "depth_weights_looped.png")]
@@ -76,8 +74,8 @@ def summarize(losses, title_suffix=""):
     stats = {n: {"losses": list(v.values()), "mean": float(np.mean(list(v.values()))),
                  "std": std(list(v.values()))} for n, v in losses.items() if v}
     tables, shown = [], set()
-    for title, rows, baseline in TABLES:
-        rows = [n for n in rows if n in stats]
+    for title, rows in TABLES:
+        baseline, rows = rows[0], [n for n in rows if n in stats]
         no_baseline = title == MAIN_TITLE and not set(rows) - {"vanilla", "value"}
         if baseline not in stats or set(rows) <= shown or no_baseline:
             continue
