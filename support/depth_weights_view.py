@@ -27,8 +27,7 @@ DEPTH_WINDOWS = 16  # the figures' validation windows (train.py's log: its eval_
 
 
 def pyplot():
-    """matplotlib's pyplot drawing to files (no display); without it, an ImportError with the pip
-    line."""
+    """matplotlib's pyplot, drawing to files; without it, an ImportError with the pip line."""
     require("matplotlib", "drawing figures").use("Agg")
     return require("matplotlib.pyplot", "drawing figures", pip="matplotlib")
 
