@@ -9,8 +9,9 @@ The functions course/problems.py names get the body `raise NotImplementedError("
 their signatures and docstrings kept. What would show a solution stays out: the loop reference
 (tests/reference.py), the tests that check the method (test_model.py, tests/), the docs that print
 its code, the instructor's answers (course/answers.md). The graded tests' fixtures are recorded from
-this repository's model.py as it is now, so they match it. Only the files git tracks are copied (an untracked scratch file is listed
-and refused unless --untracked), and the copy's stamp says whether the tree was dirty.
+this repository's model.py as it is now, so they match it. Only the files git tracks are copied
+(an untracked scratch file is listed and refused unless --untracked), and the copy's stamp says
+whether the tree was dirty.
 """
 import ast
 import os
