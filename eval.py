@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
 from model import fp32_or_wider
@@ -65,17 +66,14 @@ def token_logprobs(model, rows, batch_size, pad_id, progress=False):
 
     Rows are sorted longest first and batched by right-padding: the model has no padding mask, but
     attention is causal, so the padding after a row's last real token changes none of its logits;
-    only real positions are read.
-    """
+    only real positions are read."""
     device = model.lm_head.weight.device
     order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
     out = [None] * len(rows)
     for start in tqdm(range(0, len(order), batch_size), disable=not progress, desc="scoring"):
         batch = order[start:start + batch_size]
-        x = torch.full((len(batch), len(rows[batch[0]]) - 1), pad_id,  # (B, longest input)
-                       dtype=torch.long)
-        for b, i in enumerate(batch):
-            x[b, :len(rows[i]) - 1] = torch.tensor(rows[i][:-1])
+        x = pad_sequence([torch.tensor(rows[i][:-1]) for i in batch], batch_first=True,
+                         padding_value=pad_id)                             # (B, longest input)
         logits, _ = model(x.to(device))                                           # (B, T, vocab)
         for b, i in enumerate(batch):
             y = torch.tensor(rows[i][1:], device=device)
@@ -116,8 +114,7 @@ class EvalLM(TemplateLM):
         the continuation must fit whole."""
         rows = []
         for _, context, continuation in requests:
-            if len(continuation) > self.max_length:  # a task this model cannot score:
-                                                     # no truncation is right
+            if len(continuation) > self.max_length:  # no truncation is right: refuse the task
                 raise ConfigError(f"a task's answer of {len(continuation)} tokens does not fit "
                                   f"the model's context of {self.max_length} tokens (block_size); "
                                   f"leave that task out of --tasks")
@@ -170,8 +167,7 @@ class EvalLM(TemplateLM):
 # -------------------------------------------------------------------------- perplexity of a val.bin
 
 def open_ppl_data(data_root, name):
-    """(folder, meta.json, val.bin memory-mapped) of the --ppl dataset, checked before anything is
-    loaded."""
+    """(folder, meta.json, val.bin memory-mapped) of the --ppl dataset, checked before loading."""
     data_dir = Path(data_root) / name
     try:
         meta = load_meta(data_dir)  # meta.json, and the .bin sizes it promises
@@ -192,15 +188,15 @@ def check_ppl_data(data, loaded, init_from):
     vocab = loaded.model.config.vocab_size
     data_enc = get_tokenizer(meta["tokenizer"])  # a DataError if its folder is gone
     if meta["vocab_size"] > vocab or not same_tokenizer(data_enc, loaded.tokenizer):
-        raise DataError(f"{data_dir} was tokenized with {meta['tokenizer']}, "
-             f"but {init_from} uses {loaded.tokenizer.name}, so "
-             f"its perplexity would mean nothing; prepare the data with the model's tokenizer "
-             f"(prepare_data.py SOURCE {tokenizer_flag(loaded.tokenizer, init_from)} --name NAME)")
+        raise DataError(f"{data_dir} was tokenized with {meta['tokenizer']}, but {init_from} uses "
+                        f"{loaded.tokenizer.name}, so its perplexity would mean nothing; prepare "
+                        f"the data with the model's tokenizer (prepare_data.py SOURCE "
+                        f"{tokenizer_flag(loaded.tokenizer, init_from)} --name NAME)")
     top = int(tokens.max())
     if top >= vocab:
-        raise DataError(f"{data_dir / 'val.bin'} holds token id {top}, "
-             f"beyond the model's vocab_size {vocab}: the file does not "
-             f"match its meta.json; rebuild it with prepare_data.py --force")
+        raise DataError(f"{data_dir / 'val.bin'} holds token id {top}, beyond the model's "
+                        f"vocab_size {vocab}: the file does not match its meta.json; rebuild it "
+                        f"with prepare_data.py --force")
 
 
 def perplexity(model, data, batch_size, pad_id, limit=None):
@@ -223,8 +219,7 @@ def perplexity(model, data, batch_size, pad_id, limit=None):
 
 
 def print_table(results, num_fewshot, limited):
-    """acc and acc_norm per task (x100, as in the paper), two averages, and the paper's Table 1
-    beside them."""
+    """acc and acc_norm per task (x100, as in the paper), two averages, and Table 1 beside."""
     rows = {t: m for t, m in results.get("results", {}).items()
             if t not in results.get("groups", {})}
     if rows:
@@ -252,8 +247,7 @@ def print_table(results, num_fewshot, limited):
         p = results["ppl"]
         print(f"\nperplexity {p['ppl']:.4f} (mean NLL {p['nll']:.4f} over {p['tokens']:,} "
               f"tokens of {p['dataset']}/val.bin, {p['windows']:,} windows)")
-        if Path(p["dataset"]).name.startswith("pile"):  # prepare_data.py's pile
-                                                        # source, in any tokens
+        if Path(p["dataset"]).name.startswith("pile"):  # prepare_data.py's pile, any tokens
             print("paper, Table 1, Pile validation perplexity (GPT-NeoX tokens): "
                   + ", ".join(f"{k} {v}" for k, v in paper.TABLE1_PPL.items()))
 
@@ -265,13 +259,11 @@ def parse_args(argv):
     file or loading anything."""
     p = ArgumentParser("eval.py", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--init_from", required=True,
-                   help="a train.py out_dir (its ckpt.pt), a checkpoint file, "
-                        "a Hugging Face folder or hub id")
-    p.add_argument("--tasks", default=",".join(PAPER_TASKS),
-                   help="comma-separated lm-eval task names or globs (quoted: 'arc_*' runs every "
-                        "single task whose name matches, not the groups); default: the paper's "
-                        "eight; empty: none")
+    p.add_argument("--init_from", required=True, help="a train.py out_dir (its ckpt.pt), a "
+                   "checkpoint file, a Hugging Face folder or hub id")
+    p.add_argument("--tasks", default=",".join(PAPER_TASKS), help="comma-separated lm-eval task "
+                   "names or globs (quoted: 'arc_*' runs every single task whose name matches, not "
+                   "the groups); default: the paper's eight; empty: none")
     p.add_argument("--num_fewshot", type=int, default=0,
                    help="examples in each prompt (the paper: 0 and 5); default 0")
     p.add_argument("--limit", type=float,
@@ -280,17 +272,15 @@ def parse_args(argv):
     p.add_argument("--batch_size", type=int, default=16,
                    help="sequences per forward pass; default 16")
     p.add_argument("--device", default="auto", help="default auto: cuda, then mps, then cpu")
-    p.add_argument("--include_path",
-                   help="a folder of extra lm-eval task YAML files (lm-eval's own option; "
-                        "relative data_files are read from the YAML's folder)")
-    p.add_argument("--json",
-                   help="write lm-eval's results dictionary here (plus 'ppl' with --ppl); "
-                        "an existing file is replaced only if it holds an earlier result")
-    p.add_argument("--ppl", metavar="DATASET",
-                   help="also report the perplexity of <data_root>/DATASET/val.bin "
-                        "(a prepare_data.py output in the model's tokenizer), e.g. pile")
-    p.add_argument("--data_root", default="data",
-                   help="the folder that holds the --ppl dataset; default data")
+    p.add_argument("--include_path", help="a folder of extra lm-eval task YAML files (lm-eval's "
+                   "own option; relative data_files are read from the YAML's folder)")
+    p.add_argument("--json", help="write lm-eval's results dictionary here (plus 'ppl' with "
+                   "--ppl); an existing file is replaced only if it holds an earlier result")
+    p.add_argument("--ppl", metavar="DATASET", help="also report the perplexity of "
+                   "<data_root>/DATASET/val.bin (a prepare_data.py output in the model's "
+                   "tokenizer), e.g. pile")
+    p.add_argument("--data_root", default="data", help="the folder that holds the --ppl dataset; "
+                   "default data")
     args = p.parse_args(argv)
     args.names = list(dict.fromkeys(t.strip() for t in args.tasks.split(",") if t.strip()))
     if not args.names and not args.ppl:
@@ -306,8 +296,7 @@ def check_flags(args):
     """Every check that needs neither the model nor the tasks, so that a typo costs no loading:
     (device, the --json path or None)."""
     device = resolve_device(args.device)
-    json_path = (output_file(args.json, "--json", written_by="eval.py") if args.json
-                 else None)
+    json_path = output_file(args.json, "--json", written_by="eval.py") if args.json else None
     if args.names and lm_eval is None:
         raise MissingPackage("the downstream tasks need lm-evaluation-harness: pip install lm-eval "
                              "(or --tasks= with --ppl only)")
@@ -317,8 +306,7 @@ def check_flags(args):
 
 
 def evaluate(model, enc, tasks, manager, data, args):
-    """lm-eval's results for the tasks (already built), plus 'ppl' for --ppl data (already
-    checked)."""
+    """lm-eval's results for the built tasks, plus 'ppl' for the checked --ppl data."""
     results = {}
     try:
         if tasks:

@@ -1,14 +1,9 @@
 """
-eval.py's lm-eval tasks: finding and building them before the model loads, and the one boundary
-that turns what lm-eval raises into one error line. A task file of --include_path reads its relative
-data from beside its YAML (lm-eval alone reads it from the current folder, so a folder of tasks
-would run from one folder only); where the Hub does not answer a short probe, the tasks build in
-datasets' offline mode, so data that is not cached fails at once, every such task named in one line,
-instead of after minutes of download retries.
-
-A job of its own beside eval.py's scoring (its language model, perplexity, the table). lm_eval and
-datasets are optional packages, imported inside the functions that use them: this module, and so
-`python eval.py --help` and eval.py's MissingPackage line, import without them.
+eval.py's lm-eval tasks: finding and building them before the model loads (a task file's relative
+data read from beside it, the Hub probed before anything downloads), and the one boundary that turns
+what lm-eval raises into one error line. lm_eval and datasets are optional packages, imported inside
+the functions that use them: this module, and so `python eval.py --help` and eval.py's
+MissingPackage line, import without them.
 """
 import errno
 import functools
@@ -48,8 +43,10 @@ def ours(method):
 def lm_eval_says(what):
     """The one boundary around lm-eval: what it raises for a task (a file it cannot build, missing
     data, a template field the data lacks, a document its metrics cannot take) becomes one
-    ConfigError, its own message and the error under it. What EvalLM raised (`ours`) passes
-    through as it is: a UserError is its own line, anything else a bug with its traceback."""
+    ConfigError, its own message and the error under it. lm-eval has no error type of its own (a
+    bad task file or data reaches us as a ValueError, a KeyError, a jinja2 or datasets error...),
+    so any Exception is caught, but what EvalLM raised (`ours`) passes through as it is: a
+    UserError is its own line, anything else a bug with its traceback."""
     try:
         yield
     except USER_ERRORS:
@@ -58,9 +55,6 @@ def lm_eval_says(what):
         raise DataError(f"{what}: its data could not be downloaded ({one_line(e)}); run once with "
                         f"network access (it is cached), or use local task files with "
                         f"--include_path") from e
-    # lm-eval has no error type of its own: a bad task file or data reaches us as a ValueError, a
-    # KeyError, a jinja2 or datasets error... So this one catch takes any Exception, and only
-    # those that did not come out of our code.
     except Exception as e:
         if getattr(e, "raised_in_eval_py", False):
             raise
@@ -98,10 +92,9 @@ def build_tasks(names, include_path):
                         if p.resolve() not in indexed]
         raise ConfigError(f"unknown task(s) {', '.join(missing)}" + (
             f"; lm-eval left out these task files of --include_path, which it could not read: "
-            f"{', '.join(left_out)}" if left_out
-            else ": list lm-eval's tasks with `lm-eval ls tasks`, or "
-            "give a folder of task YAML files with --include_path (a glob selects single tasks, "
-            "not groups or tags)"))
+            f"{', '.join(left_out)}" if left_out else ": list lm-eval's tasks with `lm-eval ls "
+            "tasks`, or give a folder of task YAML files with --include_path (a glob selects "
+            "single tasks, not groups or tags)"))
     todo = list(dict.fromkeys(t for found in selected.values() for t in found))
     offline = hub_access([manager.task_index.get(name) for name in todo])
     built, uncached = [], []

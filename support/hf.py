@@ -6,9 +6,9 @@ Hugging Face folders: load the authors' released checkpoints, save ours in the s
 
 An export is a complete transformers model: a vanilla one is a plain Qwen3 (or Llama) folder; any
 other (a Depth-Attention mode, a looped model, a baseline) claims our architecture,
-DepthAttentionForCausalLM, and carries the code transformers runs for it with
-trust_remote_code=True: model.py and baselines.py as they are here, and the two classes in
-hf_remote/ (write_remote_code).
+DepthAttentionForCausalLM, and carries its code (write_remote_code), so transformers runs it with
+trust_remote_code=True and refuses it without, rather than loading the weights into a Llama that
+skips the depth step.
 
 The authors released 3B models (paper section 3, Table 1) as Hugging Face folders in the Llama
 layout: zeng123/Depth-attention-3B, zeng123/AttnRes-3B, zeng123/DenseFormer-3B, zeng123/mHC-3B. A
@@ -37,10 +37,6 @@ from support.errors import USER_ERRORS, CheckpointError
 from support.tokenizer import EOT, HFTokenizer, is_hf_folder, snapshot
 
 OUR_CONFIG = "model_config"  # our exports also record asdict(config) under this config.json key
-# An export transformers has no class for (a Depth-Attention mode, a looped model, a baseline)
-# claims our own architecture and carries its code (REMOTE_CODE), so transformers runs it with
-# trust_remote_code=True and refuses it without, rather than loading the weights into a Llama that
-# skips the depth step.
 REMOTE_ARCH, REMOTE_MODEL_TYPE = "DepthAttentionForCausalLM", "depth_attention"
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
                  REMOTE_ARCH: REMOTE_MODEL_TYPE}
@@ -73,8 +69,6 @@ def hf_name(ours: str) -> str:
 def our_name(theirs: str) -> str:
     return theirs.removeprefix("model.")
 
-# ----------------------------------------------------------------------------- config.json <-> ModelConfig
-
 def config_from_hf(cfg: dict, where="config.json") -> ModelConfig:
     """ModelConfig from a config.json (Llama, Qwen3 or our DepthAttentionForCausalLM): our own
     record when present, else the authors' Llama keys (Qwen3's too)."""
@@ -99,26 +93,20 @@ def config_from_hf(cfg: dict, where="config.json") -> ModelConfig:
         depth = bool(cfg.get("use_depth_attention", False))
         qk_norm = bool(cfg.get("use_qk_norm", arch == "Qwen3ForCausalLM"))  # Qwen3 always has it
         kw = dict(
-            vocab_size=cfg["vocab_size"],
-            block_size=cfg["max_position_embeddings"],
-            n_layer=cfg["num_hidden_layers"],
-            n_head=n_head,
+            vocab_size=cfg["vocab_size"], block_size=cfg["max_position_embeddings"],
+            n_layer=cfg["num_hidden_layers"], n_head=n_head,
             n_kv_head=cfg.get("num_key_value_heads") or n_head,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_head,
-            n_embd=cfg["hidden_size"],
-            mlp_hidden=cfg["intermediate_size"],
-            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 1e4))),
-            qk_norm=qk_norm,
+            n_embd=cfg["hidden_size"], mlp_hidden=cfg["intermediate_size"],
+            rope_theta=float(rope.get("rope_theta", cfg.get("rope_theta", 1e4))), qk_norm=qk_norm,
             tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            init_std=cfg.get("initializer_range", 0.02),
+            norm_eps=cfg.get("rms_norm_eps", 1e-6), init_std=cfg.get("initializer_range", 0.02),
             depth_mode="value" if depth else "vanilla",
             depth_stride=cfg.get("depth_attention_stride") if depth else None,
             depth_recent_window=cfg.get("depth_attention_recent_window") or 0,
             # The authors' Depth-Attention model applies k_norm after RoPE (their SDPA path); a
             # "k_norm_after_rope" key in config.json overrides this guess.
-            k_norm_after_rope=bool(cfg.get("k_norm_after_rope", depth and qk_norm)),
-        )
+            k_norm_after_rope=bool(cfg.get("k_norm_after_rope", depth and qk_norm)))
     except KeyError as e:
         raise CheckpointError(f"{where} lacks the key {e.args[0]!r}") from e
     except (TypeError, ValueError) as e:  # // of a value of the wrong type: "hidden_size": "2048"
@@ -132,8 +120,9 @@ def _authors_baseline(cfg: dict, where) -> dict:
     """A baseline's keys from the authors' config.json: residual, depth_mode vanilla, its knobs."""
     mode = str(cfg.get("baseline_mode") or "").strip().lower()
     if mode not in AUTHORS_BASELINE_MODES:
+        modes = ", ".join(sorted(AUTHORS_BASELINE_MODES))
         raise CheckpointError(f"{where}: baseline_mode={cfg.get('baseline_mode')!r} is not one of "
-                              f"the paper's baselines ({', '.join(sorted(AUTHORS_BASELINE_MODES))})")
+                              f"the paper's baselines ({modes})")
     knobs = {k: cfg[k] for k in KNOBS if k in cfg}
     return {"residual": AUTHORS_BASELINE_MODES[mode], "depth_mode": "vanilla", **knobs}
 
@@ -155,32 +144,18 @@ def hf_config(c: ModelConfig, dtype: torch.dtype, eos_token_id=None) -> dict:
              and c.n_loops == 1 and not (c.qk_norm and c.k_norm_after_rope))
     arch = ("Qwen3ForCausalLM" if c.qk_norm else "LlamaForCausalLM") if plain else REMOTE_ARCH
     return {
-        "architectures": [arch],
-        "model_type": ARCHITECTURES[arch],
-        "vocab_size": c.vocab_size,
-        "hidden_size": c.n_embd,
-        "head_dim": c.head_dim,
-        "intermediate_size": c.mlp_hidden,
-        "num_hidden_layers": c.n_layer,
-        "num_attention_heads": c.n_head,
-        "num_key_value_heads": c.n_kv_head,
-        "hidden_act": "silu",
-        "max_position_embeddings": c.block_size,
-        "initializer_range": c.init_std,
-        "rms_norm_eps": c.norm_eps,
-        "tie_word_embeddings": c.tie_embeddings,
-        "rope_theta": c.rope_theta,
-        "attention_bias": False,
-        "mlp_bias": False,
-        "bos_token_id": eos_token_id,
-        "eos_token_id": eos_token_id,
-        "use_depth_attention": c.depth_mode != "vanilla",
-        "depth_attention_stride": c.stride,
-        "depth_attention_recent_window": c.depth_recent_window,
-        "use_qk_norm": c.qk_norm,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-        OUR_CONFIG: asdict(c),
-        # a baseline's keys as the authors' config.json spells them: their baseline_mode, same-named knobs
+        "architectures": [arch], "model_type": ARCHITECTURES[arch], "vocab_size": c.vocab_size,
+        "hidden_size": c.n_embd, "head_dim": c.head_dim, "intermediate_size": c.mlp_hidden,
+        "num_hidden_layers": c.n_layer, "num_attention_heads": c.n_head,
+        "num_key_value_heads": c.n_kv_head, "hidden_act": "silu",
+        "max_position_embeddings": c.block_size, "initializer_range": c.init_std,
+        "rms_norm_eps": c.norm_eps, "tie_word_embeddings": c.tie_embeddings,
+        "rope_theta": c.rope_theta, "attention_bias": False, "mlp_bias": False,
+        "bos_token_id": eos_token_id, "eos_token_id": eos_token_id,
+        "use_depth_attention": c.depth_mode != "vanilla", "depth_attention_stride": c.stride,
+        "depth_attention_recent_window": c.depth_recent_window, "use_qk_norm": c.qk_norm,
+        "torch_dtype": str(dtype).removeprefix("torch."), OUR_CONFIG: asdict(c),
+        # a baseline's keys as the authors' config.json spells them: baseline_mode, same-named knobs
         **({"baseline_mode": c.residual, **{k: getattr(c, k) for k in KNOBS}} if baseline else {}),
         **({"auto_map": AUTO_MAP} if arch == REMOTE_ARCH else {}),
     }
@@ -200,8 +175,6 @@ def write_remote_code(folder: Path):
     for code in sorted(REMOTE_CODE.glob("*.py")):
         shutil.copyfile(code, folder / code.name)
 
-
-# ----------------------------------------------------------------------------- weights
 
 def read_safetensors(folder: Path) -> dict:
     """Every tensor of a folder's safetensors (one file, or the shards its index lists), mmapped."""
@@ -306,9 +279,7 @@ def save_pretrained(model: GPT, out_dir, tokenizer, overwrite=False):
     """config.json + model.safetensors + the tokenizer, a folder that loads from anywhere: a
     tokenizer.json is written out (its contents, not a path), a tiktoken encoding's name is recorded
     (our loader rebuilds it). tokenizer=None writes the weights alone (from_pretrained reads them;
-    the scripts then need a tokenizer.json added). A vanilla model is a Qwen3 folder that
-    transformers loads; any other carries its code (hf_config's auto_map, write_remote_code);
-    from_pretrained reads any of them exactly.
+    the scripts then need a tokenizer.json added).
 
     The folder is written beside out_dir and renamed into place, so an interrupted export leaves
     nothing half written, and a replaced folder (overwrite=True) keeps no file of the earlier one (a
@@ -321,10 +292,9 @@ def save_pretrained(model: GPT, out_dir, tokenizer, overwrite=False):
             f"the tokenizer {tokenizer.name} has {tokenizer.n_vocab} tokens, more than the model's "
             f"vocab_size {model.config.vocab_size}: it is not this model's tokenizer")
     state = {hf_name(k): v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()
-             # a tied head is not stored twice
-             if not (k == "lm_head.weight" and model.config.tie_embeddings)}
-    dtype = model.embed_tokens.weight.dtype
-    cfg = hf_config(model.config, dtype, getattr(tokenizer, "eot_token", None))
+             if not (k == "lm_head.weight" and model.config.tie_embeddings)}  # not stored twice
+    cfg = hf_config(model.config, model.embed_tokens.weight.dtype,
+                    getattr(tokenizer, "eot_token", None))
     clean_stale(out, hidden=True)  # a killed export's .NAME.tmp<pid>, .NAME.old<pid>
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)

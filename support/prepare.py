@@ -133,8 +133,7 @@ def _markdown_to_text(md):
         line = line.rstrip()  # markdown's two-space line breaks
         speaker = re.fullmatch(r"\*\*([^*]+)\*\*", line)
         line = speaker[1] + ":" if speaker else re.sub(r"^#+\s*", "", line)
-        # emphasis around stage directions, escaped '\[' and '\--'
-        lines.append(re.sub(r"[*_\\]", "", line))
+        lines.append(re.sub(r"[*_\\]", "", line))  # stage directions' emphasis, escaped '\[' '\--'
     return "\n".join(lines).strip() + "\n"
 
 
@@ -202,23 +201,19 @@ def _documents(source, inputs, shards, tokenizer, val_fraction, decode_errors):
 
 
 def _named(read, path):
-    """read(path)'s documents; a file that cannot be read or parsed stops the run with its name."""
+    """read(path)'s documents; a file that cannot be read or parsed stops the run with its name.
+    What a damaged file raises: its library's own errors (pyarrow's, zstd's), bad JSON or UTF-8
+    (ValueError), a record without "text" (KeyError, TypeError), a failed read."""
     try:
         yield from read(path)
     except Exception as e:
-        if not isinstance(e, _read_errors()):  # a bug, in a reader or below: a traceback
+        errors = [OSError, ValueError, KeyError, TypeError]
+        for module, name in (("pyarrow", "ArrowException"), ("zstandard", "ZstdError")):
+            if importlib.util.find_spec(module):  # imported by the reader that raised, if one
+                errors.append(getattr(importlib.import_module(module), name))
+        if not isinstance(e, tuple(errors)):  # a bug, in a reader or below: a traceback
             raise
         raise DataError(f"cannot read {path} ({type(e).__name__}: {e}); fix or remove it") from e
-
-
-def _read_errors():
-    """What a damaged input file raises while read: its library's own errors (pyarrow's, zstd's),
-    bad JSON or UTF-8 (ValueError), a record without "text" (KeyError, TypeError), a failed read."""
-    errors = [OSError, ValueError, KeyError, TypeError]
-    for module, name in (("pyarrow", "ArrowException"), ("zstandard", "ZstdError")):
-        if importlib.util.find_spec(module):  # imported by the reader that raised, if it was one
-            errors.append(getattr(importlib.import_module(module), name))
-    return tuple(errors)
 
 
 def _chunks(docs, every):
@@ -303,9 +298,8 @@ def prepare(source, name=None, tokenizer=None, inputs=None, out_dir="data", val_
             num_proc=None, force=False, shards=1, decode_errors="strict"):
     """Build <out_dir>/<name>/{train.bin, val.bin, meta.json} and return that directory.
 
-    A directory whose meta.json exists is finished and is returned untouched unless force. The new
-    files are built in <name>.tmp<pid> and swapped in whole at the end. Call it from one process
-    only (e.g. rank 0)."""
+    A directory whose meta.json exists is finished and is returned untouched unless force. Call it
+    from one process only (e.g. rank 0)."""
     check_request(source, name, val_fraction, num_proc, shards)
     name, tokenizer = name or source, tokenizer or DEFAULT_TOKENIZER[source]
     inputs = [str(inputs)] if isinstance(inputs, (str, Path)) else [str(i) for i in inputs or []]
@@ -316,7 +310,10 @@ def prepare(source, name=None, tokenizer=None, inputs=None, out_dir="data", val_
     _check_replaceable(data_dir)
     docs, description, split_rule = _documents(source, inputs, shards, tokenizer, val_fraction,
                                                decode_errors)
-    enc = _uint16_tokenizer(tokenizer)
+    enc = get_tokenizer(tokenizer)  # its name: for a hub id, the local folder the workers load
+    if enc.n_vocab > 2**16:
+        raise DataError(f"tokenizer {enc.name} has {enc.n_vocab} tokens, more than uint16 ids "
+                        f"can hold")
     every, start = round(1 / val_fraction), time.time()
     tmp = data_dir.with_name(f"{data_dir.name}.tmp{os.getpid()}")
     try:
@@ -351,16 +348,6 @@ def _destination(out_dir, name) -> Path:
     not_in_a_checkpoint(data_dir, "--out_dir")
     clean_stale(data_dir, inside=True)
     return data_dir
-
-
-def _uint16_tokenizer(tokenizer):
-    """The tokenizer, whose ids must fit the uint16 files. Its `name` is a local folder for a hub
-    id, which the worker processes then load from there."""
-    enc = get_tokenizer(tokenizer)
-    if enc.n_vocab > 2**16:
-        raise DataError(f"tokenizer {enc.name} has {enc.n_vocab} tokens, more than uint16 ids "
-                        f"can hold")
-    return enc
 
 
 def _tokenize(docs, every, tmp, name, tokenizer, num_proc):
