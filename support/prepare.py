@@ -263,19 +263,6 @@ def _check_replaceable(data_dir):
             f"move them, or pick another --name or --out_dir")
 
 
-def _swap_in(tmp, data_dir):
-    """Replace data_dir by the finished folder tmp: the old one is renamed away, the new one in, the
-    old deleted. Every moment leaves a whole dataset at data_dir, or (between the renames)
-    <name>.old<pid> that clean_stale puts back."""
-    if data_dir.exists():
-        old = data_dir.with_name(f"{data_dir.name}.old{os.getpid()}")
-        os.rename(data_dir, old)
-        os.rename(tmp, data_dir)
-        shutil.rmtree(old)
-    else:
-        os.rename(tmp, data_dir)
-
-
 def check_request(source, name, val_fraction, num_proc=None, shards=1):
     """A ConfigError for arguments no dataset can be prepared from (prepare_data.py checks them
     before anything is read)."""
@@ -329,7 +316,15 @@ def prepare(source, name=None, tokenizer=None, inputs=None, out_dir="data", val_
                 "split": split_rule or f"non-empty document i is val if i % {every} == 0",
                 "tokens": tokens, "documents": documents}
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
-        _swap_in(tmp, data_dir)
+        # the old folder renamed away, the new one in, the old deleted: every moment leaves a whole
+        # dataset at data_dir, or (between the renames) <name>.old<pid> that clean_stale puts back
+        old = data_dir.with_name(f"{data_dir.name}.old{os.getpid()}")
+        if data_dir.exists():
+            os.rename(data_dir, old)
+            os.rename(tmp, data_dir)
+            shutil.rmtree(old)
+        else:
+            os.rename(tmp, data_dir)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp)
