@@ -144,6 +144,12 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(prog=prog, allow_abbrev=False, formatter_class=formatter_class, **kwargs)
         self.flags = []
 
+    def add_argument(self, *args, **kwargs):
+        # argparse formats no help line for an option without help: give its default one
+        if kwargs.get("help") is None and kwargs.get("default") not in (None, False, ""):
+            kwargs["help"] = "(default: %(default)s)"
+        return super().add_argument(*args, **kwargs)
+
     def add_flag(self, name, help=None):
         """A boolean, False unless given: --name, or --name=True/False/1/0 (parse_known_args)."""
         self.flags.append(name)

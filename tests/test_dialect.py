@@ -75,6 +75,7 @@ def test_flags_and_keys_take_the_same_boolean_words():
 
 @pytest.mark.parametrize("script, shown", [
     ("sample.py", "keep the k most likely tokens; 0 = all (default: 200)"),
+    ("sample.py", "--num_samples NUM_SAMPLES (default: 1)"),  # an option without help text
     ("prepare_data.py", "(default: 0.1)"),
     ("eval.py", "examples in each prompt"),  # its own formatter, and its help names its defaults
 ])
