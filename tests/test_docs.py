@@ -336,3 +336,12 @@ def test_no_tracked_file_holds_merge_conflict_markers():
              if (lines := conflict_markers(text))}
     assert not found, ("merge-conflict markers (resolve them: keep the right text, drop the "
                        f"markers), file: lines: {found}")
+
+
+def test_the_readme_and_the_tests_page_state_one_suite_time():
+    """The full suite's measured minutes, said once in each place and the same in both."""
+    said = {}
+    for path in (ROOT / "README.md", ROOT / "docs" / "tests.md"):
+        text = " ".join(path.read_text().split())
+        said[path.name] = re.findall(r"(?:takes|tests in) about (\d+) minutes", text)
+    assert said["README.md"] == said["tests.md"] and len(said["README.md"]) == 1, said

@@ -280,11 +280,11 @@ def prepare(capsys, *args):
 
 def test_prepare_data_names_the_flag_before_loading_a_tokenizer(tmp_path, monkeypatch, capsys):
     """--out_dir=README.md and --num_proc=-1 failed on gpt2's download (offline), naming neither."""
-    from support import prepare
+    from support import prepare as preparation
 
     def loaded(*args):
         raise AssertionError("the tokenizer was loaded before the flags were checked")
-    monkeypatch.setattr(prepare, "get_tokenizer", loaded)
+    monkeypatch.setattr(preparation, "get_tokenizer", loaded)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "a.txt").write_text("text\n" * 50)
     (tmp_path / "README.md").write_text("mine")
