@@ -68,6 +68,8 @@ def main(argv):
             run_config.batch_layout(cfg, int(os.environ.get("WORLD_SIZE", 1)))
         return memory.print_plan(cfg, run_config.MODEL_KEYS)
     proc = setup_process(cfg)
+    if proc.master and run_config.overrides(cfg):  # before a derived value (vocab_size) is set
+        print(run_config.overrides(cfg))
     lock = claim(cfg, ckpt) if proc.master else None  # held until the process exits
     run = start(cfg, ckpt, init, proc)
     del ckpt, init
@@ -286,8 +288,6 @@ def start(cfg, ckpt, init, proc) -> Run:
     restore(run, ckpt)
     if proc.master:
         run.wandb = start_log(cfg, history, run.out_dir, run.step)
-        if run_config.overrides(cfg):
-            print(run_config.overrides(cfg))
         print(f"{model.num_params() / 1e6:.2f}M parameters | {proc.device} "
               f"{'bf16' if proc.bf16 else 'fp32'} | world {proc.world} | {accum} micro-steps of "
               f"{mb} x {T} tokens per rank per step | data {data_dir} ({len(train)} train / "

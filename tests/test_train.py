@@ -48,10 +48,13 @@ def test_the_first_screen_is_what_differs_from_the_defaults_then_the_summary(ref
     out, stdout = reference
     lines = stdout.splitlines()
     summary = next(i for i, line in enumerate(lines) if "M parameters | " in line)
-    config = json.loads((out / "config.json").read_text())
-    changed = [f"{k} = {config[k]!r}" for k in run_config.DEFAULTS
-               if config[k] != run_config.DEFAULTS[k]]
-    assert lines[:summary] == changed and "n_layer = 3" in changed and "seed = 1337" not in changed
+    asked = run_config.parse_args([*TINY, *SINGLE, f"--data_root={out.parent}", f"--out_dir={out}",
+                                   "--sample_tokens=20"])
+    changed = [f"{k} = {asked[k]!r}" for k in run_config.DEFAULTS
+               if asked[k] != run_config.DEFAULTS[k]]
+    assert [line.split(" = ")[0] for line in lines[:summary]] == [c.split(" = ")[0] for c in changed]
+    assert "n_layer = 3" in lines[:summary] and not any(  # derived from the data, not asked for
+        line.startswith(("vocab_size", "seed")) for line in lines[:summary])
     assert lines[summary + 1].startswith("eval step 0 | val_loss"), lines[summary:summary + 2]
 
 
