@@ -39,7 +39,6 @@ import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
 
 from baselines import DEPTH_MODES
@@ -250,11 +249,9 @@ def run_protocol(cfg, extra, lrs, names):
     args = [a if a.startswith("--") else str(Path(a).resolve()) for a in extra]
     # every run's files and overrides, resolved and checked as train.py checks them (a model key's
     # choices are its config's): a wrong key or value stops the sweep up front
-    keys = {k: replace(key, choices=None) if k in run_config.MODEL_KEYS else key
-            for k, key in run_config.TRAIN_KEYS.items()}
     for name in names:
         try:
-            check_keys(train_config(run_files(base, name) + args), keys)
+            run_config.check_keys(train_config(run_files(base, name) + args))
         except ConfigError as e:
             raise ConfigError(f"the {name} run: {e}") from None
     report.check_outputs(out, protocol, names)

@@ -21,12 +21,17 @@ from torch.nn.attention.bias import causal_lower_right
 
 
 class ConfigError(ValueError):
-    """A config that describes no model; the message names the fix. The scripts print it as one
-    line; support.errors.ConfigError (their bad input) is a subclass, so one except catches both."""
+    """A config that describes no model; the message names the fix (support.errors': a subclass)."""
+
+
+def need(ok: bool, message: str):
+    """A ConfigError with the message (which names the fix) unless ok: checks read as rules."""
+    if not ok:
+        raise ConfigError(message)
 
 
 def knob(default, help: str):
-    """A config field with its --help line (train.py's, support/run_config.py reads it)."""
+    """A config field with its --help line (support/run_config.py reads it)."""
     return field(default=default, metadata={"help": help})
 
 
@@ -47,39 +52,32 @@ class ModelConfig:
     norm_eps: float = knob(1e-6, "RMSNorm epsilon (Qwen3 default)")
     init_std: float = knob(0.02, "std of every Linear's and the embedding's init (3B: 0.01)")
     depth_mode: str = knob("value", "a row of model.DEPTH_MODES (value = Depth-Attention)")
-    depth_stride: Optional[int] = knob(None, "a source every `stride`-th layer; None = the mode's "
-                                       "default (half the effective depth; lime: 1)")
-    depth_recent_window: int = knob(0, "also the r most recent earlier layers as sources "
-                                    "(paper: 0)")
+    depth_stride: Optional[int] = knob(None, "a source every k-th layer; None = the mode's default")
+    depth_recent_window: int = knob(0, "also the r most recent earlier layers (paper: 0)")
     n_loops: int = knob(1, "run the n_layer blocks this many times (looped Transformer)")
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "head_dim",
                      "n_embd", "mlp_hidden", "n_loops"):
             value = getattr(self, name)
-            if not (isinstance(value, int) and value >= 1):
-                raise ConfigError(f"ModelConfig: {name} must be a positive integer, got {value!r}")
-        if self.n_head % self.n_kv_head != 0:
-            raise ConfigError(f"ModelConfig: n_head ({self.n_head}) must be a multiple of "
-                              f"n_kv_head ({self.n_kv_head}); pick n_kv_head from the divisors "
-                              f"of n_head")
-        if self.head_dim % 2 != 0:
-            raise ConfigError(f"ModelConfig: head_dim must be even for RoPE, got {self.head_dim}")
-        if self.depth_mode not in DEPTH_MODES:
-            raise ConfigError(f"ModelConfig: unknown depth_mode {self.depth_mode!r}; choose one of "
-                              f"{', '.join(DEPTH_MODES)} (baselines.py's row, lime, needs "
-                              f"baselines imported)")
-        stride = self.depth_stride
-        if not (stride is None or (isinstance(stride, int) and stride >= 1)):
-            raise ConfigError(f"ModelConfig: depth_stride must be an integer >= 1 (1 = every "
-                              f"earlier layer, >= n_layer = layer 0 only) or None for the mode's "
-                              f"default, got {stride!r}")
-        window = self.depth_recent_window
-        if not (isinstance(window, int) and window >= 0):
-            raise ConfigError(f"ModelConfig: depth_recent_window must be an integer >= 0, got "
-                              f"{window!r}")
-        if not (self.init_std > 0 and self.rope_theta > 0 and self.norm_eps > 0):
-            raise ConfigError("ModelConfig: init_std, rope_theta and norm_eps must be positive")
+            need(isinstance(value, int) and value >= 1,
+                 f"ModelConfig: {name} must be a positive integer, got {value!r}")
+        need(self.n_head % self.n_kv_head == 0, f"ModelConfig: n_head ({self.n_head}) must be a "
+             f"multiple of n_kv_head ({self.n_kv_head}); pick n_kv_head from the divisors of "
+             f"n_head")
+        need(self.head_dim % 2 == 0, f"ModelConfig: head_dim must be even for RoPE, got "
+             f"{self.head_dim}")
+        need(self.depth_mode in DEPTH_MODES, f"ModelConfig: unknown depth_mode "
+             f"{self.depth_mode!r}; choose one of {', '.join(DEPTH_MODES)} (baselines.py's row, "
+             f"lime, needs baselines imported)")
+        stride, window = self.depth_stride, self.depth_recent_window
+        need(stride is None or (isinstance(stride, int) and stride >= 1), f"ModelConfig: "
+             f"depth_stride must be an integer >= 1 (1 = every earlier layer, >= n_layer = layer 0 "
+             f"only) or None for the mode's default, got {stride!r}")
+        need(isinstance(window, int) and window >= 0,
+             f"ModelConfig: depth_recent_window must be an integer >= 0, got {window!r}")
+        need(self.init_std > 0 and self.rope_theta > 0 and self.norm_eps > 0,
+             "ModelConfig: init_std, rope_theta and norm_eps must be positive")
 
     @property
     def n_eff_layer(self) -> int:
@@ -88,8 +86,7 @@ class ModelConfig:
 
     @property
     def stride(self) -> int:
-        """depth_stride, or the mode's default: half the effective depth (paper section 2.3), or
-        the stride a row outside the paper registers in DEFAULT_STRIDES (LIMe's 1)."""
+        """depth_stride, or its mode's in DEFAULT_STRIDES, or half the effective depth (2.3)."""
         if self.depth_stride is not None:
             return self.depth_stride
         return DEFAULT_STRIDES.get(self.depth_mode) or max(1, self.n_eff_layer // 2)
@@ -116,9 +113,8 @@ def group_mean(q, n_kv_head):
     return q.unflatten(1, (n_kv_head, -1)).mean(2)
 
 
-# How a layer weighs its C candidates: qbar (B, n_kv_head, T, D) and the candidates' keys, each
-# like qbar, give alpha (B, n_kv_head, C, T) in float32. Candidates come before positions, so the
-# softmax and each candidate's weights run along contiguous positions (2x faster, docs/cost.md).
+# How a layer weighs its C candidates: qbar and the keys, each (B, n_kv_head, T, D), give alpha
+# (B, n_kv_head, C, T) in float32, positions contiguous (2x faster than C last, docs/cost.md).
 
 def softmax_weights(qbar, keys):
     """The paper's depth weights (section 2.1): alpha_c = softmax_c(<qbar, K_c> / sqrt(D))."""
@@ -140,9 +136,8 @@ class DepthMode:
     mixes_k: bool = False         # the mixed key replaces the layer's own (its K cache slot)
     mixes_v: bool = False         # the mixed value replaces the layer's own (its V cache slot)
     decode_kernel: bool = False   # a decode step in one attention call (softmax_weights only)
-    params: Optional[Callable] = None  # a learned rule: (config, layer) -> the nn.Module of one
-    # block's parameters, registered as Attention.depth_params; weights then takes (qbar, keys,
-    # depth_params, e). Its `optimizer_group` attribute, if any, is train.py's group for them.
+    params: Optional[Callable] = None  # a learned rule: (config, layer) -> one block's nn.Module
+    # (Attention.depth_params; its `optimizer_group`, train.py's); weights gets (qbar, keys, it, e)
 
     def __post_init__(self):
         if self.decode_kernel and self.weights is not softmax_weights:
@@ -166,9 +161,7 @@ DEPTH_MODES = {
     "key": DepthMode(softmax_weights, mixes_k=True, decode_kernel=True),        # Table 6
     "kv": DepthMode(softmax_weights, mixes_k=True, mixes_v=True, decode_kernel=True),  # Table 6
 }
-# What depth_stride=None means for a row whose method fixes its own stride, where not the paper's
-# half depth: baselines.py's LIMe reads every earlier layer ("lime": 1).
-DEFAULT_STRIDES: dict[str, int] = {}
+DEFAULT_STRIDES: dict[str, int] = {}  # a row's own stride for depth_stride=None (LIMe's: 1)
 
 
 def depth_mix(q, k, v, src_k, src_v, mode: DepthMode, rule=()):
@@ -197,11 +190,9 @@ def depth_mix(q, k, v, src_k, src_v, mode: DepthMode, rule=()):
     return k_out, v_out, alpha
 
 
-def check_layout(alpha, qbar, C):
-    """A fork's weights laid out positions first, (B, n_kv_head, T, C), refused by name: at T = C
-    the shape hides the transpose and only the values tell (the contract's reference test)."""
+def check_layout(alpha, qbar, C):  # a fork's (B, n_kv_head, T, C): at T = C only values tell
     want = (*qbar.shape[:2], C, qbar.shape[2])
-    if alpha.shape != want:
+    if alpha.shape != want:  # the message is built only when it is raised: this runs every layer
         raise ValueError(f"depth weights of shape {tuple(alpha.shape)}; want (B, n_kv_head, C, T) ="
                          f" {want}: candidates before positions")
 
@@ -239,9 +230,8 @@ class KVCache:
 
     def __init__(self, config: ModelConfig, batch_size: int, max_len: int, device=None,
                  dtype=torch.float32):
-        if max_len > config.block_size:
-            raise ValueError(f"KVCache max_len {max_len} exceeds the context length block_size="
-                             f"{config.block_size}; shorten the prompt or the number of new tokens")
+        need(max_len <= config.block_size, f"KVCache max_len {max_len} exceeds the context length "
+             f"block_size={config.block_size}; shorten the prompt or the number of new tokens")
         shape = (config.n_eff_layer, batch_size, config.n_kv_head, max_len, config.head_dim)
         self.k, self.v = (torch.zeros(shape, device=device, dtype=dtype) for _ in "kv")
         self.pos = 0  # tokens written so far: advance(T) once per forward, after every layer
@@ -262,15 +252,15 @@ class KVCache:
         return self.k[e, :, :, :end], self.v[e, :, :, :end]
 
     def advance(self, T: int):
-        """The chunk's T tokens are written in every layer: the next forward continues after them."""
+        """The chunk's T tokens are in every layer: the next forward continues after them."""
         self.pos += T
 
 
 # ----------------------------------------------------------------------------- the decoder
 
 def rope_tables(config: ModelConfig, start: int, T: int, device, dtype):
-    """cos, sin for positions start .. start+T-1, (T, D), in the parameters' precision (float32,
-    float64 in exact tests), which keeps long positions accurate; apply_rope casts them."""
+    """cos, sin (T, D) of positions start .. start+T-1 in the parameters' precision (accurate at
+    long positions; float64 in exact tests); apply_rope casts them."""
     dims = torch.arange(0, config.head_dim, 2, device=device, dtype=dtype)
     inv_freq = 1.0 / config.rope_theta ** (dims / config.head_dim)             # (D/2,)
     freqs = torch.outer(torch.arange(start, start + T, device=device, dtype=dtype), inv_freq)
@@ -296,11 +286,10 @@ class RMSNorm(nn.Module):
 
 
 def causal_attention(q, k, v):
-    """Causal attention of q's T queries, the last T of k's S positions. The calls a GPU runs most
-    take no mask, so FlashAttention serves them: training and a prefill into an empty cache are
-    is_causal, a decode step sees every key; a chunk continuing a filled cache takes
-    causal_lower_right (docs/cost.md). is_causal stays a literal: under torch.compile `T > 1`
-    would be a symbolic bool, which SDPA refuses."""
+    """Causal attention of q's T queries, the last T of k's S positions. Training, a prefill into
+    an empty cache (is_causal) and a decode step take no mask, so FlashAttention serves them; a
+    chunk continuing a filled cache takes causal_lower_right (docs/cost.md). is_causal stays a
+    literal: under torch.compile `T > 1` would be a symbolic bool, which SDPA refuses."""
     T, S = q.shape[2], k.shape[2]
     if T == 1:
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
@@ -327,8 +316,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(c.n_head * c.head_dim, c.n_embd, bias=False)
         self.q_norm = RMSNorm(c.head_dim, c.norm_eps) if c.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(c.head_dim, c.norm_eps) if c.qk_norm else nn.Identity()
-        # a learned row's parameters (DepthMode.params): in this module, so trained and saved;
-        # none where no layer the block runs as has sources (layer 0, run once), as none would learn
+        # a learned row's (DepthMode.params), none where the block never has sources (layer 0)
         mixing = any(c.sources(e) for e in range(layer, c.n_eff_layer, c.n_layer))
         self.depth_params = self.mode.params(c, layer) if self.mode.params and mixing else None
 
@@ -360,8 +348,7 @@ class Attention(nn.Module):
 
     def depth_step(self, q, k, v, src_k, src_v, e):
         """k, v mixed with the sources' records as the layer's row of DEPTH_MODES says."""
-        # A decode step (T = 1) of a row that opts in takes the one-call kernel, the same mix
-        # (section 2.1) faster; it yields no alpha, so not while capture() records the weights.
+        # a decode step's one-call kernel (the same mix, faster) has no alpha for capture()
         if self.mode.decode_kernel and q.shape[2] == 1 and self.weights_sink is None:
             return depth_mix_one(q, k, v, src_k, src_v, self.mode)
         rule = () if self.depth_params is None else (self.depth_params, e)
@@ -417,7 +404,6 @@ class Block(nn.Module):
 class GPT(nn.Module):
     attention_type = Attention  # the class of every block's attention: the seam for a variant
     cache_type = KVCache        # the cache new_cache makes: a variant may store less
-    recomputed = ("forward",)   # what --activation_checkpointing recomputes: each Block's methods
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -433,10 +419,8 @@ class GPT(nn.Module):
         self.depth_sources = [config.sources(e) for e in range(config.n_eff_layer)]
         for e, src in enumerate(self.depth_sources):  # a fork's rule too: records exist below e
             late = [j for j in src if not 0 <= j < e]
-            if late:
-                raise ConfigError(f"ModelConfig: sources({e}) gives {late}: a layer mixes only the "
-                                  f"records of earlier layers, 0 <= j < {e}; fix the rule in "
-                                  f"ModelConfig.sources")
+            need(not late, f"ModelConfig: sources({e}) gives {late}: a layer mixes only the "
+                 f"records of earlier layers, 0 <= j < {e}; fix the rule in ModelConfig.sources")
         self.last_reader = {j: e for e, src in enumerate(self.depth_sources) for j in src}
         self.apply(self._init_weights)
 
@@ -459,7 +443,7 @@ class GPT(nn.Module):
         """idx: (B, T) token ids. Returns (logits (B, T, vocab), loss or None). With a cache, idx
         continues the sequence at position cache.pos (a prefill, a chunk or one token)."""
         T, pos = idx.shape[1], (cache.pos if cache is not None else 0)
-        if pos + T > self.config.block_size:
+        if pos + T > self.config.block_size:  # raise, not need(): no message built per forward
             raise ValueError(f"sequence of {pos + T} tokens exceeds the context length block_size"
                              f"={self.config.block_size}")
         if cache is not None and pos + T > cache.max_len:
@@ -481,10 +465,9 @@ class GPT(nn.Module):
         """Sample max_new_tokens after the prompt idx (B, T) with the KV cache (temperature 0:
         greedy). cache_dtype: K and V's dtype where not the parameters' (FSDP's bf16 compute)."""
         B, T = idx.shape
-        if T + max_new_tokens > self.config.block_size:
-            raise ConfigError(f"prompt ({T} tokens) + max_new_tokens ({max_new_tokens}) = "
-                              f"{T + max_new_tokens} exceeds the context length block_size="
-                              f"{self.config.block_size}; shorten the prompt or ask for fewer tokens")
+        need(T + max_new_tokens <= self.config.block_size, f"prompt ({T} tokens) + max_new_tokens "
+             f"({max_new_tokens}) = {T + max_new_tokens} exceeds the context length block_size="
+             f"{self.config.block_size}; shorten the prompt or ask for fewer tokens")
         cache = self.new_cache(B, T + max_new_tokens, dtype=cache_dtype)
         logits, _ = self(idx, cache=cache)
         out = [idx]

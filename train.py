@@ -68,8 +68,8 @@ def main(argv):
             run_config.batch_layout(cfg, int(os.environ.get("WORLD_SIZE", 1)))
         return memory.print_plan(cfg, run_config.MODEL_KEYS)
     proc = setup_process(cfg)
-    if proc.master and run_config.overrides(cfg):  # before a derived value (vocab_size) is set
-        print(run_config.overrides(cfg))
+    if proc.master and (changed := run_config.overrides(cfg)):  # before vocab_size is derived
+        print(changed)
     lock = claim(cfg, ckpt) if proc.master else None  # held until the process exits
     run = start(cfg, ckpt, init, proc)
     del ckpt, init
@@ -256,6 +256,11 @@ class Run:
     step: int = 0
     best_val: float = float("inf")
     last_ckpt: Optional[int] = None  # the step of the last checkpoint written
+
+    @property
+    def ckpt_path(self) -> Path:
+        """Where the checkpoint goes: ckpt.pt, or an FSDP run's ckpt.dcp folder."""
+        return self.out_dir / (SHARDED if self.par.sharded else "ckpt.pt")
 
 
 def start(cfg, ckpt, init, proc) -> Run:
@@ -462,14 +467,14 @@ def save(run: Run, lr):
     if not par.weights_finite():
         raise Diverged(run.step, "non-finite weights", lr, run.last_ckpt)
     state = {"step": run.step, "best_val_loss": run.best_val, **run.record, "rng": rng_state()}
-    path = run.out_dir / (SHARDED if par.sharded else "ckpt.pt")
+    path = run.ckpt_path
     try:
         if par.sharded:
             from support.sharded import save_sharded
             save_sharded(par.model, run.optimizer, state, run.out_dir, master)
         elif master:
             save_checkpoint({"model": par.model.state_dict(),
-                                   "optimizer": run.optimizer.state_dict(), **state}, path)
+                             "optimizer": run.optimizer.state_dict(), **state}, path)
     except (OSError, RuntimeError, CheckpointError) as e:
         # a full disk (torch's zip writer says RuntimeError), a lost rank (SaveError)
         raise SaveFailed(path, run.step, e, run.last_ckpt) from None
@@ -478,7 +483,7 @@ def save(run: Run, lr):
 
 def finish(run: Run, stopped_by):
     """The end-of-run sample of a finished run, and the last line: where the checkpoint is."""
-    proc, saved_to = run.proc, run.out_dir / (SHARDED if run.par.sharded else "ckpt.pt")
+    proc, saved_to = run.proc, run.ckpt_path
     if run.enc is not None and run.step == run.cfg["max_iters"]:  # FSDP: every rank generates
         sample_preview(run)
     if proc.master and stopped_by:

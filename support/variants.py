@@ -129,11 +129,11 @@ def build_model(config: ModelConfig) -> GPT:
 # ----------------------------------------------------------------------------- checkpointing
 
 def checkpoint_units(model) -> list:
-    """The (object, method name) pairs activation checkpointing recomputes (the model class's
-    `recomputed`): a block's method, or the forward of a block's module."""
+    """The (object, method name) pairs activation checkpointing recomputes: each block's forward,
+    or the pieces a model class names in its `recomputed` (a block's methods or modules)."""
     units = []
     for block in model.layers:
-        for name in type(model).recomputed:
+        for name in getattr(type(model), "recomputed", ("forward",)):
             part = getattr(block, name)
             units.append((part, "forward") if isinstance(part, nn.Module) else (block, name))
     return units

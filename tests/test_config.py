@@ -88,3 +88,13 @@ def test_a_key_table_gives_the_defaults_the_help_and_the_checks():
                                                "--n_layer=12")):
         with pytest.raises(ConfigError, match=message):
             check_keys(parse_config(defaults, argv), keys)
+
+
+@pytest.mark.parametrize("key", ["max_iters", "learning_rate", "seed", "block_size",
+                                 "eval_interval", "compile"])
+def test_train_refuses_none_where_a_value_is_needed(key):
+    """train.py's table through the one check every key table uses (support.config.check_keys):
+    None is refused by name, where it used to pass and end in a TypeError or a silent False."""
+    from support import run_config
+    with pytest.raises(ConfigError, match=f"--{key}=None: give a value"):
+        run_config.parse_args([f"--{key}=None"])
