@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 
 import torch.nn as nn
 
-from model import DEPTH_MODES, GPT, ConfigError, ModelConfig, knob
+from model import DEPTH_MODES, GPT, ConfigError, ModelConfig, knob, need
 
 # The names baselines.py builds (its BASELINES, ATTENTIONS and DEPTH_MODELS, tests/test_mode_lists
 # checks they agree): a config that names none of them is a plain model.GPT.
@@ -41,36 +41,27 @@ class BaselineConfig(ModelConfig):
         for name in ("denseformer_dwa_dilation", "denseformer_dwa_period", "attnres_block_size",
                      "mhc_num_streams", "mhc_sinkhorn_iters"):
             value = getattr(self, name)
-            if not (isinstance(value, int) and value >= 1):
-                raise ConfigError(f"BaselineConfig: {name} must be a positive integer, got "
-                                  f"{value!r}")
-        if self.residual not in RESIDUALS:
-            raise ConfigError(f"BaselineConfig: unknown residual {self.residual!r}; choose one of "
-                              f"{', '.join(RESIDUALS)}")
+            need(isinstance(value, int) and value >= 1,
+                 f"BaselineConfig: {name} must be a positive integer, got {value!r}")
+        need(self.residual in RESIDUALS, f"BaselineConfig: unknown residual {self.residual!r}; "
+             f"choose one of {', '.join(RESIDUALS)}")
         if self.residual != "add":  # the paper compares each with vanilla attention, one change
-            if self.depth_mode != "vanilla":
-                raise ConfigError(f"BaselineConfig: residual={self.residual} is a baseline with "
-                                  f"vanilla attention; use --depth_mode=vanilla with "
-                                  f"--residual={self.residual} (not depth_mode={self.depth_mode})")
-            if self.n_loops != 1:
-                raise ConfigError(f"BaselineConfig: residual={self.residual} is defined for one "
-                                  f"pass over the layers; use --n_loops=1 with "
-                                  f"--residual={self.residual}")
-        if self.attention not in ATTENTIONS:
-            raise ConfigError(f"BaselineConfig: unknown attention {self.attention!r}; choose one "
-                              f"of {', '.join(ATTENTIONS)}")
+            need(self.depth_mode == "vanilla", f"BaselineConfig: residual={self.residual} is a "
+                 f"baseline with vanilla attention; use --depth_mode=vanilla with "
+                 f"--residual={self.residual} (not depth_mode={self.depth_mode})")
+            need(self.n_loops == 1, f"BaselineConfig: residual={self.residual} is defined for one "
+                 f"pass over the layers; use --n_loops=1 with --residual={self.residual}")
+        need(self.attention in ATTENTIONS, f"BaselineConfig: unknown attention "
+             f"{self.attention!r}; choose one of {', '.join(ATTENTIONS)}")
         if self.attention == "keyless":  # its depth step mixes values; there is no key to mix
-            if DEPTH_MODES[self.depth_mode].mixes_k:
-                raise ConfigError(f"BaselineConfig: attention=keyless has no keys for "
-                                  f"depth_mode={self.depth_mode} to mix; use --depth_mode=value, "
-                                  f"uniform or vanilla")
-            if self.residual != "add":
-                raise ConfigError(f"BaselineConfig: attention=keyless runs on the plain residual "
-                                  f"stream; use --residual=add with --attention=keyless (not "
-                                  f"residual={self.residual})")
-        if self.mhc_num_streams < 2:
-            raise ConfigError(f"BaselineConfig: mhc_num_streams must be at least 2, got "
-                              f"{self.mhc_num_streams}")
+            need(not DEPTH_MODES[self.depth_mode].mixes_k, f"BaselineConfig: attention=keyless has "
+                 f"no keys for depth_mode={self.depth_mode} to mix; use --depth_mode=value, "
+                 f"uniform or vanilla")
+            need(self.residual == "add", f"BaselineConfig: attention=keyless runs on the plain "
+                 f"residual stream; use --residual=add with --attention=keyless (not "
+                 f"residual={self.residual})")
+        need(self.mhc_num_streams >= 2,
+             f"BaselineConfig: mhc_num_streams must be at least 2, got {self.mhc_num_streams}")
 
 
 # The baselines' own keys beyond ModelConfig's: `residual`, `attention` and the methods' knobs,
