@@ -166,9 +166,8 @@ def write_remote_code(folder: Path):
     as this repository holds them now, and hf_remote/'s two classes. transformers loads the folder
     as a package and follows relative imports only (an absolute `from model import` is refused as a
     missing package), so their imports of one another become relative; nothing else changes."""
-    import baselines
-    from support import variants
-    for module in (inspect.getmodule(GPT), baselines, variants):
+    import baselines  # only an export of a model needs its comparisons' code
+    for module in (inspect.getmodule(GPT), baselines, inspect.getmodule(build_model)):
         source = Path(inspect.getfile(module))
         (folder / source.name).write_text(
             OUR_IMPORT.sub(r"\1from .\2 import ", source.read_text()))
