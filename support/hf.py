@@ -31,8 +31,9 @@ import torch
 
 from support.variants import KNOBS, attention_of, build_model, make_config, residual_of
 from model import GPT, ModelConfig
-from support.cli import SHARDED_NAMES, read_json_object, require
-from support.outputs import clean_stale
+from support.cli import read_json_object, require
+from support.folders import claim, seal
+from support.outputs import clean_stale, room_for
 from support.errors import USER_ERRORS, CheckpointError
 from support.tokenizer import EOT, HFTokenizer, is_hf_folder, snapshot
 
@@ -43,7 +44,6 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen3ForCausalLM": "qwen3",
 REMOTE_CODE = Path(__file__).resolve().parent / "hf_remote"  # its config and model classes
 AUTO_MAP = {"AutoConfig": "configuration_depth_attention.DepthAttentionConfig",
             "AutoModelForCausalLM": "modeling_depth_attention.DepthAttentionForCausalLM"}
-RUN_MARKERS = ("train.lock", "ckpt.pt", "ckpt.dcp")  # what train.py writes into its out_dir
 # An import of one of the files write_remote_code copies, at any indent (variants.build_model
 # imports baselines where it needs it).
 OUR_IMPORT = re.compile(r"^( *)from (model|baselines) import ", re.M)
@@ -274,7 +274,7 @@ def bytes_tokenizer_json() -> str:
     return tok.to_str()
 
 
-def save_pretrained(model: GPT, out_dir, tokenizer, overwrite=False):
+def save_pretrained(model: GPT, out_dir, tokenizer, overwrite=False, sources=()):
     """config.json + model.safetensors + the tokenizer, a folder that loads from anywhere: a
     tokenizer.json is written out (its contents, not a path), a tiktoken encoding's name is recorded
     (our loader rebuilds it). tokenizer=None writes the weights alone (from_pretrained reads them;
@@ -285,7 +285,7 @@ def save_pretrained(model: GPT, out_dir, tokenizer, overwrite=False):
     stale shard index would otherwise be read before the new weights)."""
     safetensors_torch = _safetensors("safetensors.torch")
     out = Path(out_dir)
-    check_export_dir(out, overwrite)
+    check_export_dir(out, overwrite, sources)
     if tokenizer is not None and tokenizer.n_vocab > model.config.vocab_size:
         raise CheckpointError(
             f"the tokenizer {tokenizer.name} has {tokenizer.n_vocab} tokens, more than the model's "
@@ -298,32 +298,35 @@ def save_pretrained(model: GPT, out_dir, tokenizer, overwrite=False):
     tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     try:
-        tmp.mkdir(parents=True)
-        if tokenizer is not None and not isinstance(tokenizer, HFTokenizer):
-            cfg["tokenizer"] = tokenizer.name  # tokenizer.get_tokenizer(name) rebuilds it
-        text = tokenizer.text if isinstance(tokenizer, HFTokenizer) else \
-            bytes_tokenizer_json() if getattr(tokenizer, "name", None) == "bytes" else None
-        if text:  # tokenizer_config.json: what transformers' AutoTokenizer needs beside it
-            (tmp / "tokenizer.json").write_text(text)
-            (tmp / "tokenizer_config.json").write_text(json.dumps(
-                {"tokenizer_class": "PreTrainedTokenizerFast",
-                 "eos_token": tokenizer.decode([tokenizer.eot_token]),
-                 "model_max_length": model.config.block_size}, indent=2) + "\n")
-        safetensors_torch.save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-        if "auto_map" in cfg:
-            write_remote_code(tmp)
-        # the usual modes, which safetensors' own (0600) would not give the weights
-        mask = os.umask(0)
-        os.umask(mask)
-        for f in tmp.iterdir():
-            f.chmod(0o666 & ~mask)
-        tmp.chmod(0o777 & ~mask)
-        old = out.with_name(f".{out.name}.old{os.getpid()}")
-        if out.exists():
-            os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old, ignore_errors=True)
+        # the space: the weights (the rest is small)
+        with room_for(out_dir, lambda: sum(v.nbytes for v in state.values())):
+            tmp.mkdir(parents=True)
+            if tokenizer is not None and not isinstance(tokenizer, HFTokenizer):
+                cfg["tokenizer"] = tokenizer.name  # tokenizer.get_tokenizer(name) rebuilds it
+            text = tokenizer.text if isinstance(tokenizer, HFTokenizer) else \
+                bytes_tokenizer_json() if getattr(tokenizer, "name", None) == "bytes" else None
+            if text:  # tokenizer_config.json: what transformers' AutoTokenizer needs beside it
+                (tmp / "tokenizer.json").write_text(text)
+                (tmp / "tokenizer_config.json").write_text(json.dumps(
+                    {"tokenizer_class": "PreTrainedTokenizerFast",
+                     "eos_token": tokenizer.decode([tokenizer.eot_token]),
+                     "model_max_length": model.config.block_size}, indent=2) + "\n")
+            safetensors_torch.save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
+            (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+            if "auto_map" in cfg:
+                write_remote_code(tmp)
+            # the usual modes, which safetensors' own (0600) would not give the weights
+            mask = os.umask(0)
+            os.umask(mask)
+            seal(tmp, "export.py")
+            for f in tmp.iterdir():
+                f.chmod(0o666 & ~mask)
+            tmp.chmod(0o777 & ~mask)
+            old = out.with_name(f".{out.name}.old{os.getpid()}")
+            if out.exists():
+                os.replace(out, old)
+            os.replace(tmp, out)
+            shutil.rmtree(old, ignore_errors=True)
     except OSError as e:  # only files are written here: a full disk, a folder made read-only
         raise CheckpointError(f"cannot write {out_dir} ({e.strerror or e}); "
                               f"pick a folder you can write to") from e
@@ -331,32 +334,16 @@ def save_pretrained(model: GPT, out_dir, tokenizer, overwrite=False):
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def check_export_dir(out: Path, overwrite):
-    """Refuse a folder save_pretrained must not replace: a file, a train.py out_dir, anything with
-    subfolders (never deleted wholesale), or files of any kind unless overwrite."""
-    if out.exists() and not out.is_dir():
-        raise CheckpointError(f"{out} is a file; export into a folder")
-    # replaced whole, it would leave this process in a deleted folder
-    if out.resolve() == Path.cwd().resolve():
-        raise CheckpointError(f"{out} is the current folder; export into a folder inside it")
-    held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
-    for folder in [out.resolve(), *out.resolve().parents]:  # a run's folder, its checkpoint, within
-        if folder.name in SHARDED_NAMES or any((folder / name).exists() for name in RUN_MARKERS):
-            where = "is" if folder == out.resolve() else f"lies inside {folder},"
-            raise CheckpointError(f"{out} {where} a train.py run or checkpoint; export into a "
-                                  f"folder outside it")
-    folders = [n for n in held if (out / n).is_dir()]
-    if folders:
-        raise CheckpointError(f"{out} holds folders ({', '.join(folders)}); export into an empty "
-                              f"or new folder")
-    listed = f"{', '.join(held[:3])}{' ...' if len(held) > 3 else ''}"
-    if held and overwrite and not is_hf_folder(out):  # --overwrite replaces an export, not files
-        raise CheckpointError(
-            f"{out} holds {listed}, not an earlier export (no config.json and *.safetensors): "
-            f"--overwrite replaces only those; export into a new folder")
-    if held and not overwrite:
-        raise CheckpointError(f"{out} already holds {listed}; replace it whole with --overwrite "
+def check_export_dir(out: Path, overwrite, sources=()):
+    """Refuse a folder save_pretrained must not replace (support.folders.claim: new, empty or an
+    earlier export, never the model it reads, sources), an earlier export unless overwrite, and one
+    holding files export.py did not write (a model card added since: moved out first, never
+    deleted with the folder)."""
+    folder = claim(out, "export.py", "OUT_DIR", sources=sources)
+    if folder.names and not overwrite:
+        raise CheckpointError(f"{out} already holds an export; replace it whole with --overwrite "
                               f"(overwrite=True in Python), or export into a new folder")
+    folder.refuse_foreign()
     try:  # the folder is written beside out_dir: check before a large model is loaded for nothing
         out.parent.mkdir(parents=True, exist_ok=True)
         writable = os.access(out.parent, os.W_OK | os.X_OK)

@@ -1,17 +1,21 @@
 """
 Where a script writes its results: a result file checked before any work (`output_file`), the mark
 a script leaves on its results (`mark`, `figure_metadata`, `written_here`) so that replacing one
-checks a fact, a file written whole or not at all (`write_atomically`), and the temporaries that
-killed runs left behind (`clean_stale`).
+checks a fact, a file or figure written whole or not at all (`write_atomically`, `save_figure`, a
+line of a log: `append_line`), a full disk as one error naming the path and the space (`room_for`),
+and the temporaries that killed runs left behind (`clean_stale`).
 """
+import errno
+import io
 import json
 import os
 import re
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 from support.cli import not_in_a_checkpoint
-from support.errors import ConfigError
+from support.errors import ConfigError, DiskFull
 
 
 def output_file(path, flag, written_by=None) -> Path:
@@ -42,9 +46,9 @@ def output_file(path, flag, written_by=None) -> Path:
 
 
 def mark(script) -> str:
-    """What a script writes into its results (JSON's "written_by") and figures (their metadata),
-    so that replacing one checks a fact rather than guessing from common keys. No parentheses: a
-    PDF would escape them."""
+    """What a script writes into its results (JSON's "written_by"), figures (their metadata) and
+    folders (support/folders.py's manifest), so that replacing one checks a fact rather than
+    guessing from common keys. No parentheses: a PDF would escape them."""
     return f"{script}, Depth-Attention"
 
 
@@ -105,13 +109,78 @@ def clean_stale(dest, hidden=False, inside=False, restorable=lambda old: True):
             print(f"removed {path}, left by a killed run (pid {pid})")
 
 
-def write_atomically(path, text):
-    """Write text to path through a temporary file and a rename: an interrupted write leaves the old
-    file."""
+# a write that found no room: a full disk, a full quota, a file-size limit (RLIMIT_FSIZE)
+NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
+def no_room(e) -> bool:
+    """Whether e, or an error it wraps, is a write that found no room. torch.save raises a
+    RuntimeError over the OSError; safetensors an error of its own whose text ends as Rust's io
+    errors do, "(os error N)"."""
+    while e is not None:
+        if isinstance(e, OSError):
+            code = e.errno
+        else:
+            rust = re.search(r"\(os error (\d+)\)", str(e))
+            code = rust and int(rust[1])
+        if code in NO_ROOM:
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+@contextmanager
+def room_for(path, need, more=False):
+    """The one place a full disk becomes a user error: a write inside the block that found no room
+    raises DiskFull naming path and need() bytes (called only then; more: a lower bound). The
+    caller removes what it had written."""
+    try:
+        yield
+    except Exception as e:
+        if not no_room(e):
+            raise
+        raise DiskFull(path, need(), more) from None
+
+
+def write_atomically(path, data):
+    """Write text or bytes to path through a temporary file and a rename: an interrupted write
+    leaves the old file, a full disk the old file and DiskFull."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    data = data.encode() if isinstance(data, str) else data
     try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
+        with room_for(path, lambda: len(data)):
+            tmp.write_bytes(data)
+            os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def save_figure(fig, path, script, **savefig):
+    """A matplotlib figure drawn in memory, then written as write_atomically writes text (a full
+    disk leaves no 0-byte figure), marked as script's (figure_metadata); the figure is closed."""
+    import matplotlib.pyplot as plt  # the caller drew fig: matplotlib is here
+    buffer = io.BytesIO()
+    try:
+        fig.savefig(buffer, format=Path(path).suffix[1:].lower() or None,
+                    metadata=figure_metadata(path, script), **savefig)
+    finally:
+        plt.close(fig)
+    write_atomically(path, buffer.getvalue())
+
+
+def append_line(path, line):
+    """Append line to the file at path whole or not at all: a full disk cuts the file back to its
+    length before (no torn last line) and raises DiskFull. A log grows by a line a step, so it is
+    appended to, not rewritten."""
+    data = (line + "\n").encode()
+    with open(path, "ab", buffering=0) as f:
+        end = os.fstat(f.fileno()).st_size
+        try:
+            with room_for(path, lambda: len(data)):
+                done = 0
+                while done < len(data):  # a write(2) may write part and fail on the next
+                    done += f.write(data[done:])
+        except DiskFull:
+            f.truncate(end)
+            raise

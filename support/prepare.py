@@ -38,7 +38,8 @@ import numpy as np
 from tqdm import tqdm
 
 from support.cli import MissingPackage, not_in_a_checkpoint, reason, require
-from support.outputs import clean_stale
+from support.folders import claim, manifest, seal
+from support.outputs import clean_stale, mark, room_for
 from support.errors import ConfigError, DataError
 from support.data import SOURCES
 from support.tokenizer import get_tokenizer
@@ -249,18 +250,14 @@ def _encode(task):
     return split, len(texts), np.array(ids, dtype=np.uint16)
 
 
-def _check_replaceable(data_dir):
-    """The swap replaces data_dir whole, so it must hold nothing but a dataset: never a folder of
-    other work."""
-    if data_dir.is_file():
-        raise DataError(f"{data_dir} is a file, not a dataset folder; move it, or pick another "
-                        f"--name or --out_dir")
-    foreign = sorted(p.name for p in data_dir.iterdir() if p.name not in DATASET_FILES) \
-        if data_dir.is_dir() else []
-    if foreign:
-        raise DataError(
-            f"{data_dir} holds files prepare_data.py did not write ({', '.join(foreign[:5])}); "
-            f"move them, or pick another --name or --out_dir")
+def _check_replaceable(data_dir, inputs):
+    """The swap replaces data_dir whole, so it must be prepare_data.py's (support.folders.claim; one
+    from before manifests holds only dataset files) and hold nothing else, and no input lies in
+    it."""
+    claim(data_dir, "prepare_data.py", "--out_dir", DATASET_FILES,
+          sources=[("--input", f) for i in inputs for f in glob.glob(i) or [i]],
+          legacy=lambda d: [] if {p.name for p in d.iterdir()} - DATASET_FILES
+          else list(DATASET_FILES)).refuse_foreign()
 
 
 def check_request(source, name, val_fraction, num_proc=None, shards=1):
@@ -294,7 +291,7 @@ def prepare(source, name=None, tokenizer=None, inputs=None, out_dir="data", val_
     if (data_dir / "meta.json").exists() and not force:
         print(f"{data_dir} is already prepared; pass --force to rebuild it")
         return data_dir
-    _check_replaceable(data_dir)
+    _check_replaceable(data_dir, inputs)
     docs, description, split_rule = _documents(source, inputs, shards, tokenizer, val_fraction,
                                                decode_errors)
     enc = get_tokenizer(tokenizer)  # its name: for a hub id, the local folder the workers load
@@ -308,14 +305,17 @@ def prepare(source, name=None, tokenizer=None, inputs=None, out_dir="data", val_
     except OSError as e:
         raise DataError(f"cannot write {tmp} ({e.strerror or e}); pick a writable --out_dir") from e
     try:
-        tokens, documents, max_id = _tokenize(docs, every, tmp, name, enc.name,
-                                              num_proc or min(8, os.cpu_count() or 1))
-        meta = {"source": source, "input": description, "tokenizer": enc.name,
-                "vocab_size": enc.n_vocab, "eot_token": enc.eot_token, "max_token_id": max_id,
-                "dtype": "uint16", "eot": "appended after every document",
-                "split": split_rule or f"non-empty document i is val if i % {every} == 0",
-                "tokens": tokens, "documents": documents}
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        # the space it needs: more than the files written when the disk filled
+        with room_for(data_dir, lambda: sum(f.stat().st_size for f in tmp.iterdir()), more=True):
+            tokens, documents, max_id = _tokenize(docs, every, tmp, name, enc.name,
+                                                  num_proc or min(8, os.cpu_count() or 1))
+            meta = {"source": source, "input": description, "tokenizer": enc.name,
+                    "vocab_size": enc.n_vocab, "eot_token": enc.eot_token, "max_token_id": max_id,
+                    "dtype": "uint16", "eot": "appended after every document",
+                    "split": split_rule or f"non-empty document i is val if i % {every} == 0",
+                    "tokens": tokens, "documents": documents}
+            (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+            seal(tmp, "prepare_data.py")
         # the old folder renamed away, the new one in, the old deleted: every moment leaves a whole
         # dataset at data_dir, or (between the renames) <name>.old<pid> that clean_stale puts back
         old = data_dir.with_name(f"{data_dir.name}.old{os.getpid()}")
@@ -341,7 +341,8 @@ def _destination(out_dir, name) -> Path:
                           f"(the dataset is made inside it, in --name)")
     data_dir = Path(out_dir) / name
     not_in_a_checkpoint(data_dir, "--out_dir")
-    clean_stale(data_dir, inside=True)
+    # inside, only in a dataset of its own: the same names in a user's folder are the user's
+    clean_stale(data_dir, inside=manifest(data_dir).get("written_by") == mark("prepare_data.py"))
     return data_dir
 
 
@@ -356,7 +357,7 @@ def _tokenize(docs, every, tmp, name, tokenizer, num_proc):
             _chunks(docs, every)
         while wave := [(tokenizer, *task) for task in islice(chunks, WAVE * num_proc)]:
             for split, n_docs, ids in encode(_encode, wave):
-                ids.tofile(out[split])
+                out[split].write(ids)  # not ids.tofile: its error for a full disk has no errno
                 tokens[split] += len(ids)
                 documents[split] += n_docs
                 max_id = max(max_id, int(ids.max()))

@@ -6,16 +6,17 @@ protocol's function (shared, lr_sweep, best_lr, long) writes <out>/<RESULTS[prot
 """
 import json
 import math
-from pathlib import Path
+import sys
 
 import numpy as np
 
 from baselines import DEPTH_MODES
-from support import paper
-from support.outputs import figure_metadata, output_file, write_atomically
+from support import paper, runlog
+from support.outputs import output_file, save_figure, write_atomically
 from support.depth_weights import self_share
 from support.depth_weights_view import can_draw, depth_weight_matrix, plot_depth_weights, pyplot
 from support.errors import CheckpointError, ConfigError, DataError
+from support.folders import claim
 from support.sweep import final_val_loss, read_log, run_dir
 
 # protocol -> the name of its results.{md,json}
@@ -137,16 +138,15 @@ def plot_curves(out, names, seeds, path):
                 ls="--" if n.startswith("looped") else "-")
     ax.set(xlabel="step", ylabel="validation loss (mean over seeds)",
            title=f"Validation loss, {out.name}")
-    save_figure(fig, ax, path)
+    save_line_plot(fig, ax, path)
 
 
-def save_figure(fig, ax, path):
+def save_line_plot(fig, ax, path):
     """A line plot's legend and grid, then the file, marked as ablate.py's (support.outputs.mark)."""
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    fig.savefig(path, dpi=120, metadata=figure_metadata(path, "ablate.py"))
-    pyplot().close(fig)
+    save_figure(fig, path, "ablate.py", dpi=120)
 
 
 def best_rates(out, names, lrs, lr_seeds):
@@ -223,7 +223,7 @@ def plot_gaps(curves, short, baseline, short_tokens, path):
     ax.axvline(short_tokens / 1e6, color="grey", ls=":", label="end of the short runs")
     ax.set(xlabel="tokens seen (M)", ylabel="paired Δ validation loss (± SE over seeds)",
            title="The gap as training lengthens, each method at its best rate")
-    save_figure(fig, ax, path)
+    save_line_plot(fig, ax, path)
 
 
 def write_results(out, protocol, command, text, **results):
@@ -233,12 +233,15 @@ def write_results(out, protocol, command, text, **results):
     print(text)
 
 
-def check_outputs(out, protocol, names):
-    """Before anything trains: --out is a folder and every result file of the protocol can be
-    written there (the shared protocol draws the depth weights of the runs in names only)."""
-    if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out={out} is a file; give a folder (the runs and their results go "
-                          f"below it)")
+def check_outputs(out, protocol, names, runs):
+    """Before anything trains: --out is ablate.py's folder (support.folders.claim: its names are
+    the runs' folders and the results; one from before manifests holds nothing else), and every
+    result file of the protocol can be written there (the shared protocol draws the depth weights
+    of the runs in names only)."""
+    own = [*runs, *(f"{stem}{ext}" for stem in RESULTS.values() for ext in (".json", ".md")),
+           "curves.png", "gap_vs_tokens.png", *(png for _, png in DEPTH_FIGURES)]
+    claim(out, "ablate.py", "--out", own,
+          legacy=lambda d: [] if {p.name for p in d.iterdir()} - set(own) else own).record()
     figures = {"shared": ["curves.png"] + [png for run, png in DEPTH_FIGURES if run in names],
                "long": ["gap_vs_tokens.png"]}.get(protocol, [])
     for name in [f"{RESULTS[protocol]}.json", f"{RESULTS[protocol]}.md", *figures]:
@@ -307,23 +310,32 @@ def long(out, names, best, factor, short_steps, batch_tokens, command):
 def plot_run(run, figure):
     """One run's curves from its log.jsonl into figure (a PNG): the train and validation losses,
     the learning rate, tokens per second, and each layer's depth weight on itself ("self only"
-    is 1, vanilla) at every evaluation. Returns the number of steps drawn."""
-    records = read_log(Path(run))
-    train, evaluated = ([r for r in records if r["kind"] == kind] for kind in ("train", "eval"))
+    is 1, vanilla) at every evaluation. Returns the number of steps drawn. The log is read as
+    --resume reads it (a torn last line dropped with a warning); a column it lacks (an older or a
+    fork's train.py) is left out, named in one warning."""
+    records = runlog.read_log(run)
+    train, evaluated = ([r for r in records if r.get("kind") == kind] for kind in ("train", "eval"))
     if not train:
         raise CheckpointError(f"{run}/log.jsonl has no training step to draw; give a train.py "
                               f"--out_dir that has trained")
-    plt = pyplot()
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    steps = [r["step"] for r in train]
+    rows = {"train_loss": train, "val_loss": evaluated, "lr": train, "tok_per_s": train}
+    columns = {key: [(r["step"], r[key]) for r in of if key in r] for key, of in rows.items()}
+    missing = [key for key, of in rows.items() if of and not columns[key]]
+    if missing:
+        print(f"warning: {run}/log.jsonl has no {', '.join(missing)}; left out of the figure",
+              file=sys.stderr)
+
+    def xy(key):  # ([steps], [values]) of a column
+        return tuple(map(list, zip(*columns[key]))) or ([], [])
+    fig, axes = pyplot().subplots(2, 2, figsize=(11, 7))
     loss, lr, speed, depth = axes.flat
-    loss.plot(steps, [r["train_loss"] for r in train], lw=0.8, label="train")
-    loss.plot([r["step"] for r in evaluated], [r["val_loss"] for r in evaluated], "o-", label="val")
+    loss.plot(*xy("train_loss"), lw=0.8, label="train")
+    loss.plot(*xy("val_loss"), "o-", label="val")
     loss.set(ylabel="loss", title="loss")
     loss.legend()
-    lr.plot(steps, [r["lr"] for r in train])
+    lr.plot(*xy("lr"))
     lr.set(ylabel="learning rate", title="learning rate")
-    speed.plot(steps, [r["tok_per_s"] for r in train], lw=0.8)
+    speed.plot(*xy("tok_per_s"), lw=0.8)
     speed.set(ylabel="tokens / s", title="throughput")
     weighed = [r for r in evaluated if r.get("depth_weights")]
     if weighed:
@@ -340,6 +352,5 @@ def plot_run(run, figure):
         ax.grid(alpha=0.3)
     fig.suptitle(str(run))
     fig.tight_layout()
-    fig.savefig(figure, dpi=110, metadata=figure_metadata(figure, "ablate.py"))
-    plt.close(fig)
+    save_figure(fig, figure, "ablate.py", dpi=110)
     return len(train)

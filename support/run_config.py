@@ -8,9 +8,9 @@ the batch layout must pass. Everything here raises support.errors types; train.p
 asked for" (support/sweep.py) all read TRAIN_KEYS.
 """
 import sys
-from dataclasses import asdict, fields, replace
+from dataclasses import asdict, fields
 from pathlib import Path
-from typing import Optional
+from typing import Optional, get_args
 
 import torch
 
@@ -20,20 +20,23 @@ from support.config import Key, argument_updates, key_table, parse_config
 from support.config import check_keys as check_table  # run_config's check_keys calls it
 from support.errors import CheckpointError, ConfigError
 from support.parallel import PARALLEL
+from support.run_dir import run_folder
 from support.variants import (ATTENTIONS, KNOBS, RESIDUALS, BaselineConfig, build_model,
                               depth_modes, make_config)
 
 
 def _model_keys() -> dict:
     """BaselineConfig's fields (model.ModelConfig's among them), sized for the Shakespeare demo
-    (1.25M parameters); their help is each field's own (model.knob), their checks the configs'."""
+    (1.25M parameters); their help is each field's own (model.knob), their choices the configs',
+    a None default's kind its annotation's (Optional[int]: int)."""
     demo = BaselineConfig(block_size=256, n_layer=6, n_head=4, n_kv_head=2, head_dim=32,
                           n_embd=128, mlp_hidden=384, depth_mode="value")
     choices = {"depth_mode": depth_modes(), "residual": RESIDUALS, "attention": ATTENTIONS}
-    keys = {f.name: Key(getattr(demo, f.name), f.metadata["help"], choices=choices.get(f.name))
+    keys = {f.name: Key(getattr(demo, f.name), f.metadata["help"], choices=choices.get(f.name),
+                        kind=(get_args(f.type) or (None,))[0])
             for f in fields(BaselineConfig)}
     keys["vocab_size"] = Key(None, "None = the tokenizer's vocabulary (meta.json); larger values "
-                             "pad it")
+                             "pad it", kind=int)
     return keys
 
 
@@ -42,16 +45,16 @@ TRAIN_KEYS = {
     **_model_keys(),
     # data and output
     "dataset": Key("shakespeare", "<data_root>/<dataset>/: {train,val}.bin, meta.json "
-                   "(prepare_data)"),
-    "data_root": Key("data", "the folder that holds the prepared datasets"),
+                   "(prepare_data)", path=True),
+    "data_root": Key("data", "the folder that holds the prepared datasets", path=True),
     "out_dir": Key("out/shakespeare", "ckpt.pt, config.json, log.jsonl", result=False,
-                   per_invocation=True),
+                   per_invocation=True, path=True),
     "seed": Key(1337, "model init and the batch sequence", "in [0, 2**63)"),
     # batch: gradient accumulation = batch_tokens / (micro_batch * block_size * world_size)
     "batch_tokens": Key(4096, "tokens per optimizer step, all ranks together (paper: 1024 x "
                         "2048)", ">= 1"),
     "micro_batch": Key(None, "sequences per forward pass on one rank; None = the rank's share",
-                       ">= 1", result=False),
+                       ">= 1", result=False, kind=int),
     # the paper's recipe (section 3): AdamW, 2% warmup, cosine to 0.1 x peak, clip 1.0
     "max_iters": Key(400, "optimizer steps; the LR schedule spans exactly these", ">= 1"),
     "learning_rate": Key(3e-3, "peak LR (paper: 1e-3 at 1.5B/3B, 3e-4 at 410M)", "> 0"),
@@ -71,7 +74,7 @@ TRAIN_KEYS = {
     "log_interval": Key(25, "steps between printed train lines (log.jsonl gets every step)",
                         ">= 1", **NO_RESULT),
     "ckpt_interval": Key(None, "steps between checkpoints; None = at every evaluation; 0 = at "
-                         "the end only", ">= 0", **NO_RESULT),
+                         "the end only", ">= 0", kind=int, **NO_RESULT),
     "stop_at_step": Key(0, "end early after this step with a checkpoint, keeping max_iters' "
                         "schedule; 0 = off", ">= 0", **NO_RESULT),
     "resume": Key(False, "continue from out_dir/ckpt.pt", result=False, per_invocation=True),
@@ -115,10 +118,9 @@ def parse_args(argv, doc="") -> dict:
 
 
 def check_keys(cfg):
-    """TRAIN_KEYS' ranges, choices and no None where a value is needed; a model key's choices are
-    its config's to check (LIMe's row is added only when baselines.py is imported)."""
-    check_table(cfg, {k: replace(key, choices=None) if k in MODEL_KEYS else key
-                      for k, key in TRAIN_KEYS.items()})
+    """Every value as TRAIN_KEYS takes it (support.config.check_keys), before anything reads one:
+    a model key's choices too, so a typo gets the nearest choice, not a KeyError."""
+    check_table(cfg, TRAIN_KEYS)
 
 
 def resolve(argv, doc="", master=True):
@@ -128,6 +130,7 @@ def resolve(argv, doc="", master=True):
     and a repeated command line changes nothing."""
     cfg = parse_args(argv, doc)
     not_in_a_checkpoint(cfg["out_dir"], "--out_dir")
+    run_folder(cfg["out_dir"], cfg["resume"], cfg["init_from"])  # before anything is read
     ckpt = None
     if cfg["resume"]:
         ckpt = resumable_checkpoint(cfg["out_dir"])
@@ -284,7 +287,9 @@ def parameters_changed(before: dict, after: dict) -> list:
 
 def batch_layout(cfg, world):
     """(micro_batch, accumulation steps, rows): the global batch is rows = batch_tokens / block_size
-    sequences, each rank rows / world in passes of micro_batch. Any layout gives the same run."""
+    sequences, each rank rows / world in passes of micro_batch. Any layout gives the same run to
+    float rounding, not bit for bit: the micro-batches' gradients are summed in another order, so
+    the losses differ by about 1e-6 (tests/test_train.py measures it)."""
     T, tokens, mb = cfg["block_size"], cfg["batch_tokens"], cfg["micro_batch"]
     if tokens % (T * world):
         nearest = max(1, round(tokens / (T * world))) * T * world
@@ -298,5 +303,6 @@ def batch_layout(cfg, world):
         fits = max(d for d in range(1, min(mb, share) + 1) if share % d == 0)
         raise ConfigError(f"micro_batch={mb} must divide this rank's share of the batch, "
                           f"batch_tokens / block_size / world_size = {tokens} / {T} / {world} = "
-                          f"{share} sequences; --micro_batch={fits} keeps the run identical")
+                          f"{share} sequences; --micro_batch={fits} keeps the run, to float "
+                          f"rounding")
     return mb, share // mb, rows

@@ -16,6 +16,8 @@ import torch
 from support.checksums import checksums
 from support.cli import SHARDED, SHARDED_OLD
 from support.errors import CheckpointError
+from support.outputs import room_for
+from support.folders import MANIFEST, claim
 
 try:
     import fcntl  # the out_dir lock; absent on Windows, where runs go unlocked
@@ -26,18 +28,35 @@ except ImportError:
 def save_checkpoint(obj, path):
     """Write obj with its checksums to a temporary file in the same folder, sync it, then rename: a
     kill at any moment leaves either the previous checkpoint or the new one, never a torn file."""
-    path = Path(path)
+    path, obj = Path(path), {**obj, "checksums": checksums(obj)}
     tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            torch.save({**obj, "checksums": checksums(obj)}, f)
+        with room_for(path, lambda: serialized_bytes(obj)), open(tmp, "wb") as f:
+            torch.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
-    except BaseException:  # a full disk, an interrupt: the old checkpoint stays, the partial goes
+    except BaseException:  # a full disk (DiskFull), an interrupt: the old checkpoint stays, the
+        # partial goes
         tmp.unlink(missing_ok=True)
         raise
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def serialized_bytes(obj) -> int:
+    """What torch.save writes for obj, counted without a file: the space a checkpoint needs."""
+    class Count:  # the file-like object torch.save needs
+        n = 0
+
+        def write(self, data):
+            self.n += len(data)
+            return len(data)
+
+        def flush(self):
+            pass
+    count = Count()
+    torch.save(obj, count)
+    return count.n
 
 
 def fsync_dir(folder):
@@ -67,14 +86,36 @@ def set_rng_state(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def claim_out_dir(out_dir, resuming, overwrite):
-    """Create out_dir and lock it for the life of this process (flock: the kernel releases it when
-    the process dies, so a killed run never blocks the next one). A second run into the folder is
-    refused rather than mixed with this one, and a fresh start over a checkpoint needs overwrite.
-    Returns the open lock file."""
-    out_dir = Path(out_dir)
+# What train.py writes into its out_dir, its manifest (support/folders.py); train.out is the console
+# log ablate.py keeps beside each run it starts
+RUN_FILES = ("train.lock", "config.json", "log.jsonl", "ckpt.pt", SHARDED, "train.out")
+
+
+def run_folder(out_dir, resuming, init_from=""):
+    """out_dir as a folder train.py may write (support.folders.claim), checked before any work:
+    new, empty or an earlier run's (one from before manifests has a lock or a checkpoint), and
+    never the --init_from it starts from."""
+    return claim(out_dir, "train.py", "--out_dir", RUN_FILES,
+                 sources=[] if resuming else [("--init_from", init_from)],
+                 legacy=earlier_run)
+
+
+def earlier_run(folder):
+    """What train.py wrote into a run folder made before manifests, known by its lock or its
+    checkpoint ([] for any other folder)."""
+    held = [n for n in RUN_FILES if (folder / n).exists()]
+    return held if {"train.lock", "ckpt.pt", SHARDED} & set(held) else []
+
+
+def claim_out_dir(out_dir, resuming, overwrite, init_from=""):
+    """Create out_dir with its manifest and lock it for the life of this process (flock: the kernel
+    releases it when the process dies, so a killed run never blocks the next one). A second run
+    into the folder is refused rather than mixed with this one, and a fresh start over a checkpoint
+    needs --overwrite, which deletes only the files train.py wrote. Returns the open lock file."""
+    folder = run_folder(out_dir, resuming, init_from)
+    out_dir = folder.path
+    folder.record()
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
         lock = open(out_dir / "train.lock", "a+")
     except OSError as e:
         raise CheckpointError(f"cannot write to --out_dir={out_dir} ({e.strerror}); pick a "
@@ -101,10 +142,10 @@ def claim_out_dir(out_dir, resuming, overwrite):
         if not overwrite:
             raise CheckpointError(f"{out_dir} already holds a checkpoint; continue it with "
                                   f"--resume=True, or start over with --overwrite=True (which "
-                                  f"deletes it)")
-        for ckpt in held:
-            shutil.rmtree(ckpt) if ckpt.is_dir() else ckpt.unlink()
-            print(f"warning: --overwrite=True: deleted {ckpt}, starting over", file=sys.stderr)
+                                  f"deletes the files train.py wrote there)")
+        print(f"warning: --overwrite=True: deleting {', '.join(n.name for n in held)} and the "
+              f"log of {out_dir}, starting over", file=sys.stderr)
+        folder.clear(keep=["train.lock", MANIFEST])
     return lock
 
 

@@ -11,6 +11,8 @@ model against, not helpers; each baseline's reference stays in its own test file
 there. conftest.py keeps the tiny models (tiny_config, tiny_model, tiny_variant) and data_root.
 """
 import contextlib
+import gc
+import hashlib
 import io
 import json
 import os
@@ -20,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import traceback
 from dataclasses import asdict, fields
 from pathlib import Path
 
@@ -52,6 +55,43 @@ TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--np
 FSDP_RUN = [*TINY, "--micro_batch=2", "--batch_tokens=256", "--parallel=fsdp"]
 
 # ----------------------------------------------------------------------------- running the scripts
+
+
+def cli(script, *args):
+    """(exit status, stdout, stderr) of `python script args`, run in this process."""
+    argv, code, out, err = sys.argv, 0, io.StringIO(), io.StringIO()
+    sys.argv = [str(ROOT / script), *map(str, args)]
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_path(str(ROOT / script), run_name="__main__")
+    except SystemExit as e:
+        code = e.code
+    except BaseException:  # what the interpreter would print as a traceback
+        traceback.print_exc(file=err)
+        code = 1
+    finally:
+        sys.argv = argv
+        # a failed run's frames hold its out_dir lock; release it like a process exit would
+        gc.collect()
+    # sys.exit("error: ...") prints the message to stderr and exits with 1
+    if isinstance(code, str):
+        err.write(code + "\n")
+        code = 1
+    return code or 0, out.getvalue(), err.getvalue()
+
+
+def assert_one_error_line(code, out, err, fragment):
+    assert code != 0, f"exit status 0:\n{out[-2000:]}\n{err[-2000:]}"
+    assert "Traceback" not in out + err, err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error:") and fragment in last, f"expected {fragment!r} in the last line:\n{err[-2000:]}"
+
+
+def snapshot(*folders):
+    """{file: sha256} under the folders; train.lock only holds the pid of whoever last took the
+    lock."""
+    return {p: hashlib.sha256(p.read_bytes()).hexdigest() for folder in folders
+            for p in sorted(Path(folder).rglob("*")) if p.is_file() and p.name != "train.lock"}
 
 
 def run(*args, launcher=(sys.executable,), check=True):

@@ -17,6 +17,7 @@ from conftest import tiny_model
 import export as export_py
 import sample
 from support import hf
+from support.folders import MANIFEST, seal
 from support.checkpoint import CheckpointError, load_model
 from support.run_dir import save_checkpoint
 from support.prepare import prepare
@@ -73,9 +74,13 @@ def test_export_into_an_older_sharded_export_replaces_it_whole(run_dir, tmp_path
     held = sorted(p.name for p in out.iterdir())
     assert "already holds" in one_error_line(export(run_dir, out))
     assert sorted(p.name for p in out.iterdir()) == held  # refused: untouched
+    # the shards are not in the manifest: the user's, named, never deleted with the folder
+    assert "model.safetensors.index.json" in one_error_line(export(run_dir, out, "--overwrite"))
+    assert sorted(p.name for p in out.iterdir()) == held
 
+    seal(out, "export.py")  # as an export that wrote shards would list them
     assert export(run_dir, out, "--overwrite") is None
-    assert sorted(p.name for p in out.iterdir()) == ["baselines.py", "config.json",
+    assert sorted(p.name for p in out.iterdir()) == [MANIFEST, "baselines.py", "config.json",
                                                      "configuration_depth_attention.py", "model.py",
                                                      "model.safetensors",
                                                      "modeling_depth_attention.py",
@@ -85,32 +90,6 @@ def test_export_into_an_older_sharded_export_replaces_it_whole(run_dir, tmp_path
     assert all(torch.equal(new[k], v) for k, v in weights(out).items())
     # no temporary folder left
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
-
-
-def test_export_never_overwrites_a_foreign_folder(run_dir, tmp_path, monkeypatch):
-    foreign = tmp_path / "results"
-    foreign.mkdir()
-    (foreign / "config.json").write_text('{"mine": 1}')
-    assert "already holds config.json" in one_error_line(export(run_dir, foreign))
-    assert (foreign / "config.json").read_text() == '{"mine": 1}'
-    (foreign / "plots").mkdir()
-    assert "holds folders (plots)" in one_error_line(export(run_dir, foreign, "--overwrite"))
-    assert (foreign / "config.json").read_text() == '{"mine": 1}'
-    other_run = tmp_path / "other"
-    shutil.copytree(run_dir, other_run)
-    assert "other is a train.py run or checkpoint" in one_error_line(export(run_dir, other_run,
-                                                                            "--overwrite"))
-    assert "where the model comes from" in one_error_line(export(run_dir, run_dir))
-    (tmp_path / "file").write_text("x")
-    assert "is a file" in one_error_line(export(run_dir, tmp_path / "file"))
-    assert "cannot write into" in one_error_line(export(run_dir, tmp_path / "file" / "hf"))
-    here = tmp_path / "here"
-    here.mkdir()
-    (here / "notes.txt").write_text("mine")
-    monkeypatch.chdir(here)  # replaced whole, "." would leave the process in a deleted folder
-    assert "is the current folder" in one_error_line(export(run_dir, ".", "--overwrite"))
-    assert (here / "notes.txt").read_text() == "mine"
-    assert (tmp_path / "file").read_text() == "x"
 
 
 def test_an_interrupted_export_leaves_the_old_folder(run_dir, tmp_path, monkeypatch):

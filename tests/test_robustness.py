@@ -8,18 +8,15 @@ SystemExit message is what the interpreter prints before exiting with 1, any oth
 it prints as a traceback), because a subprocess per case would spend a second or more on imports. A
 few cases also run as real subprocesses to show the interpreter prints the same one line.
 """
-import contextlib
 import fcntl
-import gc
-import hashlib
-import io
 import json
 import os
-import runpy
+import re
+import resource
 import shutil
+import signal
 import subprocess
 import sys
-import traceback
 from pathlib import Path
 
 import numpy as np
@@ -29,47 +26,11 @@ import torch
 
 from support.checkpoint import read_checkpoint
 from helpers import ENV, ROOT, SINGLE, TINY  # the tiny model and batch of the end-to-end tests
+from helpers import assert_one_error_line, cli, snapshot
 
 SHORT = [*TINY, *SINGLE, "--max_iters=4", "--eval_interval=2", "--ckpt_interval=2", "--eval_seqs=2"]
 # a fresh out_dir: only the case is wrong
 TRAIN = [*SHORT, "--data_root={data_root}", "--out_dir={tmp}/new"]
-
-
-def cli(script, *args):
-    """(exit status, stdout, stderr) of `python script args`, run in this process."""
-    argv, code, out, err = sys.argv, 0, io.StringIO(), io.StringIO()
-    sys.argv = [str(ROOT / script), *map(str, args)]
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            runpy.run_path(str(ROOT / script), run_name="__main__")
-    except SystemExit as e:
-        code = e.code
-    except BaseException:  # what the interpreter would print as a traceback
-        traceback.print_exc(file=err)
-        code = 1
-    finally:
-        sys.argv = argv
-        # a failed run's frames hold its out_dir lock; release it like a process exit would
-        gc.collect()
-    # sys.exit("error: ...") prints the message to stderr and exits with 1
-    if isinstance(code, str):
-        err.write(code + "\n")
-        code = 1
-    return code or 0, out.getvalue(), err.getvalue()
-
-
-def assert_one_error_line(code, out, err, fragment):
-    assert code != 0, f"exit status 0:\n{out[-2000:]}\n{err[-2000:]}"
-    assert "Traceback" not in out + err, err[-3000:]
-    last = err.strip().splitlines()[-1]
-    assert last.startswith("error:") and fragment in last, f"expected {fragment!r} in the last line:\n{err[-2000:]}"
-
-
-def snapshot(*folders):
-    """{file: sha256} under the folders; train.lock only holds the pid of whoever last took the
-    lock."""
-    return {p: hashlib.sha256(p.read_bytes()).hexdigest() for folder in folders
-            for p in sorted(Path(folder).rglob("*")) if p.is_file() and p.name != "train.lock"}
 
 
 @pytest.fixture(scope="module")
@@ -218,6 +179,13 @@ CASES = [
     case("sample.py", "random.pt is not a readable checkpoint", "--ckpt={tmp}/random.pt",
          make=write("random.pt", os.urandom(4096))),
     case("sample.py", "no checkpoint at", "--out_dir={tmp}/absent"),
+    # two models in one command: one was sampled and the other ignored without a word
+    case("sample.py", "--ckpt={run}/ckpt.pt each name a model; give one of them",
+         "--init_from={run}", "--ckpt={run}/ckpt.pt"),
+    case("sample.py", "--init_from={run} and --out_dir={tmp}/absent each name a model",
+         "--init_from={run}", "--out_dir={tmp}/absent"),
+    case("sample.py", "--ckpt={run}/ckpt.pt and --out_dir={run} each name a model",
+         "--out_dir={run}", "--ckpt={run}/ckpt.pt"),
     # prepare_data.py
     case("prepare_data.py", "or use --tokenizer=bytes", "text", "--input", "{tmp}/a.txt",
          "--out_dir={tmp}/out", make=offline),
@@ -281,7 +249,7 @@ def test_bad_input_is_one_error_line_and_changes_nothing(world, tmp_path, monkey
     if make:
         make(w, monkeypatch)
     before = snapshot(world["root"], tmp_path)
-    assert_one_error_line(*cli(script, *(a.format(**w) for a in args)), fragment)
+    assert_one_error_line(*cli(script, *(a.format(**w) for a in args)), fragment.format(**w))
     after = snapshot(world["root"], tmp_path)
     assert {p: after.get(p) for p in before} == before  # every file that existed is as it was
 
@@ -372,9 +340,56 @@ def test_a_full_disk_keeps_the_previous_checkpoint(world, tmp_path, monkeypatch)
     monkeypatch.setattr(torch, "save", full_disk)
     out = tmp_path / "full"
     code, _, err = cli("train.py", *SHORT, f"--data_root={world['data_root']}", f"--out_dir={out}")
-    assert_one_error_line(code, "", err, "at step 4 ([Errno 28] No space left on device); the checkpoint of step 2 is")
+    assert_one_error_line(code, "", err, "ckpt.pt at step 4: no space left on device; the checkpoint of step 2 is "
+                                         "kept: free 1 MB, then --resume=True")
     monkeypatch.undo()
     assert read_checkpoint(out / "ckpt.pt")["step"] == 2 and not list(out.glob("ckpt.pt.tmp*"))
+
+
+# Every writer with a file-size limit below its output: a write past it fails with EFBIG, as one on
+# a full disk fails with ENOSPC. (the command after `python`, the limit in bytes, the output it must
+# name and leave as it was; {corpus}: the text files of the tiny dataset.)
+FULL_DISK = [
+    (["train.py", *TRAIN], 20_000, "{tmp}/new/ckpt.pt"),  # the first checkpoint, after log lines
+    (["prepare_data.py", "text", "--input", "{corpus}", "--tokenizer=bytes", "--name=tiny",
+      "--out_dir={tmp}/data"], 2_000, "{tmp}/data/tiny"),
+    (["eval.py", "--init_from={run}", "--tasks=", "--ppl=tiny", "--data_root={data_root}",
+      "--json={tmp}/eval.json"], 50, "{tmp}/eval.json"),
+    (["bench_cache.py", "--n_layer=2", "--n_embd=16", "--n_head=2", "--n_kv_head=1", "--head_dim=8",
+      "--mlp_hidden=32", "--block_size=16", "--vocab_size=64", "--batch=1", "--prompt_len=4",
+      "--new_tokens=2", "--warmup=0", "--repeats=1", "--device=cpu", "--modes=vanilla,value",
+      "--json={tmp}/bench.json"], 50, "{tmp}/bench.json"),
+    (["ablate.py", "--curves={run}", "--figure={tmp}/curves.png"], 1_000, "{tmp}/curves.png"),
+    (["ablate.py", "--depth_weights={run}", "--figure={tmp}/weights.png"], 1_000,
+     "{tmp}/weights.png"),
+    (["export.py", "{run}", "{tmp}/hf"], 2_000, "{tmp}/hf"),
+    # train.py's log.jsonl, appended a line a step: an earlier line is kept whole, no torn one added
+    (["-c", "import sys; from pathlib import Path; from support.errors import run_main; "
+      "from support.runlog import log; sys.exit(run_main(lambda argv: log(dict(step=1, "
+      "note='x' * 4000), Path(argv[0]), None)))", "{tmp}"], 1_000, "{tmp}/log.jsonl"),
+]
+
+
+@pytest.mark.parametrize("argv, limit, output", FULL_DISK, ids=lambda v: str(v)[:40])
+def test_a_full_disk_is_one_line_naming_the_path_and_the_space(world, data_root, tmp_path, argv,
+                                                               limit, output):
+    w = {**world, "tmp": tmp_path, "corpus": data_root / "doc*.txt"}
+    output = Path(output.format(**w))
+    if output.name == "log.jsonl":
+        output.write_text('{"step": 0}\n')
+    before = output.read_bytes() if output.exists() else None
+
+    def limited():  # in the child, before it runs: SIGXFSZ would kill it rather than fail the write
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE,
+                           (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    proc = subprocess.run([sys.executable, *(a.format(**w) for a in argv)], cwd=ROOT, env=ENV,
+                          capture_output=True, text=True, timeout=300, preexec_fn=limited)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert_one_error_line(proc.returncode, proc.stdout, proc.stderr, str(output))
+    assert re.search(r": no space left on device; .*free (more than )?\d+ MB", proc.stderr)
+    assert (output.read_bytes() if output.exists() else None) == before
+    assert not [p for p in tmp_path.rglob("*") if ".tmp" in p.name], list(tmp_path.rglob("*"))
 
 
 def test_a_checkpoint_without_checksums_loads_with_a_warning(world, tmp_path):
