@@ -7,6 +7,7 @@ Sample text from a checkpoint written by train.py, or from a Hugging Face folder
 A train.py checkpoint brings its config and its data's tokenizer, a Hugging Face folder its
 config.json and tokenizer.json (checkpoint.load_model); model.generate decodes with the KV cache.
 """
+import support.interrupt  # noqa: F401  first: Ctrl-C during the imports is one line, exit 130
 import sys
 from pathlib import Path
 
@@ -14,11 +15,13 @@ import torch
 
 from support.variants import attention_of, residual_of
 from support.checkpoint import load_model
-from support.cli import ArgumentParser, check_ranges, resolve_device
+from support.cli import ArgumentParser, check_ranges, path, resolve_device
 from support.errors import ConfigError, run_main
 
 KEY_RANGES = {"num_samples": ">= 1", "max_new_tokens": ">= 0", "temperature": ">= 0",
               "top_k": ">= 0", "seed": "in [0, 2**63)"}
+SOURCES = ("init_from", "ckpt", "out_dir")  # each names a model: a command samples one
+DEFAULT_OUT_DIR = "out/shakespeare"
 
 
 def read_prompt(args) -> str:
@@ -35,14 +38,14 @@ def read_prompt(args) -> str:
 def parse_args(argv):
     """The command line, checked (flags, types, ranges) without reading a file."""
     p = ArgumentParser("sample.py", description=__doc__.strip().split("\n")[0])
-    p.add_argument("--init_from",
+    p.add_argument("--init_from", type=path,
                    help="a train.py out_dir or ckpt.pt, a Hugging Face folder or hub id")
-    p.add_argument("--out_dir", default="out/shakespeare",
-                   help="a training run's folder (when no --init_from)")
-    p.add_argument("--ckpt", help="a checkpoint file (when no --init_from); overrides --out_dir")
+    p.add_argument("--out_dir", type=path,
+                   help=f"a training run's folder (default {DEFAULT_OUT_DIR})")
+    p.add_argument("--ckpt", type=path, help="a checkpoint file")
     p.add_argument("--prompt", default="",
                    help="text to continue; empty = start a new document (end-of-text)")
-    p.add_argument("--prompt_file", help="read the prompt from this file instead")
+    p.add_argument("--prompt_file", type=path, help="read the prompt from this file instead")
     p.add_argument("--num_samples", type=int, default=1)
     p.add_argument("--max_new_tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
@@ -51,6 +54,9 @@ def parse_args(argv):
     p.add_argument("--device", default="auto", help="auto = cuda, then mps, then cpu")
     args = p.parse_args(argv)
     check_ranges(vars(args), KEY_RANGES)
+    given = [f"--{k}={getattr(args, k)}" for k in SOURCES if getattr(args, k)]
+    if len(given) > 1:  # one would be sampled and the other ignored without a word
+        raise ConfigError(f"{' and '.join(given)} each name a model; give one of them")
     return args
 
 
@@ -58,7 +64,7 @@ def main(argv):
     args = parse_args(argv)
     device = resolve_device(args.device)
     prompt = read_prompt(args)
-    loaded = load_model(args.init_from or args.ckpt or args.out_dir, device)
+    loaded = load_model(args.init_from or args.ckpt or args.out_dir or DEFAULT_OUT_DIR, device)
     model, enc = loaded.model, loaded.tokenizer
 
     ids = enc.encode(prompt, allowed_special="all") or [enc.eot_token]

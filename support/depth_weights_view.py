@@ -17,7 +17,7 @@ import torch
 
 from support.checkpoint import checkpoint_path, read_model, read_snapshot
 from support.cli import require
-from support.outputs import figure_metadata, output_file
+from support.outputs import output_file, save_figure
 from support.depth_weights import as_matrix, mean_depth_weights, table
 from support.errors import CheckpointError, DataError
 from support.tokenizer import is_hf_folder
@@ -72,8 +72,7 @@ def plot_depth_weights(m, path, title):
     ax.set(xlabel="candidate layer (diagonal = the layer itself)", ylabel="layer", title=title)
     fig.colorbar(im, ax=ax, label="mean depth weight")
     fig.tight_layout()
-    fig.savefig(path, dpi=120, metadata=figure_metadata(path, "ablate.py"))
-    plt.close(fig)
+    save_figure(fig, path, "ablate.py", dpi=120)
 
 
 def show(source, figure=""):

@@ -7,20 +7,22 @@ lets every other exception be a traceback, because anything else is a bug (in th
       ConfigError    a command line, a config file, a model shape
       CheckpointError  a run folder, a checkpoint, an export or Hugging Face folder
       DataError      a dataset, a corpus, a tokenizer
+      DiskFull       a write that found no room (support.outputs.room_for raises it)
 
 model.py imports only torch, so its config checks raise model.ConfigError (a ValueError), the base
 of ConfigError here: `except ConfigError` from either module catches both, and the entry points
 print model.py's as a user error too (USER_ERRORS).
 """
+import math
 import os
 import sys
 
 from model import ConfigError as ModelConfigError
+from support.interrupt import EXIT_INTERRUPTED, raised, say
 
 # The status of a run stopped by bad input: 2, a usage error's, as argparse's (1 is left to bugs, a
-# traceback); a signal's is 128 + its number: Ctrl-C 130, a closed pipe 141.
+# traceback); a signal's is 128 + its number: Ctrl-C 130 (support.interrupt's), a closed pipe 141.
 EXIT_USER_ERROR = 2
-EXIT_INTERRUPTED = 130
 EXIT_CLOSED_PIPE = 141
 
 
@@ -41,6 +43,16 @@ class DataError(UserError):
     """A dataset, corpus or tokenizer that cannot be used as asked."""
 
 
+class DiskFull(UserError):
+    """A write that found no room (a full disk or quota, a file-size limit), nothing of it left:
+    the path and the megabytes it needs (more: at least that many, all that is known)."""
+
+    def __init__(self, path, need, more=False):
+        self.free = f"free {'more than ' if more else ''}{max(1, math.ceil(need / 1e6))} MB"
+        super().__init__(f"cannot write {path}: no space left on device; {self.free} or pick "
+                         f"another path")
+
+
 class ShowHelp(Exception):
     """-h/--help: the usage text, printed by run_main, which then exits 0."""
 
@@ -53,7 +65,8 @@ def run_main(main, argv=None) -> int:
     process): a user error or Ctrl-C prints one line on stderr (Ctrl-C's says what is kept), a
     reader that closed the pipe (`| head`) nothing; anything else is a traceback."""
     try:
-        main(sys.argv[1:] if argv is None else argv)
+        with raised():  # Ctrl-C: KeyboardInterrupt in main(), support.interrupt.stop around it
+            main(sys.argv[1:] if argv is None else argv)
         sys.stdout.flush()  # here, where a closed pipe is caught, not in the interpreter's exit
         return 0
     except ShowHelp as e:
@@ -69,9 +82,3 @@ def run_main(main, argv=None) -> int:
         # the reader wanted no more; the interpreter's last flush of stdout would fail again
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_CLOSED_PIPE
-
-
-def say(line):
-    """One line on stderr, from rank 0 only: under torchrun every rank stops alike."""
-    if os.environ.get("RANK", "0") == "0":
-        print(line, file=sys.stderr)

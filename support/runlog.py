@@ -5,11 +5,13 @@ could not be written. Every rank raises them; run_main prints rank 0's.
 """
 import json
 import sys
+from pathlib import Path
 
 import torch.distributed as dist
 
 from support.cli import reason, require
-from support.errors import CheckpointError, ConfigError, UserError
+from support.errors import CheckpointError, ConfigError, DiskFull, UserError
+from support.outputs import append_line, write_atomically
 
 
 class Diverged(UserError):
@@ -26,15 +28,10 @@ class Diverged(UserError):
 def start_log(cfg, history, out_dir, step):
     """config.json, and log.jsonl cut back to the steps done: lines a killed run wrote after its
     checkpoint go. Returns wandb when --wandb_log, else None."""
-    (out_dir / "config.json").write_text(json.dumps({**cfg, "resumes": history}, indent=1) + "\n")
-    log_path = out_dir / "log.jsonl"
-    old = log_path.read_text().splitlines() if step and log_path.exists() else []
-    if old and not whole(old[-1]):  # after the checkpoint by construction: lose nothing kept
-        print(f"warning: {log_path}'s last line was cut short (a kill or a full disk mid-write); "
-              f"dropped it", file=sys.stderr)
-        old.pop()
-    kept = [line for line in old if json.loads(line)["step"] <= step]
-    log_path.write_text("".join(line + "\n" for line in kept))
+    write_atomically(out_dir / "config.json", json.dumps({**cfg, "resumes": history}, indent=1)
+                     + "\n")
+    kept = [r for r in read_log(out_dir) if r["step"] <= step] if step else []
+    write_atomically(out_dir / "log.jsonl", "".join(json.dumps(r) + "\n" for r in kept))
     if not cfg["wandb_log"]:
         return None
     try:
@@ -52,17 +49,36 @@ def start_log(cfg, history, out_dir, step):
     return wandb
 
 
-def whole(line) -> bool:
-    try:  # a whole record, not a line cut short
-        return isinstance(json.loads(line), dict)
+def read_log(out_dir) -> list:
+    """The records of out_dir/log.jsonl ([] without one), as --resume and ablate.py --curves read
+    it: a last line cut short (a kill mid-write, or a live run's line being written) is dropped with
+    a warning; any other line that is not a record is a CheckpointError."""
+    path = Path(out_dir) / "log.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    records = [whole(line) for line in lines]
+    if records and records[-1] is None:  # after the checkpoint by construction: lose nothing kept
+        print(f"warning: {path}'s last line was cut short (a kill or a full disk mid-write); "
+              f"dropped it", file=sys.stderr)
+        records.pop()
+    if None in records:
+        raise CheckpointError(f"{path} line {records.index(None) + 1} is not a train.py record "
+                              f"(edited?); restore it or delete the line")
+    return records
+
+
+def whole(line):
+    """A line's record, None for a line cut short or not a record."""
+    try:
+        record = json.loads(line)
     except ValueError:
-        return False
+        return None
+    return record if isinstance(record, dict) and "step" in record else None
 
 
 def log(record, out_dir, wandb):
-    """One line of log.jsonl (and wandb); the master process writes them."""
-    with open(out_dir / "log.jsonl", "a") as f:
-        f.write(json.dumps(record) + "\n")
+    """One line of log.jsonl (and wandb); the master process writes them, each whole or not at
+    all."""
+    append_line(out_dir / "log.jsonl", json.dumps(record))
     if wandb:
         flat = {f"depth_weight/{e}/{c}": w for e, row in record.get("depth_weights", {}).items()
                 for c, w in row.items()}  # layer e's weight on candidate c
@@ -80,6 +96,9 @@ class SaveFailed(CheckpointError):
         if isinstance(e, dist.DistError) or getattr(e, "peer_lost", False):
             super().__init__(f"a rank stopped while {path} of step {step} was written "
                              f"({reason(e)}); {kept}: {then}")
+        elif isinstance(e, DiskFull):
+            super().__init__(f"could not write {path} at step {step}: no space left on device; "
+                             f"{kept}: {e.free}, then {then}")
         else:
             super().__init__(f"could not write {path} at step {step} ({reason(e)}); {kept}: free "
                              f"space or make --out_dir writable, then {then}")

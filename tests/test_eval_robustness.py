@@ -170,18 +170,18 @@ def test_ctrl_c_keeps_the_previous_json_whole(moment, trained, data_root, tmp_pa
             f"--json={out}")
     assert run(*args, "--limit=1") is None
     before = out.read_text()
-    write = Path.write_text
+    write = Path.write_bytes
 
     def interrupted(*a, **k):
         raise KeyboardInterrupt
 
-    def torn(self, text, *a, **k):  # the interrupt lands after half of the text is on disk
-        write(self, text[:len(text) // 2], *a, **k)
+    def torn(self, data):  # the interrupt lands after half of the text is on disk
+        write(self, data[:len(data) // 2])
         raise KeyboardInterrupt
     if moment == "mid-evaluation":
         monkeypatch.setattr(eval_py, "perplexity", interrupted)
     else:
-        monkeypatch.setattr(Path, "write_text", torn)
+        monkeypatch.setattr(Path, "write_bytes", torn)
     with pytest.raises(KeyboardInterrupt):
         eval_py.main([*args, "--limit=2"])
     assert out.read_text() == before and sorted(p.name for p in tmp_path.iterdir()) == ["eval.json"]

@@ -90,6 +90,30 @@ def test_curves_draws_one_run_from_its_log(tmp_path, capsys):
     assert (tmp_path / "mine.png").read_bytes() == b"\x89PNG not ablate's"
 
 
+def test_curves_reads_the_log_as_resume_does(tmp_path, capsys):
+    """--curves reads log.jsonl with --resume's reader (support.runlog.read_log): a last line cut
+    short (kill -9 mid-write, or a live run's line being written) is dropped with its warning, a
+    column an older train.py did not log (tok_per_s) is left out, named in one line, and only a
+    damaged line before the last is an error."""
+    pytest.importorskip("matplotlib")
+    import json
+    import ablate
+    from support.errors import CheckpointError
+    records = [{"kind": "train", "step": s, "train_loss": 3.0 - s / 10, "lr": 1e-3}
+               for s in (1, 2, 3)]
+    lines = [json.dumps(r) for r in records]
+    (tmp_path / "log.jsonl").write_text("\n".join(lines) + "\n" + lines[0][:20])
+    ablate.main([f"--curves={tmp_path}"])
+    out, err = capsys.readouterr()
+    assert "last line was cut short (a kill or a full disk mid-write); dropped it" in err, err
+    assert f"{tmp_path}/log.jsonl has no tok_per_s; left out of the figure" in err, err
+    assert f"3 steps of {tmp_path} drawn" in out
+    assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    (tmp_path / "log.jsonl").write_text("\n".join([lines[0], lines[1][:20], lines[2]]) + "\n")
+    with pytest.raises(CheckpointError, match="log.jsonl line 2 is not a train.py record"):
+        ablate.main([f"--curves={tmp_path}"])
+
+
 def test_wandb_without_a_login_is_one_line_naming_offline_and_login(tmp_path, monkeypatch):
     """wandb.init with no API key and no terminal raises its UsageError: a traceback after the
     run had started."""
