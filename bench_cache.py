@@ -18,6 +18,7 @@ Every figure has its ratio to vanilla measured in the same run. `value@3` is the
 n_loops=3; its baseline is `vanilla@3`, added when missing. Then the analytic per-token cost of the depth
 step (support.cost.depth_cost) and the paper's Table 2 for its 3B model.
 """
+import support.interrupt  # noqa: F401  first: Ctrl-C during the imports is one line, exit 130
 import json
 import math
 import os
@@ -35,7 +36,7 @@ from support.variants import BaselineConfig, build_model, make_config
 from support.cost import depth_cost
 from support import hf, paper
 from support.memory import allocator_peak
-from support.cli import reason, require, resolve_device, table
+from support.cli import not_a_choice, reason, require, resolve_device, table
 from support.outputs import mark, output_file, write_atomically
 from support.config import Key, check_keys, key_table, parse_config, read_config_file
 from support.errors import USER_ERRORS, ConfigError, run_main
@@ -101,8 +102,7 @@ def parse_args(argv):
     check_keys(cfg, KEYS)
     if cfg["preset"]:
         if cfg["preset"] not in PRESETS:
-            raise ConfigError(f"unknown preset {cfg['preset']!r}; "
-                              f"choose one of {', '.join(PRESETS)}")
+            raise not_a_choice("--preset", cfg["preset"], PRESETS)
         cfg = parse_config({**DEFAULTS, **preset(cfg["preset"])}, argv)  # the command line wins
     # "cuda" is the current GPU (CUDA_VISIBLE_DEVICES picks another); mps is not measured
     cfg["device"] = resolve_device(cfg["device"], allowed=("cpu", "cuda"))

@@ -22,6 +22,7 @@ then lm-eval builds the tasks (reading their files and data) and what it raises 
 model is loaded and the --ppl data checked against its tokenizer; only then does scoring start. A failure
 in this file's code, even one lm-eval called, is a bug and a traceback.
 """
+import support.interrupt  # noqa: F401  first: Ctrl-C during the imports is one line, exit 130
 import argparse
 import json
 import math
@@ -37,7 +38,7 @@ from tqdm import tqdm
 from model import fp32_or_wider
 from support import paper
 from support.checkpoint import check_source, load_model
-from support.cli import ArgumentParser, MissingPackage, check_ranges, resolve_device
+from support.cli import ArgumentParser, MissingPackage, check_ranges, path, resolve_device
 from support.outputs import mark, output_file, write_atomically
 from support.data import NotPrepared, load_meta
 from support.errors import ConfigError, DataError, run_main
@@ -259,7 +260,7 @@ def parse_args(argv):
     file or loading anything."""
     p = ArgumentParser("eval.py", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--init_from", required=True, help="a train.py out_dir (its ckpt.pt), a "
+    p.add_argument("--init_from", required=True, type=path, help="a train.py out_dir (its ckpt.pt), a "
                    "checkpoint file, a Hugging Face folder or hub id")
     p.add_argument("--tasks", default=",".join(PAPER_TASKS), help="comma-separated lm-eval task "
                    "names or globs (quoted: 'arc_*' runs every single task whose name matches, not "
@@ -272,14 +273,14 @@ def parse_args(argv):
     p.add_argument("--batch_size", type=int, default=16,
                    help="sequences per forward pass; default 16")
     p.add_argument("--device", default="auto", help="default auto: cuda, then mps, then cpu")
-    p.add_argument("--include_path", help="a folder of extra lm-eval task YAML files (lm-eval's "
+    p.add_argument("--include_path", type=path, help="a folder of extra lm-eval task YAML files (lm-eval's "
                    "own option; relative data_files are read from the YAML's folder)")
-    p.add_argument("--json", help="write lm-eval's results dictionary here (plus 'ppl' with "
+    p.add_argument("--json", type=path, help="write lm-eval's results dictionary here (plus 'ppl' with "
                    "--ppl); an existing file is replaced only if it holds an earlier result")
-    p.add_argument("--ppl", metavar="DATASET", help="also report the perplexity of "
+    p.add_argument("--ppl", metavar="DATASET", type=path, help="also report the perplexity of "
                    "<data_root>/DATASET/val.bin (a prepare_data.py output in the model's "
                    "tokenizer), e.g. pile")
-    p.add_argument("--data_root", default="data", help="the folder that holds the --ppl dataset; "
+    p.add_argument("--data_root", default="data", type=path, help="the folder that holds the --ppl dataset; "
                    "default data")
     args = p.parse_args(argv)
     args.names = list(dict.fromkeys(t.strip() for t in args.tasks.split(",") if t.strip()))

@@ -10,9 +10,10 @@ Writes <out_dir>/<name>/train.bin, val.bin (uint16 token ids) and meta.json; sup
 how the documents are split and tokenized, and why an interrupted run never leaves a half-written
 dataset.
 """
+import support.interrupt  # noqa: F401  first: Ctrl-C during the imports is one line, exit 130
 import sys
 
-from support.cli import ArgumentParser
+from support.cli import ArgumentParser, path
 from support.data import SOURCES
 from support.prepare import check_request, prepare
 from support.errors import run_main
@@ -22,17 +23,17 @@ def parse_args(argv):
     """The command line, checked (flags, types, choices) without reading a file."""
     parser = ArgumentParser("prepare_data.py", description=__doc__.split("\n")[0])
     parser.add_argument("source", choices=SOURCES, help="corpus to prepare")
-    parser.add_argument("--input", nargs="+", dest="inputs", metavar="PATH",
+    parser.add_argument("--input", nargs="+", dest="inputs", metavar="PATH", type=path,
                         help="local files, globs or directories (minipile: parquet; "
                              "pile: .jsonl.zst; text: any text file, one document each); minipile "
                              "and pile download from Hugging Face without it")
-    parser.add_argument("--name",
+    parser.add_argument("--name", type=path,
                         help="output directory name under --out_dir (default: the source)")
-    parser.add_argument("--tokenizer",
+    parser.add_argument("--tokenizer", type=path,
                         help="gpt2, bytes, or a Hugging Face folder / tokenizer.json / hub id (a "
                              "released model's); default: bytes for shakespeare (no download), "
                              "gpt2 otherwise")
-    parser.add_argument("--out_dir", default="data", help="parent of the output directory")
+    parser.add_argument("--out_dir", default="data", type=path, help="parent of the output directory")
     parser.add_argument("--val_fraction", type=float, default=0.1,
                         help="without val* files, every round(1/val_fraction)th document goes to "
                              "val; a single text file: its last val_fraction of characters")

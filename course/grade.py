@@ -36,6 +36,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
+import support.interrupt  # noqa: E402,F401  first outside the standard library: see its docstring
 
 from course.problems import EXPERIMENT, FIXTURES, GRADED, MARKER, PROBLEMS  # noqa: E402
 from support.cli import ArgumentParser  # noqa: E402

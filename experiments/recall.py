@@ -17,6 +17,7 @@ and head count, mean and each seed, and of the first step (evaluated every 50) a
 reached 0.9. The default (two seeds) takes about 9 minutes on one core of a busy 2-core
 machine, about 35 s a run.
 """
+import support.interrupt  # noqa: F401  first: Ctrl-C during the imports is one line, exit 130
 import json
 import sys
 import time

@@ -1,7 +1,8 @@
 """Ctrl-C and SIGTERM stop train.py cleanly: the step in flight finishes, a checkpoint of it is
 written, the process exits 128 + the signal with one line saying how to continue, and continuing
 gives the run that was never stopped; under torchrun a signal to one rank stops every rank at the
-same step."""
+same step; and Ctrl-C while any script starts (torch's import takes seconds) is one line too."""
+import ast
 import os
 import signal
 import subprocess
@@ -32,9 +33,10 @@ def interrupt(command, out_dir, signum, target=lambda proc: proc.pid):
     stderr)."""
     proc = subprocess.Popen(command, cwd=ROOT, env=ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
-    log, deadline = Path(out_dir) / "log.jsonl", time.time() + 120
+    log, deadline = Path(out_dir) / "log.jsonl", time.monotonic() + 300  # a hang's bound
     while not (log.is_file() and log.read_text().count('"kind": "train"') >= 2):
-        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "no two steps logged"
         time.sleep(0.005)
     os.kill(target(proc), signum)
     out, err = proc.communicate(timeout=120)
@@ -91,3 +93,81 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(uninterrupted, da
         f"--stop_at_step={UNTIL}", launcher=torchrun)
     diff = max_diff(read_log(tmp_path), uninterrupted)
     assert diff < 1e-5, f"two ranks, stopped and resumed, differ from one process by up to {diff:.3e}"
+
+
+# ----------------------------------------------------------------------------- Ctrl-C at start-up
+
+# Every file a user runs: those with a __main__ guard, outside tests/.
+SCRIPTS = sorted(p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.py")
+                 if "tests" not in p.relative_to(ROOT).parts
+                 and 'if __name__ == "__main__":' in p.read_text())
+
+# A sitecustomize for the started script: its first import of a package from outside the standard
+# library and the repository (torch, numpy: seconds of import in real life) says so on stdout and
+# waits there for the signal, so the test knows, without a guess at the time, that the Ctrl-C
+# lands inside the script's imports.
+PAUSE_AT_FIRST_IMPORT = f"""
+import signal, sys
+from importlib.machinery import PathFinder
+from pathlib import Path
+
+class Pause:
+    def find_spec(self, name, path=None, target=None):
+        top = name.partition(".")[0]
+        ours = Path({str(ROOT)!r}, top).is_dir() or Path({str(ROOT)!r}, top + ".py").is_file()
+        running = hasattr(sys.modules["__main__"], "__file__")  # not site's usercustomize
+        # one that is there: copy.py asks for Jython's org.python.core
+        if running and top not in sys.stdlib_module_names and not ours and \
+                PathFinder.find_spec(name, path):
+            print("importing", name, flush=True)
+            signal.pause()
+
+sys.meta_path.insert(0, Pause())
+"""
+
+
+def interrupt_at_import(script, tmp_path, rank="0"):
+    """Start script as a user does (experiments/ as modules: python -m experiments.NAME), send
+    Ctrl-C once it is inside its imports; (returncode, stderr)."""
+    (tmp_path / "sitecustomize.py").write_text(PAUSE_AT_FIRST_IMPORT)
+    command = ["-m", script[:-3].replace("/", ".")] if script.startswith("experiments/") \
+        else [script]
+    proc = subprocess.Popen([sys.executable, *command], cwd=ROOT, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**ENV, "PYTHONPATH": str(tmp_path), "RANK": rank})
+    line = proc.stdout.readline()  # blocks until the pause says where it is, or the end
+    assert line.startswith("importing "), f"{script} never imported a package: {proc.communicate()}"
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    return proc.returncode, err
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_ctrl_c_while_a_script_imports_is_one_line_and_130(script, tmp_path):
+    """It was a traceback of the import in flight (45 lines inside torch) and death by SIGINT."""
+    code, err = interrupt_at_import(script, tmp_path)
+    assert (code, err.splitlines()) == (130, ["interrupted"]), (code, err[-3000:])
+
+
+def test_ctrl_c_while_importing_is_said_by_rank_0_alone(tmp_path):
+    """Under torchrun every rank gets the Ctrl-C of the terminal; one line, not one a rank."""
+    assert interrupt_at_import("train.py", tmp_path, rank="1") == (130, "")
+
+
+def first_import_outside_the_standard_library(path):
+    """The first module, in the file's order, that the standard library does not hold."""
+    imports = sorted((n for n in ast.walk(ast.parse(path.read_text()))
+                      if isinstance(n, (ast.Import, ast.ImportFrom))), key=lambda n: n.lineno)
+    names = [name for n in imports for name in
+             ([a.name for a in n.names] if isinstance(n, ast.Import) else [n.module or "."])]
+    return next(n for n in names if n.partition(".")[0] not in sys.stdlib_module_names)
+
+
+def test_every_script_first_imports_the_quiet_ctrl_c():
+    """support.interrupt before anything that takes time to import, in every script a user runs:
+    a new script without it fails here (and in the test above)."""
+    assert {"train.py", "course/grade.py", "experiments/recall.py"} <= set(SCRIPTS), SCRIPTS
+    firsts = {s: first_import_outside_the_standard_library(ROOT / s) for s in SCRIPTS}
+    late = {s: first for s, first in firsts.items() if first != "support.interrupt"}
+    assert not late, f"scripts whose first import outside the standard library is not " \
+                     f"support.interrupt: {late}"
