@@ -37,7 +37,8 @@ from support.cost import depth_cost
 from support import hf, paper
 from support.memory import allocator_peak
 from support.cli import not_a_choice, reason, require, resolve_device, table
-from support.outputs import mark, output_file, write_atomically
+from support.atomic import write_atomically
+from support.outputs import mark, output_file
 from support.config import Key, check_keys, key_table, parse_config, read_config_file
 from support.errors import USER_ERRORS, ConfigError, run_main
 from support.run_config import TRAIN_KEYS

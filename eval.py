@@ -39,7 +39,8 @@ from model import fp32_or_wider
 from support import paper
 from support.checkpoint import check_source, load_model
 from support.cli import ArgumentParser, MissingPackage, check_ranges, path, resolve_device
-from support.outputs import mark, output_file, write_atomically
+from support.atomic import write_atomically
+from support.outputs import mark, output_file
 from support.data import NotPrepared, load_meta
 from support.errors import ConfigError, DataError, run_main
 from support.eval_tasks import build_tasks, lm_eval_says, ours

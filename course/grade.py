@@ -40,7 +40,8 @@ import support.interrupt  # noqa: E402,F401  first outside the standard library:
 
 from course.problems import EXPERIMENT, FIXTURES, GRADED, MARKER, PROBLEMS  # noqa: E402
 from support.cli import ArgumentParser  # noqa: E402
-from support.outputs import mark, output_file, write_atomically  # noqa: E402
+from support.atomic import write_atomically  # noqa: E402
+from support.outputs import mark, output_file  # noqa: E402
 from support.errors import UserError, run_main  # noqa: E402
 
 TEST_TIMEOUT_S = float(os.environ.get("COURSE_TEST_TIMEOUT", 60))  # a test's limit; the

@@ -26,7 +26,8 @@ import torch
 
 from support.variants import build_model, make_config
 from support.cli import ArgumentParser, check_ranges
-from support.outputs import mark, output_file, write_atomically
+from support.atomic import write_atomically
+from support.outputs import mark, output_file
 from support.errors import ConfigError, run_main
 
 VARIANTS = {"vanilla": ("vanilla", "standard"), "value": ("value", "standard"),

@@ -7,7 +7,7 @@ lets every other exception be a traceback, because anything else is a bug (in th
       ConfigError    a command line, a config file, a model shape
       CheckpointError  a run folder, a checkpoint, an export or Hugging Face folder
       DataError      a dataset, a corpus, a tokenizer
-      DiskFull       a write that found no room (support.outputs.room_for raises it)
+      DiskFull       a write that found no room (support.atomic.room_for raises it)
 
 model.py imports only torch, so its config checks raise model.ConfigError (a ValueError), the base
 of ConfigError here: `except ConfigError` from either module catches both, and the entry points

@@ -33,7 +33,8 @@ from support.variants import KNOBS, attention_of, build_model, make_config, resi
 from model import GPT, ModelConfig
 from support.cli import read_json_object, require
 from support.folders import claim, seal
-from support.outputs import clean_stale, room_for
+from support.atomic import room_for
+from support.outputs import clean_stale
 from support.errors import USER_ERRORS, CheckpointError
 from support.tokenizer import EOT, HFTokenizer, is_hf_folder, snapshot
 

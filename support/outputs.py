@@ -1,21 +1,20 @@
 """
 Where a script writes its results: a result file checked before any work (`output_file`), the mark
-a script leaves on its results (`mark`, `figure_metadata`, `written_here`) so that replacing one
-checks a fact, a file or figure written whole or not at all (`write_atomically`, `save_figure`, a
-line of a log: `append_line`), a full disk as one error naming the path and the space (`room_for`),
-and the temporaries that killed runs left behind (`clean_stale`).
+a script leaves on its results (`mark`, from support/folders.py; `figure_metadata`, `written_here`)
+so that replacing one checks a fact, a figure written whole or not at all (`save_figure`; text is
+support/atomic.py's), and the temporaries that killed runs left behind (`clean_stale`).
 """
-import errno
 import io
 import json
 import os
 import re
 import shutil
-from contextlib import contextmanager
 from pathlib import Path
 
+from support.atomic import write_atomically
 from support.cli import not_in_a_checkpoint
-from support.errors import ConfigError, DiskFull
+from support.errors import ConfigError
+from support.folders import mark
 
 
 def output_file(path, flag, written_by=None) -> Path:
@@ -43,13 +42,6 @@ def output_file(path, flag, written_by=None) -> Path:
         raise ConfigError(f"{flag}={path} exists and was not written by {written_by}; pick "
                           f"another path, or delete the file if it may go")
     return p
-
-
-def mark(script) -> str:
-    """What a script writes into its results (JSON's "written_by"), figures (their metadata) and
-    folders (support/folders.py's manifest), so that replacing one checks a fact rather than
-    guessing from common keys. No parentheses: a PDF would escape them."""
-    return f"{script}, Depth-Attention"
 
 
 def figure_metadata(path, script) -> dict:
@@ -109,53 +101,6 @@ def clean_stale(dest, hidden=False, inside=False, restorable=lambda old: True):
             print(f"removed {path}, left by a killed run (pid {pid})")
 
 
-# a write that found no room: a full disk, a full quota, a file-size limit (RLIMIT_FSIZE)
-NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
-
-
-def no_room(e) -> bool:
-    """Whether e, or an error it wraps, is a write that found no room. torch.save raises a
-    RuntimeError over the OSError; safetensors an error of its own whose text ends as Rust's io
-    errors do, "(os error N)"."""
-    while e is not None:
-        if isinstance(e, OSError):
-            code = e.errno
-        else:
-            rust = re.search(r"\(os error (\d+)\)", str(e))
-            code = rust and int(rust[1])
-        if code in NO_ROOM:
-            return True
-        e = e.__cause__ or e.__context__
-    return False
-
-
-@contextmanager
-def room_for(path, need, more=False):
-    """The one place a full disk becomes a user error: a write inside the block that found no room
-    raises DiskFull naming path and need() bytes (called only then; more: a lower bound). The
-    caller removes what it had written."""
-    try:
-        yield
-    except Exception as e:
-        if not no_room(e):
-            raise
-        raise DiskFull(path, need(), more) from None
-
-
-def write_atomically(path, data):
-    """Write text or bytes to path through a temporary file and a rename: an interrupted write
-    leaves the old file, a full disk the old file and DiskFull."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    data = data.encode() if isinstance(data, str) else data
-    try:
-        with room_for(path, lambda: len(data)):
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def save_figure(fig, path, script, **savefig):
     """A matplotlib figure drawn in memory, then written as write_atomically writes text (a full
     disk leaves no 0-byte figure), marked as script's (figure_metadata); the figure is closed."""
@@ -167,20 +112,3 @@ def save_figure(fig, path, script, **savefig):
     finally:
         plt.close(fig)
     write_atomically(path, buffer.getvalue())
-
-
-def append_line(path, line):
-    """Append line to the file at path whole or not at all: a full disk cuts the file back to its
-    length before (no torn last line) and raises DiskFull. A log grows by a line a step, so it is
-    appended to, not rewritten."""
-    data = (line + "\n").encode()
-    with open(path, "ab", buffering=0) as f:
-        end = os.fstat(f.fileno()).st_size
-        try:
-            with room_for(path, lambda: len(data)):
-                done = 0
-                while done < len(data):  # a write(2) may write part and fail on the next
-                    done += f.write(data[done:])
-        except DiskFull:
-            f.truncate(end)
-            raise

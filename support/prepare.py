@@ -39,7 +39,8 @@ from tqdm import tqdm
 
 from support.cli import MissingPackage, not_in_a_checkpoint, reason, require
 from support.folders import claim, manifest, seal
-from support.outputs import clean_stale, mark, room_for
+from support.atomic import room_for
+from support.outputs import clean_stale, mark
 from support.errors import ConfigError, DataError
 from support.data import SOURCES
 from support.tokenizer import get_tokenizer

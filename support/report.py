@@ -12,7 +12,8 @@ import numpy as np
 
 from baselines import DEPTH_MODES
 from support import paper, runlog
-from support.outputs import output_file, save_figure, write_atomically
+from support.atomic import write_atomically
+from support.outputs import output_file, save_figure
 from support.depth_weights import self_share
 from support.depth_weights_view import can_draw, depth_weight_matrix, plot_depth_weights, pyplot
 from support.errors import CheckpointError, ConfigError, DataError

@@ -16,7 +16,7 @@ import torch
 from support.checksums import checksums
 from support.cli import SHARDED, SHARDED_OLD
 from support.errors import CheckpointError
-from support.outputs import room_for
+from support.atomic import room_for
 from support.folders import MANIFEST, claim
 
 try:

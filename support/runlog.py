@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from support.cli import reason, require
 from support.errors import CheckpointError, ConfigError, DiskFull, UserError
-from support.outputs import append_line, write_atomically
+from support.atomic import append_line, write_atomically
 
 
 class Diverged(UserError):

@@ -10,7 +10,6 @@ import shutil
 import signal
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import matplotlib.image
@@ -32,11 +31,11 @@ def ablate(*args):
     return printed.getvalue()
 
 
-def refused(*args):
+def refused(*args, main=ablate_py.main):
     """The one `error:` line ablate.py's entry point (run_main) stops with, exit status 2."""
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
-        code = run_main(ablate_py.main, [str(a) for a in args])
+        code = run_main(main, [str(a) for a in args])
     msg = err.getvalue().strip()
     assert code == 2 and msg.startswith("error: ") and "\n" not in msg, msg
     return msg
@@ -60,8 +59,8 @@ def started(out):
 
 @pytest.fixture(scope="module")
 def sweep(data_root, tmp_path_factory):
-    out = tmp_path_factory.mktemp("sweep")
-    base = out / "base.py"  # the CPU base, shrunk further
+    out = tmp_path_factory.mktemp("sweep") / "out"
+    base = out.parent / "base.py"  # the CPU base, shrunk further
     # vocab_size = None as in the shipped bases: a resumed run must accept it (the data's
     # vocabulary)
     base.write_text(f'dataset = "tiny"\ndata_root = "{data_root}"\nvocab_size = None\nn_layer = 4\n'
@@ -229,7 +228,8 @@ def test_parse_args_checks_the_command_alone(tmp_path, monkeypatch):
 @pytest.mark.parametrize("flag, expected", [
     ("--lr_seeds=0", "--lr_seeds must be a finite number >= 1, got 0"),
     ("--threads=-1", "--threads must be a finite number >= 0, got -1"),
-    ("--protocol=slow", "--protocol must be one of shared, lr_sweep, best_lr, long, got 'slow'"),
+    ("--protocol=slow", "--protocol=slow is not a choice; choices: shared, lr_sweep, best_lr, "
+                        "long"),
 ])
 def test_the_key_table_refuses_a_value_outside_its_range_or_choices(flag, expected):
     with pytest.raises(UserError, match=f"^{expected}$"):
@@ -247,11 +247,50 @@ def test_a_failed_train_py_run_is_one_line_naming_its_log(sweep, tmp_path):
     assert log.read_text().strip().splitlines()[-1] in msg
 
 
+@pytest.mark.parametrize("child, code", [
+    ("raise KeyError('depth_mode')", 1),  # a bug in train.py: it used to be a one-line exit 2
+    ("os.kill(os.getpid(), signal.SIGKILL)", -signal.SIGKILL),  # the out-of-memory killer's
+], ids=["traceback", "signal"])
+def test_a_train_py_traceback_or_signal_is_no_user_error(child, code, tmp_path, monkeypatch):
+    """Only train.py's exit 2 is a user error (one line); a child's traceback or a signal ends
+    ablate.py with a traceback (exit 1, not 2) carrying the child's tail and its log. A fake
+    train.py, so nothing trains."""
+    (tmp_path / "train.py").write_text(f"import os, signal\nprint('step 0')\n{child}\n")
+    monkeypatch.setattr(ablate_py, "ROOT", tmp_path)
+    job, where = ("vanilla", 0, None, 1), tmp_path / "out" / "vanilla" / "seed0"
+    where.mkdir(parents=True)
+    with pytest.raises(ablate_py.TrainCrashed) as crash:
+        run_main(lambda argv: ablate_py.train_one(job, "new", [], tmp_path / "out", 1), [])
+    assert not isinstance(crash.value, UserError)
+    msg = str(crash.value)
+    assert f"vanilla seed 0 crashed ({'exit 1' if code == 1 else 'killed by signal 9'})" in msg
+    assert f"see {where / 'train.out'}" in msg, msg
+    if code == 1:  # the traceback whole, not the output before it
+        assert "Traceback (most recent call last):" in msg and "KeyError: 'depth_mode'" in msg
+        assert "step 0" not in msg
+    (tmp_path / "train.py").write_text("print('error: --foo is wrong')\nraise SystemExit(2)\n")
+    assert "vanilla seed 0 failed (exit 2: error: --foo is wrong)" in refused(
+        main=lambda argv: ablate_py.train_one(job, "new", [], tmp_path / "out", 1))
+
+
+def test_train_py_arguments_are_read_as_train_py_reads_them():
+    """After --: --key value as train.py takes it (it used to be refused), an unknown key or a
+    one-dash option refused before anything runs, naming the nearest key; a run name too."""
+    assert ablate_py.parse_args(["--", "--max_iters", "3"])[1] == ["--max_iters", "3"]
+    for argv, message in ((["--", "--max_iter=3"], "did you mean --max_iters?"),
+                          (["--", "-max_iters=3"], "did you mean --max_iters=3?"),
+                          (["--", "--seed", "4"], "--seed after -- is ablate.py's to set"),
+                          (["--runs=Value"], "--runs=Value is not a choice; did you mean value?")):
+        with pytest.raises(UserError) as e:
+            ablate_py.parse_args(argv)
+        assert message in str(e.value), e.value
+
+
 @pytest.fixture(scope="module")
 def protocols(data_root, tmp_path_factory):
     """The per-method learning-rate protocols on the tiny config: sweep, best rate, longer runs."""
-    out = tmp_path_factory.mktemp("protocols")
-    base = out / "base.py"
+    out = tmp_path_factory.mktemp("protocols") / "out"
+    base = out.parent / "base.py"
     base.write_text(f'dataset = "tiny"\ndata_root = "{data_root}"\nn_layer = 4\nn_head = 2\n'
                     f'n_kv_head = 1\nhead_dim = 8\nn_embd = 16\nmlp_hidden = 32\nblock_size = 32\n'
                     f'batch_tokens = 128\n'
@@ -520,11 +559,12 @@ def test_ctrl_c_starts_no_further_run(sweep, tmp_path, monkeypatch):
     def train_one(job, *_):
         started.append(job)
         if len(started) == 1:
-            # Ctrl-C reaches the main thread while this run goes on
+            # Ctrl-C reaches the main thread while this run goes on, till the sweep has stopped
             os.kill(os.getpid(), signal.SIGINT)
-            finish.wait(5)
+            finish.wait(300)  # a hang's bound (a sweep that waited for its runs)
         return "trained"
     monkeypatch.setattr(ablate_py, "train_one", train_one)
+    threads = set(threading.enumerate())
     # Python's Ctrl-C, whatever ran before
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
@@ -535,7 +575,10 @@ def test_ctrl_c_starts_no_further_run(sweep, tmp_path, monkeypatch):
     finally:
         signal.signal(signal.SIGINT, previous)
     finish.set()
-    time.sleep(0.5)  # time for a queued run to start, if one were left
+    # the sweep's threads: a queued run, if one were left, starts before they end
+    for worker in set(threading.enumerate()) - threads:
+        if worker.name.startswith("ThreadPoolExecutor"):
+            worker.join(300)
     assert "rerun the same command to continue" in msg and len(started) == 1, (msg, started)
 
 
@@ -545,7 +588,7 @@ def test_best_lr_takes_no_rate_from_runs_trained_otherwise(protocols, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(protocols[0], out)
     before = files(out)
-    msg = refused(f"--base={out / 'base.py'}", f"--out={out}", "--runs=vanilla,value",
+    msg = refused(f"--base={protocols[0].parent / 'base.py'}", f"--out={out}", "--runs=vanilla,value",
                   "--lrs=1e-3,1e-2", "--protocol=best_lr", "--seeds=2", "--", "--max_iters=5")
     assert "max_iters 4 -> 5" in msg and "rerun the protocols that train them" in msg, msg
     assert files(out) == before

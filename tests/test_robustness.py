@@ -120,7 +120,7 @@ CASES = [
          "--out_dir={tmp}", "--resume=True", make=lambda w, mp: torch.save(
              {k: v for k, v in torch.load(w["run"] / "ckpt.pt", weights_only=True).items()
               if k in ("model", "model_config")}, w["tmp"] / "ckpt.pt")),
-    case("train.py", "cannot write to --out_dir=", *TRAIN, "--out_dir={tmp}/file",
+    case("train.py", "file is a file; give a folder", *TRAIN, "--out_dir={tmp}/file",
          make=write("file", b"")),
     case("train.py", "which began from scratch; --init_from=", "--out_dir={tmp}/run", "--resume=True",
          "--init_from={run}", make=lambda w, mp: copy_run(w)),  # recorded as loaded, it never was
@@ -208,7 +208,7 @@ CASES = [
                                                                                              mp))),
     case("prepare_data.py", "val_fraction must be in (0, 0.5], got 0.9", "text", "--input",
          "{tmp}/a.txt", "--val_fraction=0.9", make=write("a.txt", b"text")),
-    case("prepare_data.py", "mine holds files prepare_data.py did not write (notes.txt)", "text",
+    case("prepare_data.py", "mine holds notes.txt and was not written by prepare_data.py", "text",
          "--input", "{tmp}/a.txt", "--name=mine", "--out_dir={tmp}", "--tokenizer=bytes",
          make=lambda w, mp: ((w["tmp"] / "mine").mkdir(), write("mine/notes.txt", b"mine")(w, mp),
                              write("a.txt", b"text")(w, mp))),
@@ -229,7 +229,7 @@ CASES = [
                             ("bench_cache.py", "--json={tmp}/r/ckpt.dcp.old/bench.json"),
                             ("ablate.py", "--out={tmp}/r/ckpt.dcp/sweep")]),
     # bench_cache.py and ablate.py
-    case("bench_cache.py", "unknown preset 'foo'; choose one of paper_3b, paper_1p5b",
+    case("bench_cache.py", "--preset=foo is not a choice; choices: paper_3b, paper_1p5b",
          "--preset=foo"),
     case("bench_cache.py", "unknown mode 'foo'; choose from vanilla", "--modes=foo"),
     case("bench_cache.py", "unknown device 'foo'", "--device=foo"),
@@ -309,7 +309,8 @@ def test_overwrite_starts_over(world, tmp_path):
     run = tmp_path / "run"
     code, _, err = cli("train.py", *SHORT, f"--data_root={world['data_root']}", f"--out_dir={run}",
                        "--overwrite=True", "--max_iters=2")
-    assert code == 0 and f"warning: --overwrite=True: deleted {run / 'ckpt.pt'}" in err, err[-2000:]
+    assert code == 0 and f"warning: --overwrite=True: deleting ckpt.pt and the log of {run}" in err, \
+        err[-2000:]
     steps = [json.loads(line)["step"] for line in (run / "log.jsonl").read_text().splitlines()]
     # one run's log, not two
     assert steps == [0, 1, 2, 2] and read_checkpoint(run / "ckpt.pt")["step"] == 2
