@@ -44,6 +44,7 @@ FOREIGN = {
     "an export": lambda w, tmp: (w["export"], w["export"]),
     "a user's folder": lambda w, tmp: (users_folder(tmp / "mine"),) * 2,
     "the current folder": lambda w, tmp: (Path("."), users_folder(tmp / "here")),
+    "an empty path": lambda w, tmp: ("", users_folder(tmp / "here")),
     "a parent of the run": lambda w, tmp: (w["run"].parent, w["run"].parent),
     "a symlink to a user's folder": lambda w, tmp: (
         os.symlink(users_folder(tmp / "target"), tmp / "link") or tmp / "link", tmp / "target"),
@@ -56,8 +57,9 @@ WRITERS = {
                               f"--out_dir={f}", "--overwrite=True", f"--init_from={w['run']}"),
     "export.py": lambda f, w: ("export.py", w["run"], f, "--overwrite"),
     "prepare_data.py": lambda f, w: ("prepare_data.py", "text", "--input", *(
-        [f / "ckpt.pt"] if f == w["run"] else [w["tmp"] / "corpus"]), "--out_dir",
-        Path(f).resolve().parent, "--name", Path(f).resolve().name, "--force"),
+        [f / "ckpt.pt"] if f == w["run"] else [w["tmp"] / "corpus"]), "--force", *(
+            ["--out_dir", Path(f).resolve().parent, "--name", Path(f).resolve().name] if f
+            else ["--out_dir", ""])),
     "ablate.py": lambda f, w: ("ablate.py", f"--out={f}", "--runs=vanilla", "--seeds=1",
                                f"--base={ROOT / 'configs/ablations/cpu.py'}", "--overwrite=True"),
     "course/make.py": lambda f, w: ("course/make.py", f, "--overwrite"),
@@ -72,7 +74,7 @@ def test_no_writer_touches_a_folder_it_did_not_make(writer, foreign, world, tmp_
     if (writer, foreign) in OWN:
         pytest.skip("the writer's own folder: test_overwrite_replaces_only_its_own_files")
     target, kept = FOREIGN[foreign](world, tmp_path)
-    if foreign == "the current folder":
+    if foreign in ("the current folder", "an empty path"):
         monkeypatch.chdir(kept)
     before = snapshot(kept, world["run"], world["export"])
     code, out, err = cli(*WRITERS[writer](target, world))
