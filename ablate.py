@@ -46,7 +46,7 @@ from support import depth_weights_view, report, run_config
 from support.cli import not_a_choice
 from support.outputs import output_file
 from support.run_dir import run_folder
-from support.config import Key, arg_updates, check_keys, key_table, parse_config
+from support.config import Key, argument_updates, check_keys, key_table, parse_config
 from support.errors import EXIT_USER_ERROR, CheckpointError, ConfigError, UserError, run_main
 # summarize: tests/helpers.py reads the paired table as ablate.summarize
 from support.report import DEPTH_FIGURES, MAIN, RESULTS, summarize  # noqa: F401
@@ -212,19 +212,20 @@ def run_all(cfg, out, threads, plans):
 
 def parse_args(argv):
     """(ablate.py's config, train.py's arguments after `--`, the peak rates, the run names): the
-    command's syntax and values checked, reading no file and training nothing (main checks the
-    paths and the machine). A ConfigError names the fix; --help prints the usage, SystemExit(0)."""
+    command's syntax and values checked, reading no file but the config files after `--` and
+    training nothing (main checks the paths and the machine). A ConfigError names the fix; --help
+    prints the usage, SystemExit(0)."""
     split = argv.index("--") if "--" in argv else len(argv)
     extra = argv[split + 1:]
     cfg = parse_config(DEFAULTS, argv[:split], __doc__, CHOICES, HELP)
     check_keys(cfg, KEYS)
-    # train.py's arguments: read now, so a malformed one stops the sweep before it starts (a config
-    # file among them is read when the runs are planned)
-    for arg in extra:
-        own = sorted(OWN_KEYS.keys() & arg_updates(arg).keys()) if arg.startswith("--") else []
-        if own:
-            raise ConfigError(f"--{own[0]} after -- is ablate.py's to set ({OWN_KEYS[own[0]]}); "
-                              f"drop it")
+    # train.py's arguments, read as train.py reads them (--key value too), so a malformed one or
+    # an unknown key stops the sweep before it starts; their values are checked per run
+    list(argument_updates(extra, run_config.DEFAULTS))
+    own = sorted(OWN_KEYS.keys() & {a[2:].partition("=")[0] for a in extra if a.startswith("--")})
+    if own:
+        raise ConfigError(f"--{own[0]} after -- is ablate.py's to set ({OWN_KEYS[own[0]]}); "
+                          f"drop it")
     try:  # the peak rates, sorted and distinct
         lrs = sorted({float(x) for x in cfg["lrs"].split(",") if x.strip()})
     except ValueError:  # float() of a word: only the user's text is parsed here

@@ -11,6 +11,7 @@ import json
 import math
 import sys
 from pathlib import Path
+from typing import Optional
 
 from support.errors import ConfigError, UserError
 
@@ -58,7 +59,9 @@ def resolve_device(name, local_rank=None, allowed=("cpu", "cuda", "cuda:N", "mps
         name = next(d for d in ("cuda", "mps", "cpu") if d in allowed and have[d])
     kind, _, index = name.partition(":")
     if kind not in ("cpu", "cuda", "mps") or (index and not (kind == "cuda" and index.isdigit())):
-        raise ConfigError(f"unknown device {name!r}; use auto or one of {', '.join(allowed)}")
+        near = nearest(name, ("auto", *allowed))
+        raise ConfigError(f"unknown device {name!r}; {f'did you mean {near}? ' if near else ''}"
+                          f"use auto or one of {', '.join(allowed)}")
     if (kind + ":N" if index else kind) not in allowed:
         raise ConfigError(f"this script runs on {', '.join(allowed)} (or auto), not {name!r}")
     if not have[kind]:
@@ -103,6 +106,33 @@ BOOL_WORDS = {"true": True, "1": True, "false": False, "0": False}  # any case, 
 RULES = {"> 0": lambda v: v > 0, ">= 0": lambda v: v >= 0, ">= 1": lambda v: v >= 1,
          "in [0, 1)": lambda v: 0 <= v < 1, "in [0, 1]": lambda v: 0 <= v <= 1,
          "in [0, 2**63)": lambda v: 0 <= v < 2**63}
+
+
+# A path or name given as "" would silently mean the current folder, or the flag's default.
+EMPTY_PATH = "is empty; give a name or a path"
+
+
+def nearest(word, known) -> Optional[str]:
+    """The one of known that word most likely misspells: the same but for case, else difflib's
+    closest in lower case; None when none is close."""
+    folded = {str(k).lower(): k for k in known}
+    match = difflib.get_close_matches(str(word).lower(), folded, n=1)
+    return folded[match[0]] if match else None
+
+
+def not_a_choice(flag, value, choices) -> ConfigError:
+    """The error for a value that is none of choices: the nearest one, then all of them."""
+    near = nearest(value, choices)
+    hint = f"did you mean {near}? " if near is not None else ""
+    return ConfigError(f"{flag}={value} is not a choice; {hint}choices: "
+                       f"{', '.join(map(str, choices))}")
+
+
+def path(text) -> str:
+    """argparse's type for a path or name (a key table's Key.path is the same rule): "" refused."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(EMPTY_PATH)
+    return text
 
 
 def boolean(key, value) -> bool:
@@ -177,7 +207,8 @@ class ArgumentParser(argparse.ArgumentParser):
         if message.startswith("unrecognized arguments:"):
             known = [o for o in self._option_string_actions if o.startswith("--")]
             unknown = [a.partition("=")[0] for a in message.split(":", 1)[1].split()]
-            near = [m for a in unknown if a.startswith("--")
-                    for m in difflib.get_close_matches(a, known, n=1)]
+            # -max_new_tokens and --MAX_NEW_TOKENS too: one dash, or another case, is a slip
+            near = [m for a in unknown if a.startswith("-")
+                    if (m := nearest("--" + a.lstrip("-"), known))]
             message += f"; did you mean {near[0]}?" if near else ""
         raise ConfigError(f"{message} (python {self.prog} --help lists the flags)")

@@ -7,20 +7,21 @@ Positional arguments are config files: plain Python assignments (`n_layer = 12`)
 A file may start from another with `base_config = "other.py"` (a path relative to the file): the
 other file's assignments come first, so a variant states only the lines that differ. Then the
 overrides: `--key=value`, `--key value`, or a bare `--flag` for a boolean. Every key must already
-exist in the defaults (an unknown one is refused naming the nearest); values are parsed to the type
-of the default (an int is accepted where a float is expected; `None` is accepted anywhere, and a
-default of `None` accepts any literal). Anything else is a ConfigError that names the fix. `--help`
-(or `-h`) raises ShowHelp with the script's docstring and every key with its default and its help,
-so the help can never drift from the defaults. A script declares its keys once, as a table
-{name: Key} (key_table).
+exist in the defaults (an unknown one, in another case or misspelt, is refused naming the nearest);
+values are parsed to the type of the default (an int is accepted where a float is expected; `None`
+parses anywhere, and a default of `None` accepts any literal). A script declares its keys once, as a
+table {name: Key} (key_table), and check_keys then holds each value to its key: None only where the
+default is None, a None default's other values of its kind, no empty path, the range, the choices.
+Anything else is a ConfigError that names the fix. `--help` (or `-h`) raises ShowHelp with the
+script's docstring and every key with its default and its help, so the help can never drift from the
+defaults.
 """
 import ast
-import difflib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from support.cli import BOOL_WORDS, boolean, check_ranges
+from support.cli import BOOL_WORDS, EMPTY_PATH, boolean, check_ranges, nearest, not_a_choice
 from support.errors import ConfigError, ShowHelp
 
 @dataclass(frozen=True)
@@ -34,6 +35,12 @@ class Key:
     # or prints, how the same computation is laid out), so a run recorded otherwise is still it
     result: bool = True
     per_invocation: bool = False  # how this command runs, not the run: never from a checkpoint
+    kind: Optional[type] = None  # a None default's type: the key is None or one of these
+    path: bool = False  # a path or a folder's name: "" would silently mean the current folder
+
+    def __post_init__(self):
+        if self.default is None and self.kind is None:  # a bug in a table, not a user error
+            raise TypeError("a key whose default is None names its kind, e.g. Key(None, kind=int)")
 
 
 def key_table(keys: dict) -> tuple:
@@ -45,15 +52,30 @@ def key_table(keys: dict) -> tuple:
 
 
 def check_keys(cfg: dict, keys: dict):
-    """Raise ConfigError for the first key of the table {name: Key} that is None where its default
-    is not (parse_config takes None anywhere), outside its range or not one of its choices."""
+    """Raise ConfigError for the first key of the table {name: Key} whose value it does not take:
+    None where its default is not (parse_config takes None anywhere), another type than a None
+    default's kind, an empty path, a value outside its range or not one of its choices."""
     for name, key in keys.items():
-        if cfg[name] is None and key.default is not None:
+        value = cfg[name]
+        if value is None and key.default is not None:
             raise ConfigError(f"--{name}=None: give a value, e.g. the default "
                               f"--{name}={key.default!r}")
-        if key.choices and cfg[name] not in key.choices:
-            raise ConfigError(f"--{name} must be one of {', '.join(key.choices)}, got {cfg[name]!r}")
+        if value is not None and key.default is None and not _typed(value, key.kind):
+            raise ConfigError(f"--{name}: expected {key.kind.__name__} or None (the default), "
+                              f"got {value!r}")
+        if key.path and not value.strip():
+            raise ConfigError(f"--{name} {EMPTY_PATH}, e.g. the default --{name}={key.default}")
+        if key.choices and value not in key.choices:
+            raise not_a_choice(f"--{name}", value, key.choices)
     check_ranges(cfg, key_table(keys)[2])
+
+
+def _typed(value, kind) -> bool:
+    """Whether a key of type kind takes value: an int where a float is expected, never a bool for
+    a number (True is an int too)."""
+    if isinstance(value, bool) or kind is bool:
+        return isinstance(value, bool) and kind is bool
+    return isinstance(value, kind) or (kind is float and isinstance(value, int))
 
 
 def _coerce(key, value, default):
@@ -61,21 +83,20 @@ def _coerce(key, value, default):
         return value
     if isinstance(default, bool):
         return boolean(key, value)
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if isinstance(default, float) and number:
-        return float(value)
-    if isinstance(value, type(default)) and not isinstance(value, bool):  # True is an int too
-        return value
+    if _typed(value, type(default)):
+        return float(value) if isinstance(default, float) else value
     raise ConfigError(f"--{key}: expected {type(default).__name__} like the default {default!r}, "
                       f"got {value!r}")
 
 
-def _unknown(key, known):
-    """The error for an unknown key: the nearest known one, or all of them."""
-    near = difflib.get_close_matches(key, known, n=1)
-    hint = f"did you mean --{near[0]}? (--help lists every key)" if near else \
+def _unknown(key, known, where=""):
+    """The error for an unknown key (where: the config file that sets it): the nearest known one,
+    a slip of case first, or all of them."""
+    near = nearest(key, known)
+    spelled = f"--{near}" if not where else near
+    hint = f"did you mean {spelled}? (--help lists every key)" if near else \
         f"known keys: {', '.join(sorted(known))}"
-    return ConfigError(f"unknown config key {key!r}; {hint}")
+    return ConfigError(f"{where}unknown config key {key!r}; {hint}")
 
 
 def _parse_literal(text):
@@ -85,12 +106,20 @@ def _parse_literal(text):
         return text  # a bare word such as --depth_mode=value is a string
 
 
-def read_config_file(path, _seen=()) -> dict:
+def read_config_file(path, known=None, _seen=()) -> dict:
     """The assignments of a config file (after those of its base_config), evaluated in an empty
-    scope."""
+    scope; with known (the keys a script takes), an unknown one is refused naming its file."""
     path = Path(path)
+    if path.is_dir():
+        shipped = ", ".join(str(p) for p in sorted(path.glob("*.py"))) or "none"
+        raise ConfigError(f"{path} is a folder, not a config file; the config files in it: "
+                          f"{shipped}")
     if not path.is_file():
-        raise ConfigError(f"config file {path} not found; the configs/ folder lists the ones that ship")
+        near = nearest(path.name, [p.name for p in path.parent.glob("*.py")]) \
+            if path.parent.is_dir() else None
+        hint = f"did you mean {path.with_name(near)}?" if near else \
+            "the configs/ folder lists the ones that ship"
+        raise ConfigError(f"config file {path} not found; {hint}")
     if path.resolve() in _seen:
         raise ConfigError(f"config file {path} includes itself through base_config")
     scope = {}
@@ -103,7 +132,10 @@ def read_config_file(path, _seen=()) -> dict:
                           f"hold plain assignments such as `n_layer = 12`") from e
     own = {k: v for k, v in scope.items() if not k.startswith("_")}
     base = own.pop("base_config", None)
-    return {**read_config_file(path.parent / base, (*_seen, path.resolve())),
+    unknown = sorted(own.keys() - set(known)) if known is not None else []
+    if unknown:
+        raise _unknown(unknown[0], known, f"config file {path}: ")
+    return {**read_config_file(path.parent / base, known, (*_seen, path.resolve())),
             **own} if base else own
 
 
@@ -129,20 +161,19 @@ def parse_config(defaults: dict, argv: list, doc: str = "", choices=None, helps=
     cfg = dict(defaults)
     for updates in argument_updates(argv, defaults):
         for key, value in updates.items():
-            if key not in defaults:
-                raise _unknown(key, defaults)
             cfg[key] = _coerce(key, value, defaults[key])
     return cfg
 
 
 def argument_updates(argv, defaults):
     """The keys each argument sets, uncoerced, in order: a config file's assignments, or one key
-    from `--key=value`, `--key value` or a bare `--flag` (True, for a boolean key)."""
+    from `--key=value`, `--key value` or a bare `--flag` (True, for a boolean key). A key not in
+    defaults is a ConfigError naming the nearest."""
     i = 0
     while i < len(argv):
         arg, nxt = argv[i], argv[i + 1] if i + 1 < len(argv) else None
         i += 1
-        if not arg.startswith("--") or "=" in arg:
+        if not arg.startswith("--") or "=" in arg or arg == "--":
             yield arg_updates(arg, defaults)
             continue
         key = arg[2:]
@@ -161,10 +192,23 @@ def argument_updates(argv, defaults):
 
 def arg_updates(arg, defaults=None) -> dict:
     """The keys one argument sets, uncoerced: a config file's assignments, or `--key=value`'s
-    literal (the text as typed where the default is a string: --name=123 is the name "123")."""
+    literal (the text as typed where the default is a string: --name=123 is the name "123"). With
+    defaults, a key not in them is a ConfigError naming the nearest."""
+    if arg == "--":  # argparse's end of options: here options and files mix in any order
+        raise ConfigError("a bare -- ends nothing here: config files and --key=value come in any "
+                          "order; drop it")
+    if arg.startswith("-") and not arg.startswith("--") and not Path(arg).exists():
+        key, eq, text = arg.lstrip("-").partition("=")
+        near = nearest(key, defaults or ())
+        fix = f"did you mean --{near}{eq}{text}?" if near else "keys take two dashes: --key=value"
+        raise ConfigError(f"{arg} looks like an option with one dash; {fix}")
     if not arg.startswith("--"):
-        return read_config_file(arg)
+        return read_config_file(arg, defaults)
     key, eq, text = arg[2:].partition("=")
+    if key == "help":
+        raise ConfigError("--help takes no value; give --help alone")
     if not eq:
         raise ConfigError(f"argument {arg!r} must look like --key=value, --key value or --flag")
+    if defaults is not None and key not in defaults:
+        raise _unknown(key, defaults)
     return {key: text if isinstance((defaults or {}).get(key), str) else _parse_literal(text)}

@@ -104,8 +104,9 @@ def test_out_of_range_flags_are_one_line(flags, expected, monkeypatch):
 @pytest.mark.parametrize("flag, expected", [
     ("--repeats=0", "--repeats must be a finite number >= 1, got 0"),
     ("--warmup=-1", "--warmup must be a finite number >= 0, got -1"),
-    ("--dtype=float8", "--dtype must be one of auto, float32, bfloat16, float16, got 'float8'"),
-    ("--attention=dense", "--attention must be one of standard, keyless, got 'dense'"),
+    ("--dtype=float8", "--dtype=float8 is not a choice; did you mean float32? choices: auto, "
+                       "float32, bfloat16, float16"),
+    ("--attention=dense", "--attention=dense is not a choice; choices: standard, keyless"),
 ])
 def test_the_key_table_refuses_a_value_outside_its_range_or_choices(flag, expected, monkeypatch):
     assert refused(TINY_BENCH + [flag], monkeypatch) == f"error: {expected}"

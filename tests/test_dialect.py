@@ -104,11 +104,47 @@ def test_a_script_formatter_class_is_kept(capsys):
     ("export.py", ["A", "B", "--over"], "--overwrite"),  # no abbreviations: a typo picks no flag
     ("prepare_data.py", ["text", "--val_frac=0.2"], "--val_fraction"),
     ("eval.py", ["--init_from=x", "--num_fewshots=5"], "--num_fewshot"),
+    # one dash or another case: a slip, named as the key meant
+    ("sample.py", ["-max_new_tokens=3"], "--max_new_tokens"),
+    ("sample.py", ["--MAX_NEW_TOKENS", "3"], "--max_new_tokens"),
+    ("prepare_data.py", ["text", "-force"], "--force"),
 ])
 def test_an_unknown_key_names_the_nearest_in_one_line(script, argv, nearest):
     code, err = entry_point(SCRIPTS[script], argv)
     assert code == EXIT_USER_ERROR and err.count("\n") == 1 and err.startswith("error: "), err
     assert f"did you mean {nearest}?" in err and f"python {script} --help" in err
+
+
+@pytest.mark.parametrize("script, argv, flag", [
+    ("sample.py", ["--init_from="], "--init_from"),  # these fell back to out/shakespeare
+    ("sample.py", ["--ckpt="], "--ckpt"),
+    ("sample.py", ["--out_dir="], "--out_dir"),
+    ("sample.py", ["--out_dir=x", "--prompt_file="], "--prompt_file"),
+    ("eval.py", ["--init_from="], "--init_from"),
+    ("eval.py", ["--init_from=x", "--json="], "--json"),  # wrote nothing, silently
+    ("eval.py", ["--init_from=x", "--ppl=", "--data_root=x"], "--ppl"),
+    ("eval.py", ["--init_from=x", "--ppl=pile", "--data_root="], "--data_root"),
+    ("eval.py", ["--init_from=x", "--include_path="], "--include_path"),
+    ("export.py", ["", "out_hf"], "src"),
+    ("export.py", ["out/RUN", ""], "out_dir"),  # the current folder
+    ("prepare_data.py", ["text", "--out_dir="], "--out_dir"),
+    ("prepare_data.py", ["text", "--name="], "--name"),
+    ("prepare_data.py", ["text", "--input", ""], "--input"),
+    ("prepare_data.py", ["text", "--tokenizer="], "--tokenizer"),
+])
+def test_an_empty_path_is_one_line_naming_its_flag(script, argv, flag):
+    """support.cli.path, the key tables' Key.path rule for argparse: "" is no path."""
+    code, err = entry_point(SCRIPTS[script], argv)
+    assert code == EXIT_USER_ERROR and err.count("\n") == 1, err
+    assert f"argument {flag}: is empty; give a name or a path" in err, err
+
+
+def test_a_misspelt_dataset_names_the_prepared_one(tmp_path):
+    """train.py's --dataset is a folder of --data_root: a typo names the nearest prepared there."""
+    (tmp_path / "minipile").mkdir()
+    (tmp_path / "minipile" / "meta.json").write_text("{}")
+    with pytest.raises(UserError, match="did you mean --dataset=minipile\\? else run"):
+        train.open_data({"data_root": str(tmp_path), "dataset": "MiniPile"}, True)
 
 
 def test_bench_cache_refuses_an_unknown_key_in_one_line():

@@ -77,7 +77,7 @@ def test_activation_checkpointing_lowers_the_peak_memory(residual):
 
 @pytest.mark.parametrize("args, message", [
     (["--parallel=fsdp"], "launch with `torchrun"),
-    (["--parallel=zero3"], "--parallel must be one of ddp, fsdp"),
+    (["--parallel=zero3"], "--parallel=zero3 is not a choice; choices: ddp, fsdp"),
 ])
 def test_bad_parallel_settings_fail_clearly(data_root, tmp_path, args, message, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", ["train.py", *TINY, f"--data_root={data_root}",
