@@ -202,8 +202,8 @@ def run_all(cfg, out, threads, plans):
             print(msg, flush=True)
     except KeyboardInterrupt:
         pool.shutdown(wait=False, cancel_futures=True)
-        raise TrainFailed("interrupted; every started run keeps its last checkpoint: rerun the "
-                          "same command to continue") from None
+        raise KeyboardInterrupt("every started run keeps its last checkpoint: rerun the same "
+                                "command to continue") from None  # run_main: one line, 130
     except BaseException:  # a failed run (TrainFailed) or a bug: no queued run starts
         pool.shutdown(cancel_futures=True)
         raise

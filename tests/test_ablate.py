@@ -567,18 +567,23 @@ def test_ctrl_c_starts_no_further_run(sweep, tmp_path, monkeypatch):
     threads = set(threading.enumerate())
     # Python's Ctrl-C, whatever ran before
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    err = io.StringIO()
     try:
-        msg = refused(*sweep[1][:1], f"--out={tmp_path / 'out'}", "--runs=vanilla,value",
-                      "--seeds=2", "--jobs=1")
+        with contextlib.redirect_stderr(err):
+            code = run_main(ablate_py.main, [*sweep[1][:1], f"--out={tmp_path / 'out'}",
+                                             "--runs=vanilla,value", "--seeds=2", "--jobs=1"])
     except KeyboardInterrupt:
         pytest.fail("Ctrl-C escaped as a traceback")
     finally:
         signal.signal(signal.SIGINT, previous)
+    msg = err.getvalue().strip()
     finish.set()
     # the sweep's threads: a queued run, if one were left, starts before they end
     for worker in set(threading.enumerate()) - threads:
         if worker.name.startswith("ThreadPoolExecutor"):
             worker.join(300)
+    # Ctrl-C's status, 130, and its one line (it is no user error, 2)
+    assert code == 130 and msg.startswith("interrupted; ") and "\n" not in msg, (code, msg)
     assert "rerun the same command to continue" in msg and len(started) == 1, (msg, started)
 
 
