@@ -101,8 +101,8 @@ OWN_KEYS = {"seed": "the seeds are 0 .. --seeds-1",
 
 
 class TrainFailed(UserError):
-    """A train.py job stopped on a user error (its exit status 2), or the sweep was interrupted:
-    the job's error line and its train.out say it all, in one line."""
+    """A train.py job stopped on a user error (its exit status 2): the job's error line and its
+    train.out say it all, in one line."""
 
 
 class TrainCrashed(Exception):
