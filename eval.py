@@ -38,7 +38,8 @@ from tqdm import tqdm
 from model import fp32_or_wider
 from support import paper
 from support.checkpoint import check_source, load_model
-from support.cli import ArgumentParser, MissingPackage, check_ranges, path, resolve_device
+from support.argparser import ArgumentParser, path
+from support.cli import MissingPackage, check_ranges, resolve_device
 from support.atomic import write_atomically
 from support.outputs import mark, output_file
 from support.data import NotPrepared, load_meta

@@ -18,7 +18,7 @@ import sys
 
 from support import hf
 from support.checkpoint import checkpoint_path, load_model
-from support.cli import ArgumentParser, path
+from support.argparser import ArgumentParser, path
 from support.errors import run_main
 from support.tokenizer import is_hf_folder
 

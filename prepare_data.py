@@ -13,7 +13,7 @@ dataset.
 import support.interrupt  # noqa: F401  first: Ctrl-C during the imports is one line, exit 130
 import sys
 
-from support.cli import ArgumentParser, path
+from support.argparser import ArgumentParser, path
 from support.data import SOURCES
 from support.prepare import check_request, prepare
 from support.errors import run_main

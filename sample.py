@@ -15,7 +15,8 @@ import torch
 
 from support.variants import attention_of, residual_of
 from support.checkpoint import load_model
-from support.cli import ArgumentParser, check_ranges, path, resolve_device
+from support.argparser import ArgumentParser, path
+from support.cli import check_ranges, resolve_device
 from support.errors import ConfigError, run_main
 
 KEY_RANGES = {"num_samples": ">= 1", "max_new_tokens": ">= 0", "temperature": ">= 0",

@@ -39,7 +39,7 @@ sys.path.insert(0, str(HERE))
 import support.interrupt  # noqa: E402,F401  first outside the standard library: see its docstring
 
 from course.problems import EXPERIMENT, FIXTURES, GRADED, MARKER, PROBLEMS  # noqa: E402
-from support.cli import ArgumentParser  # noqa: E402
+from support.argparser import ArgumentParser  # noqa: E402
 from support.atomic import write_atomically  # noqa: E402
 from support.outputs import mark, output_file  # noqa: E402
 from support.errors import UserError, run_main  # noqa: E402

@@ -26,7 +26,7 @@ sys.path.insert(0, str(ROOT))
 import support.interrupt  # noqa: E402,F401  first outside the standard library: see its docstring
 
 from course.problems import FIXTURES, MARKER, PROBLEMS  # noqa: E402
-from support.cli import ArgumentParser  # noqa: E402
+from support.argparser import ArgumentParser  # noqa: E402
 from support.folders import claim, seal  # noqa: E402
 from support.outputs import clean_stale  # noqa: E402
 from support.errors import UserError, run_main  # noqa: E402

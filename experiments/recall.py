@@ -25,7 +25,8 @@ import time
 import torch
 
 from support.variants import build_model, make_config
-from support.cli import ArgumentParser, check_ranges
+from support.argparser import ArgumentParser
+from support.cli import check_ranges
 from support.atomic import write_atomically
 from support.outputs import mark, output_file
 from support.errors import ConfigError, run_main

@@ -80,7 +80,7 @@ def test_flags_and_keys_take_the_same_boolean_words():
     ("eval.py", "examples in each prompt"),  # its own formatter, and its help names its defaults
 ])
 def test_argparse_help_shows_each_default_once(script, shown, capsys):
-    """support.cli.ArgumentParser's --help: an option's default, unless unset (None, False, "") or
+    """support.argparser.ArgumentParser's --help: an option's default, unless unset (None, False, "") or
     already in its help; a script's own formatter_class (eval.py's raw docstring) still applies."""
     with pytest.raises(SystemExit) as done:
         SCRIPTS[script].parse_args(["--help"])
@@ -133,7 +133,7 @@ def test_an_unknown_key_names_the_nearest_in_one_line(script, argv, nearest):
     ("prepare_data.py", ["text", "--tokenizer="], "--tokenizer"),
 ])
 def test_an_empty_path_is_one_line_naming_its_flag(script, argv, flag):
-    """support.cli.path, the key tables' Key.path rule for argparse: "" is no path."""
+    """support.argparser.path, the key tables' Key.path rule for argparse: "" is no path."""
     code, err = entry_point(SCRIPTS[script], argv)
     assert code == EXIT_USER_ERROR and err.count("\n") == 1, err
     assert f"argument {flag}: is empty; give a name or a path" in err, err
