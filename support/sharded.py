@@ -1,9 +1,10 @@
 """
-An FSDP run's checkpoint, the folder ckpt.dcp: the model and optimizer shards through
-torch.distributed.checkpoint, plus run.pt, the rest of a checkpoint (config, step, RNG, and every
-file's size and sha256). train.py --parallel=fsdp writes and resumes it (save_sharded,
-load_sharded); any reader of a model gets whole tensors from it (read_shards). Only a run or a
-checkpoint that is sharded imports this.
+An FSDP run: its model sharded over the ranks (shard, and the global gradient norm and the
+replicated parameters' sync that a sharded gradient needs), and its checkpoint, the folder ckpt.dcp:
+the model and optimizer shards through torch.distributed.checkpoint, plus run.pt, the rest of a
+checkpoint (config, step, RNG, and every file's size and sha256). train.py --parallel=fsdp writes
+and resumes it (save_sharded, load_sharded); any reader of a model gets whole tensors from it
+(read_shards). Only a run or a checkpoint that is sharded imports this.
 """
 import hashlib
 import os
@@ -13,6 +14,7 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -21,6 +23,68 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from support.cli import SHARDED, SHARDED_OLD, reason
 from support.errors import CheckpointError
 from support.run_dir import fsync_dir, save_checkpoint
+
+
+def shard(model, bf16):
+    """FSDP2 in place: every decoder block one unit, the rest (embeddings, final norm, head, a
+    baseline's model-level modules) the root unit. Returns the parameters left replicated (see
+    below)."""
+    from torch.distributed.fsdp import (MixedPrecisionPolicy, fully_shard,
+                                        register_fsdp_forward_method)
+    # FSDP2 warns of every view a unit returns: an in-place op on it would lose the unit's
+    # pre-backward hook. A block returns its record, its K and V for later layers' depth steps, a
+    # view (of the V projection, or of the cache slots); depth_mix and lime_mix only read records
+    # (stack, vecdot, matmul, an addcmul_ into a new tensor), so no hook is lost, and the gradients
+    # equal one process's (tests/test_parallel.py): the warning would be a false alarm.
+    warnings.filterwarnings("ignore",
+                            message=r"FSDP2-wrapped module \(FSDPBlock\) returned a view tensor")
+    policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if bf16 else MixedPrecisionPolicy())
+    # fully_shard cannot shard a 0-dim parameter (mHC's gains, AttnRes's recency biases): those stay
+    # whole on every rank, and sync_replicated averages their gradients as DDP would.
+    replicated = [p for p in model.parameters() if p.dim() == 0]  # in the same order on every rank
+    base = {"input_layernorm", "self_attn", "post_attention_layernorm", "mlp"}
+    for block in model.layers:
+        for name, child in block.named_children():
+            if name not in base:  # a baseline's per-block module, called by its forward: a unit
+                fully_shard(child, mp_policy=policy, ignored_params=set(replicated))
+        fully_shard(block, mp_policy=policy, ignored_params=set(replicated))
+        for method in ("attend", "feed_forward"):  # the baselines call these, not its forward
+            register_fsdp_forward_method(block, method)
+    fully_shard(model, mp_policy=policy, ignored_params=set(replicated))
+    return replicated
+
+
+def sync_replicated(params, world):
+    """Average the gradients of the parameters FSDP left whole, in one all-reduce."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if grads:
+        flat = torch.stack([g.reshape(()) for g in grads])
+        dist.all_reduce(flat)
+        for g, v in zip(grads, flat / world):
+            g.copy_(v)
+
+
+def clip_grad_norm(params, max_norm):
+    """torch.nn.utils.clip_grad_norm_ for a mix of sharded (DTensor) and whole gradients: the norm
+    of the global gradient, every grad scaled by min(1, max_norm / (norm + 1e-6)) as torch does.
+    Returns the norm (float). The shards' squares are summed locally and all-reduced once, not once
+    per parameter."""
+    grads = [p.grad for p in params if p.grad is not None]
+    sharded = [g.to_local() for g in grads if hasattr(g, "to_local")]
+    whole = [g for g in grads if not hasattr(g, "to_local")]  # alike on every rank (synced)
+
+    def square(g):  # the float32 norm, as torch's clip computes it, squared in float64; no copy
+        return torch.linalg.vector_norm(g, dtype=torch.float32).double() ** 2
+    zero = torch.zeros((), dtype=torch.float64, device=grads[0].device)
+    squares = sum(map(square, sharded), zero)
+    dist.all_reduce(squares)
+    total = (squares + sum(map(square, whole))).sqrt().item()
+    if max_norm:
+        coef = min(1.0, max_norm / (total + 1e-6))
+        for g in grads:
+            g.mul_(coef)
+    return total
 
 
 def read_shards(state, ckpt, rank=0, world=1):
