@@ -97,9 +97,11 @@ def test_sigterm_to_one_rank_stops_every_rank_at_the_same_step(uninterrupted, da
 
 # ----------------------------------------------------------------------------- Ctrl-C at start-up
 
-# Every file a user runs: those with a __main__ guard, outside tests/.
-SCRIPTS = sorted(p.relative_to(ROOT).as_posix() for p in ROOT.rglob("*.py")
-                 if "tests" not in p.relative_to(ROOT).parts
+# Every file a user runs: those with a __main__ guard, at the root and a folder down (course/,
+# experiments/), outside tests/ and hidden folders (a .venv's packages are not ours).
+SCRIPTS = sorted(rel.as_posix() for p in [*ROOT.glob("*.py"), *ROOT.glob("*/*.py")]
+                 if (rel := p.relative_to(ROOT)).parts[0] != "tests"
+                 and not rel.parts[0].startswith(".")
                  and 'if __name__ == "__main__":' in p.read_text())
 
 # A sitecustomize for the started script: its first import of a package from outside the standard
