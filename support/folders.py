@@ -46,6 +46,9 @@ class Folder:
         """Create the folder and write the manifest, before any file it names."""
         try:
             self.path.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise ConfigError(f"cannot write {self.flag}={self.path}: part of its folder path is a "
+                              f"file; pick another path") from None
         except OSError as e:
             raise ConfigError(f"cannot write {self.flag}={self.path} ({e.strerror or e}); pick a "
                               f"folder you can write to") from None

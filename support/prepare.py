@@ -342,8 +342,9 @@ def _destination(out_dir, name) -> Path:
                           f"(the dataset is made inside it, in --name)")
     data_dir = Path(out_dir) / name
     not_in_a_checkpoint(data_dir, "--out_dir")
-    # inside, only in a dataset of its own: the same names in a user's folder are the user's
-    clean_stale(data_dir, inside=manifest(data_dir).get("written_by") == mark("prepare_data.py"))
+    clean_stale(data_dir)  # a swap killed between its renames is undone first
+    if manifest(data_dir).get("written_by") == mark("prepare_data.py"):  # in a user's folder, the
+        clean_stale(data_dir, inside=True)  # same names are the user's files
     return data_dir
 
 

@@ -19,6 +19,7 @@ import pytest
 import ablate as ablate_py
 from support import depth_weights_view, sweep as sweep_records
 from support.depth_weights_view import depth_weight_matrix
+from support.folders import MANIFEST
 from support.errors import ShowHelp, UserError, run_main
 from support.report import MAIN, collect, gap_markdown, markdown, summarize
 
@@ -474,22 +475,24 @@ def test_an_unreadable_run_is_named_before_training(sweep, tmp_path, case):
 
 
 def test_overwrite_replaces_a_stale_run_wholly_from_any_folder(sweep, tmp_path, monkeypatch):
-    """--overwrite=True deletes the stale run's folder and trains it from scratch; the same command
-    again reuses it and reports the same numbers. Relative --base and --out mean the folder
+    """--overwrite=True deletes the stale run's files and trains it from scratch (a file train.py
+    did not write stays); the same command again reuses it and reports the same numbers. Relative --base and --out mean the folder
     ablate.py runs in (train.py runs in the repository)."""
     src, args, _, _ = sweep
     shutil.copytree(src, tmp_path / "out")
     shutil.copy(args[0].partition("=")[2], tmp_path / "base.py")
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "out" / "vanilla" / "seed0" / "notes.txt").write_text("left by the stale run")
+    (tmp_path / "out" / "vanilla" / "seed0" / "notes.txt").write_text("the user's")
     value = files(tmp_path / "out" / "value")
     cmd = ["--base=base.py", "--out=out", "--runs=vanilla", "--seeds=1", "--jobs=1",
            "--overwrite=True", "--",
            "--max_iters=4"]
     ablate(*cmd)
     run = tmp_path / "out" / "vanilla" / "seed0"
-    assert sorted(p.name for p in run.iterdir()) == ["ckpt.pt", "config.json", "log.jsonl",
-                                                     "train.lock", "train.out"]
+    assert sorted(p.name for p in run.iterdir()) == [MANIFEST, "ckpt.pt", "config.json",
+                                                     "log.jsonl", "notes.txt", "train.lock",
+                                                     "train.out"]
+    assert (run / "notes.txt").read_text() == "the user's"
     log = records(run)
     assert [r["step"] for r in log if r["kind"] == "train"] == [1, 2, 3, 4]
     results = (tmp_path / "out" / "results.json").read_text()

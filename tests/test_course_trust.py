@@ -304,8 +304,8 @@ def test_make_refuses_destinations_that_would_lose_files(copy, tmp_path, capsys,
     (fake / MARKER).write_text("not make.py's\n")
     for args, cwd, fragment in [((ROOT / "student",), ROOT, "lies inside this repository"),
                                 ((ROOT.parent,), ROOT, "holds"), ((student,), ROOT, "--overwrite"),
-                                ((mine, "--overwrite"), ROOT, "is not a student copy"),
-                                ((fake, "--overwrite"), ROOT, "is not a student copy"),
+                                ((mine, "--overwrite"), ROOT, "not written by course/make.py"),
+                                ((fake, "--overwrite"), ROOT, "not written by course/make.py"),
                                 ((mine / "notes.txt",), ROOT, "is a file"),
                                 ((".",), empty, "is the current folder")]:
         monkeypatch.chdir(cwd)

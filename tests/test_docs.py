@@ -225,9 +225,14 @@ FORK_ROWS = {"top1": "value"}
 def test_every_command_of_the_docs_parses(place, script, argv, command, capsys, monkeypatch):
     """parse_args only parses and checks the command's syntax (a placeholder like out/RUN is fine:
     it touches no file); a bad command raises support.errors.UserError or model.ConfigError."""
+    import dataclasses
     import model
+    from support import run_config
     for mode, row in FORK_ROWS.items():  # the guide's commands run in a fork that has the row
         monkeypatch.setitem(model.DEPTH_MODES, mode, model.DEPTH_MODES[row])
+        key = run_config.TRAIN_KEYS["depth_mode"]  # its choices: the rows when it was imported
+        monkeypatch.setitem(run_config.TRAIN_KEYS, "depth_mode",
+                            dataclasses.replace(key, choices=(*key.choices, mode)))
     parse_args = parse_args_of(script)
     assert callable(parse_args), f"{script} has no module-level parse_args(argv) to check " \
                                  f"{place}: {command}"
