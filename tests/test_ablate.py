@@ -596,7 +596,7 @@ def test_best_lr_takes_no_rate_from_runs_trained_otherwise(protocols, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(protocols[0], out)
     before = files(out)
-    msg = refused(f"--base={protocols[0].parent / 'base.py'}", f"--out={out}", "--runs=vanilla,value",
-                  "--lrs=1e-3,1e-2", "--protocol=best_lr", "--seeds=2", "--", "--max_iters=5")
+    msg = refused(f"--base={protocols[0].parent / 'base.py'}", f"--out={out}",
+                  "--runs=vanilla,value", "--lrs=1e-3,1e-2", "--protocol=best_lr", "--seeds=2", "--", "--max_iters=5")
     assert "max_iters 4 -> 5" in msg and "rerun the protocols that train them" in msg, msg
     assert files(out) == before
