@@ -476,8 +476,8 @@ def test_an_unreadable_run_is_named_before_training(sweep, tmp_path, case):
 
 def test_overwrite_replaces_a_stale_run_wholly_from_any_folder(sweep, tmp_path, monkeypatch):
     """--overwrite=True deletes the stale run's files and trains it from scratch (a file train.py
-    did not write stays); the same command again reuses it and reports the same numbers. Relative --base and --out mean the folder
-    ablate.py runs in (train.py runs in the repository)."""
+    did not write stays); the same command again reuses it and reports the same numbers. Relative
+    --base and --out mean the folder ablate.py runs in (train.py runs in the repository)."""
     src, args, _, _ = sweep
     shutil.copytree(src, tmp_path / "out")
     shutil.copy(args[0].partition("=")[2], tmp_path / "base.py")
@@ -597,6 +597,7 @@ def test_best_lr_takes_no_rate_from_runs_trained_otherwise(protocols, tmp_path):
     shutil.copytree(protocols[0], out)
     before = files(out)
     msg = refused(f"--base={protocols[0].parent / 'base.py'}", f"--out={out}",
-                  "--runs=vanilla,value", "--lrs=1e-3,1e-2", "--protocol=best_lr", "--seeds=2", "--", "--max_iters=5")
+                  "--runs=vanilla,value", "--lrs=1e-3,1e-2", "--protocol=best_lr", "--seeds=2",
+                  "--", "--max_iters=5")
     assert "max_iters 4 -> 5" in msg and "rerun the protocols that train them" in msg, msg
     assert files(out) == before
