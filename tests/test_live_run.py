@@ -257,7 +257,7 @@ def test_export_overwrite_replaces_only_an_earlier_export(vanilla_run, tmp_path)
     (mine / "notes.txt").write_text("mine")
     proc = subprocess.run([sys.executable, "export.py", str(vanilla_run), str(mine), "--overwrite"],
                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
-    assert "not an earlier export" in error_line(proc)
+    assert "not written by export.py" in error_line(proc)
     assert (mine / "notes.txt").read_text() == "mine"
 
 
