@@ -61,7 +61,7 @@ class Folder:
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
         if self.foreign:
             print(f"--overwrite kept {listing(self.foreign)} in {self.path}: {self.script} did "
-                  f"not write them")
+                  f"not write {'it' if len(self.foreign) == 1 else 'them'}")
 
     def refuse_foreign(self):
         """A folder replaced whole must hold nothing but its own files."""
