@@ -39,21 +39,21 @@ class Folder:
 
     def owns(self, name) -> bool:
         stem, _, rest = name.lstrip(".").rpartition(".")
-        return name in (*self.names, MANIFEST) or (rest.startswith(("tmp", "old"))
-                                      and stem in [*self.names, MANIFEST.lstrip(".")])
+        killed_write = rest.startswith(("tmp", "old")) and stem in [*self.names, MANIFEST[1:]]
+        return name in (*self.names, MANIFEST) or killed_write
 
     def record(self):
         """Create the folder and write the manifest, before any file it names."""
         try:
             self.path.mkdir(parents=True, exist_ok=True)
+            write_atomically(self.path / MANIFEST, json.dumps(
+                {"written_by": mark(self.script), "files": self.names}, indent=1) + "\n")
         except (FileExistsError, NotADirectoryError):
             raise ConfigError(f"cannot write {self.flag}={self.path}: part of its folder path is a "
                               f"file; pick another path") from None
-        except OSError as e:
+        except OSError as e:  # a read-only folder or file system (a full disk is DiskFull)
             raise ConfigError(f"cannot write {self.flag}={self.path} ({e.strerror or e}); pick a "
                               f"folder you can write to") from None
-        write_atomically(self.path / MANIFEST, json.dumps(
-            {"written_by": mark(self.script), "files": self.names}, indent=1) + "\n")
 
     def clear(self, keep=()):
         """--overwrite in place: delete the files the manifest lists, but keep; the user's stay."""

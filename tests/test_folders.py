@@ -11,6 +11,7 @@ import pytest
 from conftest import tiny_model
 from helpers import ROOT, TINY_SHORT, assert_one_error_line, cli, snapshot
 from support import hf
+from support.errors import ConfigError
 from support.folders import MANIFEST, claim, manifest
 from support.run_dir import save_checkpoint
 
@@ -140,3 +141,13 @@ def test_an_export_written_by_python_is_marked_as_the_command_marks_it(tmp_path)
     save_checkpoint({"model": {}}, tmp_path / "hf" / "stray.pt")  # a user's file, then
     with pytest.raises(Exception, match="stray.pt"):
         hf.save_pretrained(tiny_model(vocab_size=257), tmp_path / "hf", None, overwrite=True)
+
+
+def test_a_folder_it_cannot_write_is_one_error_naming_it(tmp_path, monkeypatch):
+    """A read-only folder (root writes anywhere, so the refusal is stood in): the manifest's write
+    fails as the first write would, one ConfigError naming the flag, not a PermissionError."""
+    def refused(self, data):
+        raise PermissionError(13, "Permission denied")
+    monkeypatch.setattr(Path, "write_bytes", refused)
+    with pytest.raises(ConfigError, match=r"cannot write --out_dir=.*Permission denied"):
+        claim(tmp_path / "run", "train.py", "--out_dir").record()
