@@ -15,7 +15,7 @@ from typing import Optional, get_args
 import torch
 
 from model import DEPTH_MODES
-from support.cli import SHARDED, not_in_a_checkpoint, resolve_device
+from support.cli import SHARDED, resolve_device
 from support.config import Key, argument_updates, key_table, parse_config
 from support.config import check_keys as check_table  # run_config's check_keys calls it
 from support.errors import CheckpointError, ConfigError
@@ -129,8 +129,8 @@ def resolve(argv, doc="", master=True):
     checkpoint's config replaces DEFAULTS, so `--out_dir=X --resume=True` alone continues the run,
     and a repeated command line changes nothing."""
     cfg = parse_args(argv, doc)
-    not_in_a_checkpoint(cfg["out_dir"], "--out_dir")
-    run_folder(cfg["out_dir"], cfg["resume"], cfg["init_from"])  # before anything is read
+    # before anything is read: a folder train.py may write (not inside a checkpoint, not its source)
+    run_folder(cfg["out_dir"], cfg["resume"], cfg["init_from"])
     ckpt = None
     if cfg["resume"]:
         ckpt = resumable_checkpoint(cfg["out_dir"])
