@@ -115,7 +115,7 @@ def test_a_run_from_before_manifests_resumes_and_nothing_else_is_adopted(world, 
     code, out, err = cli("train.py", f"--out_dir={old}", "--resume=True", "--max_iters=3")
     assert code == 0, err[-2000:]
     assert manifest(old)["written_by"] == "train.py, Depth-Attention"
-    with pytest.raises(Exception, match="written by export.py"):
+    with pytest.raises(ConfigError, match="written by export.py"):
         claim(world["export"], "train.py", "--out_dir")
 
 
@@ -129,7 +129,6 @@ def test_a_forged_manifest_reaches_nothing_outside_its_folder(tmp_path):
     # a link, even to a well-formed manifest, is read as none: the folder is not its writer's
     elsewhere = tmp_path.parent / "elsewhere.json"
     elsewhere.write_text('{"written_by": "train.py, Depth-Attention", "files": ["ckpt.pt"]}')
-    assert manifest(tmp_path.parent / elsewhere.name.replace(".json", "")) == {}
     (tmp_path / MANIFEST).unlink()
     (tmp_path / MANIFEST).symlink_to(elsewhere)
     assert manifest(tmp_path) == {}
@@ -139,7 +138,7 @@ def test_an_export_written_by_python_is_marked_as_the_command_marks_it(tmp_path)
     hf.save_pretrained(tiny_model(vocab_size=257), tmp_path / "hf", None)
     assert manifest(tmp_path / "hf")["written_by"] == "export.py, Depth-Attention"
     save_checkpoint({"model": {}}, tmp_path / "hf" / "stray.pt")  # a user's file, then
-    with pytest.raises(Exception, match="stray.pt"):
+    with pytest.raises(ConfigError, match="stray.pt"):
         hf.save_pretrained(tiny_model(vocab_size=257), tmp_path / "hf", None, overwrite=True)
 
 
