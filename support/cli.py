@@ -18,6 +18,9 @@ from support.errors import ConfigError, UserError
 SHARDED = "ckpt.dcp"
 SHARDED_OLD = f"{SHARDED}.old"  # the previous ckpt.dcp between save_sharded's two renames
 SHARDED_NAMES = (SHARDED, f"{SHARDED}.tmp", SHARDED_OLD)
+# The end-of-text token's text: GPT-2's, the bytes tokenizer's (support/tokenizer.py) and the one a
+# tokenizer.json names (support/hub.py)
+EOT = "<|endoftext|>"
 
 
 def reason(e) -> str:

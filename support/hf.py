@@ -36,7 +36,8 @@ from support.folders import claim, seal
 from support.atomic import room_for
 from support.outputs import clean_stale
 from support.errors import USER_ERRORS, CheckpointError
-from support.tokenizer import EOT, HFTokenizer, is_hf_folder, snapshot
+from support.hub import HFTokenizer
+from support.tokenizer import EOT, is_hf_folder, snapshot
 
 OUR_CONFIG = "model_config"  # our exports also record asdict(config) under this config.json key
 REMOTE_ARCH, REMOTE_MODEL_TYPE = "DepthAttentionForCausalLM", "depth_attention"

@@ -6,7 +6,8 @@ decode(ids), eot_token, n_vocab, name.
     get_tokenizer("gpt2")                        tiktoken's GPT-2 BPE (MiniPile, the Pile)
     get_tokenizer("zeng123/Depth-attention-3B")  a Hugging Face folder, tokenizer.json or hub id
 
-Also where a Hugging Face hub id becomes a local folder (`snapshot`), for the tokenizer and the
+A tokenizer.json's class is support/hub.py's, imported only for one. Also where a Hugging Face hub
+id becomes a local folder (`snapshot`), for the tokenizer and the
 weights alike. No torch here, so prepare_data.py and its tokenizer processes never import it.
 tokenizers and huggingface_hub are optional, imported where used. A tokenizer that cannot be had is
 a DataError (a MissingPackage with the pip line for a missing package).
@@ -19,10 +20,9 @@ from typing import Union
 
 import tiktoken
 
-from support.cli import read_json_object, reason, require
+from support.cli import EOT, read_json_object, reason, require
 from support.errors import DataError, UserError
 
-EOT = "<|endoftext|>"
 
 
 @lru_cache(maxsize=None)
@@ -49,47 +49,8 @@ def get_tokenizer(name):
                         f"folder, tokenizer.json or hub id ({e})") from e
 
 
-class HFTokenizer:
-    """A tokenizer.json (the `tokenizers` package) behind tiktoken's interface."""
-
-    def __init__(self, path, eot_token=None, name=None, text=None):
-        """From the file at path, or from text, its contents kept in a checkpoint (path is then only
-        its name). `self.text` is what an export or a checkpoint stores: never a path, which would
-        break once the folder is moved or read from another working directory."""
-        tokenizers = require("tokenizers", "a Hugging Face tokenizer.json")
-        try:
-            self.text = Path(path).read_text() if text is None else text
-            self._tok = tokenizers.Tokenizer.from_str(self.text)
-            self._plain = tokenizers.Tokenizer.from_str(self.text)
-        except Exception as e:  # unreadable, not JSON, or JSON that is not a tokenizer: a file
-            raise DataError(f"{path}: not a readable tokenizer.json ({reason(e)})") from e
-        self._plain.encode_special_tokens = True  # special-token text is encoded as plain text
-        self.name = name or str(path)
-        self.n_vocab = self._tok.get_vocab_size(with_added_tokens=True)
-        added = self._tok.get_added_tokens_decoder().values()
-        self.special = {t.content for t in added if t.special}
-        self.eot_token = eot_token if eot_token is not None else self._tok.token_to_id(EOT)
-        if self.eot_token is None:
-            raise DataError(f"{path}: no end-of-text token (no eos_token_id in config.json and no "
-                            f"{EOT} in the tokenizer)")
-
-    def encode(self, text, allowed_special=()):
-        """Like tiktoken: special-token text is an error unless allowed ("all" or a set of them)."""
-        if allowed_special != "all":
-            banned = [s for s in self.special if s in text and s not in allowed_special]
-            if banned:
-                raise ValueError(f"text contains special tokens {banned}; pass allowed_special or "
-                                 f"use encode_ordinary")
-        return self._tok.encode(text, add_special_tokens=False).ids
-
-    def encode_ordinary(self, text):
-        return self._plain.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids):
-        return self._tok.decode(list(ids), skip_special_tokens=False)
-
-
-Tokenizer = Union[tiktoken.Encoding, HFTokenizer]  # what get_tokenizer and from_record return
+# what get_tokenizer and from_record return (HFTokenizer: support.hub's, read only for one)
+Tokenizer = Union[tiktoken.Encoding, "HFTokenizer"]  # noqa: F821
 TIKTOKEN = ("bytes", "gpt2")  # rebuilt from their names; any other tokenizer is a tokenizer.json
 
 
@@ -105,6 +66,7 @@ def tokenizer_record(name) -> dict:
 def from_record(record: dict):
     """The tokenizer a tokenizer_record (or an older checkpoint's bare name) describes."""
     if "tokenizer_json" in record:
+        from support.hub import HFTokenizer  # a tokenizer.json's class, only for one
         return HFTokenizer(record["tokenizer"], record["eot_token"], text=record["tokenizer_json"])
     return get_tokenizer(record["tokenizer"])
 
@@ -129,6 +91,7 @@ def tokenizer_flag(enc, source) -> str:
 def load_tokenizer(name_or_path):
     """The tokenizer of a Hugging Face folder, a tokenizer.json file or a hub id; the end-of-text id
     comes from the folder's config.json (eos_token_id) when it has one."""
+    from support.hub import HFTokenizer
     p = Path(name_or_path)
     if p.is_file():
         return HFTokenizer(p)
@@ -143,6 +106,7 @@ def load_tokenizer(name_or_path):
 def folder_tokenizer(folder):
     """A folder's tokenizer: the tiktoken encoding our export recorded (its tokenizer.json, if any,
     is the same one written out for transformers), else its tokenizer.json; None if neither."""
+    from support.hub import HFTokenizer
     folder = Path(folder)
     cfg = (read_json_object(folder / "config.json", DataError) if (folder / "config.json").is_file()
            else {})

@@ -22,6 +22,7 @@ from conftest import tiny_model
 import export
 import sample
 from support import hf, tokenizer
+from support.hub import HFTokenizer
 from support.checkpoint import CheckpointError, load_model
 from helpers import ROOT, TINY_SHORT, eval_losses, make_tokenizer_json, train, write_authors_folder
 from reference import reference_forward
@@ -258,7 +259,7 @@ def released(tmp_path):
 
 def test_load_model_reads_a_folder_and_a_hub_id(released, monkeypatch):
     loaded = load_model(released)
-    assert isinstance(loaded.tokenizer, tokenizer.HFTokenizer) and loaded.tokenizer.eot_token == 0
+    assert isinstance(loaded.tokenizer, HFTokenizer) and loaded.tokenizer.eot_token == 0
     assert not loaded.model.training and loaded.model.config.k_norm_after_rope
     calls = []
     hub = pytest.importorskip("huggingface_hub")
