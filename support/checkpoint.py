@@ -160,7 +160,7 @@ def read_snapshot(find, read):
         try:
             try:
                 result = read(path)
-            except CheckpointError:
+            except (CheckpointError, OSError):  # OSError: a file went between two looks at it
                 if _unchanged(held, path):
                     raise
                 continue

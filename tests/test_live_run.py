@@ -125,6 +125,26 @@ def test_reading_a_sharded_run_while_it_saves_every_step_never_misreads(data_roo
     check_reads(out, "saved.txt", seen, retried)
 
 
+def test_a_shard_gone_mid_read_is_a_replaced_folder_not_an_error(tmp_path):
+    """1 full run in ~5: a shard renamed away between verify_shards' is_file and its stat escaped
+    as FileNotFoundError. Replayed without timing: the first read's file goes as the run swaps
+    the folder; the reader must read the new folder, not raise."""
+    live = tmp_path / "ckpt.dcp"
+    live.mkdir()
+    calls = []
+
+    def read(path):
+        calls.append(path)
+        if len(calls) == 1:  # the run replaces the folder while this read is inside it
+            live.rename(tmp_path / "ckpt.dcp.old")
+            live.mkdir()
+            raise FileNotFoundError(path / "__0_0.distcp")
+        return "the new step"
+
+    assert checkpoint.read_snapshot(lambda: live, read) == "the new step"
+    assert len(calls) == 2
+
+
 def test_a_lone_old_checkpoint_is_the_checkpoint_for_readers_and_resume(data_root, tmp_path):
     """Killed between save_sharded's two renames: --resume said there was no checkpoint, a fresh
     run that there was one, and sample/export said "train one"."""
