@@ -126,7 +126,7 @@ def test_reading_a_sharded_run_while_it_saves_every_step_never_misreads(data_roo
 
 
 def test_a_shard_gone_mid_read_is_a_replaced_folder_not_an_error(tmp_path):
-    """1 full run in ~5: a shard renamed away between verify_shards' is_file and its stat escaped
+    """Seen once under load: a shard renamed away between verify_shards' is_file and its stat escaped
     as FileNotFoundError. Replayed without timing: the first read's file goes as the run swaps
     the folder; the reader must read the new folder, not raise."""
     live = tmp_path / "ckpt.dcp"
