@@ -80,6 +80,9 @@ TRAIN_KEYS = {
     "resume": Key(False, "continue from out_dir/ckpt.pt", result=False, per_invocation=True),
     "init_from": Key("", "start from these weights, fresh optimizer: an out_dir, a ckpt.pt, a HF "
                      "folder or a hub id"),
+    "init_lr": Key("last", "--init_from a finished train.py run without --learning_rate: last = "
+                   "re-warm to its final rate (min_lr_ratio x its peak); peak = learning_rate, as "
+                   "a new run", choices=("last", "peak")),
     "overwrite": Key(False, "start over in an out_dir that holds a checkpoint, deleting it",
                      result=False, per_invocation=True),
     "sample_tokens": Key(200, "tokens of text sampled at the end of the run; 0 = none", ">= 0",
@@ -152,9 +155,17 @@ def resolve(argv, doc="", master=True):
     if cfg["init_from"] and ckpt is None:  # a resumed run's weights are its checkpoint's
         from support.checkpoint import load_model
         init = load_model(cfg["init_from"])
-        switched = adopt_init_model(cfg, init.model.config, cfg["init_from"], typed_keys(argv))
-        if switched and master:
-            print(switched)
+        asked = typed_keys(argv)
+        notices = [adopt_init_model(cfg, init.model.config, cfg["init_from"], asked)]
+        # --init_lr=last: a finished run re-warms to the rate it ended at, not a new run's peak,
+        # which would undo part of what its decay gained
+        if cfg["init_lr"] == "last" and "learning_rate" not in asked and init.final_lr:
+            cfg["learning_rate"] = init.final_lr
+            notices.append(f"--init_from={cfg['init_from']} finished its schedule: the rate "
+                           f"re-warms to its final {init.final_lr:.3g} (--init_lr=last); "
+                           f"--init_lr=peak or --learning_rate sets another peak")
+        for notice in filter(None, notices if master else ()):
+            print(notice)
     resolve_device(cfg["device"])
     if master:
         for key, why in ignored_keys(cfg).items():
@@ -212,7 +223,8 @@ def ignored_keys(cfg) -> dict:
                f"depth_mode={cfg['depth_mode']} has no depth step")
     why = {"lime_router_lr_mult": (cfg["depth_mode"] != "lime", "only depth_mode=lime has routers"),
            "depth_stride": no_step, "depth_recent_window": no_step,
-           "k_norm_after_rope": (not cfg["qk_norm"], "--qk_norm=False has no k_norm")}
+           "k_norm_after_rope": (not cfg["qk_norm"], "--qk_norm=False has no k_norm"),
+           "init_lr": (not cfg["init_from"], "only --init_from reads it")}
     for knob in KNOBS:  # a baseline's own knobs, named after it
         baseline = knob.split("_")[0]
         why[knob] = (cfg["residual"] != baseline, f"only --residual={baseline} reads it")
