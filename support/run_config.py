@@ -164,6 +164,10 @@ def resolve(argv, doc="", master=True):
             notices.append(f"--init_from={cfg['init_from']} finished its schedule: the rate "
                            f"re-warms to its final {init.final_lr:.3g} (--init_lr=last); "
                            f"--init_lr=peak or --learning_rate sets another peak")
+        elif "learning_rate" not in asked and init.step is None and master:  # a released model
+            print(f"warning: --init_from={cfg['init_from']} has no schedule here to continue: it "
+                  f"trains at a new run's peak, {cfg['learning_rate']:g}; give --learning_rate "
+                  f"(a fraction of its pretraining rate)", file=sys.stderr)
         for notice in filter(None, notices if master else ()):
             print(notice)
     resolve_device(cfg["device"])
@@ -257,8 +261,9 @@ def typed_keys(argv) -> set:
 
 # What --init_from may change: the depth step, where the checkpoint's parameters are exactly the
 # new model's (vanilla -> value, uniform, key, kv and back): a vanilla checkpoint starts a
-# Depth-Attention run (issue 39).
-SWITCHABLE = ("depth_mode", "depth_stride", "depth_recent_window")
+# Depth-Attention run (issue 39); and the context length, whose positions RoPE computes (a released
+# model's 40,960 is more than one GPU trains on).
+SWITCHABLE = ("depth_mode", "depth_stride", "depth_recent_window", "block_size")
 
 
 def adopt_init_model(cfg, init_config, init_from, asked) -> Optional[str]:
