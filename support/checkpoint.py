@@ -9,7 +9,6 @@ support/run_dir.py, and support/sharded.py for an FSDP run's ckpt.dcp).
               = "out/shakespeare_hf"          a Hugging Face folder: config.json + *.safetensors
               = "zeng123/Depth-attention-3B"  a Hugging Face hub id, downloaded by huggingface_hub
 """
-import math
 import os
 import sys
 from dataclasses import dataclass
@@ -111,7 +110,7 @@ class Loaded:
     tokenizer: Tokenizer   # encode(text, allowed_special=...), decode(ids), eot_token, name
     source: str            # the file or folder the weights came from
     step: Optional[int]    # training steps behind the weights (None when unknown)
-    final_lr: Optional[float] = None  # a finished train.py run's last rate: its cosine floor
+    config: Optional[dict] = None  # a train.py checkpoint's run config (support.continued reads it)
 
 
 def no_checkpoint(path) -> CheckpointError:
@@ -196,10 +195,8 @@ def load_model(init_from, device="cpu") -> Loaded:
                                   f"tokenizer.json into it")
         return Loaded(model.to(device).eval(), tokenizer, str(folder), None)
     path, ckpt, model = read_snapshot(lambda: checkpoint_path(init_from), read_model)
-    run = ckpt.get("config") or {}
-    finished = ckpt.get("step", 0) >= run.get("max_iters", math.inf)
     return Loaded(model.to(device).eval(), from_record(ckpt), str(path), ckpt.get("step"),
-                  run["learning_rate"] * run["min_lr_ratio"] if finished else None)
+                  ckpt.get("config"))
 
 
 def read_model(path):

@@ -156,20 +156,11 @@ def resolve(argv, doc="", master=True):
         from support.checkpoint import load_model
         init = load_model(cfg["init_from"])
         asked = typed_keys(argv)
-        notices = [adopt_init_model(cfg, init.model.config, cfg["init_from"], asked)]
-        # --init_lr=last: a finished run re-warms to the rate it ended at, not a new run's peak,
-        # which would undo part of what its decay gained
-        if cfg["init_lr"] == "last" and "learning_rate" not in asked and init.final_lr:
-            cfg["learning_rate"] = init.final_lr
-            notices.append(f"--init_from={cfg['init_from']} finished its schedule: the rate "
-                           f"re-warms to its final {init.final_lr:.3g} (--init_lr=last); "
-                           f"--init_lr=peak or --learning_rate sets another peak")
-        elif "learning_rate" not in asked and init.step is None and master:  # a released model
-            print(f"warning: --init_from={cfg['init_from']} has no schedule here to continue: it "
-                  f"trains at a new run's peak, {cfg['learning_rate']:g}; give --learning_rate "
-                  f"(a fraction of its pretraining rate)", file=sys.stderr)
-        for notice in filter(None, notices if master else ()):
-            print(notice)
+        switched = adopt_init_model(cfg, init.model.config, cfg["init_from"], asked)
+        if switched and master:
+            print(switched)
+        from support.continued import continue_schedule
+        continue_schedule(cfg, init, "learning_rate" in asked, master)
     resolve_device(cfg["device"])
     if master:
         for key, why in ignored_keys(cfg).items():
