@@ -10,8 +10,9 @@ import sys
 def continue_schedule(cfg, init, rate_asked, master=True):
     """cfg's learning_rate for a run from init (checkpoint.Loaded), with the one line that says so:
     --init_lr=last (the default) re-warms a finished train.py run (its step reached its max_iters)
-    to the rate it ended at, its floor; a released model, whose schedule is unknown, is warned about.
-    A learning_rate asked for (rate_asked), --init_lr=peak and a run stopped early keep cfg's."""
+    to the rate it ended at, its floor; a released model, whose schedule is unknown, is warned
+    about. A learning_rate asked for (rate_asked), --init_lr=peak and a run stopped early keep
+    cfg's."""
     run = init.config or {}
     if rate_asked:
         return
@@ -22,6 +23,6 @@ def continue_schedule(cfg, init, rate_asked, master=True):
                   f"final {cfg['learning_rate']:.3g} (--init_lr=last); --init_lr=peak or "
                   f"--learning_rate sets another peak")
     elif init.step is None and master:
-        print(f"warning: --init_from={cfg['init_from']} has no schedule here to continue: it trains "
-              f"at a new run's peak, {cfg['learning_rate']:g}; give --learning_rate (a fraction of "
-              f"its pretraining rate)", file=sys.stderr)
+        print(f"warning: --init_from={cfg['init_from']} has no schedule here to continue: it "
+              f"trains at a new run's peak, {cfg['learning_rate']:g}; give --learning_rate (a "
+              f"fraction of its pretraining rate)", file=sys.stderr)

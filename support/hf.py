@@ -153,7 +153,7 @@ def hf_config(c: ModelConfig, dtype: torch.dtype, eos_token_id=None) -> dict:
         "max_position_embeddings": c.block_size, "initializer_range": c.init_std,
         "rms_norm_eps": c.norm_eps, "tie_word_embeddings": c.tie_embeddings,
         "rope_theta": c.rope_theta, "attention_bias": False, "mlp_bias": False,
-        # the pad is the end-of-text token, as Qwen3's: generate knows it, and warns of right padding
+        # the pad is end-of-text, as Qwen3's: generate knows it, and warns of right padding
         "bos_token_id": eos_token_id, "eos_token_id": eos_token_id, "pad_token_id": eos_token_id,
         "use_depth_attention": c.depth_mode != "vanilla", "depth_attention_stride": c.stride,
         "depth_attention_recent_window": c.depth_recent_window, "use_qk_norm": c.qk_norm,

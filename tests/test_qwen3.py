@@ -82,7 +82,7 @@ def test_the_docs_commands_continue_a_real_vocabulary_qwen3_as_depth_attention(
     capsys.readouterr()
     assert train(monkeypatch, *argv, f"--out_dir={whole}") is None
     printed = capsys.readouterr().out
-    assert "switched depth_mode 'vanilla' -> 'value'" in printed and "block_size 64 -> 32" in printed
+    assert "depth_mode 'vanilla' -> 'value'" in printed and "block_size 64 -> 32" in printed
     assert train(monkeypatch, *argv, f"--out_dir={halves}", "--stop_at_step=2") is None
     assert train(monkeypatch, *argv, f"--out_dir={halves}", "--resume=True") is None
     assert read_log(whole) == read_log(halves)  # the resume continued the same run
