@@ -19,4 +19,7 @@ tie_embeddings = True
 rope_theta = 1e6
 norm_eps = 1e-6
 
-micro_batch = 1
+batch_tokens = 131072  # 32 windows a step, as the docs' command
+micro_batch = 1  # per GPU: the plan's largest on 24 GB with --activation_checkpointing=True
+learning_rate = 1e-4
+max_iters = 500
