@@ -2,13 +2,14 @@
 that transformers builds here with Qwen3's real vocabulary size (151,936) and a tokenizer.json of
 that size: the docs' own commands, the folder in place of the hub id, prepare uint32 token files,
 continue the model as value (its architecture, vocabulary, RoPE base and tokenizer the folder's),
-resume exactly, sample, export, and load the export in transformers with logits equal to ours."""
-import json
+resume exactly, score its perplexity, sample, export, and load the export in transformers with
+logits equal to ours."""
 import shlex
 
 import pytest
 import torch
 
+import eval as eval_py
 import export as export_py
 import prepare_data
 import sample as sample_py
@@ -95,7 +96,11 @@ def test_the_docs_commands_continue_a_real_vocabulary_qwen3_as_depth_attention(
             c["qk_norm"], c["tie_embeddings"]) == ("value", QWEN3_VOCAB, 1e6, 32, 2, True, True)
     assert ckpt["tokenizer_json"] == (folder / "tokenizer.json").read_text()
 
-    capsys.readouterr()
+    capsys.readouterr()  # eval.py's perplexity reads the uint32 val.bin: each id once
+    eval_py.main([f"--init_from={whole}", "--tasks=", "--ppl=mine_qwen3", f"--data_root={data_root}"])
+    val = read_tokens(data_root / "mine_qwen3", "val", meta)
+    assert f"over {len(val) - 1:,} tokens" in capsys.readouterr().out
+
     sample_py.main([f"--init_from={whole}", "--prompt=the cat sat", "--max_new_tokens=5"])
     text = capsys.readouterr().out.splitlines()[-1]
     assert text.startswith("the cat sat") and len(text.split()) == 3 + 5, text
