@@ -42,7 +42,7 @@ from support.argparser import ArgumentParser, path
 from support.cli import MissingPackage, check_ranges, resolve_device
 from support.atomic import write_atomically
 from support.outputs import mark, output_file
-from support.data import NotPrepared, load_meta
+from support.data import NotPrepared, load_meta, read_tokens
 from support.errors import ConfigError, DataError, run_main
 from support.eval_tasks import build_tasks, lm_eval_says, ours
 from support.tokenizer import get_tokenizer, same_tokenizer, tokenizer_flag
@@ -176,11 +176,11 @@ def open_ppl_data(data_root, name):
         meta = load_meta(data_dir)  # meta.json, and the .bin sizes it promises
     except NotPrepared as e:
         raise NotPrepared(f"{e}; or set --data_root to the folder that holds {name}/") from e
-    val = data_dir / "val.bin"
-    if not val.is_file() or val.stat().st_size < 4:  # two uint16 ids: one input, one target
-        raise DataError(f"{val} holds fewer than 2 tokens: rebuild {data_dir} with "
-                        f"prepare_data.py --force")
-    return data_dir, meta, np.memmap(val, dtype=np.uint16, mode="r")
+    val = read_tokens(data_dir, "val", meta)
+    if len(val) < 2:  # one input, one target
+        raise DataError(f"{data_dir / 'val.bin'} holds fewer than 2 tokens: rebuild {data_dir} "
+                        f"with prepare_data.py --force")
+    return data_dir, meta, val
 
 
 def check_ppl_data(data, loaded, init_from):

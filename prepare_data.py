@@ -1,4 +1,4 @@
-"""Turn a text corpus into flat uint16 token files for train.py.
+"""Turn a text corpus into flat token files for train.py.
 
     python prepare_data.py shakespeare               # embedded default, byte tokenizer, no download
     python prepare_data.py minipile [--input DIR]    # JeanKaddour/minipile parquet, gpt2 tokenizer
@@ -6,9 +6,9 @@
                                                               # monology/pile-uncopyrighted
     python prepare_data.py text --input a.txt b.txt --name mydata
 
-Writes <out_dir>/<name>/train.bin, val.bin (uint16 token ids) and meta.json; support/prepare.py says
-how the documents are split and tokenized, and why an interrupted run never leaves a half-written
-dataset.
+Writes <out_dir>/<name>/train.bin, val.bin (uint16 ids, uint32 above 65,536 tokens) and meta.json;
+support/prepare.py says how the documents are split and tokenized, and why an interrupted run
+never leaves a half-written dataset.
 """
 import support.interrupt  # noqa: F401  first: Ctrl-C during the imports is one line, exit 130
 import sys

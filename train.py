@@ -1,6 +1,6 @@
 """
-Train a Depth-Attention (or vanilla, or one of the paper's baselines) decoder on uint16 token
-files made by prepare_data.py.
+Train a Depth-Attention (or vanilla, or one of the paper's baselines) decoder on token files made
+by prepare_data.py.
 
     python train.py                                 # the Shakespeare demo, minutes on a laptop CPU
     python train.py configs/minipile_value.py --max_iters=100
@@ -37,14 +37,14 @@ from support.variants import build_model, make_config
 from model import GPT
 from support import run_config
 from support.cli import SHARDED, nearest
-from support.data import SOURCES, load_meta
+from support.data import SOURCES, load_meta, read_tokens
 from support.depth_weights import as_record, capture, weight_sums
 from support.errors import CheckpointError, DataError, DiskFull, run_main
 from support.parallel import Parallel, Process, checkpoint_activations, setup_process
 from support.run_dir import claim_out_dir, rng_state, save_checkpoint, set_rng_state
 from support.runlog import Diverged, SaveFailed, log, start_log
 from support.signals import StopSignals, peak_memory
-from support.speed import Progress, describe, peak_flops, train_flops_per_token
+from support.speed import Progress, clock, describe, peak_flops, train_flops_per_token
 from support.tokenizer import (Tokenizer, from_record, get_tokenizer, same_tokenizer,
                                tokenizer_flag, tokenizer_record)
 
@@ -111,8 +111,7 @@ def open_data(cfg, master):
         if dist.is_initialized():
             dist.barrier()
     meta = load_meta(data_dir)
-    train, val = (np.memmap(data_dir / f"{split}.bin", dtype=np.uint16, mode="r")
-                  for split in ("train", "val"))
+    train, val = (read_tokens(data_dir, split, meta) for split in ("train", "val"))
     T = cfg["block_size"]
     for split, data in (("train", train), ("val", val)):
         if len(data) <= T:
@@ -256,11 +255,18 @@ class Run:
     record: dict             # saved with every checkpoint: what describes the whole run
     out_dir: Path
     progress: Progress       # MFU and ETA of each step
+    t0: float                # time.monotonic() when the run began: less its earlier invocations'
     enc: Optional[Tokenizer] = None  # the end-of-run sample's tokenizer
     wandb: Optional[ModuleType] = None
     step: int = 0
     best_val: float = float("inf")
     last_ckpt: Optional[int] = None  # the step of the last checkpoint written
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds of wall time the run has taken, over all its invocations (log.jsonl's
+        elapsed_s): a resume continues its checkpoint's count."""
+        return time.monotonic() - self.t0
 
     @property
     def ckpt_path(self) -> Path:
@@ -292,7 +298,7 @@ def start(cfg, ckpt, init, proc) -> Run:
               optimizer=make_optimizer(model, cfg, proc.device),
               fwd=torch.compile(par.forward) if cfg["compile"] else par.forward,
               train=train, val=val, val_offsets=val_offsets, mb=mb, accum=accum, rows=rows,
-              record=record, out_dir=Path(cfg["out_dir"]), progress=progress)
+              record=record, out_dir=Path(cfg["out_dir"]), progress=progress, t0=time.monotonic())
     if cfg["sample_tokens"] and (proc.master or cfg["parallel"] == "fsdp"):
         run.enc = get_tokenizer(meta["tokenizer"])
     restore(run, ckpt)
@@ -362,7 +368,8 @@ def one_step(run: Run) -> float:
     if proc.master:
         speed = run.progress(run.step, tok_per_s, step_s)  # eta_s, and mfu where the peak is known
         log({"kind": "train", "step": run.step, "train_loss": train_loss, "lr": lr,
-             "grad_norm": grad_norm, "tok_per_s": tok_per_s, **speed}, run.out_dir, run.wandb)
+             "grad_norm": grad_norm, "tok_per_s": tok_per_s, **speed, "elapsed_s": run.elapsed},
+            run.out_dir, run.wandb)
         # with the output redirected the bar is off: this line is the progress
         if run.step % cfg["log_interval"] == 0 or run.step == cfg["max_iters"]:
             tqdm.write(f"step {run.step}/{cfg['max_iters']} | train_loss {train_loss:.4f} | lr "
@@ -418,7 +425,7 @@ def evaluation(run: Run):
     val_loss = sums[0] / sums[1]
     run.best_val = min(run.best_val, val_loss)
     if proc.master:
-        record = {"kind": "eval", "step": run.step, "val_loss": val_loss}
+        record = {"kind": "eval", "step": run.step, "val_loss": val_loss, "elapsed_s": run.elapsed}
         if weights:
             record["depth_weights"] = as_record({k: w / len(offsets) for k, w in weights.items()})
         log(record, run.out_dir, run.wandb)
@@ -462,6 +469,7 @@ def restore(run: Run, ckpt):
     set_rng_state(ckpt["rng"])
     run.step = run.last_ckpt = ckpt["step"]
     run.best_val = ckpt["best_val_loss"]
+    run.t0 -= ckpt.get("elapsed_s", 0.0)  # a checkpoint from before elapsed_s: this invocation's
 
 
 def save(run: Run, lr):
@@ -471,7 +479,8 @@ def save(run: Run, lr):
     par, master = run.par, run.proc.master
     if not par.weights_finite():
         raise Diverged(run.step, "non-finite weights", lr, run.last_ckpt)
-    state = {"step": run.step, "best_val_loss": run.best_val, **run.record, "rng": rng_state()}
+    state = {"step": run.step, "best_val_loss": run.best_val, **run.record, "rng": rng_state(),
+             "elapsed_s": run.elapsed}
     path = run.ckpt_path
     try:
         if par.sharded:
@@ -495,8 +504,8 @@ def finish(run: Run, stopped_by):
         print(f"stopped by {signal.Signals(stopped_by).name} after step {run.step}, saved to "
               f"{saved_to}; continue with the same command and --resume=True", file=sys.stderr)
     elif proc.master:
-        print(f"done: step {run.step} | best val_loss {run.best_val:.4f} | checkpoint {saved_to} | "
-              f"{peak_memory(proc.device)}")
+        print(f"done: step {run.step} in {clock(run.elapsed)} | best val_loss {run.best_val:.4f} | "
+              f"checkpoint {saved_to} | {peak_memory(proc.device)}")
     if run.wandb:
         run.wandb.finish()
 

@@ -110,6 +110,7 @@ class Loaded:
     tokenizer: Tokenizer   # encode(text, allowed_special=...), decode(ids), eot_token, name
     source: str            # the file or folder the weights came from
     step: Optional[int]    # training steps behind the weights (None when unknown)
+    config: Optional[dict] = None  # a train.py checkpoint's run config (support.continued reads it)
 
 
 def no_checkpoint(path) -> CheckpointError:
@@ -194,7 +195,8 @@ def load_model(init_from, device="cpu") -> Loaded:
                                   f"tokenizer.json into it")
         return Loaded(model.to(device).eval(), tokenizer, str(folder), None)
     path, ckpt, model = read_snapshot(lambda: checkpoint_path(init_from), read_model)
-    return Loaded(model.to(device).eval(), from_record(ckpt), str(path), ckpt.get("step"))
+    return Loaded(model.to(device).eval(), from_record(ckpt), str(path), ckpt.get("step"),
+                  ckpt.get("config"))
 
 
 def read_model(path):

@@ -17,6 +17,7 @@ import torch
 
 from support.checkpoint import checkpoint_path, read_model, read_snapshot
 from support.cli import require
+from support.data import load_meta, read_tokens
 from support.outputs import output_file, save_figure
 from support.depth_weights import as_matrix, mean_depth_weights, table
 from support.errors import CheckpointError, DataError
@@ -50,11 +51,12 @@ def depth_weight_matrix(ckpt_path, n_windows=DEPTH_WINDOWS):
     _, ckpt, model = read_snapshot(lambda: Path(ckpt_path), read_model)  # a live run's too
     model.eval()
     T = model.config.block_size
-    path = ROOT / ckpt["data_dir"] / "val.bin"
-    if not path.is_file():
-        raise DataError(f"{path} is missing: the depth weights are read on the run's validation "
-                        f"data; prepare it again (python prepare_data.py) where the run found it")
-    val = np.memmap(path, dtype=np.uint16, mode="r")
+    data_dir = ROOT / ckpt["data_dir"]
+    if not (data_dir / "val.bin").is_file():
+        raise DataError(f"{data_dir / 'val.bin'} is missing: the depth weights are read on the "
+                        f"run's validation data; prepare it again (python prepare_data.py) where "
+                        f"the run found it")
+    val = read_tokens(data_dir, "val", load_meta(data_dir))
     starts = np.linspace(0, len(val) - T - 1, n_windows).astype(np.int64)
     x = torch.from_numpy(np.stack([val[s:s + T].astype(np.int64) for s in starts]))
     return as_matrix(mean_depth_weights(model, x), model.config.n_eff_layer)

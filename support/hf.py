@@ -153,7 +153,8 @@ def hf_config(c: ModelConfig, dtype: torch.dtype, eos_token_id=None) -> dict:
         "max_position_embeddings": c.block_size, "initializer_range": c.init_std,
         "rms_norm_eps": c.norm_eps, "tie_word_embeddings": c.tie_embeddings,
         "rope_theta": c.rope_theta, "attention_bias": False, "mlp_bias": False,
-        "bos_token_id": eos_token_id, "eos_token_id": eos_token_id,
+        # the pad is end-of-text, as Qwen3's: generate knows it, and warns of right padding
+        "bos_token_id": eos_token_id, "eos_token_id": eos_token_id, "pad_token_id": eos_token_id,
         "use_depth_attention": c.depth_mode != "vanilla", "depth_attention_stride": c.stride,
         "depth_attention_recent_window": c.depth_recent_window, "use_qk_norm": c.qk_norm,
         "torch_dtype": str(dtype).removeprefix("torch."), OUR_CONFIG: asdict(c),
@@ -307,11 +308,13 @@ def save_pretrained(model: GPT, out_dir, tokenizer, overwrite=False, sources=())
                 cfg["tokenizer"] = tokenizer.name  # tokenizer.get_tokenizer(name) rebuilds it
             text = tokenizer.text if isinstance(tokenizer, HFTokenizer) else \
                 bytes_tokenizer_json() if getattr(tokenizer, "name", None) == "bytes" else None
-            if text:  # tokenizer_config.json: what transformers' AutoTokenizer needs beside it
+            if text:  # tokenizer_config.json: what transformers' AutoTokenizer needs beside it;
+                # a batch pads on the left with end-of-text, as Qwen3's does, which generate needs
                 (tmp / "tokenizer.json").write_text(text)
+                eot = tokenizer.decode([tokenizer.eot_token])
                 (tmp / "tokenizer_config.json").write_text(json.dumps(
-                    {"tokenizer_class": "PreTrainedTokenizerFast",
-                     "eos_token": tokenizer.decode([tokenizer.eot_token]),
+                    {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": eot,
+                     "pad_token": eot, "padding_side": "left",
                      "model_max_length": model.config.block_size}, indent=2) + "\n")
             safetensors_torch.save_file(state, tmp / "model.safetensors", metadata={"format": "pt"})
             (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")

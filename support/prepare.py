@@ -1,7 +1,8 @@
-"""Making the datasets train.py reads (support/data.py): a text corpus turned into flat uint16 token
-files (prepare_data.py is its command line).
+"""Making the datasets train.py reads (support/data.py): a text corpus turned into flat token files
+(prepare_data.py is its command line).
 
-Writes <out_dir>/<name>/train.bin, val.bin (uint16 token ids) and meta.json. Every document is
+Writes <out_dir>/<name>/train.bin, val.bin (token ids: uint16, or uint32 for a tokenizer of more
+than 65,536 tokens, as meta.json's "dtype" says) and meta.json. Every document is
 encoded without special tokens and followed by one end-of-text token (GPT-2 convention), so the
 files are doc0 EOT doc1 EOT ...; empty documents are skipped.
 
@@ -242,13 +243,13 @@ def _ignore_ctrl_c():
 
 
 def _encode(task):
-    """Worker: one task's documents as a uint16 array, each document's ids followed by EOT."""
-    tokenizer, split, texts = task
+    """Worker: one task's documents as an array of dtype, each document's ids followed by EOT."""
+    tokenizer, dtype, split, texts = task
     enc = get_tokenizer(tokenizer)
     ids = []
     for text in texts:  # ordinary: a literal "<|endoftext|>" in the text stays plain text
         ids += [*enc.encode_ordinary(text), enc.eot_token]
-    return split, len(texts), np.array(ids, dtype=np.uint16)
+    return split, len(texts), np.array(ids, dtype=dtype)
 
 
 def _check_replaceable(data_dir, inputs):
@@ -296,10 +297,9 @@ def prepare(source, name=None, tokenizer=None, inputs=None, out_dir="data", val_
     docs, description, split_rule = _documents(source, inputs, shards, tokenizer, val_fraction,
                                                decode_errors)
     enc = get_tokenizer(tokenizer)  # its name: for a hub id, the local folder the workers load
-    if enc.n_vocab > 2**16:
-        raise DataError(f"tokenizer {enc.name} has {enc.n_vocab} tokens, more than uint16 ids "
-                        f"can hold")
     every, start = round(1 / val_fraction), time.time()
+    # the smallest dtype that holds the ids: every folder made before uint32 is made the same today
+    dtype = "uint16" if enc.n_vocab <= 2**16 else "uint32"
     tmp = data_dir.with_name(f"{data_dir.name}.tmp{os.getpid()}")
     try:
         tmp.mkdir(parents=True)
@@ -308,11 +308,11 @@ def prepare(source, name=None, tokenizer=None, inputs=None, out_dir="data", val_
     try:
         # the space it needs: more than the files written when the disk filled
         with room_for(data_dir, lambda: sum(f.stat().st_size for f in tmp.iterdir()), more=True):
-            tokens, documents, max_id = _tokenize(docs, every, tmp, name, enc.name,
+            tokens, documents, max_id = _tokenize(docs, every, tmp, name, (enc.name, dtype),
                                                   num_proc or min(8, os.cpu_count() or 1))
             meta = {"source": source, "input": description, "tokenizer": enc.name,
                     "vocab_size": enc.n_vocab, "eot_token": enc.eot_token, "max_token_id": max_id,
-                    "dtype": "uint16", "eot": "appended after every document",
+                    "dtype": dtype, "eot": "appended after every document",
                     "split": split_rule or f"non-empty document i is val if i % {every} == 0",
                     "tokens": tokens, "documents": documents}
             (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
@@ -349,15 +349,16 @@ def _destination(out_dir, name) -> Path:
 
 
 def _tokenize(docs, every, tmp, name, tokenizer, num_proc):
-    """Tokenize docs into tmp/{train,val}.bin, num_proc workers in waves; returns the tokens and
-    documents per split and the largest id. An empty split is a DataError."""
+    """Tokenize docs into tmp/{train,val}.bin (tokenizer: its name and the ids' dtype), num_proc
+    workers in waves; returns the tokens and documents per split and the largest id. An empty
+    split is a DataError."""
     tokens, documents, max_id = {"train": 0, "val": 0}, {"train": 0, "val": 0}, 0
     with open(tmp / "train.bin", "wb") as train_f, open(tmp / "val.bin", "wb") as val_f, \
             (Pool(num_proc, _ignore_ctrl_c) if num_proc > 1 else nullcontext()) as pool, \
             tqdm(desc=f"tokenizing {name}", unit="doc") as bar:
         out, encode, chunks = {"train": train_f, "val": val_f}, pool.imap if pool else map, \
             _chunks(docs, every)
-        while wave := [(tokenizer, *task) for task in islice(chunks, WAVE * num_proc)]:
+        while wave := [(*tokenizer, *task) for task in islice(chunks, WAVE * num_proc)]:
             for split, n_docs, ids in encode(_encode, wave):
                 out[split].write(ids)  # not ids.tofile: its error for a full disk has no errno
                 tokens[split] += len(ids)

@@ -18,6 +18,7 @@ from support.depth_weights import self_share
 from support.depth_weights_view import can_draw, depth_weight_matrix, plot_depth_weights, pyplot
 from support.errors import CheckpointError, ConfigError, DataError
 from support.folders import claim
+from support.speed import clock
 from support.sweep import final_val_loss, read_log, run_dir
 
 # protocol -> the name of its results.{md,json}
@@ -351,7 +352,8 @@ def plot_run(run, figure):
     for ax in axes.flat:
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-    fig.suptitle(str(run))
+    timed = [r["elapsed_s"] for r in records if "elapsed_s" in r]  # none from an older train.py
+    fig.suptitle(f"{run}: {train[-1]['step']} steps in {clock(timed[-1])}" if timed else str(run))
     fig.tight_layout()
     save_figure(fig, figure, "ablate.py", dpi=110)
     return len(train)

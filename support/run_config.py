@@ -80,6 +80,9 @@ TRAIN_KEYS = {
     "resume": Key(False, "continue from out_dir/ckpt.pt", result=False, per_invocation=True),
     "init_from": Key("", "start from these weights, fresh optimizer: an out_dir, a ckpt.pt, a HF "
                      "folder or a hub id"),
+    "init_lr": Key("last", "--init_from a finished train.py run without --learning_rate: last = "
+                   "re-warm to its final rate (min_lr_ratio x its peak); peak = learning_rate, as "
+                   "a new run", choices=("last", "peak")),
     "overwrite": Key(False, "start over in an out_dir that holds a checkpoint, deleting it",
                      result=False, per_invocation=True),
     "sample_tokens": Key(200, "tokens of text sampled at the end of the run; 0 = none", ">= 0",
@@ -152,9 +155,12 @@ def resolve(argv, doc="", master=True):
     if cfg["init_from"] and ckpt is None:  # a resumed run's weights are its checkpoint's
         from support.checkpoint import load_model
         init = load_model(cfg["init_from"])
-        switched = adopt_init_model(cfg, init.model.config, cfg["init_from"], typed_keys(argv))
+        asked = typed_keys(argv)
+        switched = adopt_init_model(cfg, init.model.config, cfg["init_from"], asked)
         if switched and master:
             print(switched)
+        from support.continued import continue_schedule
+        continue_schedule(cfg, init, "learning_rate" in asked, master)
     resolve_device(cfg["device"])
     if master:
         for key, why in ignored_keys(cfg).items():
@@ -212,7 +218,8 @@ def ignored_keys(cfg) -> dict:
                f"depth_mode={cfg['depth_mode']} has no depth step")
     why = {"lime_router_lr_mult": (cfg["depth_mode"] != "lime", "only depth_mode=lime has routers"),
            "depth_stride": no_step, "depth_recent_window": no_step,
-           "k_norm_after_rope": (not cfg["qk_norm"], "--qk_norm=False has no k_norm")}
+           "k_norm_after_rope": (not cfg["qk_norm"], "--qk_norm=False has no k_norm"),
+           "init_lr": (not cfg["init_from"], "only --init_from reads it")}
     for knob in KNOBS:  # a baseline's own knobs, named after it
         baseline = knob.split("_")[0]
         why[knob] = (cfg["residual"] != baseline, f"only --residual={baseline} reads it")
@@ -245,8 +252,9 @@ def typed_keys(argv) -> set:
 
 # What --init_from may change: the depth step, where the checkpoint's parameters are exactly the
 # new model's (vanilla -> value, uniform, key, kv and back): a vanilla checkpoint starts a
-# Depth-Attention run (issue 39).
-SWITCHABLE = ("depth_mode", "depth_stride", "depth_recent_window")
+# Depth-Attention run (issue 39); and the context length, whose positions RoPE computes (a released
+# model's 40,960 is more than one GPU trains on).
+SWITCHABLE = ("depth_mode", "depth_stride", "depth_recent_window", "block_size")
 
 
 def adopt_init_model(cfg, init_config, init_from, asked) -> Optional[str]:

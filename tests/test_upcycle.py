@@ -11,7 +11,7 @@ import torch
 
 import train as train_py
 from conftest import tiny_model
-from helpers import log_records, read_log, train
+from helpers import TINY_SHORT, log_records, read_log, train
 from support import run_config
 from support.run_dir import save_checkpoint
 from support.data import load_meta
@@ -27,11 +27,13 @@ def vanilla_ckpt(tmp_path_factory):
     return out, model
 
 
-def run_args(data_root, out_dir, *extra):
-    """A short run over data_root/tiny, no model key but those in extra (--init_from fixes them)."""
+def run_args(data_root, out_dir, *extra, lr=1e-2):
+    """A short run over data_root/tiny, no model key but those in extra (--init_from fixes them);
+    lr None: no --learning_rate."""
     return ["--dataset=tiny", f"--data_root={data_root}", f"--out_dir={out_dir}", "--max_iters=4",
             "--eval_interval=2", "--eval_seqs=6", "--log_interval=2", "--sample_tokens=0",
-            "--micro_batch=4", "--batch_tokens=128", "--learning_rate=1e-2", *extra]
+            "--micro_batch=4", "--batch_tokens=128", *([f"--learning_rate={lr}"] if lr else []),
+            *extra]
 
 
 def build(argv, data_root):
@@ -113,3 +115,52 @@ def test_a_vanilla_hugging_face_folder_starts_depth_attention_too(vanilla_ckpt, 
     assert model.config.depth_mode == "value" and "no parameter added" in printed, printed
     theirs = vanilla.state_dict()
     assert all(torch.equal(theirs[k], v) for k, v in model.state_dict().items())
+
+
+@pytest.fixture(scope="module")
+def finished_run(data_root, tmp_path_factory):
+    """A vanilla train.py run that finished its 4-step schedule: peak 1e-2, so its final rate (the
+    cosine floor, min_lr_ratio 0.1 x the peak) is 1e-3."""
+    out = tmp_path_factory.mktemp("finished")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        assert train(monkeypatch, *TINY_SHORT, f"--data_root={data_root}", f"--out_dir={out}",
+                     "--max_iters=4", "--eval_interval=0", "--depth_mode=vanilla") is None
+    return out
+
+
+def lrs(out_dir):
+    return [r["lr"] for r in log_records(out_dir) if r["kind"] == "train"]
+
+
+@pytest.mark.parametrize("extra, peak, notice", [
+    ([], 1e-3, True),  # --init_lr=last, the default: re-warms to the final rate
+    (["--init_lr=peak"], 3e-3, False),  # the old behaviour: learning_rate's default peak
+    (["--learning_rate=5e-4"], 5e-4, False),  # a rate asked for is the rate
+])
+def test_continuing_a_finished_run_rewarms_to_its_final_rate(extra, peak, notice, finished_run,
+                                                             data_root, tmp_path, monkeypatch,
+                                                             capsys):
+    """The schedule of a run --init_from a finished one: warmup to `peak`, then the cosine to
+    min_lr_ratio x peak, as a new run's; the peak is the finished run's final rate unless asked."""
+    out = tmp_path / "continued"
+    capsys.readouterr()
+    assert train(monkeypatch, *run_args(data_root, out, f"--init_from={finished_run}",
+                                        "--depth_mode=value", "--warmup_frac=0.25", *extra,
+                                        lr=None)) is None
+    printed = capsys.readouterr().out
+    assert lrs(out)[0] == pytest.approx(peak) and lrs(out)[-1] > 0.1 * peak, lrs(out)
+    assert ("finished its schedule: the rate re-warms to its final 0.001" in printed) == notice
+    assert json.loads((out / "config.json").read_text())["learning_rate"] == pytest.approx(peak)
+
+
+def test_an_unfinished_run_continues_at_the_configured_peak(finished_run, data_root, tmp_path,
+                                                             monkeypatch):
+    """A run stopped early (its rate still high) keeps the old rule: --init_lr acts on finished
+    runs only."""
+    stopped = tmp_path / "stopped"
+    assert train(monkeypatch, *TINY_SHORT, f"--data_root={data_root}", f"--out_dir={stopped}",
+                 "--max_iters=8", "--stop_at_step=2", "--eval_interval=0") is None
+    out = tmp_path / "continued"
+    assert train(monkeypatch, *run_args(data_root, out, f"--init_from={stopped}",
+                                        "--warmup_frac=0.25", lr=None)) is None
+    assert lrs(out)[0] == pytest.approx(3e-3)

@@ -212,7 +212,9 @@ class DepthAttentionForCausalLM(PreTrainedModel, GenerationMixin):
 
     def _per_row(self, input_ids, chunk_mask, cache):
         """The logits (B, T, vocab) of a padded batch continuing cache, each row's real tokens (all
-        of them without chunk_mask, a decode step) on its own cache; zeros at the pads."""
+        of them without chunk_mask, a decode step) on its own cache; zeros at the pads, but for the
+        last column of a right-padded row: its last real token's, where generate reads the next
+        token (which then continues the row's own cache: right padding generates exactly)."""
         B, T = input_ids.shape
         if cache.rows is None:
             if cache.kv is not None:
@@ -228,6 +230,8 @@ class DepthAttentionForCausalLM(PreTrainedModel, GenerationMixin):
             if logits is None:
                 logits = out.new_zeros(B, T, out.shape[-1])
             logits[b, keep] = out[0]
+            if chunk_mask is not None and not keep[-1]:
+                logits[b, -1] = out[0, -1]
         cache.length += T
         return logits
 
