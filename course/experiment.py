@@ -122,9 +122,10 @@ def val_loss(gpt, val, cfg) -> float:
 def reevaluated(out, results, grader):
     """Each run's final checkpoint, scored on the validation windows train.py evaluates (evenly
     spaced over val.bin), gives the loss its log ends with."""
+    import dataclasses
     import model
     from support.sweep import differences, final_val_loss, run_dir
-    val = None
+    val, weights = None, {}
     for run, seed in jobs():
         where = run_dir(out, run, seed)
         cfg = asked(grader, run, seed)
@@ -139,6 +140,11 @@ def reevaluated(out, results, grader):
              f"{where / 'ckpt.pt'} is not a train.py checkpoint: {HINT}")
         need(ckpt["step"] == cfg["max_iters"] and not differences(ckpt["config"], [], cfg),
              f"{where / 'ckpt.pt'} is not the checkpoint of the finished run: {HINT}")
+        keys = [f.name for f in dataclasses.fields(model.ModelConfig)]  # mode, depth, stride, sizes
+        wrong = [f"{k} {ckpt['model_config'].get(k)!r} (the run's: {cfg[k]!r})" for k in keys
+                 if cfg.get(k) is not None and ckpt["model_config"].get(k) != cfg[k]]
+        need(not wrong, f"{where / 'ckpt.pt'} holds another model than its run's: "
+                        f"{', '.join(wrong[:3])}; {HINT}")
         val = validation(cfg) if val is None else val
         try:
             gpt = model.GPT(model.ModelConfig(**ckpt["model_config"]))
@@ -146,6 +152,12 @@ def reevaluated(out, results, grader):
         except Exception as e:
             raise Fail(f"{where / 'ckpt.pt'} does not hold the model its config says "
                        f"({type(e).__name__}): {HINT}") from None
+        for (other, other_seed), state in weights.items():  # two seeds are two trainings
+            need(other != run or any(not torch.equal(state[k], v) for k, v in ckpt["model"].items()
+                                     if k in state),
+                 f"{where / 'ckpt.pt'} holds the same weights as {run} seed {other_seed}: each "
+                 f"seed is a run of its own; {HINT}")
+        weights[run, seed] = ckpt["model"]
         loss, said = val_loss(gpt, val, cfg), final_val_loss(where)
         need(math.isfinite(loss) and abs(loss - said) < EVAL_TOLERANCE,
              f"{where}: its checkpoint scores {loss:.4f} on the validation windows, its log says "

@@ -9,8 +9,10 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -389,3 +391,260 @@ def test_grade_help_says_what_it_protects_against(capsys):
     out = capsys.readouterr().out
     assert done.value.code == 0 and "What it does not" in out and "--network=none" in out
     assert full(1) == {1: 10}
+
+
+# --------------------------------------------------------- the sandbox: attacks on the grader itself
+
+MARKER_ARG = "course-attack-grandchild"  # in a grandchild's command line: seen from outside
+
+
+def attack_copy(copy, where, name, suffix, bodies=None):
+    """The fresh copy (every function a stub), or the repository's model.py with `bodies`, with
+    `suffix` run at the end of its import."""
+    other = with_bodies(copy, where, bodies, "", name) if bodies is not None else \
+        stub_copy(copy, where, "", name)
+    (other / "model.py").write_text((other / "model.py").read_text() + textwrap.dedent(suffix))
+    return other
+
+
+def escape(instructor, pth):
+    """At import: find the reference model.py (every process's cwd and command line in /proc, and
+    the instructor's tree, named outright) and take its functions; write "score: 85 / 85" to every
+    stdout and stderr in /proc and 85 to every --json= it finds; start a grandchild in a session of
+    its own that, for a minute, rewrites the grader's source and bytecode through a shared mmap,
+    adds a .pth to site-packages and writes the fake report again."""
+    targets = [str(instructor / "course" / "child.py"), str(instructor / "course" / "checks.py"),
+               *map(str, (instructor / "course" / "__pycache__").glob("*.pyc"))]
+    return f"""
+        import glob as _glob, os as _os, pathlib as _pathlib, subprocess as _subprocess, sys as _sys
+
+        def _fake_report():
+            for fd in _glob.glob("/proc/*/fd/[12]"):
+                try:
+                    with open(fd, "w") as f:
+                        f.write("\\nscore: 85 / 85\\n")
+                except OSError:
+                    pass
+            for cmdline in _glob.glob("/proc/*/cmdline"):
+                try:
+                    args = open(cmdline, "rb").read().split(b"\\0")
+                except OSError:
+                    continue
+                for a in args:
+                    if a.startswith(b"--json="):
+                        try:
+                            with open(a[7:].decode(), "w") as f:
+                                f.write('{{"score": 85, "out_of": 85}}')
+                        except OSError:
+                            pass
+
+        def _reference():
+            places = [_pathlib.Path({str(instructor)!r})]
+            for pid in _glob.glob("/proc/[0-9]*"):
+                for link in ("cwd", "root"):
+                    try:
+                        places.append(_pathlib.Path(_os.readlink(pid + "/" + link)))
+                    except OSError:
+                        pass
+                try:
+                    args = open(pid + "/cmdline", "rb").read().split(b"\\0")
+                except OSError:
+                    continue
+                places += [_pathlib.Path(a.decode()).parent.parent for a in args
+                           if a.endswith(b"grade.py")]
+            for place in places:
+                try:
+                    source = (place / "model.py").read_text()
+                except OSError:
+                    continue
+                if "def depth_mix" in source and "NotImplementedError('Problem" not in source:
+                    return source
+
+        _source = _reference()
+        if _source:
+            _namespace = {{"__name__": "model"}}
+            exec(compile(_source, "reference.py", "exec"), _namespace)
+            globals().update({{k: v for k, v in _namespace.items() if not k.startswith("__")}})
+        _fake_report()
+        _LOOP = '''
+        import glob, mmap, os, sys, time
+        sys.argv = sys.argv  # {MARKER_ARG}
+        end = time.time() + 60
+        while time.time() < end:
+            for path in {targets!r}:
+                try:
+                    with open(path, "r+b") as f:
+                        m = mmap.mmap(f.fileno(), 0)
+                        m[:1] = b"#"
+                        m.flush()
+                except (OSError, ValueError):
+                    pass
+            try:
+                open({str(pth)!r}, "x").close()
+            except OSError:
+                pass
+            for fd in glob.glob("/proc/*/fd/[12]"):
+                try:
+                    with open(fd, "w") as f:
+                        f.write("score: 85 / 85")
+                except OSError:
+                    pass
+            time.sleep(0.2)
+        '''
+        _subprocess.Popen([_sys.executable, "-c", _LOOP, {MARKER_ARG!r}], start_new_session=True,
+                          stdin=_subprocess.DEVNULL, stdout=_subprocess.DEVNULL,
+                          stderr=_subprocess.DEVNULL)
+        """
+
+
+ORACLE = """
+    import sys as _sys
+
+    def _ask(function, **arguments):
+        main, frame = _sys.modules["__main__"], _sys._getframe()
+        while frame is not None and "outbox" not in frame.f_locals:  # serve's pipes
+            frame = frame.f_back
+        main.send(frame.f_locals["outbox"], {"call": function, "arguments": main.freeze(arguments)})
+        return main.receive(frame.f_locals["inbox"])
+
+    def _answer(function, **arguments):
+        reply = _ask(function, **arguments)
+        if "result" not in reply:
+            raise NotImplementedError("the parent would not answer")
+        return reply["result"]
+
+    ModelConfig.stride = property(lambda self: _answer("model.py:ModelConfig.stride", self=self))
+    ModelConfig.sources = lambda self, e: _answer("model.py:ModelConfig.sources", self=self, e=e)
+    group_mean = lambda q, n_kv_head: _answer("model.py:group_mean", q=q, n_kv_head=n_kv_head)
+    softmax_weights = lambda qbar, keys: _answer("model.py:softmax_weights", qbar=qbar, keys=keys)
+    causal_attention = lambda q, k, v: _answer("model.py:causal_attention", q=q, k=k, v=v)
+    """
+
+# the reference's weighted_sum, after asking the parent five times for the sources of layer 6e8
+HOLD = {"weighted_sum": """
+    for _ in range(5):
+        _ask("model.py:ModelConfig.sources", self=ModelConfig(n_layer=600_000_000), e=600_000_000)
+    w = alpha.to(xs[0].dtype).unsqueeze(-1)
+    return sum(w[:, :, c] * x for c, x in enumerate(xs))"""}
+
+# the reference's model.py without a KV cache, and the harness in its process patched: decoding is
+# the full forward, and the whole model "together" too
+HARNESS = """
+    import sys as _sys
+    _main = _sys.modules["__main__"]
+    _main.OPS["decode"] = lambda model, config, state, idx, *rest: [
+        _main.OPS["logits"](model, config, state, idx)] * 3
+    _main.OPS["together"] = lambda model, config, state, idx, *rest: [
+        _main.OPS["logits"](model, config, state, idx)] * 4
+    """
+
+
+def marked_processes():
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if MARKER_ARG.encode() in cmdline.read_bytes():
+                pids.append(int(cmdline.parent.name))
+        except OSError:
+            pass
+    return [p for p in pids if p != os.getpid()]
+
+
+def hashes(tree):
+    return {f: f.read_bytes() for f in sorted((tree / "course").rglob("*")) if f.is_file()}
+
+
+@pytest.fixture(scope="module")
+def attacked(copy, instructor, tmp_path_factory):
+    """The instructor's grader on each attack (the escape, the oracle, holding the parent, the
+    patched harness), two at a time, then on a blank copy from the same tree; what was left
+    behind: {"gradings": {case: (printed, result, proc, seconds)}, "survivors", "before", "after",
+    "pth"}."""
+    import sysconfig
+    where = tmp_path_factory.mktemp("attacks")
+    grade(copy, "--problem=1", grader=instructor)  # the grader's bytecode exists: a target
+    pth = Path(sysconfig.get_paths()["purelib"]) / f"zz_course_attack_{os.getpid()}.pth"
+    before = hashes(instructor)
+    copies = {"escape": attack_copy(copy, where, "escape", escape(instructor, pth)),
+              "oracle": attack_copy(copy, where, "oracle", ORACLE),
+              "hold": attack_copy(copy, where, "hold", ORACLE, HOLD),
+              "harness": attack_copy(copy, where, "harness", HARNESS, {
+                  "KVCache.update": "raise NotImplementedError('no cache')"})}
+    args = {"hold": ["--problem=3"], "escape": [f"--experiment={where}"]}
+
+    def timed(name):
+        start = time.monotonic()
+        out = grade(copies[name], *args.get(name, []), grader=instructor, ok=False)
+        return (*out, time.monotonic() - start)
+    try:
+        gradings = dict(zip(copies, side_by_side(*(partial(timed, n) for n in copies))))
+        deadline = time.monotonic() + 30  # the kernel ends a PID namespace's processes at once
+        while (survivors := marked_processes()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        gradings["blank"] = (*grade(copy, f"--experiment={where}", grader=instructor), 0)
+        return {"gradings": gradings, "survivors": survivors, "before": before,
+                "after": hashes(instructor), "pth": pth.exists()}
+    finally:
+        for pid in marked_processes():
+            os.kill(pid, 9)
+        pth.unlink(missing_ok=True)
+
+
+def test_graded_code_cannot_read_the_reference(attacked):
+    """The grader's tree is not in the sandbox: the reference model.py is nowhere to be found, by
+    /proc or by its path; the attack and a blank copy after it score 0 on problems 1-4."""
+    for case in ("escape", "blank"):
+        _, result, _, _ = attacked["gradings"][case]
+        assert {k: v for k, v in earned(result).items() if k < 5} == ZERO, case
+        assert result["together"] is False and result["sandbox"] is True
+
+
+def test_nothing_the_graded_code_starts_outlives_its_test(attacked):
+    """A grandchild in a session of its own dies with the sandbox's PID namespace."""
+    assert attacked["survivors"] == []
+
+
+@pytest.mark.parametrize("target", ["bytecode", "source", "site-packages"])
+def test_graded_code_cannot_persist(attacked, target):
+    """The grader's source and bytecode, and site-packages, as they were: nothing rewrote them
+    through an mmap, nothing added a .pth; the blank copy graded next scores 0."""
+    changed = [f for f, data in attacked["before"].items() if attacked["after"].get(f) != data]
+    kinds = {"bytecode": ".pyc", "source": ".py"}
+    assert not [f for f in changed if f.suffix == kinds.get(target, "-")], changed
+    assert target != "site-packages" or not attacked["pth"]
+    _, result, proc, _ = attacked["gradings"]["blank"]
+    assert earned(result) == {**ZERO, 5: 0} and not result["tampered"], proc.stdout
+
+
+def test_the_report_is_written_by_the_grader_alone(attacked):
+    """The sandbox sees neither the grader's stdout nor its command line: the last line printed
+    and the JSON are the grader's."""
+    printed, result, proc, _ = attacked["gradings"]["escape"]
+    assert printed.strip().splitlines()[-1] == "score: 0 / 85", printed
+    assert "85 / 85" not in printed + proc.stderr and result["score"] == 0
+
+
+def test_the_parent_answers_no_call_outside_an_op_that_stubs_it(attacked):
+    """Calls for problems 1, 2 and 4 sent down the child's own pipes, outside problem 3's ops:
+    the parent says "your own function" (a stub here): 0."""
+    _, result, _, _ = attacked["gradings"]["oracle"]
+    assert {k: v for k, v in earned(result).items() if k < 5} == ZERO
+
+
+def test_a_call_larger_than_its_test_costs_the_parent_nothing(attacked):
+    """Five calls for the sources of layer 6e8 (hours for the reference) are refused unanswered:
+    problem 3, otherwise the reference's, keeps its points in the time of an ordinary grading."""
+    from course.child import scale, within
+    _, result, _, seconds = attacked["gradings"]["hold"]
+    assert earned(result) == {3: 25} and seconds < 300, (seconds, result)
+    assert not within({"self": {"ModelConfig": {"n_layer": 600_000_000}}, "e": 600_000_000},
+                      scale([{"n_layer": 4}, torch.zeros(2, 8)]))
+
+
+def test_a_patched_harness_does_not_decode(attacked):
+    """No KV cache, and the harness's decode and together replaced by the full forward: decoding
+    starts from a cache of records no tokens give, so only reading the cache gets its logits."""
+    _, result, _, _ = attacked["gradings"]["harness"]
+    assert failing(result)[3] == {"each_layer_stores_its_mixed_record_and_decoding_reads_it"}
+    assert failing(result)[4] == {"a_prefill_then_chunks_and_single_tokens_equal_the_whole_sequence"}
+    assert result["together"] is False
