@@ -102,6 +102,8 @@ def grade(root: Path, only=None, experiment=None, seed=None, sandboxed=True) -> 
     from course import sandbox
     from course.child import Child
     torch.set_num_threads(1)  # tiny tensors: one thread is 20x faster than a pool
+    if sandboxed and (why := sandbox.problem(root / "model.py")):
+        raise UserError(why)  # before the reference's work: nothing graded
     seed = random.SystemRandom().randrange(2 ** 31) if seed is None else seed
     before = digest()
     ref, answering = (load_fixtures(), None) if practice() else reference(seed)
@@ -111,8 +113,6 @@ def grade(root: Path, only=None, experiment=None, seed=None, sandboxed=True) -> 
         tree = Path(tmp) / "copy"
         tree.mkdir()
         shutil.copy(root / "model.py", tree / "model.py")  # all of the student's code it runs
-        if sandboxed and (why := sandbox.problem(tree / "model.py")):
-            raise UserError(why)
         child = Child(tree, ref, answering, TEST_TIMEOUT_S, sandboxed)
         try:
             for p in problems:
@@ -139,7 +139,8 @@ def grade(root: Path, only=None, experiment=None, seed=None, sandboxed=True) -> 
                 e.update(earned=0, tests=[{**t, "earned": 0} for t in e["tests"]])
     graded = [e for e in entries if e["graded"]]
     return {"written_by": mark("grade.py"), "root": str(root), "seed": seed,
-            "hidden_tests": not practice(), "sandbox": sandboxed, "problems": entries, "together": together,
+            "hidden_tests": not practice(), "sandbox": sandboxed, "problems": entries,
+            "together": together,
             "tampered": tampered, "score": sum(e["earned"] for e in graded),
             "out_of": sum(e["points"] for e in graded)}
 

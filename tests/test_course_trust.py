@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -104,11 +105,13 @@ def test_a_pytest_at_the_copys_root_is_never_run(copy, tmp_path):
     assert {k: v for k, v in earned(result).items() if k < 5} == ZERO
 
 
-def test_code_that_rewrites_the_grader_voids_the_grading(copy, tmp_path, instructor):
+def test_code_that_rewrites_the_grader_cannot_reach_it_or_voids_the_grading(copy, tmp_path,
+                                                                              instructor):
     """At import it finds the grader from its parent's command line, appends a judge that passes
-    everything to the grader's checks.py (no file can be written: refused) and moves its own
-    model.py over the grader's conftest-like module (a rename needs no write): the grading that
-    saw it is void, scores 0, names the file and exits 1."""
+    everything to the grader's checks.py and moves its own model.py over the grader's fixtures.py
+    (a rename needs no write). In the sandbox there is no grader to find: 0, nothing changed.
+    Unsandboxed (--no-sandbox, practice), the grading that saw the rename is void, scores 0, names
+    the file and exits 2."""
     rewriter = stub_copy(copy, tmp_path, """\
         import os, pathlib
         argv = open(f"/proc/{os.getppid()}/cmdline", "rb").read().split(b"\\0")
@@ -120,18 +123,22 @@ def test_code_that_rewrites_the_grader_voids_the_grading(copy, tmp_path, instruc
             pass
         os.replace(__file__, course / "fixtures.py")
         """, "rewriter")
-    before = (instructor / "course" / "checks.py").read_bytes()
-    _, result, proc = grade(rewriter, "--problem=1", grader=instructor, ok=False)
-    assert (instructor / "course" / "checks.py").read_bytes() == before
+    before = hashes(instructor)
+    _, result, proc = grade(rewriter, "--problem=1", grader=instructor)
+    assert earned(result) == {1: 0} and not result["tampered"] and hashes(instructor) == before
+    _, result, proc = grade(rewriter, "--problem=1", "--no-sandbox", grader=instructor, ok=False)
+    assert (instructor / "course" / "checks.py").read_bytes() == before[instructor / "course" /
+                                                                         "checks.py"]
     assert proc.returncode == 2 and "this grading is void" in proc.stderr
     assert "course/fixtures.py" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
-    assert earned(result) == {1: 0} and result["tampered"]
+    assert earned(result) == {1: 0} and result["tampered"] and result["sandbox"] is False
     shutil.copy2(ROOT / "course" / "fixtures.py", instructor / "course" / "fixtures.py")
 
 
 def test_answers_looked_up_in_the_copys_fixtures_fail_the_hidden_tests(copy, tmp_path):
-    """A model.py that answers from the practice fixtures passes the copy's own grader on what
-    it looks up, and 0 from the instructor's: fresh inputs, and scenarios the copy never saw."""
+    """A model.py that answers from the practice fixtures (unsandboxed: in the sandbox it cannot
+    even read them) passes the copy's own grader on the values it looks up (not their gradients),
+    and 0 from the instructor's: fresh inputs, and scenarios the copy never saw."""
     bodies = {"ModelConfig.stride": 'return _lookup("stride", lambda a: ModelConfig(**a[0]) == '
                                     'self)',
               "ModelConfig.sources": 'return _lookup("sources", lambda a: ModelConfig(**a[0]) == '
@@ -156,8 +163,12 @@ def test_answers_looked_up_in_the_copys_fixtures_fail_the_hidden_tests(copy, tmp
             raise KeyError(op)
         """, "lookup")
     (_, practice, _), (_, result, _) = side_by_side(
-        partial(grade, lookup, "--problem=2", grader=lookup), partial(grade, lookup))
-    assert earned(practice) == {2: 15}, practice  # the table answers every practice scenario
+        partial(grade, lookup, "--problem=2", "--no-sandbox", grader=lookup),
+        partial(grade, lookup, "--no-sandbox"))
+    assert failing(practice) == {2: {"qbar_is_the_mean_of_each_group_of_query_heads",
+                                     "the_weights_are_a_softmax_over_the_candidates"}}, practice
+    assert all(t["why"] is None or t["why"].startswith("backward (training)")
+               for t in practice["problems"][0]["tests"]), practice  # values: every one looked up
     assert earned(result)[1] == 0 and earned(result)[2] == 0, result
     assert {"the_weighted_sum_of_the_candidates"} <= failing(result)[3]
     assert failing(result)[4] >= {"causal_attention_over_a_whole_sequence"}
@@ -222,6 +233,31 @@ def test_problem_5_reevaluates_the_checkpoints(tmp_path):
     forged = experiment.grade(fake_experiment(tmp_path / "forged", losses), ROOT)
     assert all(forged.values()), forged
     assert "the log is not the checkpoint's" in forged["each_checkpoint_gives_its_logged_loss"]
+
+
+def test_problem_5_fabricated_runs_score_nothing(tmp_path):
+    """One checkpoint relabelled as another run (its config rewritten, its log given its own loss),
+    or one run's checkpoint copied to both seeds: the checkpoints do not hold their runs, and the
+    problem scores 0."""
+    from support.sweep import run_dir
+    losses = {run: {0: 2.0, 1: 2.1} for run in EXPERIMENT["runs"]}  # never reached: not evaluated
+    out = fake_experiment(tmp_path / "runs", losses)
+    cases = {}
+    for name, (source, target) in {"relabelled": (("vanilla", 0), ("value", 0)),
+                                   "one seed twice": (("value", 0), ("value", 1))}.items():
+        forged = cases[name] = tmp_path / name.replace(" ", "_")
+        shutil.copytree(out, forged)
+        ckpt = torch.load(run_dir(forged, *source) / "ckpt.pt", weights_only=True)
+        ckpt["config"] = torch.load(run_dir(forged, *target) / "ckpt.pt",
+                                    weights_only=True)["config"]
+        torch.save(ckpt, run_dir(forged, *target) / "ckpt.pt")
+        shutil.copy(run_dir(forged, *source) / "log.jsonl", run_dir(forged, *target) / "log.jsonl")
+    relabelled = experiment.grade(cases["relabelled"], ROOT)
+    twice = experiment.grade(cases["one seed twice"], ROOT)
+    assert all(relabelled.values()) and all(twice.values())
+    assert "holds another model than its run's: depth_mode 'vanilla' (the run's: 'value')" \
+        in relabelled["each_checkpoint_gives_its_logged_loss"], relabelled
+    assert "holds the same weights as value seed 0" in twice["each_checkpoint_gives_its_logged_loss"]
 
 
 def test_problem_5s_checks_of_the_records(tmp_path):
@@ -389,7 +425,8 @@ def test_grade_help_says_what_it_protects_against(capsys):
     with pytest.raises(SystemExit) as done:  # argparse's --help prints and exits 0
         run_main(grade_py.interruptible, ["--help"])
     out = capsys.readouterr().out
-    assert done.value.code == 0 and "What it does not" in out and "--network=none" in out
+    assert done.value.code == 0 and "bubblewrap" in out and "--no-sandbox" in out
+    assert "apt-get install bubblewrap" in out and "not enforced" in out
     assert full(1) == {1: 10}
 
 
@@ -648,3 +685,40 @@ def test_a_patched_harness_does_not_decode(attacked):
     assert failing(result)[3] == {"each_layer_stores_its_mixed_record_and_decoding_reads_it"}
     assert failing(result)[4] == {"a_prefill_then_chunks_and_single_tokens_equal_the_whole_sequence"}
     assert result["together"] is False
+
+
+def test_grading_without_the_sandbox_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    """No bwrap on the PATH, or a bwrap that cannot make its namespaces: one line naming the fix,
+    before any grading."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    code, err = refused(capsys, grade_py, "--problem=1")
+    assert code == 2 and "the bwrap command is missing" in err and "apt-get install bubblewrap" \
+        in err and "--no-sandbox" in err and "\n" not in err, err
+    (tmp_path / "bwrap").write_text("#!/bin/sh\necho 'bwrap: No permissions to create new "
+                                    "namespace' >&2\nexit 1\n")
+    (tmp_path / "bwrap").chmod(0o755)
+    code, err = refused(capsys, grade_py, "--problem=1")
+    assert code == 2 and "No permissions to create new namespace" in err and "user namespaces" \
+        in err and "\n" not in err, err
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
+                    reason="becomes the unprivileged user `nobody` with setpriv, as root")
+def test_the_sandbox_starts_for_an_unprivileged_user(monkeypatch):
+    """The same namespaces for `nobody` (root's own Python left out: nobody cannot read it): it
+    sees the copied model.py at /work and only its own processes."""
+    from course import sandbox
+    monkeypatch.setattr(sandbox, "python_roots", lambda: [])
+    folder = Path(tempfile.mkdtemp(prefix="sandbox"))
+    try:
+        folder.chmod(0o755)
+        (folder / "model.py").write_text("x = 1\n")
+        proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                               *sandbox.command(folder / "model.py", [
+                                   "/bin/sh", "-c", "id -u; cat model.py; ls /proc"])],
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        shutil.rmtree(folder)
+    out = proc.stdout.split()
+    assert proc.returncode == 0 and out[:4] == ["65534", "x", "=", "1"], proc.stderr
+    assert len([p for p in out[4:] if p.isdigit()]) <= 3, out  # bwrap's init, sh, ls
