@@ -1,7 +1,8 @@
 """
-The graded child process, seen from the trusted parent (course/grade.py): start it on a folder
-holding only the student's model.py, hand it each scenario of a test, answer the calls its stubs
-make (problem 3's calls to the functions of problems 1, 2 and 4), and judge each result
+The graded child process, seen from the trusted parent (course/grade.py): start it in the sandbox
+(course/sandbox.py) on a copy of the student's model.py, hand it each scenario of a test, answer the
+calls its stubs make while the op that installed them runs (problem 3's calls to the functions of
+problems 1, 2 and 4, within the op's sizes), and judge each result
 (course/checks.py). A test that runs past its limit, or during which the child dies, fails; the
 child starts again for the next test, so a crash or an endless loop costs that test alone.
 """
