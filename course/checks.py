@@ -17,6 +17,7 @@ import torch
 from course import fixtures
 
 BF16_UNIT = 2.0 ** -8  # bf16's unit roundoff: 8 bits of significand
+DECODED = ("cached decoding", "the keys the cache holds", "the values the cache holds")
 
 
 def close(got, want, what, tol=1e-10):
@@ -115,9 +116,6 @@ def chunks(got, want, what):
             if g["pos"] != w["pos"]:
                 return f"{where}: update moved cache.pos to {g['pos']}: the position moves once " \
                        f"per forward, after every layer wrote (advance)"
-            if not g["views"]:
-                return f"{where}: update should return views of the cache's own tensors " \
-                       f"(written in place), not copies"
             reason = first(close(g["K"], w["K"], f"{where}: the keys update returns"),
                            close(g["V"], w["V"], f"{where}: the values update returns"),
                            close(g["y"], w["y"], f"{where}: attention over the cache"))
@@ -133,8 +131,18 @@ def chunks(got, want, what):
     return None
 
 
-def judge(test, got, want, args, what):
+def gradients(got, want, what):
+    """Training's backward through the functions: each input's (or parameter's) gradient."""
+    if not isinstance(got, list) or len(got) != len(want):
+        return f"{what}: the backward pass did not give a gradient for every input"
+    return first(*(close(g, w, f"{what}: the gradient of input {i}") for i, (g, w)
+                   in enumerate(zip(got, want))))
+
+
+def judge(test, got, want, args, what, op=None):
     """One scenario of a test: None, or why it fails."""
+    if op in ("backward", "gradients"):
+        return gradients(got, want, what)
     if test in ("the_default_stride_is_the_modes_or_half_the_effective_depth",
                 "an_explicit_stride_is_kept"):
         return None if got == want else f"{what}: stride {got}, expected {want}"
@@ -157,7 +165,9 @@ def judge(test, got, want, args, what):
     if test == "one_new_token_in_one_attention_call":
         return parts(got, want, what, ("the key", "the value"))
     if test == "together":
-        return parts(got, want, what, ("the full forward", "cached decoding"))
+        return parts(got, want, what, ("the full forward", *DECODED))
+    if test == "each_layer_stores_its_mixed_record_and_decoding_reads_it":
+        return parts(got, want, what, DECODED)
     if test == "a_prefill_then_chunks_and_single_tokens_equal_the_whole_sequence":
         return chunks(got, want, what)
     tol = 1e-12 if test == "qbar_is_the_mean_of_each_group_of_query_heads" else 1e-10

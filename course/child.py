@@ -1,7 +1,8 @@
 """
-The graded child process, seen from the trusted parent (course/grade.py): start it on a folder
-holding only the student's model.py, hand it each scenario of a test, answer the calls its stubs
-make (problem 3's calls to the functions of problems 1, 2 and 4), and judge each result
+The graded child process, seen from the trusted parent (course/grade.py): start it in the sandbox
+(course/sandbox.py) on a copy of the student's model.py, hand it each scenario of a test, answer the
+calls its stubs make while the op that installed them runs (problem 3's calls to the functions of
+problems 1, 2 and 4, within the op's sizes), and judge each result
 (course/checks.py). A test that runs past its limit, or during which the child dies, fails; the
 child starts again for the next test, so a crash or an endless loop costs that test alone.
 """
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from course import checks, fixtures, ops
+from course import checks, fixtures, ops, sandbox
 
 OPS_SOURCE = Path(ops.__file__).read_text()
 IMPORT_TIMEOUT_S = 60  # starting Python and torch, then importing model.py
@@ -29,16 +30,41 @@ class Gone(Exception):
 
 
 def limits():
-    """In the child before it runs anything: no file can be written (a report, a grader file), its
-    own session (a signal to its group stays there)."""
+    """Before bwrap (or, unsandboxed, the child) runs: no file can be written outside a tmpfs
+    either (a report, a grader file), memory bounded, its own session (a signal to its group
+    stays there)."""
     resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write then fails with EFBIG instead
-    os.setsid()
+    sandbox.limits()
+
+
+def scale(x, sizes=None):
+    """(the largest integer, the most elements) among an op's inputs: numbers, tensors' sizes."""
+    sizes = sizes if sizes is not None else [1, 1]
+    if isinstance(x, torch.Tensor):
+        sizes[0], sizes[1] = max(sizes[0], *x.shape, 1), max(sizes[1], x.numel())
+    elif isinstance(x, (list, tuple, dict)):
+        for i in (x.values() if isinstance(x, dict) else x):
+            scale(i, sizes)
+    elif isinstance(x, int) and not isinstance(x, bool):
+        sizes[0] = max(sizes[0], abs(x))
+    return sizes
+
+
+def within(arguments, sizes) -> bool:
+    """A stub's call no larger than the op it runs in: no number, size or tensor beyond the op's
+    own (a KV cache: its layers times one input), so the reference's work for it stays that of
+    the test."""
+    if not isinstance(arguments, dict):
+        return False
+    biggest, elements = scale(arguments)
+    return biggest <= sizes[0] and elements <= sizes[0] * sizes[1]
 
 
 class Child:
-    def __init__(self, tree, ref, model, timeout):
+    def __init__(self, tree, ref, model, timeout, sandboxed=True):
         self.tree, self.ref, self.model, self.timeout = tree, ref, model, timeout
+        self.sandboxed = sandboxed
         self.proc, self.import_error = None, None
 
     # ---------------------------------------------------------------- the process and its pipes
@@ -52,7 +78,10 @@ class Child:
         # is named instead, before torch asks
         code = ("import os, tempfile\ntempfile.tempdir = os.getcwd()\n" + OPS_SOURCE
                 + f"\nserve({down_r}, {up_w})\n")
-        self.proc = subprocess.Popen([sys.executable, "-I", "-B", "-c", code], cwd=self.tree,
+        argv = [sys.executable, "-I", "-B", "-c", code]
+        if self.sandboxed:
+            argv = sandbox.command(self.tree / "model.py", argv)
+        self.proc = subprocess.Popen(argv, cwd=self.tree,
                                      env={**env, "HOME": str(self.tree)}, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      pass_fds=(down_r, up_w), preexec_fn=limits)
@@ -73,8 +102,8 @@ class Child:
         if self.proc is not None:
             for fd in (self.down, self.up):
                 os.close(fd)
-            if self.proc.poll() is None:
-                os.killpg(self.proc.pid, signal.SIGKILL)  # its session: anything it started
+            if self.proc.poll() is None:  # its session; sandboxed, its PID namespace dies
+                os.killpg(self.proc.pid, signal.SIGKILL)  # with bwrap: anything it started
             self.proc.wait()
             self.proc = None
 
@@ -110,9 +139,9 @@ class Child:
         return "the child exited early (exit 0)" if code == 0 else \
             f"the interpreter died (exit {code})"
 
-    def receive(self, deadline):
+    def receive(self, deadline, limit=1 << 28):
         (n,) = struct.unpack("<Q", self.read(8, deadline))
-        if n > 1 << 28:
+        if n > limit:
             raise Gone(f"the child sent a message of {n} bytes")
         try:
             message = torch.load(io.BytesIO(self.read(n, deadline)), weights_only=True)
@@ -128,10 +157,16 @@ class Child:
     def ask(self, op, args, stubs, deadline):
         """One op in the child: its result, after answering every call its stubs make."""
         self.send({"op": op, "args": args, "stubs": stubs}, deadline)
+        sizes = scale(args)
         while True:
             message = self.receive(deadline)
             if "call" in message:
-                self.send(self.answer(message["call"], message.get("arguments")), deadline)
+                cotangent = message.get("cotangent")
+                fair = message["call"] in stubs and within(message.get("arguments"), sizes) \
+                    and (cotangent is None or within({"c": cotangent}, sizes))
+                reply = self.answer(message["call"], message["arguments"], cotangent) if fair \
+                    else {"own": True}
+                self.send(reply, deadline)
             elif "error" in message:
                 return False, str(message["error"])
             elif "result" in message:
@@ -139,16 +174,16 @@ class Child:
             else:
                 raise Gone("the child sent something that is not a result")
 
-    def answer(self, function, arguments):
+    def answer(self, function, arguments, cotangent=None):
         """A stub's call: the reference's answer from the call's own inputs (the instructor's),
         or the record's for the same inputs, else the student's own function (a student copy)."""
-        if function not in fixtures.stubbed(3) or not isinstance(arguments, dict):
-            return {"own": True}
         if self.model is not None:
             try:
-                return ops.answer(self.model, function, arguments)
+                return ops.answer(self.model, function, arguments, cotangent=cotangent)
             except Exception:  # a call the reference refuses: the student's own function says
                 return {"own": True}
+        if cotangent is not None:  # a gradient the record does not hold
+            return {"own": True}
         for recorded, reply in self.ref["calls"].get(function, []):
             if fixtures.distance(arguments, recorded) == 0:
                 return reply
@@ -167,7 +202,7 @@ class Child:
                 if not ok:
                     return f"{what}: {got}"
                 try:
-                    reason = checks.judge(test, got, want, args, what)
+                    reason = checks.judge(test, got, want, args, what, op)
                 except Exception:  # a result of another kind than the reference's
                     reason = f"{what}: the result is not what the function should return"
                 if reason:

@@ -123,22 +123,10 @@ def reevaluated(out, results, grader):
     """Each run's final checkpoint, scored on the validation windows train.py evaluates (evenly
     spaced over val.bin), gives the loss its log ends with."""
     import model
-    from support.sweep import differences, final_val_loss, run_dir
-    val = None
-    for run, seed in jobs():
+    from support.sweep import final_val_loss, run_dir
+    val, checkpoints = None, {job: checkpoint(out, grader, *job) for job in jobs()}  # before any
+    for (run, seed), (ckpt, cfg) in checkpoints.items():  # evaluation: a forgery fails at once
         where = run_dir(out, run, seed)
-        cfg = asked(grader, run, seed)
-        try:
-            ckpt = torch.load(where / "ckpt.pt", map_location="cpu", weights_only=True)
-        except FileNotFoundError:
-            raise Fail(f"no {where / 'ckpt.pt'}: the run's final checkpoint is graded; "
-                       f"{HINT}") from None
-        except Exception as e:
-            raise Fail(f"{where / 'ckpt.pt'} cannot be read ({type(e).__name__}): {HINT}") from None
-        need(isinstance(ckpt, dict) and {"model", "model_config", "config", "step"} <= ckpt.keys(),
-             f"{where / 'ckpt.pt'} is not a train.py checkpoint: {HINT}")
-        need(ckpt["step"] == cfg["max_iters"] and not differences(ckpt["config"], [], cfg),
-             f"{where / 'ckpt.pt'} is not the checkpoint of the finished run: {HINT}")
         val = validation(cfg) if val is None else val
         try:
             gpt = model.GPT(model.ModelConfig(**ckpt["model_config"]))
@@ -150,6 +138,39 @@ def reevaluated(out, results, grader):
         need(math.isfinite(loss) and abs(loss - said) < EVAL_TOLERANCE,
              f"{where}: its checkpoint scores {loss:.4f} on the validation windows, its log says "
              f"{said:.4f}: the log is not the checkpoint's; {HINT}")
+
+
+def checkpoint(out, grader, run, seed):
+    """A run's final checkpoint and config, once it holds the run's model (mode, depth, stride,
+    sizes) and weights no other seed of the run has: a checkpoint relabelled, or one training
+    copied to both seeds, fails."""
+    import dataclasses
+    import model
+    from support.sweep import differences, run_dir
+    where, cfg = run_dir(out, run, seed), asked(grader, run, seed)
+    try:
+        ckpt = torch.load(where / "ckpt.pt", map_location="cpu", weights_only=True)
+    except FileNotFoundError:
+        raise Fail(f"no {where / 'ckpt.pt'}: the run's final checkpoint is graded; "
+                   f"{HINT}") from None
+    except Exception as e:
+        raise Fail(f"{where / 'ckpt.pt'} cannot be read ({type(e).__name__}): {HINT}") from None
+    need(isinstance(ckpt, dict) and {"model", "model_config", "config", "step"} <= ckpt.keys(),
+         f"{where / 'ckpt.pt'} is not a train.py checkpoint: {HINT}")
+    need(ckpt["step"] == cfg["max_iters"] and not differences(ckpt["config"], [], cfg),
+         f"{where / 'ckpt.pt'} is not the checkpoint of the finished run: {HINT}")
+    keys = [f.name for f in dataclasses.fields(model.ModelConfig)]
+    wrong = [f"{k} {ckpt['model_config'].get(k)!r} (the run's: {cfg[k]!r})" for k in keys
+             if cfg.get(k) is not None and ckpt["model_config"].get(k) != cfg[k]]
+    need(not wrong, f"{where / 'ckpt.pt'} holds another model than its run's: "
+                    f"{', '.join(wrong[:3])}; {HINT}")
+    for other in range(seed):  # two seeds are two trainings
+        state = torch.load(run_dir(out, run, other) / "ckpt.pt", map_location="cpu",
+                           weights_only=True)["model"]
+        need(any(k not in state or not torch.equal(state[k], v) for k, v in ckpt["model"].items()),
+             f"{where / 'ckpt.pt'} holds the same weights as {run} seed {other}: each seed is a "
+             f"run of its own; {HINT}")
+    return ckpt, cfg
 
 
 def correct(out, results, grader):

@@ -15,7 +15,7 @@ import torch
 from course import ops
 from course.problems import PROBLEMS
 
-FORMAT = 2  # bumped when the scenarios change: grade.py refuses fixtures of another format
+FORMAT = 3  # bumped when the scenarios change: grade.py refuses fixtures of another format
 # The tiny decoder of problem 3's scenarios; init_std is large so a wrong rule cannot hide behind
 # nearly uniform depth weights.
 TINY = dict(vocab_size=16, block_size=8, n_layer=4, n_head=2, n_kv_head=1, head_dim=4, n_embd=8,
@@ -74,7 +74,8 @@ def scenarios(model, seed=0, hidden=False) -> dict:
     q = randn(2, 4, 5, 3)
     heads = [(q, n_kv) for n_kv in (1, 2, 4)] + [(randn(3, 6, 2, 4), 2)] * hidden
     s["qbar_is_the_mean_of_each_group_of_query_heads"] = [
-        ("group_mean", (q, n_kv), f"n_head={q.shape[1]}, n_kv_head={n_kv}") for q, n_kv in heads]
+        ("group_mean", (q, n_kv), f"n_head={q.shape[1]}, n_kv_head={n_kv}") for q, n_kv in heads] + [
+        ("backward", ("group_mean", (q, 2)), "backward (training), n_kv_head=2")]
     wide, bf16 = [], []
     cases = [(1, 5, 2.0), (3, 5, 2.0)] + [(4, 4, 2.0), (3, 5, 40.0)] * hidden  # T = C; overflow
     for C, T, scale in cases:
@@ -85,7 +86,8 @@ def scenarios(model, seed=0, hidden=False) -> dict:
         qbar, keys = (randn(2, 2, T, 3, scale=scale, dtype=torch.bfloat16),
                       [randn(2, 2, T, 3, scale=scale, dtype=torch.bfloat16) for _ in range(C)])
         bf16.append(("softmax_weights", (qbar, keys), f"bf16, {C} candidates, scale {scale}"))
-    s["the_weights_are_a_softmax_over_the_candidates"] = wide
+    s["the_weights_are_a_softmax_over_the_candidates"] = wide + [
+        ("backward", ("softmax_weights", wide[1][1]), "backward (training), 3 candidates")]
     s["the_softmax_runs_in_float32_for_bf16_activations"] = bf16
 
     sums = []
@@ -105,7 +107,9 @@ def scenarios(model, seed=0, hidden=False) -> dict:
             mixes.append(("depth_mix", (mode, args), what))
             if T == 1 and model.DEPTH_MODES[mode].decode_kernel:
                 ones.append(("depth_mix_one", (mode, args), what))
-    s["depth_mix_mixes_what_each_mode_says"] = mixes
+    s["depth_mix_mixes_what_each_mode_says"] = mixes + [
+        ("backward", ("depth_mix", m[1]), f"backward (training), {m[2]}") for m in mixes
+        if m[2].startswith(("depth_mode=value, 3", "depth_mode=key, 3"))]
     s["one_new_token_in_one_attention_call"] = ones
 
     idx = torch.randint(0, TINY["vocab_size"], (1, 6), generator=g)
@@ -116,16 +120,24 @@ def scenarios(model, seed=0, hidden=False) -> dict:
     runs = [(name, idx) for name in models] + [("value", wide_idx), ("kv", wide_idx)] * hidden
     s["the_model_gives_the_reference_logits"] = [
         ("logits", (configs[name], states[name], x), f"{name}, batch {x.shape[0]}")
-        for name, x in runs]
+        for name, x in runs] + [("gradients", (configs[name], states[name], idx),
+                                 f"backward (training), {name}") for name in ("value", "kv")]
     s["a_bf16_model_runs_in_bf16"] = [
         ("logits", (configs[name], states[name], idx, torch.bfloat16), f"{name}, bf16")
         for name in ("value", "kv", "uniform")]
+    def held(name, x):
+        """A cache the decoding starts from, of random records: no tokens give them."""
+        c = model.ModelConfig(**configs[name])
+        pos = c.block_size - x.shape[1]
+        shape = (c.n_eff_layer, x.shape[0], c.n_kv_head, pos, c.head_dim)
+        return {"k": randn(*shape), "v": randn(*shape), "pos": pos}
     decodes = [(name, idx) for name in CACHED] + \
         [("own stride", idx), ("looped, stride 3", idx), ("value", wide_idx)] * hidden
     s["each_layer_stores_its_mixed_record_and_decoding_reads_it"] = [
-        ("decode", (configs[name], states[name], x), f"{name}, batch {x.shape[0]}")
+        ("decode", (configs[name], states[name], x, held(name, x)), f"{name}, batch {x.shape[0]}")
         for name, x in decodes]
-    s["together"] = [("together", (configs[name], states[name], idx), name) for name in MODELS]
+    s["together"] = [("together", (configs[name], states[name], idx, held(name, idx)), name)
+                     for name in MODELS]
 
     attention = []
     for B, n_head, n_kv, T, S in [(1, 4, 2, 8, 8), (1, 4, 2, 3, 8)] + \
@@ -133,7 +145,8 @@ def scenarios(model, seed=0, hidden=False) -> dict:
         attention.append(("causal_attention", (randn(B, n_head, T, 4), randn(B, n_kv, S, 4),
                                                randn(B, n_kv, S, 4)),
                           f"B={B}, {n_head} heads over {n_kv}, T={T} of S={S}"))
-    s["causal_attention_over_a_whole_sequence"] = attention
+    s["causal_attention_over_a_whole_sequence"] = attention + [
+        ("backward", ("causal_attention", attention[1][1]), "backward (training), " + attention[1][2])]
     chunked = []
     for B, chunks in [(1, [4, 1, 2, 1])] + [(3, [1, 3, 1, 2, 2]), (2, [9])] * hidden:
         T = sum(chunks)

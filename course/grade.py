@@ -6,21 +6,24 @@ course/README.md).
     python course/grade.py ../student --json=grade.json   # an instructor grades a student's copy
     python course/grade.py --problem=3           # one problem, with every failing test's reason
 
-What it protects against: the graded code runs in a child process, in a fresh temporary folder that
-holds a copy of the student's model.py and nothing else, with no grader path in its environment or
-arguments (its parent's command line in /proc still names one), unable to write to any file
-(RLIMIT_FSIZE 0), in a new session. The child receives each test's inputs and returns its outputs by
-value (torch.load with weights_only: data, never code); this process alone holds the expected
-outputs, judges them and writes the report, so a model.py that writes a report, patches the grader,
-shadows pytest or exits early scores nothing by it. The grader's own files are hashed before and
-after: a grading during which they changed is void (exit 2). Problem 5's runs are read as data and
+What it protects against: the graded code runs in an OS sandbox made by bubblewrap
+(course/sandbox.py): new user, mount, PID, network and IPC namespaces; a fresh tmpfs holding a copy
+of the student's model.py and nothing else; a read-only view of the Python environment; no grader
+tree, reference model.py, report or other student's copy in its file system; no view of the
+grader's processes, command line, terminal or open files; no network; nothing writable outside
+its tmpfs; every process it starts killed when its test ends; limits on time and memory per test.
+It receives each test's inputs and returns outputs by value over two pipes (torch.load with
+weights_only: data, never code); this process alone holds the expected outputs, answers a stub's
+call only while the op that installed it runs and only within the test's sizes, judges the
+returned values and writes the report after the sandbox is gone. What the harness in the sandbox
+could claim about itself (a view, a code path) is re-verified from values or not scored: a cache
+update returning views rather than copies is not enforced. Problem 5's runs are read as data and
 their checkpoints re-evaluated here.
 
-What it does not: the child runs as the same user, so it can read any file that user can name
-(the instructor's answers, this grader, other students' copies), use the network, delete files, or
-kill processes. Grade a class in a container with no network and the grader's tree read-only:
-    docker run --rm --network=none -v "$PWD":/grader:ro -v /path/to/student:/student:ro \\
-        IMAGE python /grader/course/grade.py /student --json=/dev/stdout
+What it needs: the bwrap command (apt-get install bubblewrap) and user namespaces (as root they
+always work; as another user, kernel.unprivileged_userns_clone=1 where the kernel has it). Where
+the sandbox cannot start, grading is refused in one line naming the fix; --no-sandbox grades
+unsandboxed for practice, and the report says so ("sandbox": false): never for credit.
 The instructor's grader (a tree that is not a student copy) draws a fresh seed each time and adds
 hidden scenarios to the practice ones, computing the expected outputs from its own model.py.
 """
@@ -93,11 +96,14 @@ def digest() -> dict:
             for f in files}
 
 
-def grade(root: Path, only=None, experiment=None, seed=None) -> dict:
+def grade(root: Path, only=None, experiment=None, seed=None, sandboxed=True) -> dict:
     import torch  # here, not at the top: a refused argument answers before torch loads
     from course import experiment as runs
+    from course import sandbox
     from course.child import Child
     torch.set_num_threads(1)  # tiny tensors: one thread is 20x faster than a pool
+    if sandboxed and (why := sandbox.problem(root / "model.py")):
+        raise UserError(why)  # before the reference's work: nothing graded
     seed = random.SystemRandom().randrange(2 ** 31) if seed is None else seed
     before = digest()
     ref, answering = (load_fixtures(), None) if practice() else reference(seed)
@@ -107,7 +113,7 @@ def grade(root: Path, only=None, experiment=None, seed=None) -> dict:
         tree = Path(tmp) / "copy"
         tree.mkdir()
         shutil.copy(root / "model.py", tree / "model.py")  # all of the student's code it runs
-        child = Child(tree, ref, answering, TEST_TIMEOUT_S)
+        child = Child(tree, ref, answering, TEST_TIMEOUT_S, sandboxed)
         try:
             for p in problems:
                 if not p.graded:
@@ -133,7 +139,8 @@ def grade(root: Path, only=None, experiment=None, seed=None) -> dict:
                 e.update(earned=0, tests=[{**t, "earned": 0} for t in e["tests"]])
     graded = [e for e in entries if e["graded"]]
     return {"written_by": mark("grade.py"), "root": str(root), "seed": seed,
-            "hidden_tests": not practice(), "problems": entries, "together": together,
+            "hidden_tests": not practice(), "sandbox": sandboxed, "problems": entries,
+            "together": together,
             "tampered": tampered, "score": sum(e["earned"] for e in graded),
             "out_of": sum(e["points"] for e in graded)}
 
@@ -172,7 +179,8 @@ def show(result, verbose):
         verdict = ("cached decoding equals the full forward in every mode" if result["together"]
                    else "not yet one working model (checked once problems 1-4 pass; no points)")
         print("together: " + verdict)
-    print(f"score: {result['score']} / {result['out_of']}")
+    unsandboxed = "" if result["sandbox"] else "  (unsandboxed with --no-sandbox: practice only)"
+    print(f"score: {result['score']} / {result['out_of']}{unsandboxed}")
 
 
 def parse_args(argv):
@@ -188,6 +196,8 @@ def parse_args(argv):
     p.add_argument("--experiment", help=f"problem 5's runs, if not in DIR/{EXPERIMENT['out']}")
     p.add_argument("--seed", type=int, help="the hidden scenarios' seed (default: a fresh one; "
                                             "the JSON records it, to grade again alike)")
+    p.add_flag("--no-sandbox", help="practice only, never for credit: run the graded code without "
+                                    "the OS sandbox (the report records it)")
     args = p.parse_args(argv)
     if args.seed is not None and not 0 <= args.seed < 2 ** 63:
         raise UserError(f"--seed={args.seed} is out of range; give 0 <= seed < 2**63")
@@ -204,7 +214,7 @@ def main(argv):
         raise UserError(f"--experiment={args.experiment} is not a folder; give the --out of the "
                         f"handout's command")
     result = grade(root, args.problem, args.experiment and Path(args.experiment).resolve(),
-                   args.seed)
+                   args.seed, sandboxed=not args.no_sandbox)
     show(result, verbose=args.problem is not None)
     if json_path:
         write_atomically(json_path, json.dumps(result, indent=2) + "\n")

@@ -2,17 +2,20 @@
 What a graded test asks of a model.py, and the process that asks it of a student's.
 
 Each op takes a model module and plain inputs (tensors, lists, dicts of numbers) and returns plain
-outputs. course/grade.py runs the ops twice: in a child process on the student's model.py (`serve`
-below), and in the trusted parent on the reference model.py for the expected outputs (or reads
+outputs. course/grade.py runs the ops twice: in a sandboxed child process (course/sandbox.py) on the
+student's model.py (`serve` below), and in the trusted parent on the reference model.py for the expected outputs (or reads
 them from the practice fixtures in a student copy). The child imports only torch and the student's
 model.py; it never sees the expected outputs, the report or a grader file. It talks to the parent
 over two pipes, in torch.save's format; the parent reads the child's answers with
 torch.load(weights_only=True), so a child can send data, never code.
 
 While problem 3 is graded, the child's functions of problems 1, 2 and 4 are stubs that ask the
-parent: it answers any call with the reference computed from the call's own inputs (a student copy
-answers from its record, else with the student's own function). A stub sends a KV cache or a config
-by value and applies the state the parent sends back, so the caller sees views of its own cache.
+parent: it answers a call of a function the running op stubs, no larger than the op's inputs, with
+the reference computed from the call's own inputs (a student copy answers from its record, else
+with the student's own function), and in a backward pass the reference's gradient. A stub sends a
+KV cache or a config by value and applies the state the parent sends back, so the caller sees views
+of its own cache. Anything this code computes in the child is the child's to change: the parent
+trusts only the values it returns, judged against its own.
 This file imports only torch: the child runs it from its source, without the grader's tree.
 """
 import dataclasses
@@ -85,18 +88,23 @@ def logits(model, config, state, idx, dtype=torch.float64):
     return build(model, config, state, dtype)(idx)[0]
 
 
-def decode(model, config, state, idx, prefill=3, dtype=torch.float64):
-    """Logits of a cached decoding: a prefill, then one token at a time, concatenated."""
+def decode(model, config, state, idx, held, prefill=3, dtype=torch.float64):
+    """A cached decoding after `held` (a cache's k, v and pos, written by the parent: tokens no one
+    sent, so the logits depend on reading them), a prefill, then one token at a time: the logits,
+    concatenated, and the cache's keys and values at the end (each layer's record)."""
     gpt = build(model, config, state, dtype)
-    cache = gpt.new_cache(idx.shape[0], idx.shape[1])
+    pos = held["pos"]
+    cache = gpt.new_cache(idx.shape[0], pos + idx.shape[1])
+    cache.k[:, :, :, :pos], cache.v[:, :, :, :pos] = held["k"], held["v"]
+    cache.pos = pos
     parts = [gpt(idx[:, :prefill], cache=cache)[0]]
     parts += [gpt(idx[:, t:t + 1], cache=cache)[0] for t in range(prefill, idx.shape[1])]
-    return torch.cat(parts, 1)
+    return [torch.cat(parts, 1), cache.k, cache.v]
 
 
-def together(model, config, state, idx):
+def together(model, config, state, idx, held):
     """The full forward and a cached decoding of one model, nothing replaced."""
-    return [logits(model, config, state, idx), decode(model, config, state, idx)]
+    return [logits(model, config, state, idx), *decode(model, config, state, idx, held)]
 
 
 def causal_attention(model, q, k, v):
@@ -105,7 +113,8 @@ def causal_attention(model, q, k, v):
 
 def cache_chunks(model, layers, chunks):
     """A stack of layers writing each chunk into a KVCache and attending over it, as a forward
-    does; what it observes, step by step (the parent compares each with the reference's)."""
+    does; what it observes, step by step (the parent compares each with the reference's). Whether
+    update returns views of the cache or copies is not graded: only values leave the child."""
     B, n_kv, T, D = layers[0][1].shape
     config = model.ModelConfig(n_layer=len(layers), n_head=layers[0][0].shape[1], n_kv_head=n_kv,
                                head_dim=D, block_size=T)
@@ -115,9 +124,7 @@ def cache_chunks(model, layers, chunks):
         end = start + n
         for e, (q, k, v) in enumerate(layers):
             K, V = cache.update(e, k[:, :, start:end].clone(), v[:, :, start:end].clone())
-            views = (K.data_ptr() == cache.k[e].data_ptr() and V.data_ptr() == cache.v[e].data_ptr()
-                     and K.untyped_storage().data_ptr() == cache.k.untyped_storage().data_ptr())
-            seen.append({"chunk": [start, end], "layer": e, "pos": cache.pos, "views": views,
+            seen.append({"chunk": [start, end], "layer": e, "pos": cache.pos,
                          "K": K.clone(), "V": V.clone(),
                          "y": model.causal_attention(q[:, :, start:end].clone(), K, V)})
         cache.advance(n)
@@ -127,9 +134,52 @@ def cache_chunks(model, layers, chunks):
     return seen
 
 
+def cotangent(out):
+    """A fixed, uneven weighting of an output's elements: what a loss sends back through it."""
+    return torch.arange(1, out.numel() + 1, dtype=torch.float64).sin().reshape(out.shape).to(
+        out.dtype)
+
+
+def tensors(x) -> list:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    items = x.values() if isinstance(x, dict) else x if isinstance(x, (list, tuple)) else []
+    return [t for i in items for t in tensors(i)]
+
+
+def through(outputs, inputs) -> list:
+    """d <outputs, cotangent> / d input for each input (zeros where it does not reach)."""
+    outs = [o for o in tensors(outputs) if o.requires_grad]
+    grads = torch.autograd.grad(sum((o * cotangent(o)).sum() for o in outs), inputs,
+                                allow_unused=True) if outs else [None] * len(inputs)
+    return [torch.zeros_like(i) if g is None else g for i, g in zip(inputs, grads)]
+
+
+def backward(model, op, args):
+    """Training's backward through an op's functions: the gradient of <its outputs, cotangent>
+    with respect to each of its floating inputs, in order."""
+    leaves = []
+
+    def leaf(x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            leaves.append(x.detach().clone().requires_grad_())
+            return leaves[-1]
+        return [leaf(i) for i in x] if isinstance(x, (list, tuple)) else x
+    with torch.enable_grad():
+        return through(OPS[op](model, *leaf(list(args))), leaves)
+
+
+def gradients(model, config, state, idx):
+    """A model's parameter gradients of <logits, cotangent>, by name."""
+    gpt = build(model, config, state, torch.float64)
+    with torch.enable_grad():
+        grads = through(gpt(idx)[0], list(gpt.parameters()))
+    return [g for g in grads]
+
+
 OPS = {f.__name__: f for f in (stride, sources, group_mean, softmax_weights, weighted_sum,
                                depth_mix, depth_mix_one, logits, decode, together,
-                               causal_attention, cache_chunks)}
+                               causal_attention, cache_chunks, backward, gradients)}
 
 
 # --------------------------------------------------------------- a call, by value, both ways
@@ -173,9 +223,20 @@ def bound(fn, args, kwargs) -> dict:
     return {k: freeze(v) for k, v in call.arguments.items()}
 
 
-def answer(model, function, arguments, fn=None) -> dict:
+def answer(model, function, arguments, fn=None, cotangent=None) -> dict:
     """The reference's answer to a call sent by value: its result (a tensor that is a view of the
-    cache's own says where it lies) and the state a KV cache is left in."""
+    cache's own says where it lies) and the state a KV cache is left in; given the cotangent of
+    its result, the gradient of <result, cotangent> for each tensor argument instead (a stub's
+    backward)."""
+    if cotangent is not None:
+        inputs = [t.detach().clone().requires_grad_() if t.is_floating_point() else t
+                  for t in tensors(arguments)]
+        it = iter(inputs)
+        with torch.enable_grad():
+            out = (fn or original(model, function))(**rebuilt(arguments, it))
+            floating = [i for i in inputs if i.requires_grad]
+            grads = torch.autograd.grad((out * cotangent).sum(), floating, allow_unused=True)
+        return {"grads": [torch.zeros_like(i) if g is None else g for i, g in zip(floating, grads)]}
     fn, objects = fn or original(model, function), {}
     args = {}
     for name, value in arguments.items():
@@ -190,6 +251,17 @@ def answer(model, function, arguments, fn=None) -> dict:
     cache = next(iter(objects.values()), None)
     return {"result": where(result, cache),
             "state": None if cache is None else {"k": cache.k, "v": cache.v, "pos": cache.pos}}
+
+
+def rebuilt(x, it):
+    """The arguments with each tensor replaced, in order, by the next of `it`."""
+    if isinstance(x, torch.Tensor):
+        return next(it)
+    if isinstance(x, list):
+        return [rebuilt(i, it) for i in x]
+    if isinstance(x, dict):
+        return {k: rebuilt(v, it) for k, v in x.items()}
+    return x
 
 
 def where(result, cache):
@@ -282,10 +354,40 @@ def serve(read_fd, write_fd):
 
     def stub(function, fn):
         def asking(*args, **kwargs):
-            send(outbox, {"call": function, "arguments": bound(fn, args, kwargs)})
+            arguments = bound(fn, args, kwargs)
+            send(outbox, {"call": function, "arguments": arguments})
             reply = receive(inbox)
-            return fn(*args, **kwargs) if reply.get("own") else applied(reply, args)
+            if reply.get("own"):
+                return fn(*args, **kwargs)
+            result = applied(reply, args)
+            inputs = [t for t in tensors(inspect.signature(fn).bind(*args, **kwargs).arguments)
+                      if t.is_floating_point()]
+            if isinstance(result, torch.Tensor) and any(t.requires_grad for t in inputs):
+                return Answered.apply(result, (function, fn, arguments), *inputs)
+            return result
         return asking
+
+    class Answered(torch.autograd.Function):
+        """A stub's answer in a backward pass: the parent's gradient of the reference."""
+        @staticmethod
+        def forward(ctx, result, call, *inputs):
+            ctx.call = call
+            return result.clone()
+
+        @staticmethod
+        def backward(ctx, grad):
+            function, fn, arguments = ctx.call
+            send(outbox, {"call": function, "arguments": arguments, "cotangent": grad})
+            reply = receive(inbox)
+            if "grads" in reply:
+                return (None, None, *reply["grads"])
+            inputs = [t.requires_grad_() if t.is_floating_point() else t
+                      for t in tensors(arguments)]  # the student's own function's backward
+            with torch.enable_grad():
+                out = fn(**rebuilt(arguments, iter(inputs)))
+                floating = [t for t in inputs if t.requires_grad]
+                grads = torch.autograd.grad((out * grad).sum(), floating, allow_unused=True)
+            return (None, None, *grads)
     while True:
         try:
             task = receive(inbox)

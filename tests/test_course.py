@@ -95,6 +95,20 @@ WRONG = {
              "the_softmax_runs_in_float32_for_bf16_activations"},
          3: {"the_weighted_sum_of_the_candidates", "a_bf16_model_runs_in_bf16"},
          4: {"a_prefill_then_chunks_and_single_tokens_equal_the_whole_sequence"}}),
+    # right values, wrong training: only a backward pass through the functions sees them
+    "in-place softmax, detached weights": ({
+        "softmax_weights": """
+            scores = torch.stack([torch.linalg.vecdot(qbar, kc) for kc in keys], 2)
+            s = fp32_or_wider(scores) / math.sqrt(qbar.shape[-1])
+            e = (s - s.amax(2, keepdim=True)).exp_()
+            return e.div_(e.sum(2, keepdim=True))  # over exp_'s saved output: backward raises""",
+        "depth_mix": """
+            keys, values = src_k + [k], src_v + [v]
+            alpha = mode.weights(group_mean(q, k.shape[1]), keys, *rule).detach()  # never learns
+            return (weighted_sum(alpha, keys) if mode.mixes_k else k,
+                    weighted_sum(alpha, values) if mode.mixes_v else v, alpha)"""},
+        {2: {"the_weights_are_a_softmax_over_the_candidates"},
+         3: {"depth_mix_mixes_what_each_mode_says", "the_model_gives_the_reference_logits"}}),
 }
 # Right in another way than the reference: each keeps full marks.
 DIFFERENT = {

@@ -8,9 +8,12 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
+import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from pathlib import Path
 
 import pytest
 import torch
@@ -102,11 +105,13 @@ def test_a_pytest_at_the_copys_root_is_never_run(copy, tmp_path):
     assert {k: v for k, v in earned(result).items() if k < 5} == ZERO
 
 
-def test_code_that_rewrites_the_grader_voids_the_grading(copy, tmp_path, instructor):
+def test_code_that_rewrites_the_grader_cannot_reach_it_or_voids_the_grading(copy, tmp_path,
+                                                                              instructor):
     """At import it finds the grader from its parent's command line, appends a judge that passes
-    everything to the grader's checks.py (no file can be written: refused) and moves its own
-    model.py over the grader's conftest-like module (a rename needs no write): the grading that
-    saw it is void, scores 0, names the file and exits 1."""
+    everything to the grader's checks.py and moves its own model.py over the grader's fixtures.py
+    (a rename needs no write). In the sandbox there is no grader to find: 0, nothing changed.
+    Unsandboxed (--no-sandbox, practice), the grading that saw the rename is void, scores 0, names
+    the file and exits 2."""
     rewriter = stub_copy(copy, tmp_path, """\
         import os, pathlib
         argv = open(f"/proc/{os.getppid()}/cmdline", "rb").read().split(b"\\0")
@@ -118,18 +123,22 @@ def test_code_that_rewrites_the_grader_voids_the_grading(copy, tmp_path, instruc
             pass
         os.replace(__file__, course / "fixtures.py")
         """, "rewriter")
-    before = (instructor / "course" / "checks.py").read_bytes()
-    _, result, proc = grade(rewriter, "--problem=1", grader=instructor, ok=False)
-    assert (instructor / "course" / "checks.py").read_bytes() == before
+    before = hashes(instructor)
+    _, result, proc = grade(rewriter, "--problem=1", grader=instructor)
+    assert earned(result) == {1: 0} and not result["tampered"] and hashes(instructor) == before
+    _, result, proc = grade(rewriter, "--problem=1", "--no-sandbox", grader=instructor, ok=False)
+    assert (instructor / "course" / "checks.py").read_bytes() == before[instructor / "course" /
+                                                                         "checks.py"]
     assert proc.returncode == 2 and "this grading is void" in proc.stderr
     assert "course/fixtures.py" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
-    assert earned(result) == {1: 0} and result["tampered"]
+    assert earned(result) == {1: 0} and result["tampered"] and result["sandbox"] is False
     shutil.copy2(ROOT / "course" / "fixtures.py", instructor / "course" / "fixtures.py")
 
 
 def test_answers_looked_up_in_the_copys_fixtures_fail_the_hidden_tests(copy, tmp_path):
-    """A model.py that answers from the practice fixtures passes the copy's own grader on what
-    it looks up, and 0 from the instructor's: fresh inputs, and scenarios the copy never saw."""
+    """A model.py that answers from the practice fixtures (unsandboxed: in the sandbox it cannot
+    even read them) passes the copy's own grader on the values it looks up (not their gradients),
+    and 0 from the instructor's: fresh inputs, and scenarios the copy never saw."""
     bodies = {"ModelConfig.stride": 'return _lookup("stride", lambda a: ModelConfig(**a[0]) == '
                                     'self)',
               "ModelConfig.sources": 'return _lookup("sources", lambda a: ModelConfig(**a[0]) == '
@@ -154,8 +163,12 @@ def test_answers_looked_up_in_the_copys_fixtures_fail_the_hidden_tests(copy, tmp
             raise KeyError(op)
         """, "lookup")
     (_, practice, _), (_, result, _) = side_by_side(
-        partial(grade, lookup, "--problem=2", grader=lookup), partial(grade, lookup))
-    assert earned(practice) == {2: 15}, practice  # the table answers every practice scenario
+        partial(grade, lookup, "--problem=2", "--no-sandbox", grader=lookup),
+        partial(grade, lookup, "--no-sandbox"))
+    assert failing(practice) == {2: {"qbar_is_the_mean_of_each_group_of_query_heads",
+                                     "the_weights_are_a_softmax_over_the_candidates"}}, practice
+    assert all(t["why"] is None or t["why"].startswith("backward (training)")
+               for t in practice["problems"][0]["tests"]), practice  # values: every one looked up
     assert earned(result)[1] == 0 and earned(result)[2] == 0, result
     assert {"the_weighted_sum_of_the_candidates"} <= failing(result)[3]
     assert failing(result)[4] >= {"causal_attention_over_a_whole_sequence"}
@@ -220,6 +233,31 @@ def test_problem_5_reevaluates_the_checkpoints(tmp_path):
     forged = experiment.grade(fake_experiment(tmp_path / "forged", losses), ROOT)
     assert all(forged.values()), forged
     assert "the log is not the checkpoint's" in forged["each_checkpoint_gives_its_logged_loss"]
+
+
+def test_problem_5_fabricated_runs_score_nothing(tmp_path):
+    """One checkpoint relabelled as another run (its config rewritten, its log given its own loss),
+    or one run's checkpoint copied to both seeds: the checkpoints do not hold their runs, and the
+    problem scores 0."""
+    from support.sweep import run_dir
+    losses = {run: {0: 2.0, 1: 2.1} for run in EXPERIMENT["runs"]}  # never reached: not evaluated
+    out = fake_experiment(tmp_path / "runs", losses)
+    cases = {}
+    for name, (source, target) in {"relabelled": (("vanilla", 0), ("value", 0)),
+                                   "one seed twice": (("value", 0), ("value", 1))}.items():
+        forged = cases[name] = tmp_path / name.replace(" ", "_")
+        shutil.copytree(out, forged)
+        ckpt = torch.load(run_dir(forged, *source) / "ckpt.pt", weights_only=True)
+        ckpt["config"] = torch.load(run_dir(forged, *target) / "ckpt.pt",
+                                    weights_only=True)["config"]
+        torch.save(ckpt, run_dir(forged, *target) / "ckpt.pt")
+        shutil.copy(run_dir(forged, *source) / "log.jsonl", run_dir(forged, *target) / "log.jsonl")
+    relabelled = experiment.grade(cases["relabelled"], ROOT)
+    twice = experiment.grade(cases["one seed twice"], ROOT)
+    assert all(relabelled.values()) and all(twice.values())
+    assert "holds another model than its run's: depth_mode 'vanilla' (the run's: 'value')" \
+        in relabelled["each_checkpoint_gives_its_logged_loss"], relabelled
+    assert "holds the same weights as value seed 0" in twice["each_checkpoint_gives_its_logged_loss"]
 
 
 def test_problem_5s_checks_of_the_records(tmp_path):
@@ -387,5 +425,300 @@ def test_grade_help_says_what_it_protects_against(capsys):
     with pytest.raises(SystemExit) as done:  # argparse's --help prints and exits 0
         run_main(grade_py.interruptible, ["--help"])
     out = capsys.readouterr().out
-    assert done.value.code == 0 and "What it does not" in out and "--network=none" in out
+    assert done.value.code == 0 and "bubblewrap" in out and "--no-sandbox" in out
+    assert "apt-get install bubblewrap" in out and "not enforced" in out
     assert full(1) == {1: 10}
+
+
+# --------------------------------------------------------- the sandbox: attacks on the grader itself
+
+MARKER_ARG = "course-attack-grandchild"  # in a grandchild's command line: seen from outside
+
+
+def attack_copy(copy, where, name, suffix, bodies=None):
+    """The fresh copy (every function a stub), or the repository's model.py with `bodies`, with
+    `suffix` run at the end of its import."""
+    other = with_bodies(copy, where, bodies, "", name) if bodies is not None else \
+        stub_copy(copy, where, "", name)
+    (other / "model.py").write_text((other / "model.py").read_text() + textwrap.dedent(suffix))
+    return other
+
+
+def escape(instructor, pth):
+    """At import: find the reference model.py (every process's cwd and command line in /proc, and
+    the instructor's tree, named outright) and take its functions; write "score: 85 / 85" to every
+    stdout and stderr in /proc and 85 to every --json= it finds; start a grandchild in a session of
+    its own that, for a minute, rewrites the grader's source and bytecode through a shared mmap,
+    adds a .pth to site-packages and writes the fake report again."""
+    targets = [str(instructor / "course" / "child.py"), str(instructor / "course" / "checks.py"),
+               *map(str, (instructor / "course" / "__pycache__").glob("*.pyc"))]
+    return f"""
+        import glob as _glob, os as _os, pathlib as _pathlib, subprocess as _subprocess, sys as _sys
+
+        def _fake_report():
+            for fd in _glob.glob("/proc/*/fd/[12]"):
+                try:
+                    with open(fd, "w") as f:
+                        f.write("\\nscore: 85 / 85\\n")
+                except OSError:
+                    pass
+            for cmdline in _glob.glob("/proc/*/cmdline"):
+                try:
+                    args = open(cmdline, "rb").read().split(b"\\0")
+                except OSError:
+                    continue
+                for a in args:
+                    if a.startswith(b"--json="):
+                        try:
+                            with open(a[7:].decode(), "w") as f:
+                                f.write('{{"score": 85, "out_of": 85}}')
+                        except OSError:
+                            pass
+
+        def _reference():
+            places = [_pathlib.Path({str(instructor)!r})]
+            for pid in _glob.glob("/proc/[0-9]*"):
+                for link in ("cwd", "root"):
+                    try:
+                        places.append(_pathlib.Path(_os.readlink(pid + "/" + link)))
+                    except OSError:
+                        pass
+                try:
+                    args = open(pid + "/cmdline", "rb").read().split(b"\\0")
+                except OSError:
+                    continue
+                places += [_pathlib.Path(a.decode()).parent.parent for a in args
+                           if a.endswith(b"grade.py")]
+            for place in places:
+                try:
+                    source = (place / "model.py").read_text()
+                except OSError:
+                    continue
+                if "def depth_mix" in source and "NotImplementedError('Problem" not in source:
+                    return source
+
+        _source = _reference()
+        if _source:
+            _namespace = {{"__name__": "model"}}
+            exec(compile(_source, "reference.py", "exec"), _namespace)
+            globals().update({{k: v for k, v in _namespace.items() if not k.startswith("__")}})
+        _fake_report()
+        _LOOP = '''
+        import glob, mmap, os, sys, time
+        sys.argv = sys.argv  # {MARKER_ARG}
+        end = time.time() + 60
+        while time.time() < end:
+            for path in {targets!r}:
+                try:
+                    with open(path, "r+b") as f:
+                        m = mmap.mmap(f.fileno(), 0)
+                        m[:1] = b"#"
+                        m.flush()
+                except (OSError, ValueError):
+                    pass
+            try:
+                open({str(pth)!r}, "x").close()
+            except OSError:
+                pass
+            for fd in glob.glob("/proc/*/fd/[12]"):
+                try:
+                    with open(fd, "w") as f:
+                        f.write("score: 85 / 85")
+                except OSError:
+                    pass
+            time.sleep(0.2)
+        '''
+        _subprocess.Popen([_sys.executable, "-c", _LOOP, {MARKER_ARG!r}], start_new_session=True,
+                          stdin=_subprocess.DEVNULL, stdout=_subprocess.DEVNULL,
+                          stderr=_subprocess.DEVNULL)
+        """
+
+
+ORACLE = """
+    import sys as _sys
+
+    def _ask(function, **arguments):
+        main, frame = _sys.modules["__main__"], _sys._getframe()
+        while frame is not None and "outbox" not in frame.f_locals:  # serve's pipes
+            frame = frame.f_back
+        main.send(frame.f_locals["outbox"], {"call": function, "arguments": main.freeze(arguments)})
+        return main.receive(frame.f_locals["inbox"])
+
+    def _answer(function, **arguments):
+        reply = _ask(function, **arguments)
+        if "result" not in reply:
+            raise NotImplementedError("the parent would not answer")
+        return reply["result"]
+
+    ModelConfig.stride = property(lambda self: _answer("model.py:ModelConfig.stride", self=self))
+    ModelConfig.sources = lambda self, e: _answer("model.py:ModelConfig.sources", self=self, e=e)
+    group_mean = lambda q, n_kv_head: _answer("model.py:group_mean", q=q, n_kv_head=n_kv_head)
+    softmax_weights = lambda qbar, keys: _answer("model.py:softmax_weights", qbar=qbar, keys=keys)
+    causal_attention = lambda q, k, v: _answer("model.py:causal_attention", q=q, k=k, v=v)
+    """
+
+# the reference's weighted_sum, after asking the parent five times for the sources of layer 6e8
+HOLD = {"weighted_sum": """
+    for _ in range(5):
+        _ask("model.py:ModelConfig.sources", self=ModelConfig(n_layer=600_000_000), e=600_000_000)
+    w = alpha.to(xs[0].dtype).unsqueeze(-1)
+    return sum(w[:, :, c] * x for c, x in enumerate(xs))"""}
+
+# the reference's model.py without a KV cache, and the harness in its process patched: decoding is
+# the full forward, and the whole model "together" too
+HARNESS = """
+    import sys as _sys
+    _main = _sys.modules["__main__"]
+    _main.OPS["decode"] = lambda model, config, state, idx, *rest: [
+        _main.OPS["logits"](model, config, state, idx)] * 3
+    _main.OPS["together"] = lambda model, config, state, idx, *rest: [
+        _main.OPS["logits"](model, config, state, idx)] * 4
+    """
+
+
+def marked_processes():
+    pids = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if MARKER_ARG.encode() in cmdline.read_bytes():
+                pids.append(int(cmdline.parent.name))
+        except OSError:
+            pass
+    return [p for p in pids if p != os.getpid()]
+
+
+def hashes(tree):
+    return {f: f.read_bytes() for f in sorted((tree / "course").rglob("*")) if f.is_file()}
+
+
+@pytest.fixture(scope="module")
+def attacked(copy, instructor, tmp_path_factory):
+    """The instructor's grader on each attack (the escape, the oracle, holding the parent, the
+    patched harness), two at a time, then on a blank copy from the same tree; what was left
+    behind: {"gradings": {case: (printed, result, proc, seconds)}, "survivors", "before", "after",
+    "pth"}."""
+    import sysconfig
+    where = tmp_path_factory.mktemp("attacks")
+    grade(copy, "--problem=1", grader=instructor)  # the grader's bytecode exists: a target
+    pth = Path(sysconfig.get_paths()["purelib"]) / f"zz_course_attack_{os.getpid()}.pth"
+    before = hashes(instructor)
+    copies = {"escape": attack_copy(copy, where, "escape", escape(instructor, pth)),
+              "oracle": attack_copy(copy, where, "oracle", ORACLE),
+              "hold": attack_copy(copy, where, "hold", ORACLE, HOLD),
+              "harness": attack_copy(copy, where, "harness", HARNESS, {
+                  "KVCache.update": "raise NotImplementedError('no cache')"})}
+    args = {"hold": ["--problem=3"], "escape": [f"--experiment={where}"]}
+
+    def timed(name):
+        start = time.monotonic()
+        out = grade(copies[name], *args.get(name, []), grader=instructor, ok=False)
+        return (*out, time.monotonic() - start)
+    try:
+        gradings = dict(zip(copies, side_by_side(*(partial(timed, n) for n in copies))))
+        deadline = time.monotonic() + 30  # the kernel ends a PID namespace's processes at once
+        while (survivors := marked_processes()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        gradings["blank"] = (*grade(copy, f"--experiment={where}", grader=instructor), 0)
+        return {"gradings": gradings, "survivors": survivors, "before": before,
+                "after": hashes(instructor), "pth": pth.exists()}
+    finally:
+        for pid in marked_processes():
+            os.kill(pid, 9)
+        pth.unlink(missing_ok=True)
+
+
+def test_graded_code_cannot_read_the_reference(attacked):
+    """The grader's tree is not in the sandbox: the reference model.py is nowhere to be found, by
+    /proc or by its path; the attack and a blank copy after it score 0 on problems 1-4."""
+    for case in ("escape", "blank"):
+        _, result, _, _ = attacked["gradings"][case]
+        assert {k: v for k, v in earned(result).items() if k < 5} == ZERO, case
+        assert result["together"] is False and result["sandbox"] is True
+
+
+def test_nothing_the_graded_code_starts_outlives_its_test(attacked):
+    """A grandchild in a session of its own dies with the sandbox's PID namespace."""
+    assert attacked["survivors"] == []
+
+
+@pytest.mark.parametrize("target", ["bytecode", "source", "site-packages"])
+def test_graded_code_cannot_persist(attacked, target):
+    """The grader's source and bytecode, and site-packages, as they were: nothing rewrote them
+    through an mmap, nothing added a .pth; the blank copy graded next scores 0."""
+    changed = [f for f, data in attacked["before"].items() if attacked["after"].get(f) != data]
+    kinds = {"bytecode": ".pyc", "source": ".py"}
+    assert not [f for f in changed if f.suffix == kinds.get(target, "-")], changed
+    assert target != "site-packages" or not attacked["pth"]
+    _, result, proc, _ = attacked["gradings"]["blank"]
+    assert earned(result) == {**ZERO, 5: 0} and not result["tampered"], proc.stdout
+
+
+def test_the_report_is_written_by_the_grader_alone(attacked):
+    """The sandbox sees neither the grader's stdout nor its command line: the last line printed
+    and the JSON are the grader's."""
+    printed, result, proc, _ = attacked["gradings"]["escape"]
+    assert printed.strip().splitlines()[-1] == "score: 0 / 85", printed
+    assert "85 / 85" not in printed + proc.stderr and result["score"] == 0
+
+
+def test_the_parent_answers_no_call_outside_an_op_that_stubs_it(attacked):
+    """Calls for problems 1, 2 and 4 sent down the child's own pipes, outside problem 3's ops:
+    the parent says "your own function" (a stub here): 0."""
+    _, result, _, _ = attacked["gradings"]["oracle"]
+    assert {k: v for k, v in earned(result).items() if k < 5} == ZERO
+
+
+def test_a_call_larger_than_its_test_costs_the_parent_nothing(attacked):
+    """Five calls for the sources of layer 6e8 (hours for the reference) are refused unanswered:
+    problem 3, otherwise the reference's, keeps its points in the time of an ordinary grading."""
+    from course.child import scale, within
+    _, result, _, seconds = attacked["gradings"]["hold"]
+    assert earned(result) == {3: 25} and seconds < 300, (seconds, result)
+    assert not within({"self": {"ModelConfig": {"n_layer": 600_000_000}}, "e": 600_000_000},
+                      scale([{"n_layer": 4}, torch.zeros(2, 8)]))
+
+
+def test_a_patched_harness_does_not_decode(attacked):
+    """No KV cache, and the harness's decode and together replaced by the full forward: decoding
+    starts from a cache of records no tokens give, so only reading the cache gets its logits."""
+    _, result, _, _ = attacked["gradings"]["harness"]
+    assert failing(result)[3] == {"each_layer_stores_its_mixed_record_and_decoding_reads_it"}
+    assert failing(result)[4] == {"a_prefill_then_chunks_and_single_tokens_equal_the_whole_sequence"}
+    assert result["together"] is False
+
+
+def test_grading_without_the_sandbox_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
+    """No bwrap on the PATH, or a bwrap that cannot make its namespaces: one line naming the fix,
+    before any grading."""
+    monkeypatch.setenv("PATH", str(tmp_path))
+    code, err = refused(capsys, grade_py, "--problem=1")
+    assert code == 2 and "the bwrap command is missing" in err and "apt-get install bubblewrap" \
+        in err and "--no-sandbox" in err and "\n" not in err, err
+    (tmp_path / "bwrap").write_text("#!/bin/sh\necho 'bwrap: No permissions to create new "
+                                    "namespace' >&2\nexit 1\n")
+    (tmp_path / "bwrap").chmod(0o755)
+    code, err = refused(capsys, grade_py, "--problem=1")
+    assert code == 2 and "No permissions to create new namespace" in err and "user namespaces" \
+        in err and "\n" not in err, err
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
+                    reason="becomes the unprivileged user `nobody` with setpriv, as root")
+def test_the_sandbox_starts_for_an_unprivileged_user(monkeypatch):
+    """The same namespaces for `nobody` (root's own Python left out: nobody cannot read it): it
+    sees the copied model.py at /work and only its own processes."""
+    from course import sandbox
+    monkeypatch.setattr(sandbox, "python_roots", lambda: [])
+    folder = Path(tempfile.mkdtemp(prefix="sandbox"))
+    try:
+        folder.chmod(0o755)
+        (folder / "model.py").write_text("x = 1\n")
+        proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                               *sandbox.command(folder / "model.py", [
+                                   "/bin/sh", "-c", "id -u; cat model.py; ls /proc"])],
+                              capture_output=True, text=True, timeout=60)
+    finally:
+        shutil.rmtree(folder)
+    out = proc.stdout.split()
+    assert proc.returncode == 0 and out[:4] == ["65534", "x", "=", "1"], proc.stderr
+    assert len([p for p in out[4:] if p.isdigit()]) <= 3, out  # bwrap's init, sh, ls
