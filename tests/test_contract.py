@@ -634,3 +634,45 @@ def test_the_contract_names_a_rule_that_mixes_the_batch(plant):
 
     with pytest.raises(AssertionError, match="mixes the batch"):
         test_contract_keeps_the_sequences_of_a_batch_apart(plant(weights))
+
+
+# ----------------------------------------------------------------------------- seams
+
+def test_a_rule_of_the_layer_and_the_depth_needs_no_module(plant):
+    """DepthMode.params may hand the weights any value, here the config: the sources' share grows
+    with e / n_eff_layer. No parameter is added; the rule runs looped and cached like any row's."""
+    def weights(qbar, keys, config, e):
+        share = e / config.n_eff_layer
+        w = qbar.new_tensor([share] * (len(keys) - 1) + [1.0], dtype=torch.float64)
+        B, n_kv, T, _ = qbar.shape
+        return (w / w.sum()).to(model_py.fp32_or_wider(qbar).dtype).view(1, 1, -1, 1).expand(
+            B, n_kv, len(keys), T)
+
+    def ref(qbar, cand_k, config, e):
+        w = [e / config.n_eff_layer] * (len(cand_k) - 1) + [1.0]
+        return [x / sum(w) for x in w]
+
+    planted = plant(weights, dict(params=lambda config, layer: config), ref)
+    assert not added_parameters(build(planted))
+    for clause in (test_contract_matches_its_naive_reference, test_contract_runs_looped,
+                   test_contract_cached_decoding_equals_the_full_forward,
+                   test_contract_depth_weights_are_float32_under_bf16):
+        clause(planted)
+
+
+def test_a_row_may_weigh_k_and_v_apart(plant):
+    """weights may return a pair, (K's weights, V's): here the paper's softmax for K and Uniform
+    Mix for V, in the reference too; the same pair swapped is another model, which it tells."""
+    def weights(qbar, keys):
+        return model_py.softmax_weights(qbar, keys), model_py.uniform_weights(qbar, keys)
+
+    def ref(qbar, cand_k):
+        return reference.softmax_ref(qbar, cand_k), reference.uniform_ref(qbar, cand_k)
+
+    planted = plant(weights, dict(mixes_k=True), ref)
+    for clause in (test_contract_matches_its_naive_reference, test_contract_runs_looped,
+                   test_contract_cached_decoding_equals_the_full_forward):
+        clause(planted)
+    REFERENCE_MODES["planted"] = (lambda qbar, cand_k: ref(qbar, cand_k)[::-1], "kv")
+    with pytest.raises(AssertionError, match="differ from the reference"):
+        test_contract_matches_its_naive_reference(planted)
