@@ -137,8 +137,7 @@ class DepthMode:
     mixes_v: bool = False         # the mixed value replaces the layer's own (its V cache slot)
     decode_kernel: bool = False   # a decode step in one attention call (softmax_weights only)
     params: Optional[Callable] = None  # a learned rule: (config, layer) -> one block's nn.Module
-    # (Attention.depth_params; its `optimizer_group`, train.py's); weights gets (qbar, keys, it, e).
-    # Any other value is passed as it is: the config, for a rule of e and the depth alone.
+    # (Attention.depth_params; or any value, the config); weights gets (qbar, keys, it, e)
     starts_as: Optional[str] = None  # a learned row's base: the row it equals at init (contract)
 
     def __post_init__(self):
@@ -432,9 +431,8 @@ class GPT(nn.Module):
             need(src == sorted(set(src)), f"ModelConfig: sources({e}) gives {src}: each source "
                  f"once, ascending (a duplicate or unsorted source); fix ModelConfig.sources")
         self.last_reader = {j: e for e, src in enumerate(self.depth_sources) for j in src}
-        # a learned row's parameters are its own to initialise (at its base, DepthMode.starts_as)
         rows = {m for a in self.modules() if isinstance(getattr(a, "depth_params", None), nn.Module)
-                for m in a.depth_params.modules()}
+                for m in a.depth_params.modules()}  # a learned row's: its own init (starts_as)
         self.apply(lambda module: module in rows or self._init_weights(module))
 
     def run_layers(self, x, cos, sin, cache):

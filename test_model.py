@@ -331,6 +331,18 @@ def test_a_source_at_or_after_the_layer_is_refused_by_name(monkeypatch):
         tiny_model()
 
 
+def test_a_duplicate_or_unsorted_source_is_refused_by_name(monkeypatch):
+    """Twice the same source would be two candidates of one record (and a KeyError in run_layers
+    once its record is freed); the model refuses it where it is built, naming the rule."""
+    from model import ConfigError
+    paper = ModelConfig.sources
+    for rule, shown in ((lambda self, e: paper(self, e) * 2, r"\[0, 0\]"),
+                        (lambda self, e: paper(self, e)[::-1], r"\[2, 0\]")):
+        monkeypatch.setattr(ModelConfig, "sources", rule)
+        with pytest.raises(ConfigError, match=shown + r": each source once, ascending"):
+            tiny_model()
+
+
 def test_too_long_inputs_raise_clear_errors():
     model = tiny_model()  # block_size 32
     with pytest.raises(ValueError, match="exceeds the context length"):

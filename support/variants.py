@@ -17,8 +17,7 @@ from model import DEPTH_MODES, GPT, ConfigError, ModelConfig, knob, need
 # checks they agree): a config that names none of them is a plain model.GPT.
 RESIDUALS = ("add", "denseformer", "attnres", "mhc")  # by `residual`
 ATTENTIONS = ("standard", "keyless")                   # by `attention`
-# the rows baselines.py adds to model.DEPTH_MODES, by `depth_mode`
-BASELINE_MODES = ("lime", "resformer", "resformer_learned")
+BASELINE_MODES = ("lime", "resformer", "resformer_learned")  # baselines.py's DEPTH_MODES rows
 
 
 @dataclass
