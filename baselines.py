@@ -22,6 +22,10 @@ LIMe (Layer-Integrated Memory, depth_mode="lime"), the closest prior method, mix
 depth inside attention like Depth-Attention, but with a static learned router: a GPT whose blocks
 are built with LIMeAttention, and a row of model.DEPTH_MODES added here.
 
+Value residual learning (ResFormer, depth_mode="resformer" and "resformer_learned"), the reader's
+first question about Depth-Attention, is two rows of the table on GPT's own layers: every layer mixes
+its value with layer 0's, half and half or by two learned numbers per block.
+
 Module and parameter names follow the authors' released checkpoints (theirs are ours with a
 `model.` prefix, support/hf.py). Their switches (`BaselineConfig`) and the choice of the model a
 config names (`build_model`) are support/variants.py's, which imports this file only for a config
