@@ -244,9 +244,9 @@ def test_contract_a_learned_row_starts_as_its_base(variant):
     model = build_model(tiny_config(vocab_size=257, **keys)).eval()
     if not added_parameters(model) or row.params is None:
         return  # no learned row
-    assert row.starts_as in DEPTH_MODES, (f"{variant}: a learned row declares its base, the row it "
-                                          f"equals at init: DepthMode(starts_as=...), got "
-                                          f"{row.starts_as!r}")
+    assert row.starts_as in DEPTH_MODES and row.starts_as != keys["depth_mode"], (
+        f"{variant}: a learned row declares its base, another row it equals at init: "
+        f"DepthMode(starts_as=...), got {row.starts_as!r}")
     base = build_model(tiny_config(vocab_size=257, **{**keys, "depth_mode": row.starts_as}))
     missing = base.eval().load_state_dict(model.state_dict(), strict=False).missing_keys
     assert not missing and base.depth_sources == model.depth_sources, missing
@@ -545,6 +545,9 @@ def test_the_contract_names_a_learned_row_not_started_as_its_base(plant):
     planted = plant(biased_weights, dict(params=ScoreBias, starts_as="value"), biased_ref)
     test_contract_matches_its_naive_reference(planted)
     with pytest.raises(AssertionError, match="does not start as its base value"):
+        test_contract_a_learned_row_starts_as_its_base(planted)
+    planted = plant(biased_weights, dict(params=ScoreBias, starts_as="planted"), biased_ref)
+    with pytest.raises(AssertionError, match="declares its base, another row"):  # itself: no check
         test_contract_a_learned_row_starts_as_its_base(planted)
 
 
