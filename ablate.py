@@ -81,10 +81,12 @@ KEYS = {
 }
 DEFAULTS, HELP, _, CHOICES = key_table(KEYS)
 # run name -> delta files in configs/ablations/, applied after the base: every row of the table of
-# depth modes (its file mode_<name>.py), then the strides, the looped pair and the baselines
+# depth modes (its file mode_<name>.py), then the strides, a fork's source rules (every
+# source_<name>.py, docs/forking.md), the looped pair and the baselines
 RUNS = {
     **{mode: [f"mode_{mode}"] for mode in DEPTH_MODES},
     **{stride: [stride] for stride in ("stride_first", "stride_quarter", "stride_full")},
+    **{p.stem: [p.stem] for p in sorted((ROOT / "configs" / "ablations").glob("source_*.py"))},
     "looped_vanilla": ["looped", "mode_vanilla"], "looped_value": ["looped", "mode_value"],
     **{residual: [f"residual_{residual}"] for residual in ("denseformer", "attnres", "mhc")},
     "keyless": ["attention_keyless", "mode_vanilla"], "keyless_value": ["attention_keyless"],

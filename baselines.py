@@ -22,6 +22,10 @@ LIMe (Layer-Integrated Memory, depth_mode="lime"), the closest prior method, mix
 depth inside attention like Depth-Attention, but with a static learned router: a GPT whose blocks
 are built with LIMeAttention, and a row of model.DEPTH_MODES added here.
 
+Value residual learning (ResFormer, depth_mode="resformer" and "resformer_learned"), the reader's
+first question about Depth-Attention, is two rows of the table on GPT's own layers: every layer mixes
+its value with layer 0's, half and half or by two learned numbers per block.
+
 Module and parameter names follow the authors' released checkpoints (theirs are ours with a
 `model.` prefix, support/hf.py). Their switches (`BaselineConfig`) and the choice of the model a
 config names (`build_model`) are support/variants.py's, which imports this file only for a config
@@ -35,7 +39,7 @@ import torch
 import torch.nn as nn
 
 from model import (DEFAULT_STRIDES, DEPTH_MODES, GPT, Attention, DepthMode, KVCache, ModelConfig,
-                   RMSNorm, causal_attention, fp32_or_wider, rope_tables)
+                   RMSNorm, causal_attention, fp32_or_wider, rope_tables, uniform_weights)
 
 
 # ----------------------------------------------------------------------------- DenseFormer
@@ -327,6 +331,39 @@ def router_weights(qbar, keys):
 DEPTH_MODES["lime"] = DepthMode(router_weights, mixes_k=True, mixes_v=True)
 DEFAULT_STRIDES["lime"] = 1
 DEPTH_COSTS = {"lime": lime_cost}  # by depth_mode: support.cost.depth_cost's rows not of Table 2
+
+
+# ----------------------------------------------------------------------------- ResFormer
+
+# Value residual learning (ResFormer, arXiv 2410.17897; the value-residual lever of the modded-
+# nanoGPT speedrun): every layer after the first attends with lambda_1 V_l + lambda_2 V_0, its own
+# value and layer 0's. On this decoder it is a row over the sources S(l) = {0}: layer 0 stores its
+# own value, which later layers read. `resformer`: the paper's fixed 1/2 and 1/2, Uniform Mix
+# over {0, l}; `resformer_learned`: lambda_1, lambda_2 learned per block, 1/2 each at init.
+LAYER_0_ONLY = 2 ** 31  # a depth_stride beyond any depth: S(l) = {0} (ModelConfig.sources)
+
+
+class ValueResidual(nn.Module):
+    """One block's (lambda_2, lambda_1): the weight of each source's value (layer 0's, by the row's
+    sources) and of the layer's own, 1/2 each at init, so the row starts as `resformer`."""
+
+    def __init__(self, config: ModelConfig, layer: int):
+        super().__init__()
+        self.lambdas = nn.Parameter(torch.full((2,), 0.5))  # (each source's, the layer's own)
+
+
+def value_residual_weights(qbar, keys, params, e):
+    """alpha = (lambda_2 for each source, lambda_1 for the layer), whatever the query."""
+    B, n_kv, T, _ = qbar.shape
+    lam = fp32_or_wider(params.lambdas)
+    alpha = torch.cat([lam[:1].expand(len(keys) - 1), lam[1:]])              # (C,)
+    return alpha.view(1, 1, -1, 1).expand(B, n_kv, len(keys), T)           # (B, n_kv, C, T)
+
+
+DEPTH_MODES["resformer"] = DepthMode(uniform_weights, mixes_v=True)
+DEPTH_MODES["resformer_learned"] = DepthMode(value_residual_weights, mixes_v=True,
+                                             params=ValueResidual, starts_as="resformer")
+DEFAULT_STRIDES.update(resformer=LAYER_0_ONLY, resformer_learned=LAYER_0_ONLY)
 
 
 # ----------------------------------------------------------------------------- Keyless Attention

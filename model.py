@@ -137,7 +137,8 @@ class DepthMode:
     mixes_v: bool = False         # the mixed value replaces the layer's own (its V cache slot)
     decode_kernel: bool = False   # a decode step in one attention call (softmax_weights only)
     params: Optional[Callable] = None  # a learned rule: (config, layer) -> one block's nn.Module
-    # (Attention.depth_params; its `optimizer_group`, train.py's); weights gets (qbar, keys, it, e)
+    # (Attention.depth_params; or any value, the config); weights gets (qbar, keys, it, e)
+    starts_as: Optional[str] = None  # a learned row's base: the row it equals at init (contract)
 
     def __post_init__(self):
         if self.decode_kernel and self.weights is not softmax_weights:
@@ -179,13 +180,16 @@ def depth_mix(q, k, v, src_k, src_v, mode: DepthMode, rule=()):
     q and k arrive after RoPE; every candidate carries the same rotation R_t, so the scores are
     those of the unrotated vectors and mixing keys commutes with it (README, "Where we deviate").
     Returns (k_out, v_out, alpha (B, n_kv_head, C, T)). rule: a learned row's (depth_params, e).
+    Weights may be a pair (K's, V's) to weigh the two apart; alpha is then V's.
     A decode step of a row with decode_kernel runs depth_mix_one instead (Attention.depth_step).
     """
     keys, values = src_k + [k], src_v + [v]
     qbar = group_mean(q, k.shape[1])                                   # (B, n_kv_head, T, D)
     alpha = mode.weights(qbar, keys, *rule)                            # (B, n_kv_head, C, T)
-    check_layout(alpha, qbar, len(keys))
-    k_out = weighted_sum(alpha, keys) if mode.mixes_k else k
+    alpha_k, alpha = alpha if isinstance(alpha, tuple) else (alpha, alpha)  # a pair: K's, V's
+    for a in (alpha_k, alpha):
+        check_layout(a, qbar, len(keys))
+    k_out = weighted_sum(alpha_k, keys) if mode.mixes_k else k
     v_out = weighted_sum(alpha, values) if mode.mixes_v else v
     return k_out, v_out, alpha
 
@@ -195,6 +199,9 @@ def check_layout(alpha, qbar, C):  # a fork's (B, n_kv_head, T, C): at T = C onl
     if alpha.shape != want:  # the message is built only when it is raised: this runs every layer
         raise ValueError(f"depth weights of shape {tuple(alpha.shape)}; want (B, n_kv_head, C, T) ="
                          f" {want}: candidates before positions")
+    if alpha.dtype.itemsize < 4:  # bf16 weights sum to 1 +- 3e-3 (the paper's are float32)
+        raise ValueError(f"depth weights in {alpha.dtype}; compute them in float32 "
+                         f"(fp32_or_wider(scores).softmax(2), softmax_weights)")
 
 
 def weighted_sum(alpha, xs):
@@ -421,8 +428,12 @@ class GPT(nn.Module):
             late = [j for j in src if not 0 <= j < e]
             need(not late, f"ModelConfig: sources({e}) gives {late}: a layer mixes only the "
                  f"records of earlier layers, 0 <= j < {e}; fix the rule in ModelConfig.sources")
+            need(src == sorted(set(src)), f"ModelConfig: sources({e}) gives {src}: each source "
+                 f"once, ascending (a duplicate or unsorted source); fix ModelConfig.sources")
         self.last_reader = {j: e for e, src in enumerate(self.depth_sources) for j in src}
-        self.apply(self._init_weights)
+        rows = {m for a in self.modules() if isinstance(getattr(a, "depth_params", None), nn.Module)
+                for m in a.depth_params.modules()}  # a learned row's: its own init (starts_as)
+        self.apply(lambda module: module in rows or self._init_weights(module))
 
     def run_layers(self, x, cos, sin, cache):
         """The residual stream through every effective layer: the embeddings (B, T, n_embd) ->

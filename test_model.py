@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import tiny_config, tiny_model
+from conftest import added_parameters, tiny_config, tiny_model
 from model import (DEPTH_MODES, GPT, KVCache, ModelConfig, apply_rope, depth_mix, depth_mix_one,
-                   rope_tables)
+                   rope_tables, uniform_weights)
 from support.cost import depth_cost
 from support.depth_weights import capture
 from reference import REFERENCE_MODES, assert_matches_reference, reference_forward
@@ -209,12 +209,15 @@ def test_generate_top_k_samples_only_from_the_top_k():
 # ----------------------------------------------------------------------------- parity across modes
 
 def test_same_parameter_count_for_every_mode():
-    """Every mode has vanilla's weights; lime adds its routers (counted in tests/test_lime.py)."""
-    counts = set()
+    """Every mode has vanilla's weights; all it adds are its own (a learned row's depth_params,
+    counted by depth_cost; LIMe's routers, counted in tests/test_lime.py)."""
+    vanilla = GPT(tiny_config()).num_params()
     for mode in DEPTH_MODES:
         model = tiny_model(depth_mode=mode)
-        counts.add(model.num_params() - sum(p.numel() for p in getattr(model, "lime_routers", list)()))
-    assert counts == {GPT(tiny_config()).num_params()}
+        added = sum(model.get_parameter(name).numel() for name in added_parameters(model))
+        assert model.num_params() - added == vanilla, f"{mode}: {model.num_params()} - {added}"
+        if DEPTH_MODES[mode].params is not None:
+            assert depth_cost(model.config)["extra_params"] == added, mode
 
 
 def test_num_params_counts_tied_weights_once():
@@ -226,6 +229,8 @@ def test_num_params_counts_tied_weights_once():
 @pytest.mark.parametrize("mode", MIXING)
 def test_depth_weights_readout(mode):
     model = tiny_model(depth_mode=mode, n_layer=5, depth_stride=2)
+    row = DEPTH_MODES[mode]  # a learned row's weights need not sum to one (ResFormer's lambdas)
+    uniform, learned = row.weights is uniform_weights, row.params is not None
     idx = torch.randint(0, 50, (2, 6))
     with capture(model) as alphas:
         model(idx)
@@ -237,8 +242,8 @@ def test_depth_weights_readout(mode):
     assert sorted(alphas) == [1, 2, 3, 4]
     for e, (src, a) in alphas.items():
         assert src == model.config.sources(e) and a.shape == (2, 2, 1, len(src) + 1)
-        assert torch.allclose(a.sum(-1), torch.ones(()))
-        if mode == "uniform":
+        assert learned or torch.allclose(a.sum(-1), torch.ones(()))
+        if uniform:
             assert torch.equal(a, torch.full_like(a, 1.0 / (len(src) + 1)))
     with capture(model) as alphas:
         model(idx)
@@ -248,7 +253,7 @@ def test_depth_weights_readout(mode):
         assert a.shape == (2, 2, 6, len(src) + 1)
         for b, t, j in itertools.product(range(2), range(6), range(2)):
             assert torch.allclose(a[b, j, t], want[e, b, t, j].float(), atol=1e-5), (e, b, t, j)
-        assert mode == "uniform" or a.std() > 1e-3, "a random model's weights are not uniform"
+        assert uniform or learned or a.std() > 1e-3, "a random model's weights are not uniform"
     model(idx)
     assert len(alphas) == 4, "nothing is collected outside the context"
 
@@ -324,6 +329,18 @@ def test_a_source_at_or_after_the_layer_is_refused_by_name(monkeypatch):
     monkeypatch.setattr(ModelConfig, "sources", lambda self, e: paper(self, e) + [e] * (e > 0))
     with pytest.raises(ConfigError, match=r"sources\(1\) gives \[1\].*ModelConfig.sources"):
         tiny_model()
+
+
+def test_a_duplicate_or_unsorted_source_is_refused_by_name(monkeypatch):
+    """Twice the same source would be two candidates of one record (and a KeyError in run_layers
+    once its record is freed); the model refuses it where it is built, naming the rule."""
+    from model import ConfigError
+    paper = ModelConfig.sources
+    for rule, shown in ((lambda self, e: paper(self, e) * 2, r"\[0, 0\]"),
+                        (lambda self, e: paper(self, e)[::-1], r"\[2, 0\]")):
+        monkeypatch.setattr(ModelConfig, "sources", rule)
+        with pytest.raises(ConfigError, match=shown + r": each source once, ascending"):
+            tiny_model()
 
 
 def test_too_long_inputs_raise_clear_errors():

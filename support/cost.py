@@ -21,7 +21,8 @@ def depth_cost(config: ModelConfig, bytes_per_element: int = 2) -> dict:
     baselines.lime_cost (by depth_mode in baselines.DEPTH_COSTS)."""
     if config.depth_mode in BASELINE_MODES:  # a config naming it has imported baselines already
         from baselines import DEPTH_COSTS
-        return DEPTH_COSTS[config.depth_mode](config, bytes_per_element)
+        if config.depth_mode in DEPTH_COSTS:
+            return DEPTH_COSTS[config.depth_mode](config, bytes_per_element)
     mode = DEPTH_MODES[config.depth_mode]
     L, d_kv = config.n_eff_layer, config.n_kv_head * config.head_dim
     C = sum(len(config.sources(e)) + 1 for e in range(1, L)) if mode.mixes else 0
@@ -40,4 +41,5 @@ def learned_params(config: ModelConfig, mode: DepthMode) -> int:
         return 0
     with torch.device("meta"):
         held = [Attention(config, layer).depth_params for layer in range(config.n_layer)]
-    return sum(p.numel() for params in held if params is not None for p in params.parameters())
+    return sum(p.numel() for params in held if isinstance(params, torch.nn.Module)
+               for p in params.parameters())

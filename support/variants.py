@@ -17,7 +17,7 @@ from model import DEPTH_MODES, GPT, ConfigError, ModelConfig, knob, need
 # checks they agree): a config that names none of them is a plain model.GPT.
 RESIDUALS = ("add", "denseformer", "attnres", "mhc")  # by `residual`
 ATTENTIONS = ("standard", "keyless")                   # by `attention`
-BASELINE_MODES = ("lime",)  # the rows baselines.py adds to model.DEPTH_MODES, by `depth_mode`
+BASELINE_MODES = ("lime", "resformer", "resformer_learned")  # baselines.py's DEPTH_MODES rows
 
 
 @dataclass
@@ -114,7 +114,7 @@ def build_model(config: ModelConfig) -> GPT:
         return BASELINES[residual](config)
     if attention != "standard":
         return BY_ATTENTION[attention](config)
-    return DEPTH_MODELS[config.depth_mode](config)
+    return DEPTH_MODELS.get(config.depth_mode, GPT)(config)  # ResFormer's rows: GPT's layers
 
 
 # ----------------------------------------------------------------------------- checkpointing

@@ -254,7 +254,9 @@ def contract_variants(source_cases):
     from model import DEPTH_MODES
     # LIMe reads every earlier layer, as published; AttnRes takes a snapshot at every layer, so
     # caching exercises its snapshots.
-    shapes = {"lime": dict(depth_stride=None), "attnres": dict(attnres_block_size=2)}
+    # ResFormer reads layer 0 alone, its own default.
+    shapes = {"lime": dict(depth_stride=None), "attnres": dict(attnres_block_size=2),
+              "resformer": dict(depth_stride=None), "resformer_learned": dict(depth_stride=None)}
     variants = {**{mode: dict(depth_mode=mode) for mode in DEPTH_MODES},
                 "looped": dict(depth_mode="value", n_layer=2, n_loops=2, depth_stride=None),
                 **{f"value+{rule}": dict(depth_mode="value", **keys)

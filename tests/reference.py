@@ -14,7 +14,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from model import DEPTH_MODES, GPT
+from baselines import DEPTH_MODES  # model.DEPTH_MODES with the rows baselines.py adds
+from model import GPT
 
 # ----------------------------------------------------------------------------- naive reference
 
@@ -32,8 +33,19 @@ def uniform_ref(qbar, cand_k):  # Uniform Mix (Table 5)
     return [1.0 / len(cand_k)] * len(cand_k)
 
 
+def value_residual_ref(qbar, cand_k, params, e):  # ResFormer: lambda_2 per source, lambda_1 own
+    return [params.lambdas[0]] * (len(cand_k) - 1) + [params.lambdas[1]]
+
+
 REFERENCE_MODES = {"vanilla": None, "value": (softmax_ref, "v"), "uniform": (uniform_ref, "v"),
-                   "key": (softmax_ref, "k"), "kv": (softmax_ref, "kv")}
+                   "key": (softmax_ref, "k"), "kv": (softmax_ref, "kv"),
+                   # value residual learning (ResFormer, baselines.py): V_0 and V_l, 1/2 each
+                   "resformer": (uniform_ref, "v"), "resformer_learned": (value_residual_ref, "v")}
+# The rows whose sources at depth_stride=None are not the paper's default (half the depth):
+# ResFormer reads layer 0 alone.
+ROW_SOURCES = {"lime": lambda c, e: list(range(e)),  # LIMe: every earlier layer
+               "resformer": lambda c, e: [0] if e else [],
+               "resformer_learned": lambda c, e: [0] if e else []}
 # A learned row's (DepthMode.params) weights also read its parameters: the reference is called
 # (qbar, cand_k, the block's depth_params, effective layer e), as the row's weights are.
 
@@ -65,6 +77,8 @@ def ref_sources(e, stride, window):  # section 2.3: every stride-th earlier laye
 
 
 def reference_sources(c, e):  # S(e) of config c; the default stride is half the depth
+    if c.depth_stride is None and c.depth_mode in ROW_SOURCES:
+        return ROW_SOURCES[c.depth_mode](c, e)
     stride = c.depth_stride if c.depth_stride is not None else max(1, c.n_eff_layer // 2)
     return ref_sources(e, stride, c.depth_recent_window)
 
@@ -133,10 +147,12 @@ def reference_forward(model: GPT, idx, k_norm_after_rope=None, weights=None):
                         cand_v = [stored[s][1][t][j] for s in src] + [v[t][j]]
                         qbar = sum(q[t][j * g + i] for i in range(g)) / g  # heads of KV head j
                         alpha = rule(qbar, cand_k, *params)
+                        # a row may weigh K and V apart: a pair (K's weights, V's)
+                        alpha_k, alpha = alpha if isinstance(alpha, tuple) else (alpha, alpha)
                         if weights is not None:
                             weights[e, b, t, j] = torch.tensor([float(torch.as_tensor(a).detach())
                                                                 for a in alpha])
-                        mk = sum(a * kk for a, kk in zip(alpha, cand_k))
+                        mk = sum(a * kk for a, kk in zip(alpha_k, cand_k))
                         mv = sum(a * vv for a, vv in zip(alpha, cand_v))
                         K[t][j] = mk if "k" in mixes else k[t][j]
                         V[t][j] = mv if "v" in mixes else v[t][j]

@@ -601,3 +601,20 @@ def test_best_lr_takes_no_rate_from_runs_trained_otherwise(protocols, tmp_path):
                   "--", "--max_iters=5")
     assert "max_iters 4 -> 5" in msg and "rerun the protocols that train them" in msg, msg
     assert files(out) == before
+
+
+def test_a_source_rule_is_ablated_by_its_delta_file_alone(tmp_path):
+    """docs/forking.md: configs/ablations/source_<name>.py is a run of that name, with no edit of
+    ablate.py (a copy of it beside the new file sees it)."""
+    import importlib.util
+    (tmp_path / "configs" / "ablations").mkdir(parents=True)
+    shutil.copy(ablate_py.ROOT / "ablate.py", tmp_path / "ablate.py")
+    (tmp_path / "configs" / "ablations" / "source_back.py").write_text(
+        'depth_stride = 2\nout_dir = "out/ablations/source_back"\n')
+    spec = importlib.util.spec_from_file_location("ablate_copy", tmp_path / "ablate.py")
+    copy = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(copy)
+    assert copy.RUNS["source_back"] == ["source_back"] and "source_back" not in ablate_py.RUNS
+    assert copy.parse_args(["--runs=value,source_back"])[3] == ["value", "source_back"]
+    files = copy.run_files("configs/ablations/cpu.py", "source_back")
+    assert sweep_records.train_config(files[1:])["depth_stride"] == 2

@@ -11,6 +11,7 @@ source rule or baseline is held to the contract with no edit here; docs/forking.
 registered at test time and run through every clause (test_the_forking_examples_pass_...)."""
 import importlib
 import itertools
+import math
 import re
 import textwrap
 from dataclasses import asdict, replace
@@ -18,12 +19,14 @@ from dataclasses import asdict, replace
 import pytest
 import torch
 
-from conftest import added_parameters, tiny_variant
+from conftest import added_parameters, tiny_config, tiny_variant
 import export
 from model import DEPTH_MODES, KVCache
 import model as model_py
 from support import checkpoint, hf, run_dir
 from support.cost import depth_cost
+from support.depth_weights import capture
+from support.variants import build_model
 from support.tokenizer import tokenizer_record
 from helpers import ROOT, contract_variants
 from reference import (MODEL_REFERENCES, REFERENCE_MODES, SOURCE_CASES, assert_matches_reference,
@@ -229,13 +232,100 @@ def test_contract_compiles_in_one_graph(variant):
         assert torch.equal(compiled(idx, idx)[1], model(idx, idx)[1])
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_contract_a_learned_row_starts_as_its_base(variant):
+    """A learned row (DepthMode.params) declares its base (starts_as), and a freshly built model,
+    its parameters as the row initialises them, equals the base with the same backbone exactly:
+    logits and depth weights. The reference cannot tell (tiny_variant moves every parameter off
+    its init, and a scale missing from the code is missing from its reference too)."""
+    keys = VARIANTS[variant]
+    row = DEPTH_MODES[keys["depth_mode"]]
+    torch.manual_seed(0)
+    model = build_model(tiny_config(vocab_size=257, **keys)).eval()
+    if not added_parameters(model) or row.params is None:
+        return  # no learned row
+    assert row.starts_as in DEPTH_MODES and row.starts_as != keys["depth_mode"], (
+        f"{variant}: a learned row declares its base, another row it equals at init: "
+        f"DepthMode(starts_as=...), got {row.starts_as!r}")
+    base = build_model(tiny_config(vocab_size=257, **{**keys, "depth_mode": row.starts_as}))
+    missing = base.eval().load_state_dict(model.state_dict(), strict=False).missing_keys
+    assert not missing and base.depth_sources == model.depth_sources, missing
+    idx = torch.randint(0, 257, (2, 7))
+    with torch.no_grad(), capture(model) as ours, capture(base) as theirs:
+        diff = (model(idx)[0] - base(idx)[0]).abs().max().item()
+    weights = [e for e in ours if not torch.equal(ours[e][1], theirs[e][1])]
+    assert diff == 0 and not weights and ours.keys() == theirs.keys(), (
+        f"{variant} does not start as its base {row.starts_as}: logits differ by {diff:.3e}, depth "
+        f"weights at layers {weights}: its parameters' init (zeros where the base has none; a "
+        f"layer re-drawn by GPT._init_weights), or a term missing from both the code and its "
+        f"reference (a 1 / sqrt(D))?")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_contract_runs_looped(variant):
+    """Its source rule, unlooped and looped 2 and 3 times, gives the sources the reference restates
+    in effective layers (reference_sources), and the looped model matches its naive reference: a
+    rule counted in blocks (e % n_layer) is right unlooped only."""
+    keys = VARIANTS[variant]
+    if keys.get("residual") is not None or not DEPTH_MODES[keys["depth_mode"]].mixes:
+        return  # one pass over the layers (a baseline), or no sources
+    for loops in (1, 2, 3):
+        model = tiny_variant(dtype=torch.float64, vocab_size=257, **{**keys, "n_loops": loops})
+        c = model.config
+        want = [reference.reference_sources(c, e) for e in range(c.n_eff_layer)]
+        assert model.depth_sources == want, (
+            f"{variant} with n_loops={loops}: sources {model.depth_sources}, the rule in effective "
+            f"layers gives {want}: counted in blocks (e % n_layer), not effective layers?")
+        if loops > 1:
+            assert_matches_reference(model.eval(), REFERENCES[variant], idx_shape=(1, 4))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_contract_depth_weights_are_float32_under_bf16(variant):
+    """Under bf16 autocast (CUDA training) the depth weights stay float32 (depth_mix refuses
+    narrower ones: bf16 weights sum to 1 +- 3e-3), and the logits are finite."""
+    model = build(variant, torch.float32)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), capture(model) as alphas:
+        logits = model(torch.randint(0, 257, (2, 6)))[0]
+    narrow = {e: a.dtype for e, (_, a) in alphas.items() if a.dtype.itemsize < 4}
+    assert not narrow and torch.isfinite(logits).all(), f"{variant}: depth weights in {narrow}"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_contract_declares_its_optimizer_groups(variant):
+    """Prints the group train.py's optimizer puts each parameter the variant adds in, and refuses
+    weight decay on a 1-D parameter (a bias, a gain, a scalar) unless its module says it is meant
+    (`decays_vectors = True`)."""
+    import train
+    from support.run_config import DEFAULTS
+    model = build(variant, torch.float32)
+    optimizer = train.make_optimizer(model, DEFAULTS, "cpu")
+    group = {id(p): (i, g) for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    for name in added_parameters(model):
+        i, g = group[id(model.get_parameter(name))]
+        print(f"{variant}: {name} {tuple(model.get_parameter(name).shape)} -> group {i} "
+              f"(weight_decay {g['weight_decay']}, lr x {optimizer.lr_mults[i]})")
+    for name, p in model.named_parameters():
+        i, g = group[id(p)]
+        owners = [model.get_submodule(".".join(name.split(".")[:n]))
+                  for n in range(name.count(".") + 1)]
+        meant = any(getattr(m, "decays_vectors", False) for m in owners)
+        assert p.dim() >= 2 or g["weight_decay"] == 0 or meant, (
+            f"{variant}: weight decay {g['weight_decay']} on the 1-D parameter {name} "
+            f"{tuple(p.shape)} (group {i}, its module's optimizer_group): biases, gains and "
+            f"scalars take none; drop weight_decay from the group, or set decays_vectors = True "
+            f"on the module if it is meant")
+
+
 CLAUSES = [test_contract_has_a_naive_reference, test_contract_matches_its_naive_reference,
            test_contract_cached_decoding_equals_the_full_forward, test_contract_is_causal,
            test_contract_keeps_the_sequences_of_a_batch_apart,
            test_contract_registers_trains_and_saves_every_added_parameter,
            test_contract_kv_cache_is_vanillas,
            test_contract_round_trips_through_a_checkpoint_and_an_export,
-           test_contract_compiles_in_one_graph]
+           test_contract_compiles_in_one_graph, test_contract_a_learned_row_starts_as_its_base,
+           test_contract_runs_looped, test_contract_depth_weights_are_float32_under_bf16,
+           test_contract_declares_its_optimizer_groups]
 
 
 def test_every_clause_and_exemption_is_listed():
@@ -389,15 +479,135 @@ def test_the_contract_catches_a_decode_kernel_on_the_example(forking_example):
 
 @pytest.fixture
 def plant(monkeypatch):
-    """plant(weights, **keys): a row `planted` with these weights, mixing V, whose reference is
-    the paper's softmax; the variant's name."""
-    def plant(weights, **keys):
-        monkeypatch.setitem(DEPTH_MODES, "planted", model_py.DepthMode(weights, mixes_v=True))
-        monkeypatch.setitem(REFERENCE_MODES, "planted", (reference.softmax_ref, "v"))
+    """plant(weights, row=None, ref=softmax_ref, **keys): a row `planted` with these weights,
+    mixing V (row: more DepthMode fields, a learned row's params and starts_as), whose reference
+    is ref (the paper's softmax); the variant's name."""
+    def plant(weights, row=None, ref=reference.softmax_ref, **keys):
+        monkeypatch.setitem(DEPTH_MODES, "planted",
+                            model_py.DepthMode(weights, **{"mixes_v": True, **(row or {})}))
+        monkeypatch.setitem(REFERENCE_MODES, "planted", (ref, "kv" if row and row.get("mixes_k")
+                                                         else "v"))
         monkeypatch.setitem(VARIANTS, "planted", dict(depth_mode="planted", **keys))
         monkeypatch.setitem(REFERENCES, "planted", reference_forward)
         return "planted"
     return plant
+
+
+class ZeroInitMLP(torch.nn.Module):
+    """A learned shift of qbar, an MLP whose last layer starts at zero: the row starts as value."""
+    def __init__(self, config, layer):
+        super().__init__()
+        self.hidden = torch.nn.Linear(config.head_dim, config.head_dim)
+        self.out = torch.nn.Linear(config.head_dim, config.head_dim)
+        torch.nn.init.zeros_(self.out.weight), torch.nn.init.zeros_(self.out.bias)
+        self.optimizer_group = {"weight_decay": 0.0}
+
+
+def shifted_weights(qbar, keys, params, e):
+    return model_py.softmax_weights(qbar + params.out(params.hidden(qbar).relu()), keys)
+
+
+def test_a_rows_init_is_its_own_and_the_contract_names_a_layer_re_drawn(plant, monkeypatch):
+    """GPT._init_weights re-draws every Linear but a row's: the MLP's zeroed layer stays zero and
+    the row starts as value. Re-drawn (as GPT.__init__ did: self.apply(self._init_weights)), it
+    does not, and the clause names it."""
+    planted = plant(shifted_weights, dict(params=ZeroInitMLP, starts_as="value"))
+    test_contract_a_learned_row_starts_as_its_base(planted)
+    init = model_py.GPT.__init__
+
+    def redraw_every_linear(self, config):
+        init(self, config)
+        self.apply(self._init_weights)
+    monkeypatch.setattr(model_py.GPT, "__init__", redraw_every_linear)
+    with pytest.raises(AssertionError, match="does not start as its base value.*re-drawn"):
+        test_contract_a_learned_row_starts_as_its_base(planted)
+
+
+class ScoreBias(torch.nn.Module):
+    def __init__(self, config, layer):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.arange(float(config.n_eff_layer)))  # zeros: value
+
+
+def biased_weights(qbar, keys, params, e):  # a learned bonus per candidate on the paper's scores
+    scores = torch.stack([torch.linalg.vecdot(qbar, kc) for kc in keys], 2)  # (B, n_kv, C, T)
+    bias = params.bias[:len(keys)].view(1, 1, -1, 1)
+    return (model_py.fp32_or_wider(scores) / math.sqrt(qbar.shape[-1]) + bias).softmax(2)
+
+
+def biased_ref(qbar, cand_k, params, e):
+    return list(torch.softmax(torch.stack([(qbar * kk).sum() / math.sqrt(len(qbar)) + b for kk, b
+                                           in zip(cand_k, params.bias)]), 0))
+
+
+def test_the_contract_names_a_learned_row_not_started_as_its_base(plant):
+    """arange where zeros were meant: code and reference agree, the row is not value at init."""
+    planted = plant(biased_weights, dict(params=ScoreBias, starts_as="value"), biased_ref)
+    test_contract_matches_its_naive_reference(planted)
+    with pytest.raises(AssertionError, match="does not start as its base value"):
+        test_contract_a_learned_row_starts_as_its_base(planted)
+    planted = plant(biased_weights, dict(params=ScoreBias, starts_as="planted"), biased_ref)
+    with pytest.raises(AssertionError, match="declares its base, another row"):  # itself: no check
+        test_contract_a_learned_row_starts_as_its_base(planted)
+
+
+def test_the_contract_names_a_scale_missing_from_the_code_and_its_reference(plant, monkeypatch):
+    """The guide's `tempered` without 1 / sqrt(D), in its code and in its reference alike."""
+    class Temperature(torch.nn.Module):
+        def __init__(self, config, layer):
+            super().__init__()
+            self.log_tau = torch.nn.Parameter(torch.zeros(()))
+
+    def weights(qbar, keys, params, e):
+        scores = torch.stack([torch.linalg.vecdot(qbar, kc) for kc in keys], 2)
+        return (model_py.fp32_or_wider(scores) / params.log_tau.exp()).softmax(2)
+
+    def ref(qbar, cand_k, params, e):
+        return list(torch.softmax(torch.stack([(qbar * kk).sum() / params.log_tau.exp()
+                                               for kk in cand_k]), 0))
+
+    planted = plant(weights, dict(params=Temperature, starts_as="value"), ref)
+    test_contract_matches_its_naive_reference(planted)
+    with pytest.raises(AssertionError, match="does not start as.*1 / sqrt"):
+        test_contract_a_learned_row_starts_as_its_base(planted)
+
+
+def test_the_contract_names_a_rule_counted_in_blocks(monkeypatch):
+    """A fork's source rule over range(e % n_layer): right unlooped, wrong looped."""
+    def sources(self, e):
+        if not DEPTH_MODES[self.depth_mode].mixes or e == 0:
+            return []
+        return [j for j in range(e % self.n_layer) if j % self.stride == 0]
+    monkeypatch.setattr(model_py.ModelConfig, "sources", sources)
+    test_contract_matches_its_naive_reference("value+every-layer")
+    with pytest.raises(AssertionError, match="n_loops=2.*counted in blocks"):
+        test_contract_runs_looped("value+every-layer")
+
+
+def test_the_contract_names_weight_decay_on_a_bias(plant):
+    class Bias(torch.nn.Module):
+        def __init__(self, config, layer):
+            super().__init__()
+            self.bias = torch.nn.Parameter(torch.zeros(config.n_eff_layer))
+            self.optimizer_group = {"weight_decay": 0.1}  # meant for a matrix
+
+    planted = plant(biased_weights, dict(params=Bias, starts_as="value"), biased_ref)
+    test_contract_a_learned_row_starts_as_its_base(planted)
+    with pytest.raises(AssertionError, match="weight decay 0.1 on the 1-D parameter"):
+        test_contract_declares_its_optimizer_groups(planted)
+    Bias.decays_vectors = True  # declared: meant
+    test_contract_declares_its_optimizer_groups(planted)
+
+
+def test_the_contract_names_a_depth_softmax_in_bf16(plant):
+    def weights(qbar, keys):  # no fp32_or_wider: under bf16 autocast the softmax runs in bf16
+        scores = torch.stack([torch.linalg.vecdot(qbar, kc) for kc in keys], 2)
+        return (scores / math.sqrt(qbar.shape[-1])).softmax(2)
+
+    planted = plant(weights)
+    test_contract_matches_its_naive_reference(planted)  # float64: right
+    with pytest.raises(ValueError, match="depth weights in torch.bfloat16; compute them in float32"):
+        test_contract_depth_weights_are_float32_under_bf16(planted)
 
 
 def test_the_contract_names_a_module_level_parameter(plant):
@@ -427,3 +637,45 @@ def test_the_contract_names_a_rule_that_mixes_the_batch(plant):
 
     with pytest.raises(AssertionError, match="mixes the batch"):
         test_contract_keeps_the_sequences_of_a_batch_apart(plant(weights))
+
+
+# ----------------------------------------------------------------------------- seams
+
+def test_a_rule_of_the_layer_and_the_depth_needs_no_module(plant):
+    """DepthMode.params may hand the weights any value, here the config: the sources' share grows
+    with e / n_eff_layer. No parameter is added; the rule runs looped and cached like any row's."""
+    def weights(qbar, keys, config, e):
+        share = e / config.n_eff_layer
+        w = qbar.new_tensor([share] * (len(keys) - 1) + [1.0], dtype=torch.float64)
+        B, n_kv, T, _ = qbar.shape
+        return (w / w.sum()).to(model_py.fp32_or_wider(qbar).dtype).view(1, 1, -1, 1).expand(
+            B, n_kv, len(keys), T)
+
+    def ref(qbar, cand_k, config, e):
+        w = [e / config.n_eff_layer] * (len(cand_k) - 1) + [1.0]
+        return [x / sum(w) for x in w]
+
+    planted = plant(weights, dict(params=lambda config, layer: config), ref)
+    assert not added_parameters(build(planted))
+    for clause in (test_contract_matches_its_naive_reference, test_contract_runs_looped,
+                   test_contract_cached_decoding_equals_the_full_forward,
+                   test_contract_depth_weights_are_float32_under_bf16):
+        clause(planted)
+
+
+def test_a_row_may_weigh_k_and_v_apart(plant):
+    """weights may return a pair, (K's weights, V's): here the paper's softmax for K and Uniform
+    Mix for V, in the reference too; the same pair swapped is another model, which it tells."""
+    def weights(qbar, keys):
+        return model_py.softmax_weights(qbar, keys), model_py.uniform_weights(qbar, keys)
+
+    def ref(qbar, cand_k):
+        return reference.softmax_ref(qbar, cand_k), reference.uniform_ref(qbar, cand_k)
+
+    planted = plant(weights, dict(mixes_k=True), ref)
+    for clause in (test_contract_matches_its_naive_reference, test_contract_runs_looped,
+                   test_contract_cached_decoding_equals_the_full_forward):
+        clause(planted)
+    REFERENCE_MODES["planted"] = (lambda qbar, cand_k: ref(qbar, cand_k)[::-1], "kv")
+    with pytest.raises(AssertionError, match="differ from the reference"):
+        test_contract_matches_its_naive_reference(planted)
