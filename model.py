@@ -200,8 +200,7 @@ def check_layout(alpha, qbar, C):  # a fork's (B, n_kv_head, T, C): at T = C onl
         raise ValueError(f"depth weights of shape {tuple(alpha.shape)}; want (B, n_kv_head, C, T) ="
                          f" {want}: candidates before positions")
     if alpha.dtype.itemsize < 4:  # bf16 weights sum to 1 +- 3e-3 (the paper's are float32)
-        raise ValueError(f"depth weights in {alpha.dtype}; compute them in float32 "
-                         f"(fp32_or_wider(scores).softmax(2), softmax_weights)")
+        raise ValueError(f"depth weights in {alpha.dtype}; compute them in float32 (fp32_or_wider)")
 
 
 def weighted_sum(alpha, xs):

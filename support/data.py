@@ -3,8 +3,7 @@ A prepared dataset, as train.py, eval.py and the memory plan read it: <data_root
 train.bin and val.bin (token ids, documents separated by the end-of-text token) and meta.json
 (the tokenizer, its vocabulary size, the ids' dtype, the token counts), written last by
 support/prepare.py, so a folder with meta.json is whole. Every reader opens the .bin files with
-`read_tokens`, in the dtype meta.json names: uint16 up to 65,536 ids (bytes, GPT-2, GPT-NeoX),
-uint32 above (Qwen3's 151,936, Llama 3's 128,256).
+`read_tokens`: uint16 up to 65,536 ids (bytes, GPT-2), uint32 above (Qwen3's 151,936).
 """
 import json
 from pathlib import Path

@@ -80,9 +80,8 @@ TRAIN_KEYS = {
     "resume": Key(False, "continue from out_dir/ckpt.pt", result=False, per_invocation=True),
     "init_from": Key("", "start from these weights, fresh optimizer: an out_dir, a ckpt.pt, a HF "
                      "folder or a hub id"),
-    "init_lr": Key("last", "--init_from a finished train.py run without --learning_rate: last = "
-                   "re-warm to its final rate (min_lr_ratio x its peak); peak = learning_rate, as "
-                   "a new run", choices=("last", "peak")),
+    "init_lr": Key("last", "--init_from a finished run, no --learning_rate: last = re-warm to its "
+                   "final rate, peak = learning_rate as a new run", choices=("last", "peak")),
     "overwrite": Key(False, "start over in an out_dir that holds a checkpoint, deleting it",
                      result=False, per_invocation=True),
     "sample_tokens": Key(200, "tokens of text sampled at the end of the run; 0 = none", ">= 0",
