@@ -2,8 +2,9 @@
 Problem 5, judged by the trusted parent from the runs the handout's command wrote (it trains
 nothing, and runs no code of the copy): every run finished with the handout's settings,
 results.json says what the logs say, each run's final checkpoint re-evaluated here on the
-validation windows gives the loss its log says, the losses are those of a correct model with value
-below vanilla, and the figure of the depth weights is there.
+validation windows gives the loss its log says and no lower a loss than on training text drawn
+afresh (a run trained on the validation windows fails), the losses are those of a correct model
+with value below vanilla, and the figure of the depth weights is there.
 
 The re-evaluation uses this grader's model.py and the embedded Shakespeare prepared afresh (never
 the copy's data), and reads the checkpoints as data (weights_only): a run folder written without
@@ -26,6 +27,8 @@ from support.errors import UserError
 HINT = f"run `{EXPERIMENT_COMMAND}` from the repository's folder (it resumes what it has)"
 EVAL_TOLERANCE = 1e-4  # float32 sums in another batching: 1e-6 apart; a model other than the
                        # logged one: far more
+TRAIN_WINDOWS = 256   # training windows a checkpoint is scored on: the mean to about 0.008
+SEEN_MARGIN = 0.02    # what loss on them above the validation loss a run of the handout may have
 
 
 class Fail(Exception):
@@ -90,44 +93,62 @@ def logged(out, results, grader):
              f"the paired difference of {run} is not its logs'")
 
 
-def validation(cfg) -> np.ndarray:
-    """The validation tokens of the run's dataset, prepared afresh here (the embedded Shakespeare
-    takes a second), never read from the copy."""
+def texts(cfg) -> tuple:
+    """The run's dataset, (train, val) tokens, prepared afresh here (the embedded Shakespeare takes
+    a second), never read from the copy."""
+    from support.data import load_meta, read_tokens
     from support.prepare import prepare
     need(cfg["dataset"] == "shakespeare", f"the runs trained on {cfg['dataset']}: {HINT}")
     with tempfile.TemporaryDirectory(prefix="grade-data") as tmp, \
             contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         folder = prepare("shakespeare", out_dir=tmp)  # its lines are not the grader's
-        return np.fromfile(Path(folder) / "val.bin",
-                           dtype=json.loads((Path(folder) / "meta.json").read_text())["dtype"])
+        meta = load_meta(folder)
+        return tuple(np.array(read_tokens(folder, split, meta)) for split in ("train", "val"))
 
 
 def val_loss(gpt, val, cfg) -> float:
     """The mean loss over the validation windows train.py evaluates (evenly spaced over val.bin)."""
+    offsets = np.linspace(0, len(val) - cfg["block_size"] - 1, cfg["eval_seqs"])
+    return mean_loss(gpt, val, offsets.round().astype(np.int64), cfg["block_size"])
+
+
+def mean_loss(gpt, tokens, offsets, T) -> float:
+    """The mean next-token loss of gpt over the windows tokens[o:o + T + 1]."""
     gpt.eval()
-    T = cfg["block_size"]
-    offsets = np.linspace(0, len(val) - T - 1, cfg["eval_seqs"]).round().astype(np.int64)
-    total, tokens = 0.0, 0
+    total, count = 0.0, 0
     with torch.no_grad():
         for i in range(0, len(offsets), 32):
-            windows = torch.from_numpy(np.stack([val[o:o + T + 1] for o in offsets[i:i + 32]])
+            windows = torch.from_numpy(np.stack([tokens[o:o + T + 1] for o in offsets[i:i + 32]])
                                        .astype(np.int64))  # train.py's windows: (n, T + 1)
             x, y = windows[:, :-1], windows[:, 1:]
             logits = gpt(x)[0]
             total += F.cross_entropy(logits.flatten(0, 1), y.flatten()).item() * y.numel()
-            tokens += y.numel()
-    return total / tokens
+            count += y.numel()
+    return total / count
+
+
+def not_trained_on_validation(gpt, train, val_said, cfg, where):
+    """A run of the handout's command scores 0.01-0.06 lower on text it trained on than on the
+    validation windows (six trained checkpoints of its base config, three draws each); one trained
+    on the validation windows scores lower on them. The training windows are drawn here, afresh: the copy cannot know them."""
+    T = cfg["block_size"]
+    offsets = np.random.default_rng().integers(0, len(train) - T - 1, TRAIN_WINDOWS)
+    seen = mean_loss(gpt, train, offsets, T)
+    need(seen - val_said <= SEEN_MARGIN,
+         f"{where}: its checkpoint scores {val_said:.4f} on the validation windows but {seen:.4f} "
+         f"on training text drawn at random: it learnt the validation windows, not the training "
+         f"split; {HINT}")
 
 
 def reevaluated(out, results, grader):
     """Each run's final checkpoint, scored on the validation windows train.py evaluates (evenly
-    spaced over val.bin), gives the loss its log ends with."""
+    spaced over val.bin), gives the loss its log ends with, and was not trained on them."""
     import model
     from support.sweep import final_val_loss, run_dir
-    val, checkpoints = None, {job: checkpoint(out, grader, *job) for job in jobs()}  # before any
+    data, checkpoints = None, {job: checkpoint(out, grader, *job) for job in jobs()}  # before any
     for (run, seed), (ckpt, cfg) in checkpoints.items():  # evaluation: a forgery fails at once
         where = run_dir(out, run, seed)
-        val = validation(cfg) if val is None else val
+        train, val = data = texts(cfg) if data is None else data
         try:
             gpt = model.GPT(model.ModelConfig(**ckpt["model_config"]))
             gpt.load_state_dict(ckpt["model"])
@@ -138,6 +159,7 @@ def reevaluated(out, results, grader):
         need(math.isfinite(loss) and abs(loss - said) < EVAL_TOLERANCE,
              f"{where}: its checkpoint scores {loss:.4f} on the validation windows, its log says "
              f"{said:.4f}: the log is not the checkpoint's; {HINT}")
+        not_trained_on_validation(gpt, train, said, cfg, where)
 
 
 def checkpoint(out, grader, run, seed):

@@ -372,7 +372,7 @@ def write_runs(out, given, measured, checkpoints, logged):
                 import model
                 torch.manual_seed(seed)
                 gpt = model.GPT(model_config(cfg))
-                val = experiment.validation(cfg) if val is None else val
+                val = experiment.texts(cfg)[1] if val is None else val
                 loss = experiment.val_loss(gpt, val, cfg) if measured else loss
                 torch.save({"model": gpt.state_dict(), "model_config": asdict(gpt.config),
                             "config": cfg, "step": cfg["max_iters"]}, where / "ckpt.pt")

@@ -15,8 +15,10 @@ from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from course import experiment, grade as grade_py, make as make_py
 from course.problems import EXPERIMENT, FIXTURES, MARKER
@@ -258,6 +260,37 @@ def test_problem_5_fabricated_runs_score_nothing(tmp_path):
     assert "holds another model than its run's: depth_mode 'vanilla' (the run's: 'value')" \
         in relabelled["each_checkpoint_gives_its_logged_loss"], relabelled
     assert "holds the same weights as value seed 0" in twice["each_checkpoint_gives_its_logged_loss"]
+
+
+def test_problem_5_a_model_trained_on_the_validation_windows_fails():
+    """The check on a tiny model: trained on training text it passes; trained on the validation
+    windows it scores lower on them than on training text, and fails by name."""
+    import model
+    train, val = experiment.texts({"dataset": "shakespeare"})
+    cfg = {"block_size": 32, "eval_seqs": 4}
+    offsets = np.linspace(0, len(val) - 33, 4).round().astype(np.int64)
+    verdicts = {}
+    for name, text, starts in (("honest", train, None), ("cheat", val, offsets)):
+        torch.manual_seed(0)
+        gpt = model.GPT(model.ModelConfig(vocab_size=257, block_size=32, n_layer=2, n_head=2,
+                                          n_kv_head=1, head_dim=16, n_embd=32, mlp_hidden=64))
+        opt = torch.optim.AdamW(gpt.parameters(), lr=1e-2)
+        rng = np.random.default_rng(0)
+        for _ in range(150):
+            batch = starts if starts is not None else rng.integers(0, len(text) - 33, 8)
+            w = torch.from_numpy(np.stack([text[o:o + 33] for o in batch]).astype(np.int64))
+            loss = F.cross_entropy(gpt(w[:, :-1])[0].flatten(0, 1), w[:, 1:].flatten())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        try:
+            experiment.not_trained_on_validation(gpt, train, experiment.val_loss(gpt, val, cfg),
+                                                 cfg, name)
+            verdicts[name] = None
+        except experiment.Fail as e:
+            verdicts[name] = str(e)
+    assert verdicts["honest"] is None, verdicts
+    assert verdicts["cheat"] and "learnt the validation windows" in verdicts["cheat"], verdicts
 
 
 def test_problem_5s_checks_of_the_records(tmp_path):
