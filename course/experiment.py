@@ -130,7 +130,8 @@ def mean_loss(gpt, tokens, offsets, T) -> float:
 def not_trained_on_validation(gpt, train, val_said, cfg, where):
     """A run of the handout's command scores 0.01-0.06 lower on text it trained on than on the
     validation windows (six trained checkpoints of its base config, three draws each); one trained
-    on the validation windows scores lower on them. The training windows are drawn here, afresh: the copy cannot know them."""
+    on the validation windows scores lower on them. The training windows are drawn here, afresh:
+    the copy cannot know them."""
     T = cfg["block_size"]
     offsets = np.random.default_rng().integers(0, len(train) - T - 1, TRAIN_WINDOWS)
     seen = mean_loss(gpt, train, offsets, T)

@@ -2,9 +2,9 @@
 What a graded test asks of a model.py, and the process that asks it of a student's.
 
 Each op takes a model module and plain inputs (tensors, lists, dicts of numbers) and returns plain
-outputs. course/grade.py runs the ops twice: in a sandboxed child process (course/sandbox.py) on the
-student's model.py (`serve` below), and in the trusted parent on the reference model.py for the expected outputs (or reads
-them from the practice fixtures in a student copy). The child imports only torch and the student's
+outputs. course/grade.py runs the ops twice: in a sandboxed child process (course/sandbox.py) on
+the student's model.py (`serve` below), and in the trusted parent on the reference model.py for
+the expected outputs (or reads them from the practice fixtures in a student copy). The child imports only torch and the student's
 model.py; it never sees the expected outputs, the report or a grader file. It talks to the parent
 over two pipes, in torch.save's format; the parent reads the child's answers with
 torch.load(weights_only=True), so a child can send data, never code.
