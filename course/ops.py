@@ -4,10 +4,10 @@ What a graded test asks of a model.py, and the process that asks it of a student
 Each op takes a model module and plain inputs (tensors, lists, dicts of numbers) and returns plain
 outputs. course/grade.py runs the ops twice: in a sandboxed child process (course/sandbox.py) on
 the student's model.py (`serve` below), and in the trusted parent on the reference model.py for
-the expected outputs (or reads them from the practice fixtures in a student copy). The child imports only torch and the student's
-model.py; it never sees the expected outputs, the report or a grader file. It talks to the parent
-over two pipes, in torch.save's format; the parent reads the child's answers with
-torch.load(weights_only=True), so a child can send data, never code.
+the expected outputs (or reads them from the practice fixtures in a student copy). The child
+imports only torch and the student's model.py; it never sees the expected outputs, the report or
+a grader file. It talks to the parent over two pipes, in torch.save's format; the parent reads
+the child's answers with torch.load(weights_only=True), so a child can send data, never code.
 
 While problem 3 is graded, the child's functions of problems 1, 2 and 4 are stubs that ask the
 parent: it answers a call of a function the running op stubs, no larger than the op's inputs, with
