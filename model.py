@@ -65,8 +65,7 @@ class ModelConfig:
         need(self.n_head % self.n_kv_head == 0, f"ModelConfig: n_head ({self.n_head}) must be a "
              f"multiple of n_kv_head ({self.n_kv_head}); pick n_kv_head from the divisors of "
              f"n_head")
-        need(self.head_dim % 2 == 0, f"ModelConfig: head_dim must be even for RoPE, got "
-             f"{self.head_dim}")
+        need(self.head_dim % 2 == 0, f"ModelConfig: head_dim must be even (RoPE): {self.head_dim}")
         need(self.depth_mode in DEPTH_MODES, f"ModelConfig: unknown depth_mode "
              f"{self.depth_mode!r}; choose one of {', '.join(DEPTH_MODES)} (baselines.py's row, "
              f"lime, needs baselines imported)")
@@ -139,6 +138,7 @@ class DepthMode:
     params: Optional[Callable] = None  # a learned rule: (config, layer) -> one block's nn.Module
     # (Attention.depth_params; or any value, the config); weights gets (qbar, keys, it, e)
     starts_as: Optional[str] = None  # a learned row's base: the row it equals at init (contract)
+    shared: bool = False  # params built once per model: every block holds the first block's
 
     def __post_init__(self):
         if self.decode_kernel and self.weights is not softmax_weights:
@@ -181,7 +181,6 @@ def depth_mix(q, k, v, src_k, src_v, mode: DepthMode, rule=()):
     those of the unrotated vectors and mixing keys commutes with it (README, "Where we deviate").
     Returns (k_out, v_out, alpha (B, n_kv_head, C, T)). rule: a learned row's (depth_params, e).
     Weights may be a pair (K's, V's) to weigh the two apart; alpha is then V's.
-    A decode step of a row with decode_kernel runs depth_mix_one instead (Attention.depth_step).
     """
     keys, values = src_k + [k], src_v + [v]
     qbar = group_mean(q, k.shape[1])                                   # (B, n_kv_head, T, D)
@@ -287,7 +286,6 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # Normalise in at least float32 (bf16 activations under autocast), as Qwen3 does.
         return F.rms_norm(fp32_or_wider(x), (x.shape[-1],), eps=self.eps).type_as(x) * self.weight
 
 
@@ -430,8 +428,10 @@ class GPT(nn.Module):
             need(src == sorted(set(src)), f"ModelConfig: sources({e}) gives {src}: each source "
                  f"once, ascending (a duplicate or unsorted source); fix ModelConfig.sources")
         self.last_reader = {j: e for e, src in enumerate(self.depth_sources) for j in src}
-        rows = {m for a in self.modules() if isinstance(getattr(a, "depth_params", None), nn.Module)
-                for m in a.depth_params.modules()}  # a learned row's: its own init (starts_as)
+        held = [a for a in self.modules() if isinstance(getattr(a, "depth_params", 0), nn.Module)]
+        for a in held[1:] if DEPTH_MODES[config.depth_mode].shared else ():  # one set per model
+            a.depth_params = held[0].depth_params
+        rows = {m for a in held for m in a.depth_params.modules()}  # a row's own init (starts_as)
         self.apply(lambda module: module in rows or self._init_weights(module))
 
     def run_layers(self, x, cos, sin, cache):

@@ -17,8 +17,7 @@ def depth_cost(config: ModelConfig, bytes_per_element: int = 2) -> dict:
     value: FLOPs 4 d_kv C (2 for the scores, 2 for the mix); activation I/O bytes (2C + L) d_kv
     (read K and V of each candidate, write one vector per layer). Uniform Mix has no scores and
     reads only V; a row mixing K mixes and writes it too. The KV cache is vanilla's in every
-    mode; extra_params counts a learned row's params. LIMe's terms are its own formula,
-    baselines.lime_cost (by depth_mode in baselines.DEPTH_COSTS)."""
+    mode; extra_params counts a learned row's params. LIMe's: baselines.lime_cost (DEPTH_COSTS)."""
     if config.depth_mode in BASELINE_MODES:  # a config naming it has imported baselines already
         from baselines import DEPTH_COSTS
         if config.depth_mode in DEPTH_COSTS:
@@ -36,10 +35,11 @@ def depth_cost(config: ModelConfig, bytes_per_element: int = 2) -> dict:
 
 
 def learned_params(config: ModelConfig, mode: DepthMode) -> int:
-    """The number of a learned row's parameters over the blocks (built on the meta device)."""
+    """A learned row's parameters over the blocks (on the meta device); a shared row's once."""
     if mode.params is None:
         return 0
     with torch.device("meta"):
         held = [Attention(config, layer).depth_params for layer in range(config.n_layer)]
-    return sum(p.numel() for params in held if isinstance(params, torch.nn.Module)
+    held = [params for params in held if isinstance(params, torch.nn.Module)]
+    return sum(p.numel() for params in held[:1 if mode.shared else None]  # DepthMode.shared
                for p in params.parameters())

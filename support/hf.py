@@ -228,9 +228,8 @@ def from_pretrained(path_or_hub_id, dtype=None) -> GPT:
                             f"{folder}/config.json")
     with torch.device("meta"):
         model = build_model(config)
-    expected = {k: v.shape for k, v in model.state_dict().items()}
-    if config.tie_embeddings:
-        expected.pop("lm_head.weight")
+    tied = shared_names(model)  # stored once, tied again below
+    expected = {k: v.shape for k, v in model.state_dict().items() if k not in tied}
     state = {}
     for name, t in read_safetensors(folder).items():
         ours = our_name(name)
@@ -251,12 +250,22 @@ def from_pretrained(path_or_hub_id, dtype=None) -> GPT:
             f"{f' and {len(missing) - 5} more' if len(missing) > 5 else ''}")
     dtype = dtype or state["embed_tokens.weight"].dtype
     state = {k: v if v.dtype == dtype else v.to(dtype) for k, v in state.items()}
-    if config.tie_embeddings:
-        state["lm_head.weight"] = state["embed_tokens.weight"]
-    model.load_state_dict(state, assign=True)
-    if config.tie_embeddings:  # assignment replaced the shared parameter; share it again
-        model.lm_head.weight = model.embed_tokens.weight
+    model.load_state_dict({**state, **{k: state[first] for k, first in tied.items()}}, assign=True)
+    for name, first in tied.items():  # assignment replaced the shared parameter; share it again
+        owner, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(owner), attr, model.get_parameter(first))
     return model
+
+
+def shared_names(model) -> dict:
+    """{name: the first name of the same tensor} for a tensor the model holds under several names
+    (a tied lm_head; a learned row's parameters held by every block, DepthMode.shared): an export
+    stores it once, under its first name, and from_pretrained ties it again."""
+    first, tied = {}, {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if first.setdefault(id(t), name) != name:
+            tied[name] = first[id(t)]
+    return tied
 
 
 def bytes_tokenizer_json() -> str:
@@ -293,8 +302,9 @@ def save_pretrained(model: GPT, out_dir, tokenizer, overwrite=False, sources=())
         raise CheckpointError(
             f"the tokenizer {tokenizer.name} has {tokenizer.n_vocab} tokens, more than the model's "
             f"vocab_size {model.config.vocab_size}: it is not this model's tokenizer")
+    tied = shared_names(model)  # stored once (a tied lm_head, a row shared by every block)
     state = {hf_name(k): v.detach().to("cpu").contiguous() for k, v in model.state_dict().items()
-             if not (k == "lm_head.weight" and model.config.tie_embeddings)}  # not stored twice
+             if k not in tied}
     cfg = hf_config(model.config, model.embed_tokens.weight.dtype,
                     getattr(tokenizer, "eot_token", None))
     clean_stale(out, hidden=True)  # a killed export's .NAME.tmp<pid>, .NAME.old<pid>

@@ -20,8 +20,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from model import DEPTH_MODES
 from support.cli import SHARDED, SHARDED_OLD, reason
-from support.errors import CheckpointError
+from support.errors import CheckpointError, ConfigError
 from support.run_dir import fsync_dir, save_checkpoint
 
 
@@ -29,6 +30,10 @@ def shard(model, bf16):
     """FSDP2 in place: every decoder block one unit, the rest (embeddings, final norm, head, a
     baseline's model-level modules) the root unit. Returns the parameters left replicated (see
     below)."""
+    mode = model.config.depth_mode
+    if DEPTH_MODES[mode].shared:  # one module in every block would be in every block's unit
+        raise ConfigError(f"--parallel=fsdp shards each block apart, and {mode} shares its "
+                          f"parameters across the blocks (DepthMode.shared); use --parallel=ddp")
     from torch.distributed.fsdp import (MixedPrecisionPolicy, fully_shard,
                                         register_fsdp_forward_method)
     # FSDP2 warns of every view a unit returns: an in-place op on it would lose the unit's

@@ -9,6 +9,7 @@ helpers.contract_variants, which tests/parallel_driver.py trains too), and REFER
 naive reference's registries (tests/reference.py: REFERENCE_MODES, MODEL_REFERENCES), so a new row,
 source rule or baseline is held to the contract with no edit here; docs/forking.md's examples are
 registered at test time and run through every clause (test_the_forking_examples_pass_...)."""
+import copy
 import importlib
 import itertools
 import math
@@ -204,8 +205,13 @@ def test_contract_round_trips_through_a_checkpoint_and_an_export(variant, tmp_pa
     exported = hf.from_pretrained(tmp_path / "hf").eval()
     monkeypatch.chdir(tmp_path)
     theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
-    state = model.state_dict()
-    for name, m in (("checkpoint", loaded), ("export", exported)):
+    state, tied = model.state_dict(), hf.shared_names(model)
+    runs = [("checkpoint", loaded), ("export", exported)]
+    runs += [("transformers", theirs.gpt)] if hasattr(theirs, "gpt") else []  # not a Qwen3 folder
+    for name, m in runs:
+        assert hf.shared_names(m) == tied, (
+            f"{name}: the tensors {variant} shares come back as {hf.shared_names(m)}, not {tied}: "
+            f"share the module (DepthMode.shared), not a Parameter between modules")
         theirs_state = m.state_dict()
         assert theirs_state.keys() == state.keys(), f"{name}: {theirs_state.keys() ^ state.keys()}"
         assert all(torch.equal(theirs_state[k], t) for k, t in state.items()), name
@@ -392,6 +398,11 @@ def learned_example(monkeypatch):
 
 
 @pytest.fixture
+def shared_example(monkeypatch):
+    yield from row_example("Parameters shared by every layer", monkeypatch)
+
+
+@pytest.fixture
 def source_example(monkeypatch):
     """A new source rule as a fork writes it: ModelConfig.sources replaced in model.py (and in the
     exported model.py), reference_sources in tests/reference.py with the keys that select the
@@ -454,6 +465,102 @@ def test_the_learned_example_passes_the_whole_contract(learned_example, tmp_path
     assert sorted(alphas) == [e for e, src in enumerate(model.depth_sources) if src]
     assert depth_cost(model.config)["extra_params"] == sum(
         model.get_parameter(n).numel() for n in names)
+
+
+def test_the_shared_example_passes_the_whole_contract(shared_example, tmp_path, monkeypatch):
+    """And its one vector is what the page says: held by every block, counted once, the sum of
+    every layer's gradient (the blocks given copies of it instead), and a resumed run, its
+    optimizer's state included, continues exactly and still shares it."""
+    import io
+    from support.run_config import DEFAULTS
+    import train
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+    run_every_clause(shared_example, tmp_path, monkeypatch)
+    export = tmp_path / test_contract_round_trips_through_a_checkpoint_and_an_export.__name__
+    theirs = AutoModelForCausalLM.from_pretrained(export / "hf", trust_remote_code=True)
+    theirs.save_pretrained(export / "again")  # a fine-tuned model saved by transformers
+    again, idx = hf.from_pretrained(export / "again"), torch.randint(0, 257, (2, 6))
+    assert hf.shared_names(again) == hf.shared_names(theirs.gpt) != {}
+    with torch.no_grad():
+        assert torch.equal(again(idx)[0], theirs.gpt(idx)[0])
+    for folder in ("hf", "again"):
+        with safe_open(export / folder / "model.safetensors", "pt") as f:
+            stored = [k for k in f.keys() if "depth_params" in k]
+        assert stored == ["model.layers.1.self_attn.depth_params.bias"], (folder, stored)
+    model = build(shared_example)
+    held = [b.self_attn.depth_params for b in model.layers[1:]]
+    bias = held[0].bias
+    assert all(m is held[0] for m in held) and len(held) > 1, "every block holds the one module"
+    assert added_parameters(model) == ["layers.1.self_attn.depth_params.bias"]
+    vanilla = build_model(tiny_config(vocab_size=257, depth_mode="vanilla")).num_params()
+    assert model.num_params() - vanilla == bias.numel() == depth_cost(model.config)["extra_params"]
+    model(idx, idx)[1].backward()
+    apart = build(shared_example)
+    for block in apart.layers[2:]:  # the blocks given copies: each layer's own gradient
+        block.self_attn.depth_params = copy.deepcopy(block.self_attn.depth_params)
+    apart(idx, idx)[1].backward()
+    grads = [b.self_attn.depth_params.bias.grad for b in apart.layers[1:]]
+    assert all(g.abs().max() > 0 for g in grads), "a layer's gradient does not reach the vector"
+    diff = (bias.grad - sum(grads)).abs().max().item()
+    assert diff < 1e-12, f"the shared vector's gradient is not every layer's, off by {diff:.3e}"
+
+    def run(model, optimizer, steps):  # train.py's step: AdamW on the groups make_optimizer makes
+        for _ in range(steps):
+            optimizer.zero_grad()
+            model(idx, idx)[1].backward()
+            optimizer.step()
+    runs = [build(shared_example) for _ in range(2)]
+    opts = [train.make_optimizer(m, DEFAULTS, "cpu") for m in runs]
+    run(runs[0], opts[0], 3)
+    run(runs[1], opts[1], 2)
+    saved = io.BytesIO()
+    torch.save({"model": runs[1].state_dict(), "optimizer": opts[1].state_dict()}, saved)
+    resumed = build(shared_example)
+    opt = train.make_optimizer(resumed, DEFAULTS, "cpu")
+    saved.seek(0)
+    ckpt = torch.load(saved)
+    resumed.load_state_dict(ckpt["model"])  # as train.py resumes
+    opt.load_state_dict(ckpt["optimizer"])
+    run(resumed, opt, 1)
+    assert hf.shared_names(resumed) == hf.shared_names(runs[0])
+    assert all(torch.equal(a, b) for a, b in zip(resumed.parameters(), runs[0].parameters()))
+    from support.errors import ConfigError
+    from support.sharded import shard
+    with pytest.raises(ConfigError, match="fsdp shards each block apart.*--parallel=ddp"):
+        shard(resumed, bf16=False)  # refused before any process group is needed
+
+
+# a fork's sharing by hand: one Parameter in every block's own module (not DepthMode.shared)
+SHARED_PARAMETER = """
+BIASES = {}  # id(config) -> the one bias of that model
+
+
+class Bias(nn.Module):
+    def __init__(self, config, layer):
+        super().__init__()
+        self.bias = BIASES.setdefault(id(config), nn.Parameter(torch.zeros(config.n_eff_layer)))
+
+
+def biased_weights(qbar, keys, params, e):
+    scores = torch.stack([torch.linalg.vecdot(qbar, kc) for kc in keys], 2)
+    bias = params.bias[:len(keys)].view(1, 1, -1, 1)
+    return (fp32_or_wider(scores) / math.sqrt(qbar.shape[-1]) + bias).softmax(2)
+
+
+DEPTH_MODES["planted"] = DepthMode(biased_weights, mixes_v=True, params=Bias, starts_as="value")
+"""
+
+
+def test_the_contract_names_a_parameter_shared_between_modules(plant, tmp_path, monkeypatch):
+    """Loading by assignment gives each name its own tensor: transformers unties a Parameter
+    shared between modules (a module shared by DepthMode.shared stays one), and the round trip
+    names it."""
+    planted = plant(model_py.softmax_weights, ref=biased_ref)  # the row itself: below
+    exec(SHARED_PARAMETER, dict(vars(model_py)))
+    export_fork(monkeypatch, (ROOT / "model.py").read_text() + SHARED_PARAMETER)
+    with pytest.raises(AssertionError, match="transformers: the tensors planted shares.*module"):
+        test_contract_round_trips_through_a_checkpoint_and_an_export(planted, tmp_path, monkeypatch)
 
 
 def test_the_source_example_passes_the_whole_contract(source_example, tmp_path, monkeypatch):

@@ -151,6 +151,13 @@ class DepthAttentionForCausalLM(PreTrainedModel, GenerationMixin):
             if name != "lm_head":
                 self.model.add_module(name, module)
         self.lm_head = gpt.lm_head
+        # a tensor held under several names (a row's parameters shared by every block,
+        # DepthMode.shared) is saved once, under its first name, as a tied lm_head is
+        first = {}
+        self._tied_weights_keys = {**self._tied_weights_keys, **{
+            f"model.{name}": f"model.{first[id(p)]}" for name, p in
+            gpt.named_parameters(remove_duplicate=False)
+            if first.setdefault(id(p), name) != name and name != "lm_head.weight"}}
         self.unwrap = None  # undoes gradient checkpointing's wrappers (variants.wrap_units)
         self.post_init()
 
