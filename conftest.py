@@ -1,4 +1,5 @@
 import random
+import signal
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -10,6 +11,10 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 # tests/'s shared modules (helpers, the naive reference) for test_model.py too, run alone.
 sys.path.insert(1, str(ROOT / "tests"))
+# A suite started in the background by a script (`cmd &`) inherits SIGINT ignored, and so would
+# every script it starts (an ignored signal survives exec): the Ctrl-C tests would wait on scripts
+# that never hear it. A handler, unlike SIG_IGN, is reset to the default in a child.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 from support.variants import build_model, make_config  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
