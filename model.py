@@ -180,26 +180,26 @@ def depth_mix(q, k, v, src_k, src_v, mode: DepthMode, rule=()):
     q and k arrive after RoPE; every candidate carries the same rotation R_t, so the scores are
     those of the unrotated vectors and mixing keys commutes with it (README, "Where we deviate").
     Returns (k_out, v_out, alpha (B, n_kv_head, C, T)). rule: a learned row's (depth_params, e).
-    Weights may be a pair (K's, V's) to weigh the two apart; alpha is then V's.
     """
     keys, values = src_k + [k], src_v + [v]
     qbar = group_mean(q, k.shape[1])                                   # (B, n_kv_head, T, D)
     alpha = mode.weights(qbar, keys, *rule)                            # (B, n_kv_head, C, T)
-    alpha_k, alpha = alpha if isinstance(alpha, tuple) else (alpha, alpha)  # a pair: K's, V's
-    for a in (alpha_k, alpha):
-        check_layout(a, qbar, len(keys))
+    pair = alpha if isinstance(alpha, tuple) else (alpha,)  # or K's and V's apart (alpha: V's)
+    check_layout(pair, qbar, len(keys))
+    alpha_k, alpha = pair[0], pair[-1]
     k_out = weighted_sum(alpha_k, keys) if mode.mixes_k else k
     v_out = weighted_sum(alpha, values) if mode.mixes_v else v
     return k_out, v_out, alpha
 
 
-def check_layout(alpha, qbar, C):  # a fork's (B, n_kv_head, T, C): at T = C only values tell
+def check_layout(pair, qbar, C):  # a fork's (B, n_kv_head, T, C): at T = C only values tell
     want = (*qbar.shape[:2], C, qbar.shape[2])
-    if alpha.shape != want:  # the message is built only when it is raised: this runs every layer
-        raise ValueError(f"depth weights of shape {tuple(alpha.shape)}; want (B, n_kv_head, C, T) ="
-                         f" {want}: candidates before positions")
-    if alpha.dtype.itemsize < 4:  # bf16 weights sum to 1 +- 3e-3 (the paper's are float32)
-        raise ValueError(f"depth weights in {alpha.dtype}; compute them in float32 (fp32_or_wider)")
+    for alpha in pair:  # each once: this runs every layer; a message is built only when raised
+        if alpha.shape != want:
+            raise ValueError(f"depth weights of shape {tuple(alpha.shape)}; want (B, n_kv_head, C, "
+                             f"T) = {want}: candidates before positions")
+        if alpha.dtype.itemsize < 4:  # bf16 weights sum to 1 +- 3e-3 (the paper's are float32)
+            raise ValueError(f"depth weights in {alpha.dtype}; compute them in float32 (fp32_or_wider)")
 
 
 def weighted_sum(alpha, xs):
