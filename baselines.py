@@ -32,6 +32,7 @@ a flat dict of keys names (checkpoint.build_model imports this file only for one
 
     model = build_model(dict(residual="mhc", depth_mode="vanilla", n_layer=12))
 """
+import functools
 import math
 from dataclasses import dataclass, fields
 
@@ -524,7 +525,13 @@ def checkpoint_units(model) -> list:
     return units
 
 
-def wrap_units(model, wrap):
+def recompute(method):
+    """A unit under activation checkpointing: only its inputs are kept, the rest recomputed in
+    the backward pass (non-reentrant: it takes keyword arguments, outputs without gradient)."""
+    return functools.partial(torch.utils.checkpoint.checkpoint, method, use_reentrant=False)
+
+
+def wrap_units(model, wrap=recompute):
     """Replace every unit's method by wrap(method) (an instance attribute shadows the class's, and
     nn.Module.__call__ finds it); returns the function that puts them back."""
     units = checkpoint_units(model)

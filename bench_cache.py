@@ -16,9 +16,11 @@ prefill and of a training step's forward and backward (measured once each); the 
 time per token and a training step (forward, backward, AdamW), each the median of interleaved repeats.
 Every figure has its ratio to vanilla measured in the same run. `value@3` is the value mode with
 n_loops=3; its baseline is `vanilla@3`, added when missing. Then the analytic per-token cost of the depth
-step (support.cost.depth_cost) and the paper's Table 2 for its 3B model.
+step (depth_cost) and the paper's Table 2 for its 3B model.
 """
-import support.interrupt  # noqa: F401  first: Ctrl-C during the imports is one line, exit 130
+import configurator  # first, so that Ctrl-C during the imports below is one line, exit 130
+if __name__ == "__main__":
+    configurator.interruptible()
 import json
 import math
 import os
@@ -31,27 +33,34 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from baselines import BASELINES, DEPTH_MODES
-from support.variants import BaselineConfig, build_model, make_config
-from support.cost import depth_cost
-from support import hf, paper
-from support.memory import allocator_peak
-from support.cli import not_a_choice, reason, require, resolve_device, table
-from support.atomic import write_atomically
-from support.outputs import mark, output_file
-from support.config import Key, check_keys, key_table, parse_config, read_config_file
-from support.errors import USER_ERRORS, ConfigError, run_main
-from support.run_config import TRAIN_KEYS
+from itertools import accumulate
+
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile
+
+import train
+from baselines import BASELINES, DEPTH_COSTS, DEPTH_MODES, BaselineConfig, build_model, make_config
+from configurator import (ConfigError, Key, dataclass_keys, not_a_choice, parse, read_config_file,
+                          reason, require, resolve_device, run_main)
+from model import Attention, ModelConfig, uniform_weights
+from outputs import mark, output_file, write_atomically
 
 # The paper's shapes (section 3), read from their training configs. The 3B one also feeds Table 2.
 CONFIGS = Path(__file__).resolve().parent / "configs"
 PRESETS = {"paper_3b": CONFIGS / "paper_3b_value.py", "paper_1p5b": CONFIGS / "paper_1p5b_value.py"}
 
-# train.py's keys (help, choices) at the model's defaults; `modes` replaces depth_mode and residual
-MODEL_KEYS = {k: replace(TRAIN_KEYS[k], default=v) for k, v in asdict(BaselineConfig()).items()
-              if k not in ("depth_mode", "residual")}
+# the model's keys at its defaults; `modes` replaces depth_mode, residual and attention
+MODEL_KEYS = {k: key for k, key in dataclass_keys(BaselineConfig).items()
+              if k not in ("depth_mode", "residual", "attention")}
 MODEL_KEYS["vocab_size"] = replace(MODEL_KEYS["vocab_size"],
                                    help="the random tokens' vocabulary (paper: GPT-NeoX 50304)")
+# Table 2 of the paper, its 3B model (fp16): extra cost per token over vanilla, quoted. The depth
+# step's row is also derived by depth_cost; the baselines' FLOPs and I/O derivations are not given.
+TABLE2_DEPTH_ATTENTION = {"flops_per_token": 2.40e5, "io_kib_per_token": 282}
+TABLE2_BASELINES = {"DenseFormer": {"flops_per_token": 5.01e6, "io_mib_per_token": 4.97},
+                    "AttnRes": {"flops_per_token": 4.26e6, "io_mib_per_token": 4.44},
+                    "mHC": {"flops_per_token": 4.72e7, "io_mib_per_token": 8.63}}
+TABLE2_PREFILL_TOKENS = 128 * 1024  # Table 2 quotes the extra prefill memory at 128K tokens
 BASELINE_MODES = tuple(BASELINES)  # denseformer, attnres, mhc: mix hidden states, vanilla attention
 TRANSFORMERS = "transformers"  # transformers' Qwen3ForCausalLM with vanilla's weights
 OTHER_MODES = BASELINE_MODES + (TRANSFORMERS,)  # compared with vanilla; no depth step of their own
@@ -76,7 +85,6 @@ KEYS = {**MODEL_KEYS,
     "seed": Key(0, "weights and tokens", ">= 0"),
     "json": Key("", "write the results here too"),
 }
-DEFAULTS, HELP, _, CHOICES = key_table(KEYS)
 
 METRICS = ("cache_bytes", "prefill_peak_bytes", "train_peak_bytes", "prefill_s",
            "decode_s_per_token", "train_step_s")
@@ -85,7 +93,8 @@ TIMED = METRICS[3:]
 
 def preset(name) -> dict:
     """The model keys of a paper config (its training keys are train.py's)."""
-    return {k: v for k, v in read_config_file(PRESETS[name]).items() if k in MODEL_KEYS}
+    return {k: v for k, v in read_config_file(PRESETS[name], train.table(True)).items()
+            if k in MODEL_KEYS}
 
 
 def resolve(argv):
@@ -99,14 +108,15 @@ def resolve(argv):
 def parse_args(argv):
     """The command line as a config, checked (keys, types, ranges, modes, the device); it writes
     and loads nothing."""
-    cfg = parse_config(DEFAULTS, argv, __doc__, CHOICES, HELP)
-    check_keys(cfg, KEYS)
+    cfg = parse(argv, KEYS, __doc__)
     if cfg["preset"]:
         if cfg["preset"] not in PRESETS:
             raise not_a_choice("--preset", cfg["preset"], PRESETS)
-        cfg = parse_config({**DEFAULTS, **preset(cfg["preset"])}, argv)  # the command line wins
-    # "cuda" is the current GPU (CUDA_VISIBLE_DEVICES picks another); mps is not measured
-    cfg["device"] = resolve_device(cfg["device"], allowed=("cpu", "cuda"))
+        defaults = {k: key.default for k, key in KEYS.items()}
+        cfg = parse(argv, KEYS, __doc__, {**defaults, **preset(cfg["preset"])})  # argv wins
+    cfg["device"] = resolve_device(cfg["device"])  # cuda: the current GPU (CUDA_VISIBLE_DEVICES)
+    if cfg["device"] == "mps":
+        raise ConfigError("bench_cache.py measures cpu or cuda; give --device=cpu")
     if cfg["dtype"] == "auto":
         cfg["dtype"] = ("bfloat16" if cfg["device"] == "cuda" and torch.cuda.is_bf16_supported()
                         else "float32")
@@ -117,7 +127,7 @@ def parse_args(argv):
     for label in labels:
         try:
             model_config(cfg, label)
-        except USER_ERRORS as e:  # model.ConfigError
+        except ValueError as e:  # model.ConfigError
             raise ConfigError(f"mode {label}: {e}") from e
     # a valid mode's baseline is valid: the same shape and loops, vanilla attention
     for label in list(labels):
@@ -164,10 +174,34 @@ def model_config(cfg, label):
                           "n_loops": int(loops or cfg["n_loops"])})
 
 
+def depth_cost(config: ModelConfig, bytes_per_element: int = 2) -> dict:
+    """Per-token extra cost of the depth step over vanilla, the paper's formulas (Table 2).
+    C = candidates (sources plus self) summed over the layers, d_kv = n_kv_head * head_dim.
+    value: FLOPs 4 d_kv C (2 for the scores, 2 for the mix); activation I/O bytes (2C + L) d_kv
+    (read K and V of each candidate, write one vector per layer). Uniform Mix has no scores and
+    reads only V; a row mixing K mixes and writes it too. The KV cache is vanilla's in every
+    mode; extra_params counts a learned row's parameters. LIMe's: baselines.lime_cost."""
+    if config.depth_mode in DEPTH_COSTS:
+        return DEPTH_COSTS[config.depth_mode](config, bytes_per_element)
+    mode = DEPTH_MODES[config.depth_mode]
+    L, d_kv = config.n_eff_layer, config.n_kv_head * config.head_dim
+    C = sum(len(config.sources(e)) + 1 for e in range(1, L)) if mode.mixes else 0
+    n_mix = mode.mixes_k + mode.mixes_v                    # vectors mixed per layer: K, V or both
+    scored = mode.mixes and mode.weights is not uniform_weights  # <qbar, K_c> per candidate
+    reads = C * ((scored or mode.mixes_k) + mode.mixes_v)  # each candidate's K and/or V, once
+    writes = n_mix * L if C else 0  # the paper counts L written vectors (Table 2: L = 48)
+    with torch.device("meta"):  # a learned row's parameters over the blocks
+        params = [Attention(config, layer).depth_params for layer in range(config.n_layer)]
+    return {"candidates": C, "flops_per_token": 2 * d_kv * C * (scored + n_mix),
+            "io_bytes_per_token": bytes_per_element * (reads + writes) * d_kv,
+            "extra_persistent_bytes": 0,
+            "extra_params": sum(p.numel() for m in params if m is not None for p in m.parameters())}
+
+
 def build(cfg, label):
     torch.manual_seed(cfg["seed"])
     with torch.device(cfg["device"]):
-        model = build_model(model_config(cfg, label))
+        model = build_model(asdict(model_config(cfg, label)))
         model = TransformersQwen3(model) if label == TRANSFORMERS else model
         return model.to(getattr(torch, cfg["dtype"]))
 
@@ -180,9 +214,10 @@ class TransformersQwen3(torch.nn.Module):
     def __init__(self, ours):
         super().__init__()
         transformers = require("transformers", "--modes=transformers", pip="transformers")
+        from lab.export import hf_config, hf_name  # the export's config.json is a Qwen3Config's
         self.hf = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
-            **hf.hf_config(ours.config, ours.lm_head.weight.dtype), attn_implementation="sdpa"))
-        self.hf.load_state_dict({hf.hf_name(k): v for k, v in ours.state_dict().items()})
+            **hf_config(ours.config, ours.lm_head.weight.dtype), attn_implementation="sdpa"))
+        self.hf.load_state_dict({hf_name(k): v for k, v in ours.state_dict().items()})
         self.cache_class = transformers.DynamicCache
 
     def forward(self, idx, targets=None, cache=None):
@@ -226,7 +261,37 @@ def tokens(cfg):
     return torch.randint(cfg["vocab_size"], shape, generator=g).to(cfg["device"])
 
 
-def peak_memory(model, cfg, toks, samples):
+def allocator_peak(work, device="cpu") -> int:
+    """The most bytes the allocator held, above what it held when work() began, while work() ran:
+    CUDA's peak statistic on a GPU; on a CPU torch.profiler's allocation records, which are exact
+    and repeatable, where the process's RSS would move with glibc keeping freed memory."""
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        work()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        work()
+
+    def allocations(events):  # (time, bytes) of every allocation (+) and free (-), a private but
+        for event in events:  # stable API: torch.profiler's memory timeline reads the same
+            if event.typed[0] == _EventType.Allocation:
+                yield event.start_time_ns, event.typed[1].alloc_size
+            yield from allocations(event.children)
+    events = sorted(allocations(prof.profiler.kineto_results.experimental_event_tree()))
+    return max(accumulate((size for _, size in events), initial=0))
+
+
+def table(rows, header) -> str:
+    """Rows of values as aligned plain-text columns under header."""
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
+                     for r in [header] + rows)
+
+
+def phase_peaks(model, cfg, toks, samples):
     """Bytes the allocator held above what it held before, at the peak of (1) allocating the cache
     and the prefill, (2) a training step's forward and backward (gradients included, optimizer
     excluded), each after one untimed run (library workspaces are allocated once)."""
@@ -252,9 +317,11 @@ def timed(fn, device):
 
 
 def train_step(model, cfg, toks, opts=()):
-    """Forward, backward and each optimizer's step (with none: forward and backward alone)."""
-    P = cfg["prompt_len"]
-    model(toks[:, :P], targets=toks[:, 1:P + 1])[1].backward()
+    """train.py's step (forward, backward, the clip), then each optimizer's (with none: the
+    forward and backward alone)."""
+    P, proc = cfg["prompt_len"], train.Process(0, 1, cfg["device"], False, False)
+    train.train_step(model, train.Parallel(model, "single", proc),
+                     [(toks[:, :P], toks[:, 1:P + 1])], 1, 1.0, proc)
     for opt in opts:
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -291,7 +358,7 @@ def measure(cfg):
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-5)  # small: the shared weights barely move
     opts = {}
     for label, model in models.items():
-        own = (share_weights(model.hf, ref, hf.our_name) if label == TRANSFORMERS
+        own = (share_weights(model.hf, ref, lambda n: n.removeprefix("model.")) if label == TRANSFORMERS
                else share_weights(model, ref))
         # a baseline's extra parameters: updated by its own step only, so it alone pays for them
         opts[label] = [opt, torch.optim.AdamW(own, lr=1e-5)] if own else [opt]
@@ -300,7 +367,7 @@ def measure(cfg):
         return {label: {m: [] for m in METRICS} for label in labels}
     samples = empty()
     for label in tqdm(labels, desc="peak memory", file=sys.stderr):
-        peak_memory(models[label], cfg, toks, samples[label])
+        phase_peaks(models[label], cfg, toks, samples[label])
     for r in tqdm(range(cfg["warmup"] + cfg["repeats"]), desc="timing rounds (modes interleaved)",
                   file=sys.stderr):
         # one mode later each round, so order effects (a cold cache after another) hit all alike
@@ -310,17 +377,17 @@ def measure(cfg):
 
 
 def paper_table2():
-    """Table 2 of the paper's 3B model: Depth-Attention by support.cost.depth_cost; the baselines'
-    extra prefill memory by the extra D-vectors each keeps per token, their FLOPs and I/O quoted."""
+    """Table 2 of the paper's 3B model: Depth-Attention by depth_cost; the baselines' extra prefill
+    memory by the extra D-vectors each keeps per token, their FLOPs and I/O quoted."""
     shape = preset("paper_3b")
     cfg = make_config(**shape, depth_mode="value")
     knobs = BaselineConfig()  # the authors' defaults: AttnRes pools 2L sublayers per 12, mHC has 4
-    bytes_per, L, D, tokens = 2, cfg.n_layer, cfg.n_embd, paper.TABLE2_PREFILL_TOKENS  # fp16
+    bytes_per, L, D, tokens = 2, cfg.n_layer, cfg.n_embd, TABLE2_PREFILL_TOKENS  # fp16
     cost = depth_cost(cfg, bytes_per)
     rows = {"Depth-Attention": {
         **{k: cost[k] for k in ("flops_per_token", "io_bytes_per_token")},
         "extra_prefill_bytes_128k": cost["extra_persistent_bytes"] * tokens,
-        **{f"quoted_{k}": v for k, v in paper.TABLE2_DEPTH_ATTENTION.items()},
+        **{f"quoted_{k}": v for k, v in TABLE2_DEPTH_ATTENTION.items()},
         "memory_formula": "KV cache only: 0 extra"}}
     block, streams = knobs.attnres_block_size, knobs.mhc_num_streams
     for name, n_vec, formula in (("DenseFormer", L, "L*D"),  # every layer's output
@@ -328,7 +395,7 @@ def paper_table2():
                                  ("mHC", streams - 1, f"({streams}-1)*D")):
         rows[name] = {"extra_prefill_bytes_128k": n_vec * D * bytes_per * tokens,
                       "memory_formula": f"{formula} x {bytes_per} B per token",
-                      **{f"quoted_{k}": v for k, v in paper.TABLE2_BASELINES[name].items()}}
+                      **{f"quoted_{k}": v for k, v in TABLE2_BASELINES[name].items()}}
     return {"shape": shape, "candidates": cost["candidates"], "bytes_per_element": bytes_per,
             "prefill_tokens": tokens, "rows": rows}
 
@@ -391,7 +458,7 @@ def report(res):
              f"{da['io_bytes_per_token'] / KiB:.1f} KiB "
              f"(paper {da['quoted_io_kib_per_token']} KiB)",
              f"{da['extra_prefill_bytes_128k'] / GiB:.1f} GiB (paper 0)", da["memory_formula"]]]
-    for name in paper.TABLE2_BASELINES:
+    for name in TABLE2_BASELINES:
         r = t2["rows"][name]
         rows.append([name, f"{r['quoted_flops_per_token']:.2e} (paper)",
                      f"{r['quoted_io_mib_per_token']} MiB (paper)",

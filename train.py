@@ -495,8 +495,7 @@ def start(cfg, ckpt, init, proc) -> Run:
         c.block_size
     if cfg["activation_checkpointing"]:  # each unit recomputed in the backward pass
         from baselines import wrap_units
-        wrap_units(model, lambda f: functools.partial(torch.utils.checkpoint.checkpoint, f,
-                                                      use_reentrant=False))
+        wrap_units(model)
     par = Parallel(model, cfg["parallel"], proc)
     T = cfg["block_size"]
     run = Run(cfg=cfg, proc=proc, model=model, par=par,
