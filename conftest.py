@@ -1,7 +1,7 @@
 import random
 import signal
 import sys
-from dataclasses import fields
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import pytest
@@ -16,9 +16,13 @@ sys.path.insert(1, str(ROOT / "tests"))
 # that never hear it. A handler, unlike SIG_IGN, is reset to the default in a child.
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
-from support.variants import build_model, make_config  # noqa: E402
+from baselines import build_model, make_config  # noqa: E402
 from model import GPT, ModelConfig  # noqa: E402
-from support.prepare import prepare  # noqa: E402
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "fast: the fast tier, `python -m pytest -m fast`: what "
+                            "makes a reader trust the model, and the README's first commands")
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -27,13 +31,12 @@ def tiny_config(**overrides) -> ModelConfig:
     hide."""
     base = dict(vocab_size=50, block_size=32, n_layer=4, n_head=4, n_kv_head=2, head_dim=8,
                 n_embd=24, mlp_hidden=40, init_std=0.3, depth_mode="value", depth_stride=2)
-    base.update(overrides)
-    return make_config(**base)
+    return make_config(**{**base, **overrides})
 
 
 def tiny_model(seed=0, dtype=torch.float32, **overrides) -> GPT:
     torch.manual_seed(seed)
-    model = build_model(tiny_config(**overrides)).to(dtype)
+    model = build_model(asdict(tiny_config(**overrides))).to(dtype)
     # Norm weights start at one; perturb them so a swapped or missing norm cannot pass unnoticed.
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -42,47 +45,10 @@ def tiny_model(seed=0, dtype=torch.float32, **overrides) -> GPT:
     return model
 
 
-# The fast tier, `python -m pytest -m "not slow"`: the files that make a reader trust the model (the
-# naive reference, the contract every variant passes, the parser, the docs' code) in about a minute
-# on 2 cores. Every other test file is slow unless it is named here, so a new file cannot make the
-# fast tier slow unnoticed.
-FAST_FILES = {"test_model.py", "tests/test_contract.py", "tests/test_config.py",
-              "tests/test_docs.py", "tests/test_layering.py", "tests/test_old_formats.py",
-              "tests/test_mode_lists.py"}
-
-
-def pytest_collection_modifyitems(config, items):
-    slow = pytest.mark.slow
-    for item in items:
-        path = Path(item.path).resolve()
-        if not path.is_relative_to(ROOT) or path.relative_to(ROOT).as_posix() not in FAST_FILES:
-            item.add_marker(slow)
-
-
-@pytest.fixture(autouse=True)
-def _seed():
-    torch.manual_seed(1234)
-
-
-@pytest.fixture(scope="session")
-def data_root(tmp_path_factory):
-    """A tiny corpus from a small grammar, tokenized to bytes by prepare_data's text source:
-    data_root/tiny."""
-    root = tmp_path_factory.mktemp("data")
-    rng = random.Random(0)
-    words = "the a cat dog sat ran on under mat log and then".split()
-    for i in range(10):
-        text = "\n".join(" ".join(rng.choice(words) for _ in range(8)) + "." for _ in range(40))
-        (root / f"doc{i}.txt").write_text(text)
-    prepare("text", name="tiny", tokenizer="bytes", inputs=[str(root / "doc*.txt")],
-            out_dir=root, num_proc=1)
-    return root
-
-
 def tiny_variant(seed=0, dtype=torch.float32, **overrides) -> GPT:
     """tiny_model with every parameter a plain vanilla GPT lacks (a baseline's, LIMe's routers)
-    moved off its init too (zeros, ones, an identity block), so that no term of a variant's
-    equations can hide behind a special value."""
+    moved off its init too, so that no term of a variant's equations hides behind a special
+    value."""
     model = tiny_model(seed, dtype, **overrides)
     with torch.no_grad():
         for name in added_parameters(model):
@@ -99,3 +65,26 @@ def added_parameters(model) -> list:
         vanilla = GPT(ModelConfig(**{**shape, "depth_mode": "vanilla"}))
     backbone = {name for name, _ in vanilla.named_parameters()}
     return [name for name, p in model.named_parameters() if name not in backbone and p.numel()]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(1234)
+
+
+@pytest.fixture(scope="session")
+def data_root(tmp_path_factory):
+    """A tiny corpus from a small grammar, prepared as bytes by prepare_data.py's text source:
+    data_root/tiny."""
+    import prepare_data
+    from data import prepare
+    root = tmp_path_factory.mktemp("data")
+    rng = random.Random(0)
+    words = "the a cat dog sat ran on under mat log and then".split()
+    for i in range(10):
+        text = "\n".join(" ".join(rng.choice(words) for _ in range(8)) + "." for _ in range(40))
+        (root / f"doc{i}.txt").write_text(text)
+    inputs = [str(root / "doc*.txt")]
+    prepare(lambda: prepare_data.corpus("text", inputs, 1, 0.1, "strict"), "text", "tiny",
+            "bytes", root, num_proc=1)
+    return root

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from checkpoint import checksums
 from configurator import CheckpointError, ConfigError, UserError
 
 MANIFEST = ".written_by.json"
@@ -85,9 +86,11 @@ def append_line(path, line):
 
 
 def save_checkpoint(obj, path):
-    """torch.save obj (with its checksums) to a synced temporary beside path, then rename: a kill at
-    any moment leaves the previous checkpoint or the new one, never a torn file."""
+    """torch.save obj and its checksums (checkpoint.read_checkpoint verifies them) to a synced
+    temporary beside path, then rename: a kill at any moment leaves the previous checkpoint or the
+    new one, never a torn file."""
     path, tmp = Path(path), Path(path).with_name(f"{Path(path).name}.tmp{os.getpid()}")
+    obj = {**obj, "checksums": checksums(obj)}
 
     class Count:  # what torch.save writes, counted without a file: the space it needs
         n = 0

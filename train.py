@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from checkpoint import SHARDED, build_model, checkpoint_path, checksums, read_checkpoint
+from checkpoint import SHARDED, build_model, checkpoint_path, read_checkpoint
 from configurator import (CheckpointError, ConfigError, DataError, Key, UserError, dataclass_keys,
                           nearest, parse, reason, require, resolve_device, run_main,
                           updates)
@@ -768,7 +768,7 @@ def save(run: Run, lr):
         elif run.proc.master:
             state = {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
                      **state}
-            save_checkpoint({**state, "checksums": checksums(state)}, run.ckpt_path)
+            save_checkpoint(state, run.ckpt_path)
     except (OSError, RuntimeError, UserError) as e:  # a full disk, a lost rank (lab.fsdp's)
         kept = (f"the checkpoint of step {run.last_ckpt} is kept: " if run.last_ckpt is not None
                 else "no checkpoint was written: ")

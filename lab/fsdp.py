@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-from checkpoint import SHARDED, checksums
+from checkpoint import SHARDED
 from configurator import CheckpointError, reason
 from lab.shards import digest_files, read_shards
 from outputs import fsync_dir, save_checkpoint
@@ -107,7 +107,7 @@ class Sharded:
             if master and error is None:
                 state = {**run, "files": {k: v for _, d in found for k, v in d.items()}}
                 try:
-                    save_checkpoint({**state, "checksums": checksums(state)}, tmp / "run.pt")
+                    save_checkpoint(state, tmp / "run.pt")
                 except OSError as e:
                     error = f"could not write run.pt ({reason(e)})"
             shared = [error]
