@@ -39,9 +39,10 @@ from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
 import train
-from baselines import BASELINES, DEPTH_COSTS, DEPTH_MODES, BaselineConfig, build_model, make_config
+from baselines import (BASELINES, DEPTH_COSTS, DEPTH_MODES, BaselineConfig, build_model,
+                       make_config, wrap_units)
 from configurator import (ConfigError, Key, dataclass_keys, not_a_choice, parse, read_config_file,
-                          reason, require, resolve_device, run_main)
+                          reason, require, resolve_device, run_main, table)
 from model import Attention, ModelConfig, uniform_weights
 from outputs import mark, output_file, write_atomically
 
@@ -284,11 +285,24 @@ def allocator_peak(work, device="cpu") -> int:
     return max(accumulate((size for _, size in events), initial=0))
 
 
-def table(rows, header) -> str:
-    """Rows of values as aligned plain-text columns under header."""
-    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
-    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
-                     for r in [header] + rows)
+def measured_peak(model, idx, activation_checkpointing=False, bf16=False) -> int:
+    """The allocator's peak during one training forward (under bf16 autocast if bf16) and backward
+    of a real CPU model (targets = idx), in bytes above what it held before, with the gradients
+    already allocated (set to zeros) as in a second micro-step: the activations, autocast's weight
+    copies and the step's temporaries."""
+    model.train()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    undo = wrap_units(model) if activation_checkpointing else (lambda: None)
+
+    def step():
+        with torch.autocast(idx.device.type, torch.bfloat16, enabled=bf16):
+            logits, loss = model(idx, idx)  # the logits stay alive through backward, as in train.py
+        loss.backward()
+    try:
+        return allocator_peak(step, idx.device.type)
+    finally:
+        undo()
 
 
 def phase_peaks(model, cfg, toks, samples):

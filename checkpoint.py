@@ -27,10 +27,11 @@ SHARDED = "ckpt.dcp"  # an FSDP run's checkpoint folder (lab/fsdp.py); ckpt.dcp.
 
 
 def build_model(keys: dict) -> GPT:
-    """The model a flat dict of keys names (train.py's, a checkpoint's): model.GPT for a
-    ModelConfig; any other is baselines.py's, imported only then."""
-    if keys.keys() <= {f.name for f in fields(ModelConfig)} and \
-            keys.get("depth_mode", "value") in DEPTH_MODES:
+    """The model a flat dict of keys names (train.py's, a checkpoint's): baselines.build_model's,
+    which model.GPT is for a ModelConfig of model.py's own rows, built here without reading
+    baselines.py (a default run never loads it)."""
+    if "baselines" not in sys.modules and keys.keys() <= {f.name for f in fields(ModelConfig)} \
+            and keys.get("depth_mode", "value") in DEPTH_MODES:  # model.py's rows alone so far
         return GPT(ModelConfig(**keys))
     import baselines
     return baselines.build_model(keys)

@@ -150,6 +150,13 @@ def dataclass_keys(cls, **defaults) -> dict:
                         kind=(get_args(f.type) or (None,))[0]) for f in fields(cls)}
 
 
+def table(rows, header) -> str:
+    """Rows of values as aligned plain-text columns under header (a script's report)."""
+    widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
+    return "\n".join("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip()
+                     for r in [header] + rows)
+
+
 def nearest(word, known) -> Optional[str]:
     """The one of known that word most likely misspells (another case first), or None."""
     folded = {str(k).lower(): k for k in known}

@@ -1,41 +1,747 @@
-"""The battery that makes model.py trustworthy: the naive reference straight from the paper's
-equations (tests/reference.py) at many shapes, cached decoding against the full forward, causality,
-parity across modes, the source rule, the paper's costs. tests/test_contract.py holds every variant
-to one contract besides."""
+"""The battery that makes model.py trustworthy, and the one contract every variant the repository
+builds passes: every row of DEPTH_MODES, a looped model, value with every source rule of
+SOURCE_CASES, the hidden-state baselines and Keyless Attention (VARIANTS), each against a naive
+reference written from its equations (tests/reference.py), one parametrized test per clause.
+A fork's row, model or source rule registers in tests/reference.py and is held to every clause with
+no edit here (docs/forking.md); its examples run through the whole contract below, and one-line
+bugs a fork plants fail the clause that names them. Then what only the paper's rows have: the
+decode kernel, the attention calls, generation, the source rule's worked counts, the paper's
+costs, clear errors."""
+import copy
 import itertools
+import math
+import re
+import textwrap
+from dataclasses import asdict, replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import added_parameters, tiny_config, tiny_model
+import model as model_py
+import reference
+import train
+from baselines import build_model
+from bench_cache import depth_cost
+from checkpoint import load_model
+from conftest import added_parameters, tiny_config, tiny_model, tiny_variant
+from helpers import ROOT, contract_variants
 from model import (DEPTH_MODES, GPT, KVCache, ModelConfig, apply_rope, depth_mix, depth_mix_one,
                    rope_tables, uniform_weights)
-from support.cost import depth_cost
-from support.depth_weights import capture
-from reference import REFERENCE_MODES, assert_matches_reference, reference_forward
+from outputs import save_checkpoint
+from reference import (MODEL_REFERENCES, REFERENCE_MODES, SOURCE_CASES, assert_matches_reference,
+                       reference_forward)
+from tokenizer import tokenizer_record
+from train import capture_depth_weights as capture
 
-# ----------------------------------------------------------------------------- the naive reference
-# tests/reference.py, written from the paper's equations, against the model at many shapes.
+pytestmark = pytest.mark.fast
 
-MODES = list(REFERENCE_MODES)  # the modes this reference describes; LIMe's is in tests/test_lime.py
+VARIANTS = contract_variants(SOURCE_CASES)
+# variant -> its naive reference (model, idx) -> logits, each written from its own equations
+REFERENCES = {**{name: reference_forward for name, keys in VARIANTS.items()
+                 if keys.get("residual") is None and keys.get("attention") is None
+                 and keys["depth_mode"] in REFERENCE_MODES}, **MODEL_REFERENCES}
+# (clause, variant) -> the reason that variant is exempt from that clause (reported as a skip)
+EXEMPT = {("test_contract_kv_cache_is_vanillas", name): "a keyless model caches V alone, half of "
+          "vanilla's bytes (tests/test_baselines.py asserts that)" for name in ("keyless",
+                                                                                "keyless+value")}
+# The paper's rows at more shapes than the contract's one: MHA, GQA, MQA; strides (every layer,
+# the first only); a recent window; loops; no q/k-norm with tied embeddings; k_norm after RoPE (the
+# released model's order). The reference and cache clauses run them too.
+MODES = list(REFERENCE_MODES)
 MIXING = [m for m in MODES if REFERENCE_MODES[m]]
-REFERENCE_CASES = (
-    [dict(depth_mode=m, n_kv_head=kv) for m in MODES for kv in (4, 2, 1)]       # MHA, GQA, MQA
-    + [dict(depth_mode=m, depth_stride=s) for m in MIXING for s in (1, 4, 9)]  # full, first only
-    + [dict(depth_mode=m, depth_stride=3, depth_recent_window=2, n_layer=5) for m in MIXING]
-    + [dict(depth_mode=m, n_layer=2, n_loops=2, depth_stride=None) for m in MODES]
-    + [dict(depth_mode="value", qk_norm=False, tie_embeddings=True)]
-    + [dict(depth_mode=m, k_norm_after_rope=True) for m in MODES]       # the released model's order
-    + [dict(depth_mode="value", k_norm_after_rope=True, n_layer=2, n_loops=2, n_kv_head=1)]
-)
+SHAPES = {**{f"{m}-kv{kv}": dict(depth_mode=m, n_kv_head=kv) for m in MODES for kv in (4, 1)},
+          **{f"{m}-stride{s}": dict(depth_mode=m, depth_stride=s) for m in MIXING for s in (1, 9)},
+          **{f"{m}-window": dict(depth_mode=m, depth_stride=3, depth_recent_window=2, n_layer=5)
+             for m in MIXING},
+          **{f"{m}-looped": dict(depth_mode=m, n_layer=2, n_loops=2, depth_stride=None)
+             for m in MODES},
+          "value-tied": dict(depth_mode="value", qk_norm=False, tie_embeddings=True),
+          **{f"{m}-k_norm_after_rope": dict(depth_mode=m, k_norm_after_rope=True) for m in MODES},
+          "kv-looped3": dict(depth_mode="kv", n_loops=3, n_layer=2),
+          "value-window-mqa": dict(depth_mode="value", depth_stride=1, depth_recent_window=1,
+                                   n_kv_head=1)}
 
 
-@pytest.mark.parametrize("overrides", REFERENCE_CASES,
-                         ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()))
-def test_matches_naive_reference_logits_and_gradients(overrides):
-    assert_matches_reference(tiny_model(dtype=torch.float64, **overrides), reference_forward)
+@pytest.fixture(autouse=True)
+def exemptions(request):
+    variant = getattr(request.node, "callspec", None) and request.node.callspec.params.get("variant")
+    if (request.node.originalname, variant) in EXEMPT:
+        pytest.skip(EXEMPT[request.node.originalname, variant])
 
+
+def build(variant, dtype=torch.float64):
+    """The variant as a tiny model whose every parameter is off its init (conftest.tiny_variant)."""
+    keys = VARIANTS.get(variant) or SHAPES[variant]
+    return tiny_variant(dtype=dtype, vocab_size=257, **keys).eval()
+
+
+def reference_of(variant):
+    return REFERENCES.get(variant) or (reference_forward if variant in SHAPES else None)
+
+
+# ----------------------------------------------------------------------------- the contract
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_contract_has_a_naive_reference(variant):
+    assert variant in REFERENCES, (f"{variant} has no naive loop reference: write one from its "
+                                   f"equations and register it in tests/reference.py "
+                                   f"(docs/forking.md)")
+
+
+@pytest.mark.parametrize("variant", [*VARIANTS, *SHAPES])
+def test_contract_matches_its_naive_reference(variant):
+    """Logits and every gradient, float64, at T = C first (the most candidates of a layer: weights
+    laid out (B, n_kv_head, T, C) keep the shape of candidates before positions there, and only
+    the values tell) and at another length."""
+    model, ref = build(variant), reference_of(variant)
+    if ref is None:
+        pytest.fail(f"{variant} has no naive reference (test_contract_has_a_naive_reference)")
+    C = max((len(src) + 1 for src in model.depth_sources if src), default=None)
+    if C is not None:
+        try:
+            assert_matches_reference(model, ref, idx_shape=(2, C))
+        except AssertionError as e:
+            raise AssertionError(f"{variant} at T = C = {C}: {e}; depth weights laid out "
+                                 f"(B, n_kv_head, T, C), not candidates before positions?") from e
+    assert_matches_reference(model, ref, idx_shape=(2, 6))
+
+
+@pytest.mark.parametrize("variant", [*VARIANTS, *SHAPES])
+def test_contract_cached_decoding_equals_the_full_forward(variant):
+    """A prefill then single tokens, uneven chunks, and every token alone, against the full forward
+    at every position (float64: a real bug cannot hide in rounding), into a cache with room to
+    spare (unused slots must not leak in)."""
+    model = build(variant)
+    idx = torch.randint(0, 257, (2, 12))
+    with torch.no_grad():
+        full, _ = model(idx)
+        for chunks in [(5, 1, 1, 1, 1, 1, 1, 1), (3, 1, 4, 2, 1, 1), (1,) * 12]:
+            cache = model.new_cache(2, 14)
+            ends = itertools.accumulate(chunks)
+            cached = torch.cat([model(idx[:, end - n:end], cache=cache)[0]
+                                for n, end in zip(chunks, ends)], 1)
+            diff = (cached - full).abs().max().item()
+            assert cache.pos == 12 and diff < 1e-10, f"{chunks}: cached logits differ by {diff:.3e}"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_contract_is_causal(variant):
+    """Changing a later token changes no earlier logit, and does change the later ones."""
+    model = build(variant)
+    idx = torch.randint(0, 257, (2, 12))
+    changed = idx.clone()
+    changed[:, 6:] = torch.randint(0, 257, (2, 6))
+    with torch.no_grad():
+        a, b = model(idx)[0], model(changed)[0]
+    assert (a[:, :6] - b[:, :6]).abs().max().item() == 0.0, "earlier logits moved"
+    assert (a[:, 6:] - b[:, 6:]).abs().max() > 0
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_contract_keeps_the_sequences_of_a_batch_apart(variant):
+    """Changing one sequence of a batch moves no other sequence's logits."""
+    model = build(variant)
+    idx = torch.randint(0, 257, (3, 8))
+    changed = idx.clone()
+    changed[1] = torch.randint(0, 257, (8,))
+    with torch.no_grad():
+        a, b = model(idx)[0], model(changed)[0]
+    diff = (a[[0, 2]] - b[[0, 2]]).abs().max().item()
+    assert diff < 1e-12, (f"{variant}: changing sequence 1 of a batch moved the others' logits by "
+                          f"{diff:.3e}: the rule mixes the batch (a mean or a norm over dim 0?)")
+    assert (a[1] - b[1]).abs().max() > 0
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_contract_registers_trains_and_saves_every_added_parameter(variant):
+    """No tensor that requires grad reaches the loss from outside parameters() (a module-level
+    nn.Parameter would be neither trained, saved nor exported), and every parameter the variant
+    adds to vanilla gets a nonzero gradient and is in the state dict (the round-trip clause then
+    restores and exports each, by name)."""
+    model = build(variant)
+    idx = torch.randint(0, 257, (2, 6))
+    loss = model(idx, idx)[1]
+    ours = {id(p) for p in model.parameters()}
+    strays = [tuple(leaf.shape) for leaf in grad_leaves(loss) if id(leaf) not in ours]
+    assert not strays, (f"{variant}: tensors that require grad reach the loss from outside "
+                        f"model.parameters(), of shapes {strays}: a module-level nn.Parameter? It "
+                        f"is neither trained, saved nor exported; make it a module's "
+                        f"(DepthMode.params, docs/forking.md)")
+    loss.backward()
+    saved = model.state_dict()
+    for name in added_parameters(model):
+        grad = model.get_parameter(name).grad
+        assert name in saved, f"{variant}: the parameter {name} is not in the state dict"
+        assert grad is not None and grad.abs().max() > 0, f"{variant}: {name} gets no gradient"
+
+
+def grad_leaves(loss):
+    """The tensors autograd accumulates a gradient into for the loss: the leaves that require it."""
+    seen, todo, leaves = set(), [loss.grad_fn], []
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if hasattr(node, "variable"):  # an AccumulateGrad node
+            leaves.append(node.variable)
+        todo.extend(n for n, _ in node.next_functions)
+    return leaves
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_contract_kv_cache_is_vanillas(variant):
+    """The same object and the same bytes as vanilla's with the same loops: no persistent state."""
+    model = build(variant, torch.float32)
+    loops = model.config.n_loops
+    vanilla = tiny_variant(vocab_size=257, depth_mode="vanilla", n_layer=model.config.n_layer,
+                           n_loops=loops)
+    caches = [m.new_cache(2, 10) for m in (vanilla, model)]
+    with torch.no_grad():
+        for m, cache in zip((vanilla, model), caches):
+            m(torch.randint(0, 257, (2, 10)), cache=cache)
+    c = model.config
+    assert all(type(cache) is KVCache for cache in caches)
+    assert caches[0].nbytes == caches[1].nbytes == 2 * c.n_eff_layer * c.n_kv_head * c.head_dim * 4 * 2 * 10
+    assert caches[0].k.shape == caches[1].k.shape
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_contract_round_trips_through_a_checkpoint_and_an_export(variant, tmp_path, monkeypatch):
+    """A train.py checkpoint (outputs.save_checkpoint, as train.py writes it) and its export
+    (lab/export.py) load to the same logits bit for bit; transformers, loaded from another
+    folder, runs the export to ours: exactly (our code travels in the folder), or within float32
+    rounding for a vanilla export, which transformers runs as its own Qwen3."""
+    from transformers import AutoModelForCausalLM
+    from lab import export, hf
+    model = build(variant, torch.float32)
+    idx = torch.randint(0, 257, (2, 9))
+    with torch.no_grad():
+        want = model(idx)[0]
+    run = tmp_path / "run"
+    run.mkdir()
+    save_checkpoint({"model": model.state_dict(), "model_config": asdict(model.config),
+                     **tokenizer_record("bytes"), "step": 3}, run / "ckpt.pt")
+    loaded = load_model(run).model
+    export.main([str(run), str(tmp_path / "hf")])
+    exported = hf.from_pretrained(tmp_path / "hf").eval()
+    monkeypatch.chdir(tmp_path)
+    theirs = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True).eval()
+    state, tied = model.state_dict(), hf.shared_names(model)
+    runs = [("checkpoint", loaded), ("export", exported)]
+    runs += [("transformers", theirs.gpt)] if hasattr(theirs, "gpt") else []  # not a Qwen3 folder
+    for name, m in runs:
+        assert hf.shared_names(m) == tied, (
+            f"{name}: the tensors {variant} shares come back as {hf.shared_names(m)}, not {tied}: "
+            f"share the module, not a Parameter between modules (docs/forking.md)")
+        theirs_state = m.state_dict()
+        assert theirs_state.keys() == state.keys(), f"{name}: {theirs_state.keys() ^ state.keys()}"
+        assert all(torch.equal(theirs_state[k], t) for k, t in state.items()), name
+    with torch.no_grad():
+        assert torch.equal(loaded(idx)[0], want) and type(loaded) is type(model)
+        assert torch.equal(exported(idx)[0], want) and type(exported) is type(model)
+        got = theirs(input_ids=idx).logits
+    diff = (got - want).abs().max().item()
+    if "auto_map" in (tmp_path / "hf" / "config.json").read_text():
+        assert diff == 0.0, f"transformers runs our code to other logits ({diff:.3e})"
+    else:
+        assert diff < 1e-5, f"transformers' Qwen3 differs from ours by {diff:.3e}"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_contract_compiles_in_one_graph(variant):
+    """torch.compile(fullgraph=True) traces a training forward without a graph break, to eager's
+    loss, at one length and then others (the length turns symbolic; is_causal stays a literal)
+    (the eager backend: the tracing is what is checked, not inductor's kernels)."""
+    model = build(variant, torch.float32)
+    torch._dynamo.reset()  # every variant is a new graph of GPT.forward: no recompile limit
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    idx = torch.randint(0, 257, (2, 8))
+    with torch.no_grad():
+        for T in (8, 6):
+            assert torch.equal(compiled(idx[:, :T], idx[:, :T])[1], model(idx[:, :T], idx[:, :T])[1])
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_contract_a_learned_row_starts_as_its_base(variant):
+    """A learned row (DepthMode.params) declares its base (starts_as), and a freshly built model,
+    its parameters as the row initialises them, equals the base with the same backbone exactly:
+    logits and depth weights. The reference cannot tell (tiny_variant moves every parameter off
+    its init, and a scale missing from the code is missing from its reference too)."""
+    keys = VARIANTS[variant]
+    row = DEPTH_MODES[keys["depth_mode"]]
+    torch.manual_seed(0)
+    model = build_model(asdict(tiny_config(vocab_size=257, **keys))).eval()
+    if not added_parameters(model) or row.params is None:
+        return  # no learned row
+    assert row.starts_as in DEPTH_MODES and row.starts_as != keys["depth_mode"], (
+        f"{variant}: a learned row declares its base, another row it equals at init: "
+        f"DepthMode(starts_as=...), got {row.starts_as!r}")
+    base = build_model(asdict(tiny_config(vocab_size=257, **{**keys, "depth_mode": row.starts_as})))
+    missing = base.eval().load_state_dict(model.state_dict(), strict=False).missing_keys
+    assert not missing and base.depth_sources == model.depth_sources, missing
+    idx = torch.randint(0, 257, (2, 7))
+    with torch.no_grad(), capture(model) as ours, capture(base) as theirs:
+        diff = (model(idx)[0] - base(idx)[0]).abs().max().item()
+    weights = [e for e in ours if not torch.equal(ours[e][1], theirs[e][1])]
+    assert diff == 0 and not weights and ours.keys() == theirs.keys(), (
+        f"{variant} does not start as its base {row.starts_as}: logits differ by {diff:.3e}, depth "
+        f"weights at layers {weights}: its parameters' init (zeros where the base has none; a "
+        f"layer re-drawn by GPT._init_weights), or a term missing from both the code and its "
+        f"reference (a 1 / sqrt(D))?")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_contract_runs_looped(variant):
+    """Its source rule, unlooped and looped 2 and 3 times, gives the sources the reference restates
+    in effective layers (reference_sources), and the looped model matches its naive reference: a
+    rule counted in blocks (e % n_layer) is right unlooped only."""
+    keys = VARIANTS[variant]
+    if keys.get("residual") is not None or not DEPTH_MODES[keys["depth_mode"]].mixes:
+        return  # one pass over the layers (a baseline), or no sources
+    for loops in (1, 2, 3):
+        model = tiny_variant(dtype=torch.float64, vocab_size=257, **{**keys, "n_loops": loops})
+        c = model.config
+        want = [reference.reference_sources(c, e) for e in range(c.n_eff_layer)]
+        assert model.depth_sources == want, (
+            f"{variant} with n_loops={loops}: sources {model.depth_sources}, the rule in effective "
+            f"layers gives {want}: counted in blocks (e % n_layer), not effective layers?")
+        if loops > 1:
+            assert_matches_reference(model.eval(), REFERENCES[variant], idx_shape=(1, 4))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_contract_depth_weights_are_candidates_first_in_float32(variant):
+    """Every layer's depth weights, from bf16 inputs (what CUDA's autocast gives them), are
+    (B, n_kv_head, C, T), candidates before positions, in float32 or wider (bf16 weights sum to
+    1 +- 3e-3; the paper's are float32); under bf16 autocast the logits are finite."""
+    model = build(variant, torch.float32)
+    B, T = 2, 5
+    for e, src in enumerate(model.depth_sources):
+        at = model.layers[e % model.config.n_layer].self_attn
+        if not src or not hasattr(at, "mode") or type(at).forward is not model_py.Attention.forward:
+            continue  # a model of its own (LIMe, Keyless): its reference and bf16 run below
+        qbar, *keys = (torch.randn(B, at.n_kv_head, T, at.head_dim, dtype=torch.bfloat16)
+                       for _ in range(len(src) + 2))
+        rule = () if at.depth_params is None else (at.depth_params, e)
+        alpha = at.mode.weights(qbar, keys, *rule)
+        want = (B, at.n_kv_head, len(keys), T)
+        assert alpha.shape == want, (f"{variant}: layer {e}'s depth weights are "
+                                     f"{tuple(alpha.shape)}, want (B, n_kv_head, C, T) = {want}: "
+                                     f"candidates before positions")
+        assert alpha.dtype.itemsize >= 4, (f"{variant}: layer {e}'s depth weights in "
+                                           f"{alpha.dtype}; compute them in float32 "
+                                           f"(fp32_or_wider)")
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), capture(model) as alphas:
+        logits = model(torch.randint(0, 257, (2, 6)))[0]
+    narrow = {e: a.dtype for e, (_, a) in alphas.items() if a.dtype.itemsize < 4}
+    assert not narrow and torch.isfinite(logits).all(), f"{variant}: depth weights in {narrow}"
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_contract_declares_its_optimizer_groups(variant):
+    """Prints the group train.py's optimizer puts each parameter the variant adds in, and refuses
+    weight decay on a 1-D parameter (a bias, a gain, a scalar) unless its module says it is meant
+    (`decays_vectors = True`)."""
+    model = build(variant, torch.float32)
+    optimizer = train.make_optimizer(model, DEFAULTS, "cpu")
+    group = {id(p): (i, g) for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    for name in added_parameters(model):
+        i, g = group[id(model.get_parameter(name))]
+        print(f"{variant}: {name} {tuple(model.get_parameter(name).shape)} -> group {i} "
+              f"(weight_decay {g['weight_decay']}, lr x {optimizer.lr_mults[i]})")
+    for name, p in model.named_parameters():
+        i, g = group[id(p)]
+        owners = [model.get_submodule(".".join(name.split(".")[:n]))
+                  for n in range(name.count(".") + 1)]
+        meant = any(getattr(m, "decays_vectors", False) for m in owners)
+        assert p.dim() >= 2 or g["weight_decay"] == 0 or meant, (
+            f"{variant}: weight decay {g['weight_decay']} on the 1-D parameter {name} "
+            f"{tuple(p.shape)} (group {i}, its module's optimizer_group): biases, gains and "
+            f"scalars take none; drop weight_decay from the group, or set decays_vectors = True "
+            f"on the module if it is meant")
+
+
+DEFAULTS = {k: key.default for k, key in train.KEYS.items()}  # train.py's optimizer keys
+CLAUSES = [test_contract_has_a_naive_reference, test_contract_matches_its_naive_reference,
+           test_contract_cached_decoding_equals_the_full_forward, test_contract_is_causal,
+           test_contract_keeps_the_sequences_of_a_batch_apart,
+           test_contract_registers_trains_and_saves_every_added_parameter,
+           test_contract_kv_cache_is_vanillas,
+           test_contract_round_trips_through_a_checkpoint_and_an_export,
+           test_contract_compiles_in_one_graph, test_contract_a_learned_row_starts_as_its_base,
+           test_contract_runs_looped, test_contract_depth_weights_are_candidates_first_in_float32,
+           test_contract_declares_its_optimizer_groups]
+
+
+def test_every_clause_and_exemption_is_listed():
+    """The forking examples run CLAUSES, so every test_contract_* is one; an exemption names a
+    clause and a variant, and says why."""
+    names = {clause.__name__ for clause in CLAUSES}
+    assert {name for name in globals() if name.startswith("test_contract_")} == names
+    for (clause, variant), why in EXEMPT.items():
+        assert clause in names and variant in VARIANTS and why, (clause, variant)
+
+# ----------------------------------------------------------------------------- the forking examples
+
+def code_blocks(text, fence):
+    """The bodies of the ```python blocks whose first line is `# <fence>`."""
+    return [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if b.startswith(f"# {fence}")]
+
+
+def example(heading):
+    """docs/forking.md's section `## <heading>`: its model.py block and its tests/reference.py
+    block."""
+    doc = (ROOT / "docs" / "forking.md").read_text()
+    text = doc[doc.index(f"\n## {heading}"):]
+    text = text[:text.find("\n## ", 1) % (len(text) + 1)]
+    (model_part,), (reference_part,) = (code_blocks(text, "model.py"),
+                                        code_blocks(text, "tests/reference.py"))
+    return model_part, reference_part
+
+
+def export_fork(monkeypatch, fork):
+    """Exports write `fork` as their model.py: the fork's file, as a fork exports it."""
+    from lab import export
+    write = export.write_remote_code
+    monkeypatch.setattr(export, "write_remote_code",
+                        lambda folder: (write(folder), (folder / "model.py").write_text(fork)))
+
+
+def row_example(heading, monkeypatch):
+    """A new row as a fork writes it: the row in model.py right after DEPTH_MODES (and in the
+    exported model.py), its reference in tests/reference.py. Yields the name it adds to the
+    table."""
+    model_part, reference_part = example(heading)
+    before = set(DEPTH_MODES)
+    exec(model_part, dict(vars(model_py)))
+    exec(reference_part, dict(vars(reference)))
+    (name,) = set(DEPTH_MODES) - before
+    source = (ROOT / "model.py").read_text()
+    table_end = source.index("\n}\n", source.index("DEPTH_MODES = {")) + 3
+    export_fork(monkeypatch, source[:table_end] + "\n" + model_part + source[table_end:])
+    monkeypatch.setitem(VARIANTS, name, dict(depth_mode=name))
+    monkeypatch.setitem(REFERENCES, name, reference_forward)
+    yield name
+    DEPTH_MODES.pop(name)
+    REFERENCE_MODES.pop(name)
+
+
+@pytest.fixture
+def forking_example(monkeypatch):
+    yield from row_example("The example: hard top-1 over depth", monkeypatch)
+
+
+@pytest.fixture
+def learned_example(monkeypatch):
+    yield from row_example("A learned rule: a temperature per layer", monkeypatch)
+
+
+@pytest.fixture
+def source_example(monkeypatch):
+    """A new source rule as a fork writes it: ModelConfig.sources replaced in model.py (and in the
+    exported model.py), reference_sources in tests/reference.py with the keys that select the
+    rule in SOURCE_CASES. The contract's name for it."""
+    model_part, reference_part = example("A source rule")
+    method = model_part.split("\n", 1)[1]  # under the fence line, indented as in the class
+    space = dict(vars(model_py))
+    exec(textwrap.dedent(method), space)
+    monkeypatch.setattr(model_py.ModelConfig, "sources", space["sources"])
+    before, space = set(SOURCE_CASES), dict(vars(reference))
+    exec(reference_part, space)
+    monkeypatch.setattr(reference, "reference_sources", space["reference_sources"])
+    (rule,) = set(SOURCE_CASES) - before
+    source = (ROOT / "model.py").read_text()
+    start = source.index("    def sources(self, e: int)")
+    export_fork(monkeypatch, source[:start] + method.rstrip() + source[source.index("\n\n\n",
+                                                                                   start):])
+    name = f"value+{rule}"
+    monkeypatch.setitem(VARIANTS, name, dict(depth_mode="value", **SOURCE_CASES[rule]))
+    monkeypatch.setitem(REFERENCES, name, reference_forward)
+    yield name
+    SOURCE_CASES.pop(rule)
+
+
+def run_every_clause(variant, tmp_path, monkeypatch):
+    for clause in CLAUSES:
+        kwargs = {"tmp_path": tmp_path / clause.__name__, "monkeypatch": monkeypatch}
+        kwargs["tmp_path"].mkdir()
+        clause(variant, **{k: v for k, v in kwargs.items()
+                           if k in clause.__code__.co_varnames[:clause.__code__.co_argcount]})
+
+
+def test_the_forking_example_passes_the_whole_contract(forking_example, tmp_path, monkeypatch):
+    run_every_clause(forking_example, tmp_path, monkeypatch)
+
+
+def test_the_learned_example_passes_the_whole_contract(learned_example, tmp_path, monkeypatch):
+    """And it is what the page says: `value` at init, its parameter in the model and its
+    optimizer groups (no weight decay: one number per block), its weights read out as any row's,
+    its parameters counted by depth_cost."""
+    run_every_clause(learned_example, tmp_path, monkeypatch)
+    model = tiny_variant(depth_mode=learned_example)
+    idx = torch.randint(0, 50, (2, 7))
+    fresh = []
+    for mode in (learned_example, "value"):
+        torch.manual_seed(0)
+        fresh.append(model_py.GPT(replace(model.config, depth_mode=mode)))
+    with torch.no_grad():
+        assert torch.equal(fresh[0](idx)[0], fresh[1](idx)[0]), "the row does not start as value"
+    names = added_parameters(model)
+    assert names and all(".self_attn.depth_params." in n for n in names), names
+    groups = train.make_optimizer(model, DEFAULTS, "cpu").param_groups
+    no_decay = {id(p) for p in groups[1]["params"]}
+    assert all(id(model.get_parameter(n)) in no_decay for n in names)
+    with capture(model) as alphas:
+        model(idx)
+    assert sorted(alphas) == [e for e, src in enumerate(model.depth_sources) if src]
+    assert depth_cost(model.config)["extra_params"] == sum(
+        model.get_parameter(n).numel() for n in names)
+
+
+# a fork's sharing by hand, the wrong way: one Parameter in every block's own module
+SHARED_PARAMETER = """
+BIASES = {}  # id(config) -> the one bias of that model
+
+
+class Bias(nn.Module):
+    def __init__(self, config, layer):
+        super().__init__()
+        self.bias = BIASES.setdefault(id(config), nn.Parameter(torch.zeros(config.n_eff_layer)))
+
+
+def biased_weights(qbar, keys, params, e):
+    scores = torch.stack([torch.linalg.vecdot(qbar, kc) for kc in keys], 2)
+    bias = params.bias[:len(keys)].view(1, 1, -1, 1)
+    return (fp32_or_wider(scores) / math.sqrt(qbar.shape[-1]) + bias).softmax(2)
+
+
+DEPTH_MODES["planted"] = DepthMode(biased_weights, mixes_v=True, params=Bias, starts_as="value")
+"""
+
+
+def test_the_contract_names_a_parameter_shared_between_modules(plant, tmp_path, monkeypatch):
+    """Loading by assignment gives each name its own tensor: transformers unties a Parameter
+    shared between modules (a module held by every block stays one), and the round trip names
+    it."""
+    planted = plant(model_py.softmax_weights, ref=biased_ref)  # the row itself: below
+    exec(SHARED_PARAMETER, dict(vars(model_py)))
+    export_fork(monkeypatch, (ROOT / "model.py").read_text() + SHARED_PARAMETER)
+    with pytest.raises(AssertionError, match="transformers: the tensors planted shares.*module"):
+        test_contract_round_trips_through_a_checkpoint_and_an_export(planted, tmp_path, monkeypatch)
+
+
+def test_the_source_example_passes_the_whole_contract(source_example, tmp_path, monkeypatch):
+    """And its rule is the one that runs: the model's sources are the page's, not the paper's."""
+    run_every_clause(source_example, tmp_path, monkeypatch)
+    model = build(source_example)
+    c = model.config
+    assert model.depth_sources == [reference.reference_sources(c, e) for e in range(c.n_eff_layer)]
+    assert model.depth_sources != [reference.ref_sources(e, c.stride, c.depth_recent_window)
+                                   for e in range(c.n_eff_layer)], "the paper's rule ran"
+
+
+def test_the_contract_catches_a_decode_kernel_on_the_example(forking_example):
+    """The fork's bug this contract exists for: the soft decode kernel taken by a hard mode. Forced
+    on (a row may not ask for it), cached decoding departs from the full forward."""
+    object.__setattr__(DEPTH_MODES[forking_example], "decode_kernel", True)
+    with pytest.raises(AssertionError, match="cached logits differ"):
+        test_contract_cached_decoding_equals_the_full_forward(forking_example)
+
+
+# ----------------------------------------------------------------------------- planted bugs
+# Each a one-line bug of a fork that every other clause lets through, and the clause that names it.
+
+@pytest.fixture
+def plant(monkeypatch):
+    """plant(weights, row=None, ref=softmax_ref, **keys): a row `planted` with these weights,
+    mixing V (row: more DepthMode fields, a learned row's params and starts_as), whose reference
+    is ref (the paper's softmax); the variant's name."""
+    def plant(weights, row=None, ref=reference.softmax_ref, **keys):
+        monkeypatch.setitem(DEPTH_MODES, "planted",
+                            model_py.DepthMode(weights, **{"mixes_v": True, **(row or {})}))
+        monkeypatch.setitem(REFERENCE_MODES, "planted", (ref, "kv" if row and row.get("mixes_k")
+                                                         else "v"))
+        monkeypatch.setitem(VARIANTS, "planted", dict(depth_mode="planted", **keys))
+        monkeypatch.setitem(REFERENCES, "planted", reference_forward)
+        return "planted"
+    return plant
+
+
+class ZeroInitMLP(torch.nn.Module):
+    """A learned shift of qbar, an MLP whose last layer starts at zero: the row starts as value."""
+    def __init__(self, config, layer):
+        super().__init__()
+        self.hidden = torch.nn.Linear(config.head_dim, config.head_dim)
+        self.out = torch.nn.Linear(config.head_dim, config.head_dim)
+        torch.nn.init.zeros_(self.out.weight), torch.nn.init.zeros_(self.out.bias)
+        self.optimizer_group = {"weight_decay": 0.0}
+
+
+def shifted_weights(qbar, keys, params, e):
+    return model_py.softmax_weights(qbar + params.out(params.hidden(qbar).relu()), keys)
+
+
+def test_a_rows_init_is_its_own_and_the_contract_names_a_layer_re_drawn(plant, monkeypatch):
+    """GPT._init_weights re-draws every Linear but a row's: the MLP's zeroed layer stays zero and
+    the row starts as value. Re-drawn (as GPT.__init__ did: self.apply(self._init_weights)), it
+    does not, and the clause names it."""
+    planted = plant(shifted_weights, dict(params=ZeroInitMLP, starts_as="value"))
+    test_contract_a_learned_row_starts_as_its_base(planted)
+    init = model_py.GPT.__init__
+
+    def redraw_every_linear(self, config):
+        init(self, config)
+        self.apply(self._init_weights)
+    monkeypatch.setattr(model_py.GPT, "__init__", redraw_every_linear)
+    with pytest.raises(AssertionError, match="does not start as its base value.*re-drawn"):
+        test_contract_a_learned_row_starts_as_its_base(planted)
+
+
+class ScoreBias(torch.nn.Module):
+    def __init__(self, config, layer):
+        super().__init__()
+        self.bias = torch.nn.Parameter(torch.arange(float(config.n_eff_layer)))  # zeros: value
+
+
+def biased_weights(qbar, keys, params, e):  # a learned bonus per candidate on the paper's scores
+    scores = torch.stack([torch.linalg.vecdot(qbar, kc) for kc in keys], 2)  # (B, n_kv, C, T)
+    bias = params.bias[:len(keys)].view(1, 1, -1, 1)
+    return (model_py.fp32_or_wider(scores) / math.sqrt(qbar.shape[-1]) + bias).softmax(2)
+
+
+def biased_ref(qbar, cand_k, params, e):
+    return list(torch.softmax(torch.stack([(qbar * kk).sum() / math.sqrt(len(qbar)) + b for kk, b
+                                           in zip(cand_k, params.bias)]), 0))
+
+
+def test_the_contract_names_a_learned_row_not_started_as_its_base(plant):
+    """arange where zeros were meant: code and reference agree, the row is not value at init."""
+    planted = plant(biased_weights, dict(params=ScoreBias, starts_as="value"), biased_ref)
+    test_contract_matches_its_naive_reference(planted)
+    with pytest.raises(AssertionError, match="does not start as its base value"):
+        test_contract_a_learned_row_starts_as_its_base(planted)
+    planted = plant(biased_weights, dict(params=ScoreBias, starts_as="planted"), biased_ref)
+    with pytest.raises(AssertionError, match="declares its base, another row"):  # itself: no check
+        test_contract_a_learned_row_starts_as_its_base(planted)
+
+
+def test_the_contract_names_a_scale_missing_from_the_code_and_its_reference(plant, monkeypatch):
+    """The guide's `tempered` without 1 / sqrt(D), in its code and in its reference alike."""
+    class Temperature(torch.nn.Module):
+        def __init__(self, config, layer):
+            super().__init__()
+            self.log_tau = torch.nn.Parameter(torch.zeros(()))
+
+    def weights(qbar, keys, params, e):
+        scores = torch.stack([torch.linalg.vecdot(qbar, kc) for kc in keys], 2)
+        return (model_py.fp32_or_wider(scores) / params.log_tau.exp()).softmax(2)
+
+    def ref(qbar, cand_k, params, e):
+        return list(torch.softmax(torch.stack([(qbar * kk).sum() / params.log_tau.exp()
+                                               for kk in cand_k]), 0))
+
+    planted = plant(weights, dict(params=Temperature, starts_as="value"), ref)
+    test_contract_matches_its_naive_reference(planted)
+    with pytest.raises(AssertionError, match="does not start as.*1 / sqrt"):
+        test_contract_a_learned_row_starts_as_its_base(planted)
+
+
+def test_the_contract_names_a_rule_counted_in_blocks(monkeypatch):
+    """A fork's source rule over range(e % n_layer): right unlooped, wrong looped."""
+    def sources(self, e):
+        if not DEPTH_MODES[self.depth_mode].mixes or e == 0:
+            return []
+        return [j for j in range(e % self.n_layer) if j % self.stride == 0]
+    monkeypatch.setattr(model_py.ModelConfig, "sources", sources)
+    test_contract_matches_its_naive_reference("value+every-layer")
+    with pytest.raises(AssertionError, match="n_loops=2.*counted in blocks"):
+        test_contract_runs_looped("value+every-layer")
+
+
+def test_the_contract_names_weight_decay_on_a_bias(plant):
+    class Bias(torch.nn.Module):
+        def __init__(self, config, layer):
+            super().__init__()
+            self.bias = torch.nn.Parameter(torch.zeros(config.n_eff_layer))
+            self.optimizer_group = {"weight_decay": 0.1}  # meant for a matrix
+
+    planted = plant(biased_weights, dict(params=Bias, starts_as="value"), biased_ref)
+    test_contract_a_learned_row_starts_as_its_base(planted)
+    with pytest.raises(AssertionError, match="weight decay 0.1 on the 1-D parameter"):
+        test_contract_declares_its_optimizer_groups(planted)
+    Bias.decays_vectors = True  # declared: meant
+    test_contract_declares_its_optimizer_groups(planted)
+
+
+def test_the_contract_names_a_depth_softmax_in_bf16(plant):
+    def weights(qbar, keys):  # no fp32_or_wider: under bf16 autocast the softmax runs in bf16
+        scores = torch.stack([torch.linalg.vecdot(qbar, kc) for kc in keys], 2)
+        return (scores / math.sqrt(qbar.shape[-1])).softmax(2)
+
+    planted = plant(weights)
+    test_contract_matches_its_naive_reference(planted)  # float64: right
+    with pytest.raises(AssertionError, match="in torch.bfloat16; compute them in float32"):
+        test_contract_depth_weights_are_candidates_first_in_float32(planted)
+
+
+def test_the_contract_names_a_module_level_parameter(plant):
+    temperature = torch.nn.Parameter(torch.ones((), dtype=torch.float64))  # in no module
+
+    def weights(qbar, keys):
+        return model_py.softmax_weights(qbar * temperature, keys)
+
+    test_contract_matches_its_naive_reference(plant(weights))  # at 1, the values are right
+    with pytest.raises(AssertionError, match="module-level nn.Parameter"):
+        test_contract_registers_trains_and_saves_every_added_parameter("planted")
+
+
+def test_the_contract_names_weights_laid_out_positions_first(plant):
+    def weights(qbar, keys):
+        return model_py.softmax_weights(qbar, keys).transpose(2, 3)  # (B, n_kv_head, T, C)
+
+    with pytest.raises(AssertionError, match="candidates before positions"):
+        test_contract_depth_weights_are_candidates_first_in_float32(plant(weights))
+    with pytest.raises(AssertionError, match="(?s)T = C = 2.*candidates before positions"):
+        test_contract_matches_its_naive_reference(plant(weights, n_layer=2, depth_stride=1))
+
+
+def test_the_contract_names_a_rule_that_mixes_the_batch(plant):
+    def weights(qbar, keys):  # centred over the batch: each sequence's weights read the others
+        return model_py.softmax_weights(qbar - qbar.mean(0, keepdim=True), keys)
+
+    with pytest.raises(AssertionError, match="mixes the batch"):
+        test_contract_keeps_the_sequences_of_a_batch_apart(plant(weights))
+
+
+# ----------------------------------------------------------------------------- a seam
+
+def test_a_rule_of_the_layer_and_the_depth_needs_no_module(plant):
+    """DepthMode.params may hand the weights any value, here the config: the sources' share grows
+    with e / n_eff_layer. No parameter is added; the rule runs looped and cached like any row's."""
+    def weights(qbar, keys, config, e):
+        share = e / config.n_eff_layer
+        w = qbar.new_tensor([share] * (len(keys) - 1) + [1.0], dtype=torch.float64)
+        B, n_kv, T, _ = qbar.shape
+        return (w / w.sum()).to(model_py.fp32_or_wider(qbar).dtype).view(1, 1, -1, 1).expand(
+            B, n_kv, len(keys), T)
+
+    def ref(qbar, cand_k, config, e):
+        w = [e / config.n_eff_layer] * (len(cand_k) - 1) + [1.0]
+        return [x / sum(w) for x in w]
+
+    planted = plant(weights, dict(params=lambda config, layer: config), ref)
+    assert not added_parameters(build(planted))
+    for clause in (test_contract_matches_its_naive_reference, test_contract_runs_looped,
+                   test_contract_cached_decoding_equals_the_full_forward,
+                   test_contract_depth_weights_are_candidates_first_in_float32):
+        clause(planted)
+
+
+
+
+# ----------------------------------------------------------------------------- the paper's rows
 
 def test_k_norm_order_matters():
     """The two orders differ only through k_norm's weight (RoPE keeps the RMS): with trained-like
@@ -57,34 +763,6 @@ def test_depth_modes_change_the_output(mode):
     base, _ = tiny_model(depth_mode="vanilla")(idx)
     out, _ = tiny_model(depth_mode=mode)(idx)
     assert (out - base).abs().max() > 1e-2, f"{mode} gives the same logits as vanilla"
-
-
-# ----------------------------------------------------------------------------- the cache and kernels
-
-CACHE_CASES = [dict(depth_mode="value", n_loops=2, depth_stride=None),
-               dict(depth_mode="kv", n_loops=3, n_layer=2),
-               dict(depth_mode="value", depth_stride=1, depth_recent_window=1, n_kv_head=1),
-               dict(depth_mode="value", k_norm_after_rope=True)]
-
-
-@pytest.mark.parametrize("overrides", CACHE_CASES, ids=str)
-@pytest.mark.parametrize("chunks", [(5, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1), (3, 3, 3, 3, 2), (1,) * 14],
-                         ids=["prefill+tokens", "chunks", "tokens"])
-def test_cached_decoding_equals_full_forward(overrides, chunks):
-    """Beyond the contract's one shape per variant: loops, a window with MQA, the k_norm order."""
-    model = tiny_model(dtype=torch.float64, **overrides).eval()  # a bug cannot hide in rounding
-    T = sum(chunks)
-    idx = torch.randint(0, 50, (3, T))
-    with torch.no_grad():
-        full, _ = model(idx)
-        cache = model.new_cache(3, T + 2)  # a longer cache: unused slots must not leak in
-        parts, start = [], 0
-        for n in chunks:
-            parts.append(model(idx[:, start:start + n], cache=cache)[0])
-            start += n
-    diff = (torch.cat(parts, 1) - full).abs().max().item()
-    assert cache.pos == T
-    assert diff < 1e-10, f"cached logits differ from the full forward by {diff:.3e}"
 
 
 @pytest.mark.parametrize("mode", DEPTH_MODES)
@@ -172,17 +850,6 @@ def test_attention_takes_no_mask_in_training_prefill_and_decode(overrides):
     assert len(masks) == n_layers and all(isinstance(m, CausalBias) for m in masks)
 
 
-def test_compiles_in_one_graph_at_changing_lengths():
-    """A training forward compiled with fullgraph at one length, then at others (torch.compile
-    turns the length symbolic): is_causal stays a literal bool, so no graph break, eager's losses."""
-    model = tiny_model(depth_mode="value")
-    compiled = torch.compile(model, backend="eager", fullgraph=True)
-    idx = torch.randint(0, 50, (2, 12))
-    for T in (12, 9, 7):
-        with torch.no_grad():
-            assert abs(compiled(idx[:, :T], idx[:, :T])[1] - model(idx[:, :T], idx[:, :T])[1]) < 1e-6
-
-
 def test_generate_greedy_matches_full_forward_argmax():
     model = tiny_model(depth_mode="value").eval()
     prompt = torch.randint(0, 50, (2, 4))
@@ -210,8 +877,8 @@ def test_generate_top_k_samples_only_from_the_top_k():
 
 def test_same_parameter_count_for_every_mode():
     """Every mode has vanilla's weights; all it adds are its own (a learned row's depth_params,
-    counted by depth_cost; LIMe's routers, counted in tests/test_lime.py)."""
-    vanilla = GPT(tiny_config()).num_params()
+    counted by depth_cost; LIMe's routers, counted in tests/test_baselines.py)."""
+    vanilla = build_model(asdict(tiny_config(depth_mode="vanilla"))).num_params()
     for mode in DEPTH_MODES:
         model = tiny_model(depth_mode=mode)
         added = sum(model.get_parameter(name).numel() for name in added_parameters(model))
@@ -241,8 +908,8 @@ def test_depth_weights_readout(mode):
     assert all(m.weights_sink is None for m in model.modules() if hasattr(m, "weights_sink"))
     assert sorted(alphas) == [1, 2, 3, 4]
     for e, (src, a) in alphas.items():
-        assert src == model.config.sources(e) and a.shape == (2, 2, 1, len(src) + 1)
-        assert learned or torch.allclose(a.sum(-1), torch.ones(()))
+        assert src == model.config.sources(e) and a.shape == (2, 2, len(src) + 1, 1)
+        assert learned or torch.allclose(a.sum(2), torch.ones(()))
         if uniform:
             assert torch.equal(a, torch.full_like(a, 1.0 / (len(src) + 1)))
     with capture(model) as alphas:
@@ -250,9 +917,9 @@ def test_depth_weights_readout(mode):
     want = {}
     reference_forward(model, idx, weights=want)
     for e, (src, a) in alphas.items():  # each layer's own weights, row, position and KV head
-        assert a.shape == (2, 2, 6, len(src) + 1)
+        assert a.shape == (2, 2, len(src) + 1, 6)  # (B, n_kv_head, C, T), as depth_mix computes
         for b, t, j in itertools.product(range(2), range(6), range(2)):
-            assert torch.allclose(a[b, j, t], want[e, b, t, j].float(), atol=1e-5), (e, b, t, j)
+            assert torch.allclose(a[b, j, :, t], want[e, b, t, j].float(), atol=1e-5), (e, b, t, j)
         assert uniform or learned or a.std() > 1e-3, "a random model's weights are not uniform"
     model(idx)
     assert len(alphas) == 4, "nothing is collected outside the context"
@@ -311,7 +978,8 @@ def test_bad_configs_raise_clear_errors(overrides, fragment):
 
 
 @pytest.mark.parametrize("row, fragment", [
-    (dict(weights="softmax"), "mixes neither K nor V"), (dict(mixes_v=True), "mixes without weights"),
+    (dict(weights="softmax"), "weights exactly when it mixes"),
+    (dict(mixes_v=True), "weights exactly when it mixes"),
     (dict(params=torch.nn.Module), "params are read by its weights")])
 def test_a_row_that_describes_no_step_is_refused_where_it_is_made(row, fragment):
     from model import DepthMode, softmax_weights
@@ -320,37 +988,32 @@ def test_a_row_that_describes_no_step_is_refused_where_it_is_made(row, fragment)
         DepthMode(**row)
 
 
-def test_a_source_at_or_after_the_layer_is_refused_by_name(monkeypatch):
-    """A fork's rule that names the layer itself (or a later one) would read a record not yet
-    written; the model refuses it where it is built, naming the rule. (Not the config: making one
-    calls no rule, so a course copy's unwritten sources costs problem 1 alone.)"""
+@pytest.mark.parametrize("rule, shown", [
+    (lambda paper, self, e: paper(self, e) + [e] * (e > 0), r"sources\(1\) gives \[0, 1\]"),
+    (lambda paper, self, e: paper(self, e) * 2, r"sources\(1\) gives \[0, 0\]"),
+    (lambda paper, self, e: paper(self, e)[::-1], r"sources\(3\) gives \[2, 0\]")],
+    ids=["the layer itself", "a source twice", "unsorted"])
+def test_a_source_rule_that_reads_no_earlier_record_once_is_refused_by_name(monkeypatch, rule,
+                                                                             shown):
+    """A fork's rule naming the layer itself (a record not yet written), a source twice (two
+    candidates of one record) or out of order is refused where the model is built, naming the
+    rule. (Not the config: making one calls no rule, so a course copy's unwritten sources costs
+    problem 1 alone.)"""
     from model import ConfigError
     paper = ModelConfig.sources
-    monkeypatch.setattr(ModelConfig, "sources", lambda self, e: paper(self, e) + [e] * (e > 0))
-    with pytest.raises(ConfigError, match=r"sources\(1\) gives \[1\].*ModelConfig.sources"):
+    monkeypatch.setattr(ModelConfig, "sources", lambda self, e: rule(paper, self, e))
+    with pytest.raises(ConfigError, match=shown + r": earlier layers.*ModelConfig.sources"):
         tiny_model()
-
-
-def test_a_duplicate_or_unsorted_source_is_refused_by_name(monkeypatch):
-    """Twice the same source would be two candidates of one record (and a KeyError in run_layers
-    once its record is freed); the model refuses it where it is built, naming the rule."""
-    from model import ConfigError
-    paper = ModelConfig.sources
-    for rule, shown in ((lambda self, e: paper(self, e) * 2, r"\[0, 0\]"),
-                        (lambda self, e: paper(self, e)[::-1], r"\[2, 0\]")):
-        monkeypatch.setattr(ModelConfig, "sources", rule)
-        with pytest.raises(ConfigError, match=shown + r": each source once, ascending"):
-            tiny_model()
 
 
 def test_too_long_inputs_raise_clear_errors():
     model = tiny_model()  # block_size 32
     with pytest.raises(ValueError, match="exceeds the context length"):
         model.generate(torch.zeros(1, 30, dtype=torch.long), 5)
-    with pytest.raises(ValueError, match="exceeds the context length"):
+    with pytest.raises(ValueError, match="exceed the context length"):
         model(torch.zeros(1, 33, dtype=torch.long))
     with pytest.raises(ValueError, match="exceeds the context length"):
         KVCache(model.config, 1, 40)
     cache = model.new_cache(1, 4)
-    with pytest.raises(ValueError, match="make a larger cache"):
+    with pytest.raises(ValueError, match="KV cache holds 4 tokens, 5 requested"):
         model(torch.zeros(1, 5, dtype=torch.long), cache=cache)

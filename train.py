@@ -120,6 +120,10 @@ def table(baselines=False) -> dict:
     model["vocab_size"] = Key(None, "None = the data's vocabulary (meta.json); more pads it",
                               kind=int)
     model["depth_mode"] = Key("value", model["depth_mode"].help, choices=tuple(DEPTH_MODES))
+    if baselines:
+        from baselines import ATTENTIONS, BASELINES
+        for name, choices in (("residual", ("add", *BASELINES)), ("attention", tuple(ATTENTIONS))):
+            model[name] = Key(model[name].default, model[name].help, choices=choices)
     return {**model, **KEYS}
 
 

@@ -8,7 +8,6 @@ child starts again for the next test, so a crash or an endless loop costs that t
 """
 import io
 import os
-import resource
 import select
 import signal
 import struct
@@ -29,13 +28,16 @@ class Gone(Exception):
     """The child died, ran out of time, or sent something that is not a message."""
 
 
-def limits():
-    """Before bwrap (or, unsandboxed, the child) runs: no file can be written outside a tmpfs
-    either (a report, a grader file), memory bounded, its own session (a signal to its group
-    stays there)."""
-    resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write then fails with EFBIG instead
-    sandbox.limits()
+# The child's first lines, before it imports anything of the student's: no file can be written
+# outside a tmpfs either (a report, a grader file; a write fails with EFBIG), memory bounded, hard
+# limits it cannot raise. tempfile's probe file is such a write: its folder is named instead.
+LIMITS = f"""import os, resource, signal, tempfile
+resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
+resource.setrlimit(resource.RLIMIT_AS, ({sandbox.MEMORY}, {sandbox.MEMORY}))
+resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+tempfile.tempdir = os.getcwd()
+"""
 
 
 def scale(x, sizes=None):
@@ -74,17 +76,16 @@ class Child:
         env = {k: v for k, v in os.environ.items()
                if k in ("PATH", "LANG", "LC_ALL")}
         env["OMP_NUM_THREADS"] = "1"  # tiny tensors: one thread is 20x faster than a pool
-        # tempfile's probe file is a write the child cannot make (RLIMIT_FSIZE 0): its folder
-        # is named instead, before torch asks
-        code = ("import os, tempfile\ntempfile.tempdir = os.getcwd()\n" + OPS_SOURCE
-                + f"\nserve({down_r}, {up_w})\n")
+        code = LIMITS + OPS_SOURCE + f"\nserve({down_r}, {up_w})\n"
         argv = [sys.executable, "-I", "-B", "-c", code]
         if self.sandboxed:
             argv = sandbox.command(self.tree / "model.py", argv)
+        # a session of its own: the kill at the end reaches every process it started (sandboxed,
+        # the PID namespace's end does too); no preexec_fn, so gradings may run in threads
         self.proc = subprocess.Popen(argv, cwd=self.tree,
                                      env={**env, "HOME": str(self.tree)}, stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     pass_fds=(down_r, up_w), preexec_fn=limits)
+                                     pass_fds=(down_r, up_w), start_new_session=True)
         os.close(down_r)
         os.close(up_w)
         self.down, self.up = down_w, up_r

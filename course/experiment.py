@@ -19,10 +19,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
+import train
+from checkpoint import build_model, read_checkpoint
+from configurator import UserError
 from course.problems import EXPERIMENT, EXPERIMENT_COMMAND, PROBLEMS
-from support.errors import UserError
+from data import load_meta, prepare, read_tokens, shakespeare
 
 HINT = f"run `{EXPERIMENT_COMMAND}` from the repository's folder (it resumes what it has)"
 EVAL_TOLERANCE = 1e-4  # float32 sums in another batching: 1e-6 apart; a model other than the
@@ -44,11 +46,37 @@ def jobs():
     return [(run, seed) for run in EXPERIMENT["runs"] for seed in range(EXPERIMENT["seeds"])]
 
 
+def run_dir(out: Path, run, seed) -> Path:
+    return out / run / f"seed{seed}"  # where lab/ablate.py's shared protocol writes a run
+
+
 def asked(grader: Path, run, seed) -> dict:
-    from support.sweep import train_config
-    return train_config([str(grader / EXPERIMENT["base"]),
-                         str(grader / "configs" / "ablations" / f"mode_{run}.py"),
-                         f"--seed={seed}"])
+    """The config train.py resolves for the handout's run: its base, its mode's delta, its seed."""
+    return train.parse_args([str(grader / EXPERIMENT["base"]),
+                             str(grader / "configs" / "ablations" / f"mode_{run}.py"),
+                             f"--seed={seed}"])
+
+
+def differences(recorded: dict, asked: dict) -> str:
+    """`key recorded -> asked` for each key that changes a number the run reports (train.py's table
+    says which), through every resume recorded; "" for the run asked for."""
+    keys = train.table(True)
+    counts = [k for k in asked if keys[k].result and not (k == "vocab_size" and asked[k] is None)]
+    diff = [f"{k} {recorded.get(k, keys[k].default)!r} -> {asked[k]!r}" for k in counts
+            if recorded.get(k, keys[k].default) != asked[k]]
+    diff += [f"resumed at step {r['step']} with {k} {a!r} -> {b!r}"
+             for r in recorded.get("resumes", []) for k, (a, b) in r["changed"].items()
+             if k not in keys or keys[k].result]
+    return ", ".join(diff)
+
+
+def final_val_loss(where: Path):
+    """The last evaluation's loss if the run finished (evaluated at max_iters), else None."""
+    evals = [r for r in train.read_log(where) if r.get("kind") == "eval"]
+    config = where / "config.json"
+    done = evals and config.is_file() and evals[-1]["step"] == json.loads(
+        config.read_text())["max_iters"]
+    return evals[-1]["val_loss"] if done else None
 
 
 def results_of(out: Path) -> dict:
@@ -58,24 +86,22 @@ def results_of(out: Path) -> dict:
         results = json.loads(path.read_text())
     except (ValueError, UnicodeDecodeError):
         raise Fail(f"{path} is not JSON: {HINT}") from None
-    need(isinstance(results, dict), f"{path} is not ablate.py's results: {HINT}")
+    need(isinstance(results, dict), f"{path} is not lab/ablate.py's results: {HINT}")
     return results
 
 
 def finished(out, results, grader):
-    from support.sweep import differences, final_val_loss, read_config, run_dir
     for run, seed in jobs():
         where = run_dir(out, run, seed)
         need(final_val_loss(where) is not None, f"{where} has not finished: {HINT}")
-        recorded = read_config(where)
-        changed = differences(recorded, recorded.get("resumes", []), asked(grader, run, seed))
+        changed = differences(json.loads((where / "config.json").read_text()),
+                              asked(grader, run, seed))
         need(not changed, f"{where} was trained with other settings ({changed}): {HINT}")
     need(results["config"]["protocol"] == "shared" and not results["train_overrides"],
          f"results.json comes from another command: {HINT}")
 
 
 def losses_of(out):
-    from support.sweep import final_val_loss, run_dir
     return {run: [final_val_loss(run_dir(out, run, s)) for s in range(EXPERIMENT["seeds"])]
             for run in EXPERIMENT["runs"]}
 
@@ -96,12 +122,10 @@ def logged(out, results, grader):
 def texts(cfg) -> tuple:
     """The run's dataset, (train, val) tokens, prepared afresh here (the embedded Shakespeare takes
     a second), never read from the copy."""
-    from support.data import load_meta, read_tokens
-    from support.prepare import prepare
     need(cfg["dataset"] == "shakespeare", f"the runs trained on {cfg['dataset']}: {HINT}")
     with tempfile.TemporaryDirectory(prefix="grade-data") as tmp, \
             contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        folder = prepare("shakespeare", out_dir=tmp)  # its lines are not the grader's
+        folder = prepare(shakespeare, "shakespeare", "shakespeare", "bytes", tmp, num_proc=1)
         meta = load_meta(folder)
         return tuple(np.array(read_tokens(folder, split, meta)) for split in ("train", "val"))
 
@@ -113,28 +137,23 @@ def val_loss(gpt, val, cfg) -> float:
 
 
 def mean_loss(gpt, tokens, offsets, T) -> float:
-    """The mean next-token loss of gpt over the windows tokens[o:o + T + 1]."""
+    """The mean next-token loss of gpt over the windows at offsets, as train.py batches them."""
     gpt.eval()
-    total, count = 0.0, 0
     with torch.no_grad():
-        for i in range(0, len(offsets), 32):
-            windows = torch.from_numpy(np.stack([tokens[o:o + T + 1] for o in offsets[i:i + 32]])
-                                       .astype(np.int64))  # train.py's windows: (n, T + 1)
-            x, y = windows[:, :-1], windows[:, 1:]
-            logits = gpt(x)[0]
-            total += F.cross_entropy(logits.flatten(0, 1), y.flatten()).item() * y.numel()
-            count += y.numel()
-    return total / count
+        losses = [gpt(*train.get_batch(tokens, offsets[i:i + 32], T, "cpu",
+                                       gpt.config.vocab_size))[1].item() * len(offsets[i:i + 32])
+                  for i in range(0, len(offsets), 32)]
+    return sum(losses) / len(offsets)
 
 
-def not_trained_on_validation(gpt, train, val_said, cfg, where):
+def not_trained_on_validation(gpt, tokens, val_said, cfg, where):
     """A run of the handout's command scores 0.01-0.06 lower on text it trained on than on the
     validation windows (six trained checkpoints of its base config, three draws each); one trained
     on the validation windows scores lower on them. The training windows are drawn here, afresh:
     the copy cannot know them."""
     T = cfg["block_size"]
-    offsets = np.random.default_rng().integers(0, len(train) - T - 1, TRAIN_WINDOWS)
-    seen = mean_loss(gpt, train, offsets, T)
+    offsets = np.random.default_rng().integers(0, len(tokens) - T - 1, TRAIN_WINDOWS)
+    seen = mean_loss(gpt, tokens, offsets, T)
     need(seen - val_said <= SEEN_MARGIN,
          f"{where}: its checkpoint scores {val_said:.4f} on the validation windows but {seen:.4f} "
          f"on training text drawn at random: it learnt the validation windows, not the training "
@@ -144,14 +163,12 @@ def not_trained_on_validation(gpt, train, val_said, cfg, where):
 def reevaluated(out, results, grader):
     """Each run's final checkpoint, scored on the validation windows train.py evaluates (evenly
     spaced over val.bin), gives the loss its log ends with, and was not trained on them."""
-    import model
-    from support.sweep import final_val_loss, run_dir
     data, checkpoints = None, {job: checkpoint(out, grader, *job) for job in jobs()}  # before any
     for (run, seed), (ckpt, cfg) in checkpoints.items():  # evaluation: a forgery fails at once
         where = run_dir(out, run, seed)
-        train, val = data = texts(cfg) if data is None else data
+        tokens, val = data = texts(cfg) if data is None else data
         try:
-            gpt = model.GPT(model.ModelConfig(**ckpt["model_config"]))
+            gpt = build_model(ckpt["model_config"])
             gpt.load_state_dict(ckpt["model"])
         except Exception as e:
             raise Fail(f"{where / 'ckpt.pt'} does not hold the model its config says "
@@ -160,36 +177,26 @@ def reevaluated(out, results, grader):
         need(math.isfinite(loss) and abs(loss - said) < EVAL_TOLERANCE,
              f"{where}: its checkpoint scores {loss:.4f} on the validation windows, its log says "
              f"{said:.4f}: the log is not the checkpoint's; {HINT}")
-        not_trained_on_validation(gpt, train, said, cfg, where)
+        not_trained_on_validation(gpt, tokens, said, cfg, where)
 
 
 def checkpoint(out, grader, run, seed):
     """A run's final checkpoint and config, once it holds the run's model (mode, depth, stride,
     sizes) and weights no other seed of the run has: a checkpoint relabelled, or one training
     copied to both seeds, fails."""
-    import dataclasses
-    import model
-    from support.sweep import differences, run_dir
     where, cfg = run_dir(out, run, seed), asked(grader, run, seed)
-    try:
-        ckpt = torch.load(where / "ckpt.pt", map_location="cpu", weights_only=True)
-    except FileNotFoundError:
-        raise Fail(f"no {where / 'ckpt.pt'}: the run's final checkpoint is graded; "
-                   f"{HINT}") from None
-    except Exception as e:
-        raise Fail(f"{where / 'ckpt.pt'} cannot be read ({type(e).__name__}): {HINT}") from None
-    need(isinstance(ckpt, dict) and {"model", "model_config", "config", "step"} <= ckpt.keys(),
-         f"{where / 'ckpt.pt'} is not a train.py checkpoint: {HINT}")
-    need(ckpt["step"] == cfg["max_iters"] and not differences(ckpt["config"], [], cfg),
+    need((where / "ckpt.pt").is_file(), f"no {where / 'ckpt.pt'}: the run's final checkpoint is "
+                                        f"graded; {HINT}")
+    ckpt = read_checkpoint(where / "ckpt.pt")
+    need(isinstance(ckpt.get("config"), dict) and ckpt.get("step") == cfg["max_iters"]
+         and not differences(ckpt["config"], cfg),
          f"{where / 'ckpt.pt'} is not the checkpoint of the finished run: {HINT}")
-    keys = [f.name for f in dataclasses.fields(model.ModelConfig)]
-    wrong = [f"{k} {ckpt['model_config'].get(k)!r} (the run's: {cfg[k]!r})" for k in keys
-             if cfg.get(k) is not None and ckpt["model_config"].get(k) != cfg[k]]
+    wrong = [f"{k} {v!r} (the run's: {cfg[k]!r})" for k, v in ckpt["model_config"].items()
+             if cfg.get(k) is not None and v != cfg[k]]
     need(not wrong, f"{where / 'ckpt.pt'} holds another model than its run's: "
                     f"{', '.join(wrong[:3])}; {HINT}")
     for other in range(seed):  # two seeds are two trainings
-        state = torch.load(run_dir(out, run, other) / "ckpt.pt", map_location="cpu",
-                           weights_only=True)["model"]
+        state = read_checkpoint(run_dir(out, run, other) / "ckpt.pt")["model"]
         need(any(k not in state or not torch.equal(state[k], v) for k, v in ckpt["model"].items()),
              f"{where / 'ckpt.pt'} holds the same weights as {run} seed {other}: each seed is a "
              f"run of its own; {HINT}")
@@ -203,7 +210,7 @@ def correct(out, results, grader):
            f"reference's {want:.4f}" for run, want in EXPERIMENT["reference"].items()
            if abs(results["runs"][run]["mean"] - want) > EXPERIMENT["tolerance"]]
     need(not off, f"{'; '.join(off)} (+-{EXPERIMENT['tolerance']}): were problems 1-4 correct when "
-                  f"it trained? Retrain with --overwrite=True added to the command")
+                  f"it trained? Retrain with --overwrite added to the command")
     losses = losses_of(out)
     gain = sum(a - b for a, b in zip(losses["value"], losses["vanilla"])) / EXPERIMENT["seeds"]
     need(gain < -EXPERIMENT["gain"] / 2,
@@ -249,5 +256,5 @@ def verdict(name, out, grader):
     except (KeyError, TypeError, ValueError, IndexError, OSError) as e:
         return (f"the runs' records are not what the handout's command writes "
                 f"({type(e).__name__}: {e}): {HINT}")
-    except UserError as e:  # support.sweep's: an unreadable record, in one line
+    except UserError as e:  # the core's: an unreadable log or checkpoint, in one line
         return str(e)

@@ -22,45 +22,38 @@ their checkpoints re-evaluated here.
 
 What it needs: the bwrap command (apt-get install bubblewrap) and user namespaces (as root they
 always work; as another user, kernel.unprivileged_userns_clone=1 where the kernel has it). Where
-the sandbox cannot start, grading is refused in one line naming the fix; --no-sandbox grades
+the sandbox cannot start, grading is refused in one line naming the fix; --no_sandbox grades
 unsandboxed for practice, and the report says so ("sandbox": false): never for credit.
 The instructor's grader (a tree that is not a student copy) draws a fresh seed each time and adds
 hidden scenarios to the practice ones, computing the expected outputs from its own model.py.
 """
-import argparse
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(HERE))  # the grader's tree: its core and its model.py, the reference
+import configurator  # first, so that Ctrl-C during the imports below is one line, exit 130
+if __name__ == "__main__":
+    configurator.interruptible()
 import hashlib
 import json
 import os
 import random
 import shutil
-import sys
 import tempfile
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(HERE))
-import support.interrupt  # noqa: E402,F401  first outside the standard library: see its docstring
+from configurator import Key, UserError, parse, run_main
+from course.problems import EXPERIMENT, FIXTURES, GRADED, MARKER, PROBLEMS
+from outputs import mark, output_file, write_atomically
 
-from course.problems import EXPERIMENT, FIXTURES, GRADED, MARKER, PROBLEMS  # noqa: E402
-from support.argparser import ArgumentParser  # noqa: E402
-from support.atomic import write_atomically  # noqa: E402
-from support.outputs import mark, output_file  # noqa: E402
-from support.errors import UserError, run_main  # noqa: E402
-
-TEST_TIMEOUT_S = float(os.environ.get("COURSE_TEST_TIMEOUT", 60))  # a test's limit; the
-# grader's own tests lower it to try an endless loop quickly
+TEST_TIMEOUT_S = 60  # a test's limit: the slowest takes 1-3 s on a loaded 2-core machine
 
 
-def practice() -> bool:
-    """A student copy's grader has the practice fixtures, and no reference to record more."""
-    return (HERE / MARKER).is_file()
-
-
-def load_fixtures():
+def load_fixtures(grader: Path):
     """The practice fixtures, or one line naming the file and what to do."""
     import torch
     from course.fixtures import FORMAT
-    path = HERE / FIXTURES
+    path = grader / FIXTURES
     hint = "ask for a fresh copy (python course/make.py)"
     if not path.is_file():
         raise UserError(f"{path} is missing; {hint}")
@@ -83,20 +76,22 @@ def reference(seed):
     try:
         tests = fixtures.expected(model, fixtures.scenarios(model, seed, hidden=True))
     except Exception as e:
-        raise UserError(f"could not record the tests from {HERE / 'model.py'} ({type(e).__name__}: "
+        raise UserError(f"could not record the tests from {model.__file__} ({type(e).__name__}: "
                         f"{e}); grade with a tree whose model.py is complete")
     return {"tests": tests, "calls": None}, model
 
 
-def digest() -> dict:
+def digest(grader: Path) -> dict:
     """The grader's own files: a grading during which one changed is void."""
-    files = [HERE / "model.py", *sorted((HERE / "course").rglob("*.py")),
-             *sorted((HERE / "support").glob("*.py"))]
+    files = [*sorted(grader.glob("*.py")), *sorted((grader / "course").rglob("*.py"))]
     return {str(f): hashlib.sha256(f.read_bytes()).hexdigest() if f.is_file() else None
             for f in files}
 
 
-def grade(root: Path, only=None, experiment=None, seed=None, sandboxed=True) -> dict:
+def grade(root: Path, only=None, experiment=None, seed=None, sandboxed=True, grader=HERE,
+          timeout=TEST_TIMEOUT_S) -> dict:
+    """The report on the copy at root. grader: the tree whose grader this is; a student copy's
+    (its marker) has the practice fixtures and no reference to record more."""
     import torch  # here, not at the top: a refused argument answers before torch loads
     from course import experiment as runs
     from course import sandbox
@@ -105,15 +100,13 @@ def grade(root: Path, only=None, experiment=None, seed=None, sandboxed=True) -> 
     if sandboxed and (why := sandbox.problem(root / "model.py")):
         raise UserError(why)  # before the reference's work: nothing graded
     seed = random.SystemRandom().randrange(2 ** 31) if seed is None else seed
-    before = digest()
-    ref, answering = (load_fixtures(), None) if practice() else reference(seed)
+    before, practice = digest(grader), (grader / MARKER).is_file()
+    ref, answering = (load_fixtures(grader), None) if practice else reference(seed)
     problems = [p for p in PROBLEMS if only in (None, p.number)]
     entries = []
     with tempfile.TemporaryDirectory(prefix="grade", ignore_cleanup_errors=True) as tmp:
-        tree = Path(tmp) / "copy"
-        tree.mkdir()
-        shutil.copy(root / "model.py", tree / "model.py")  # all of the student's code it runs
-        child = Child(tree, ref, answering, TEST_TIMEOUT_S, sandboxed)
+        shutil.copy(root / "model.py", Path(tmp) / "model.py")  # all of the student's code it runs
+        child = Child(Path(tmp), ref, answering, timeout, sandboxed)
         try:
             for p in problems:
                 if not p.graded:
@@ -123,7 +116,7 @@ def grade(root: Path, only=None, experiment=None, seed=None, sandboxed=True) -> 
                 if p.functions:
                     results = child.problem(p)
                 else:
-                    results = runs.grade(Path(experiment or root / EXPERIMENT["out"]), HERE)
+                    results = runs.grade(Path(experiment or root / EXPERIMENT["out"]), grader)
                 entries.append(entry(p, results))
             code = [e for e in entries if e.get("graded") and e["problem"] != 5]
             together = None
@@ -132,14 +125,14 @@ def grade(root: Path, only=None, experiment=None, seed=None, sandboxed=True) -> 
                             and child.together())
         finally:
             child.close()
-    tampered = [f for f, h in digest().items() if before.get(f) != h]
+    tampered = [f for f, h in digest(grader).items() if before.get(f) != h]
     if tampered:
         for e in entries:
             if e["graded"]:
                 e.update(earned=0, tests=[{**t, "earned": 0} for t in e["tests"]])
     graded = [e for e in entries if e["graded"]]
     return {"written_by": mark("grade.py"), "root": str(root), "seed": seed,
-            "hidden_tests": not practice(), "sandbox": sandboxed, "problems": entries,
+            "hidden_tests": not practice, "sandbox": sandboxed, "problems": entries,
             "together": together,
             "tampered": tampered, "score": sum(e["earned"] for e in graded),
             "out_of": sum(e["points"] for e in graded)}
@@ -179,43 +172,34 @@ def show(result, verbose):
         verdict = ("cached decoding equals the full forward in every mode" if result["together"]
                    else "not yet one working model (checked once problems 1-4 pass; no points)")
         print("together: " + verdict)
-    unsandboxed = "" if result["sandbox"] else "  (unsandboxed with --no-sandbox: practice only)"
+    unsandboxed = "" if result["sandbox"] else "  (unsandboxed with --no_sandbox: practice only)"
     print(f"score: {result['score']} / {result['out_of']}{unsandboxed}")
 
 
-def parse_args(argv):
-    """The command line, checked without reading a file."""
-    p = ArgumentParser("course/grade.py", description=__doc__.strip().split("\n\n")[0],
-                       epilog=__doc__.strip().split("\n\n", 2)[2],
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("dir", nargs="?", default=str(HERE),
-                   help="the copy to grade (default: this one)")
-    p.add_argument("--json", help="also write the result here")
-    p.add_argument("--problem", type=int, choices=[q.number for q in GRADED],
-                   help="grade one problem")
-    p.add_argument("--experiment", help=f"problem 5's runs, if not in DIR/{EXPERIMENT['out']}")
-    p.add_argument("--seed", type=int, help="the hidden scenarios' seed (default: a fresh one; "
-                                            "the JSON records it, to grade again alike)")
-    p.add_flag("--no-sandbox", help="practice only, never for credit: run the graded code without "
-                                    "the OS sandbox (the report records it)")
-    args = p.parse_args(argv)
-    if args.seed is not None and not 0 <= args.seed < 2 ** 63:
-        raise UserError(f"--seed={args.seed} is out of range; give 0 <= seed < 2**63")
-    return args
+KEYS = {
+    "dir": Key("", "the copy to grade (default: the one this script is in)", positional=True),
+    "json": Key("", "also write the result here"),
+    "problem": Key(None, "grade one problem", kind=int, choices=tuple(p.number for p in GRADED)),
+    "experiment": Key("", f"problem 5's runs, if not in DIR/{EXPERIMENT['out']}"),
+    "seed": Key(None, "the hidden scenarios' seed (default: a fresh one; the JSON records it, to "
+                "grade again alike)", "in [0, 2**63)", kind=int),
+    "no_sandbox": Key(False, "practice only, never for credit: run the graded code without the "
+                      "OS sandbox (the report records it)"),
+}
 
 
 def main(argv):
-    args = parse_args(argv)
-    root = Path(args.dir).resolve()
+    args = parse(argv, KEYS, __doc__)
+    root = Path(args["dir"] or HERE).resolve()
     if not (root / "model.py").is_file():
-        raise UserError(f"{args.dir} is not a copy of the assignment (no model.py in it)")
-    json_path = output_file(args.json, "--json", written_by="grade.py") if args.json else None
-    if args.experiment and not Path(args.experiment).is_dir():
-        raise UserError(f"--experiment={args.experiment} is not a folder; give the --out of the "
+        raise UserError(f"{args['dir']} is not a copy of the assignment (no model.py in it)")
+    json_path = output_file(args["json"], "--json", "grade.py") if args["json"] else None
+    experiment = args["experiment"] and Path(args["experiment"]).resolve()
+    if experiment and not experiment.is_dir():
+        raise UserError(f"--experiment={args['experiment']} is not a folder; give the --out of the "
                         f"handout's command")
-    result = grade(root, args.problem, args.experiment and Path(args.experiment).resolve(),
-                   args.seed, sandboxed=not args.no_sandbox)
-    show(result, verbose=args.problem is not None)
+    result = grade(root, args["problem"], experiment, args["seed"], not args["no_sandbox"])
+    show(result, verbose=args["problem"] is not None)
     if json_path:
         write_atomically(json_path, json.dumps(result, indent=2) + "\n")
     if result["tampered"]:
@@ -223,13 +207,5 @@ def main(argv):
         raise UserError(f"the grader's own files changed while grading ({changed}): this grading "
                         f"is void; restore them (git checkout) and grade in a container")
 
-
-def interruptible(argv):
-    try:
-        main(argv)
-    except KeyboardInterrupt:
-        raise KeyboardInterrupt("nothing graded, nothing written") from None
-
-
 if __name__ == "__main__":
-    sys.exit(run_main(interruptible))
+    sys.exit(run_main(main))

@@ -13,30 +13,29 @@ this repository's model.py as it is now, so they match it. Only the files git tr
 (an untracked scratch file is listed and refused unless --untracked), and the copy's stamp says
 whether the tree was dirty.
 """
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # the repository: the core
+import configurator  # first, so that Ctrl-C during the imports below is one line, exit 130
+if __name__ == "__main__":
+    configurator.interruptible()
 import ast
 import os
 import shutil
 import subprocess
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-import support.interrupt  # noqa: E402,F401  first outside the standard library: see its docstring
-
-from course.problems import FIXTURES, MARKER, PROBLEMS  # noqa: E402
-from support.argparser import ArgumentParser  # noqa: E402
-from support.folders import claim, seal  # noqa: E402
-from support.outputs import clean_stale  # noqa: E402
-from support.errors import UserError, run_main  # noqa: E402
+from configurator import Key, UserError, parse, run_main
+from course.problems import FIXTURES, MARKER, PROBLEMS
+from outputs import claim, clean_stale, manifest, mark, seal
 
 # Left out of the copy: the loop references and the tests that check the method against them, CI,
 # this script and the answers. The pages that print the method's code become a one-line page.
-LEFT_OUT = ("test_model.py", "conftest.py", "tests/", ".ci/", "course/make.py", "course/answers.md")
+LEFT_OUT = ("test_model.py", "conftest.py", "tests/", ".ci/", "course/make.py", "course/answers.md",
+            "course/fixtures/")
 WITHHELD_PAGES = ("docs/cost.md", "docs/forking.md", "docs/tests.md")
-SKIPPED_DIRS = {".git", "out", "data", "runs", "wandb", ".venv", "venv", "__pycache__",
-                ".pytest_cache"}
 
 
 def replace_bodies(source: str, bodies: dict) -> str:
@@ -83,37 +82,24 @@ def stubs() -> dict:
     return out
 
 
-def repository_files(untracked=False) -> list:
-    """The files of this repository a clone holds: git's tracked files (untracked: also those git
-    does not ignore) where there is a git checkout, else the tree without run outputs, data and
-    caches."""
-    try:
-        listed = git_files("-c", *(["-o", "--exclude-standard"] if untracked else []))
-        files = [f for f in listed if (ROOT / f).is_file()]
-    except (OSError, subprocess.CalledProcessError):
-        files = [str(p.relative_to(ROOT)) for p in ROOT.rglob("*") if p.is_file()
-                 and not SKIPPED_DIRS & set(p.relative_to(ROOT).parts[:-1]) and p.suffix != ".pyc"]
-    return sorted(f for f in files
-                  if not f.startswith(LEFT_OUT) and not f.startswith("course/fixtures/"))
-
-
 def git_files(*flags) -> list:
-    out = subprocess.run(["git", "ls-files", *flags, "-z"], cwd=ROOT, capture_output=True,
-                         check=True).stdout.decode()
-    return [f for f in out.split("\0") if f]
+    """git ls-files with flags, less what the copy leaves out; a tree without git is refused."""
+    try:
+        out = subprocess.run(["git", "ls-files", *flags, "-z"], cwd=ROOT, capture_output=True,
+                             check=True).stdout.decode()
+    except (OSError, subprocess.CalledProcessError):
+        raise UserError(f"{ROOT} is not a git checkout: the copy holds the files git tracks; "
+                        f"run make.py in a clone") from None
+    return sorted(f for f in out.split("\0") if f and not f.startswith(LEFT_OUT))
 
 
 def untracked_files() -> list:
-    """The files git neither tracks nor ignores, that a copy would leave out ([] without git)."""
-    try:
-        return sorted(f for f in git_files("-o", "--exclude-standard")
-                      if not f.startswith(LEFT_OUT) and not f.startswith("course/fixtures/"))
-    except (OSError, subprocess.CalledProcessError):
-        return []
+    """The files git neither tracks nor ignores, that a copy would leave out."""
+    return git_files("-o", "--exclude-standard")
 
 
 def check_destination(out: Path, overwrite: bool):
-    """Refuse a destination inside this repository (or holding it), and what support.folders.claim
+    """Refuse a destination inside this repository (or holding it), and what outputs.claim
     refuses (the current folder or one above it, a file, a folder of other work); an earlier copy
     needs --overwrite and must hold nothing the copy did not write."""
     where = out.resolve()
@@ -121,30 +107,20 @@ def check_destination(out: Path, overwrite: bool):
         raise UserError(f"{out} is, holds or lies inside this repository ({ROOT}); give a folder "
                         f"outside it, e.g. {ROOT.parent / 'student'}")
     # a copy a killed run moved aside is back in place before the next check
-    clean_stale(where, hidden=True, restorable=lambda old: bool(copy_files(old)))
-    folder = claim(out, "course/make.py", "OUT_DIR", legacy=copy_files)
+    clean_stale(where, hidden=True, restorable=lambda old: manifest(old).get("written_by")
+                == mark("course/make.py"))
+    folder = claim(out, "course/make.py", "OUT_DIR")
     if folder.names and not overwrite:
         raise UserError(f"{out} holds an earlier student copy; pass --overwrite to replace it "
                         f"whole")
     folder.refuse_foreign()  # a student's own files: named, never replaced with the copy
 
 
-STAMP = "A student copy made by course/make.py"  # the marker's first words: what it may replace
-
-
-def copy_files(folder: Path) -> list:
-    """The top-level names of a student copy made before manifests (its marker), else []."""
-    try:
-        made = (folder / MARKER).read_text().startswith(STAMP)
-    except (OSError, UnicodeDecodeError):
-        made = False
-    return sorted(p.name for p in folder.iterdir()) if made else []
-
-
 def write_copy(tmp: Path, untracked: bool) -> int:
     """The student copy in tmp; returns the number of files."""
     blanked = stubs()
-    files = repository_files(untracked)
+    files = [f for f in git_files("-c", *(["-o", "--exclude-standard"] if untracked else []))
+             if (ROOT / f).is_file()]  # a deleted file git still tracks is not copied
     for f in files:
         (tmp / f).parent.mkdir(parents=True, exist_ok=True)
         text = (ROOT / f).read_text() if f in blanked or f in WITHHELD_PAGES else None
@@ -165,8 +141,8 @@ def write_copy(tmp: Path, untracked: bool) -> int:
     (tmp / FIXTURES).parent.mkdir(parents=True, exist_ok=True)
     import torch
     torch.save(recorded(), tmp / FIXTURES)
-    (tmp / MARKER).write_text(f"{STAMP} on {time.strftime('%Y-%m-%d')} from "
-                              f"{commit(untracked)}.\n")
+    (tmp / MARKER).write_text(f"A student copy made by course/make.py on "
+                              f"{time.strftime('%Y-%m-%d')} from {commit(untracked)}.\n")
     seal(tmp, "course/make.py")
     return len(files) + 2
 
@@ -186,32 +162,26 @@ def recorded() -> dict:
 
 def commit(untracked=False) -> str:
     """Where the copy comes from: the commit, marked dirty for changed or untracked files."""
-    try:
-        out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT,
-                             capture_output=True, text=True, check=True).stdout.strip()
-        if untracked and untracked_files() and not out.endswith("-dirty"):
-            out += "-dirty"
-        return f"commit {out}" + (" (a dirty tree: uncommitted changes copied)"
-                                  if out.endswith("-dirty") else "")
-    except (OSError, subprocess.CalledProcessError):
-        return "a tree without git"
+    out = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT,
+                         capture_output=True, text=True).stdout.strip()
+    if untracked and untracked_files() and not out.endswith("-dirty"):
+        out += "-dirty"
+    return f"commit {out}" + (" (a dirty tree: uncommitted changes copied)"
+                              if out.endswith("-dirty") else "")
 
 
-def parse_args(argv):
-    """The command line, checked without reading a file."""
-    p = ArgumentParser("course/make.py", description=__doc__.strip().splitlines()[0])
-    p.add_argument("out_dir", help="a new or empty folder outside this repository")
-    p.add_flag("--overwrite", help="replace an earlier student copy there, whole")
-    p.add_flag("--untracked", help="also copy the files git does not track (refused without it)")
-    return p.parse_args(argv)
+KEYS = {"out_dir": Key(None, "a new or empty folder outside this repository", kind=str, path=True,
+                      positional=True),
+        "overwrite": Key(False, "replace an earlier student copy there, whole"),
+        "untracked": Key(False, "also copy the files git does not track (refused without it)")}
 
 
 def main(argv):
-    args = parse_args(argv)
-    out = Path(args.out_dir)
-    check_destination(out, args.overwrite)
+    args = parse(argv, KEYS, __doc__)
+    out = Path(args["out_dir"])
+    check_destination(out, args["overwrite"])
     extra = untracked_files()
-    if extra and not args.untracked:
+    if extra and not args["untracked"]:
         raise UserError(f"{len(extra)} file(s) git does not track would be left out of the copy "
                         f"({', '.join(extra[:5])}{' ...' if len(extra) > 5 else ''}): commit or "
                         f"remove them, or pass --untracked to copy them too")
@@ -222,12 +192,12 @@ def main(argv):
         out.parent.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        n = write_copy(tmp, args.untracked)
+        n = write_copy(tmp, args["untracked"])
         if out.exists():
             os.replace(out, old)
         os.replace(tmp, out)
     except OSError as e:
-        raise UserError(f"cannot write {args.out_dir} ({e.strerror or e}); pick a folder you can "
+        raise UserError(f"cannot write {args['out_dir']} ({e.strerror or e}); pick a folder you can "
                         f"write to")
     except ValueError as e:  # a function the problems name that the code no longer has
         raise UserError(f"course/problems.py names {e}: update its list to the code's names")
@@ -237,18 +207,10 @@ def main(argv):
             os.replace(old, out)
         shutil.rmtree(old, ignore_errors=True)
     n_stubs = sum(len(p.functions) for p in PROBLEMS)
-    print(f"wrote the student copy {args.out_dir}: {n} files, {n_stubs} functions to write over "
+    print(f"wrote the student copy {args['out_dir']}: {n} files, {n_stubs} functions to write over "
           f"{sum(1 for p in PROBLEMS if p.functions)} problems. Hand it out; students start with "
           f"course/README.md and grade with python course/grade.py")
 
 
-def interruptible(argv):
-    try:
-        main(argv)
-    except KeyboardInterrupt:  # the copy is written beside its destination, then renamed into place
-        raise KeyboardInterrupt("the destination holds what it held before or the whole new "
-                                "copy, never a part") from None
-
-
 if __name__ == "__main__":
-    sys.exit(run_main(interruptible))
+    sys.exit(run_main(main))

@@ -69,7 +69,7 @@ PROBLEMS = (
 GRADED = [p for p in PROBLEMS if p.graded]
 # A student copy: its marker file, and the fixtures make.py records (relative to the copy's root)
 MARKER, FIXTURES = "course/STUDENT", "course/fixtures/reference.pt"
-# Problem 5's runs, as the handout's command writes them (ablate.py's shared protocol on its CPU
+# Problem 5's runs, as the handout's command writes them (lab/ablate.py's shared protocol on its CPU
 # base), and the mean final validation losses of the two seeds that this repository's code gives,
 # measured with that command (it reproduces them to every printed digit on the same torch). gain:
 # value's paired gain over vanilla, 0.0297. The grader asks each mean within `tolerance` of the
@@ -81,5 +81,5 @@ EXPERIMENT = {"out": "out/course", "runs": ("vanilla", "uniform", "value"), "see
               "base": "configs/ablations/cpu.py",
               "reference": {"vanilla": 1.8013, "uniform": 1.7488, "value": 1.7716},
               "gain": 0.0297, "tolerance": 0.015}
-EXPERIMENT_COMMAND = (f"python ablate.py --runs={','.join(EXPERIMENT['runs'])} "
+EXPERIMENT_COMMAND = (f"python lab/ablate.py --runs={','.join(EXPERIMENT['runs'])} "
                       f"--seeds={EXPERIMENT['seeds']} --out={EXPERIMENT['out']}")

@@ -13,14 +13,13 @@ create (as root they always work; as another user, kernel.unprivileged_userns_cl
 kernel has that switch, and AppArmor not restricting unprivileged namespaces).
 """
 import os
-import resource
 import shutil
 import subprocess
 import sys
 import sysconfig
 
 FIX = ("install bubblewrap (apt-get install bubblewrap) and allow user namespaces "
-       "(sysctl kernel.unprivileged_userns_clone=1), or practise unsandboxed with --no-sandbox "
+       "(sysctl kernel.unprivileged_userns_clone=1), or practise unsandboxed with --no_sandbox "
        "(not for credit)")
 MEMORY = 6 << 30  # address space per process: torch maps ~2 GiB at import; a test needs MBs
 WORK = "/work"    # the tmpfs the child starts in
@@ -57,13 +56,6 @@ def command(model_py, argv) -> list:
              "--setenv", "HOME", WORK, "--setenv", "PATH", "/usr/bin:/bin",
              "--setenv", "OMP_NUM_THREADS", "1", "--setenv", "LANG", "C.UTF-8"]
     return args + ["--", *argv]
-
-
-def limits():
-    """In the sandbox's first process, inherited by all: memory and file-size limits."""
-    resource.setrlimit(resource.RLIMIT_AS, (MEMORY, MEMORY))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    os.setsid()
 
 
 def problem(model_py) -> str:

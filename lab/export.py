@@ -73,6 +73,7 @@ def hf_config(c, dtype, eos_token_id=None) -> dict:
         "bos_token_id": eos_token_id, "eos_token_id": eos_token_id, "pad_token_id": eos_token_id,
         "use_depth_attention": c.depth_mode != "vanilla", "depth_attention_stride": c.stride,
         "depth_attention_recent_window": c.depth_recent_window, "use_qk_norm": c.qk_norm,
+        "k_norm_after_rope": c.k_norm_after_rope,  # else a reader guesses it from the depth keys
         "torch_dtype": str(dtype).removeprefix("torch."), OUR_CONFIG: asdict(c),
         **({"baseline_mode": c.residual, **{k: getattr(c, k) for k in baselines.KNOBS}}
            if baseline else {}),

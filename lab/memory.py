@@ -34,7 +34,7 @@ Per GPU, in bytes (bf16: train.py's bf16 autocast on CUDA; without it everything
 
 Left out, for largest_micro_batch's HEADROOM: the CUDA context, NCCL's buffers, allocator
 fragmentation, the temporaries of an op or of a unit's backward, and torch.compile's changes to what
-is saved. docs/memory.md compares the plan with CPU training steps measured by measured_peak.
+is saved. docs/memory.md compares the plan with CPU training steps (bench_cache.measured_peak).
 """
 
 import os
@@ -48,9 +48,8 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from baselines import BaselineConfig, build_model, wrap_units
-from bench_cache import allocator_peak, table
-from configurator import ConfigError, DataError
+from baselines import BaselineConfig, build_model
+from configurator import ConfigError, DataError, table
 from data import load_meta
 
 GIB = 2 ** 30
@@ -235,26 +234,6 @@ class GPUEmulation(TorchFunctionMode):
         for t in (q, k, v, y, lse):
             self.saved.note(t)
         return y
-
-
-def measured_peak(model, idx, activation_checkpointing=False, bf16=False) -> int:
-    """The allocator's peak during one training forward (under bf16 autocast if bf16) and backward
-    of a real CPU model (targets = idx), in bytes above what it held before, with the gradients
-    already allocated (set to zeros) as in a second micro-step: the activations, autocast's weight
-    copies and the step's temporaries."""
-    model.train()
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    undo = wrap_units(model) if activation_checkpointing else (lambda: None)
-
-    def step():
-        with torch.autocast(idx.device.type, torch.bfloat16, enabled=bf16):
-            logits, loss = model(idx, idx)  # the logits stay alive through backward, as in train.py
-        loss.backward()
-    try:
-        return allocator_peak(step, idx.device.type)
-    finally:
-        undo()
 
 
 def trace(config, micro_batch, block_size, parallel="ddp", bf16=False, flash=True) -> SavedTensors:

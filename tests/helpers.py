@@ -2,13 +2,10 @@
 test runs a script (a subprocess, or train.py in this process) and reads what the run logged, and a
 few fixtures and folders built the same way by more than one file.
 
-Test files import from here (`from helpers import ROOT, TINY, run`), never from one another
-(tests/test_layering.py holds that); pytest puts tests/ on sys.path for the files in it, as it does
-for any folder of tests without an __init__.py, and conftest.py puts it there for test_model.py.
-The naive reference and its registries (MODEL_REFERENCES, REFERENCE_MODES, SOURCE_CASES) are the
-other shared module, tests/reference.py (`from reference import ...`): what those files test the
-model against, not helpers; each baseline's reference stays in its own test file and registers
-there. conftest.py keeps the tiny models (tiny_config, tiny_model, tiny_variant) and data_root.
+Test files import from here (`from helpers import ROOT, TINY, run`), never from one another;
+pytest puts tests/ on sys.path for the files in it, and conftest.py puts it there for
+test_model.py. The naive reference is the other shared module, tests/reference.py. conftest.py
+keeps the tiny models (tiny_config, tiny_model, tiny_variant) and data_root.
 """
 import contextlib
 import gc
@@ -17,21 +14,17 @@ import io
 import json
 import os
 import runpy
-import shutil
 import subprocess
 import sys
-import tempfile
-import textwrap
 import traceback
-from dataclasses import asdict, fields
 from pathlib import Path
 
-import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 # Two ranks share two cores; the same threads in every run.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+WORDS = "the a cat dog sat ran on under mat log and then".split()  # conftest.data_root's corpus
 
 # ----------------------------------------------------------------------------- tiny train.py
 # command lines
@@ -247,7 +240,7 @@ def make_tokenizer_json(path):
 
 def contract_variants(source_cases):
     """{variant: the config keys beyond conftest.tiny_config's} of every variant the contract holds
-    (tests/test_contract.py) and tests/parallel_driver.py trains: each row of model.DEPTH_MODES, a
+    (test_model.py) and tests/parallel_driver.py trains: each row of model.DEPTH_MODES, a
     looped model, value with each source rule of `source_cases` (reference.SOURCE_CASES, the
     registry a fork's rule joins), each baseline, each attention alone and with the value step."""
     from baselines import ATTENTIONS, BASELINES
@@ -266,147 +259,3 @@ def contract_variants(source_cases):
                    for name in ATTENTIONS if name != "standard"
                    for plus, mode in (("", "vanilla"), ("+value", "value"))}}
     return {name: {**keys, **shapes.get(name, {})} for name, keys in variants.items()}
-
-# ----------------------------------------------------------------------------- the course's grader
-# course/ is imported inside these functions only, so that the repository's other tests run without
-# it (tests/test_layering.py holds that).
-
-# each graded test's limit here (60 s in use); the slowest takes 1-3 s on a loaded 2-core machine
-COURSE_TIMEOUT = 30
-
-
-def grade(copy, *args, grader=ROOT, timeout=COURSE_TIMEOUT, ok=True, env=None):
-    """course/grade.py of `grader` on copy: (its printed lines, its --json result, the process);
-    ok: it must exit 0 without a traceback; env: more variables for it."""
-    # beside a copy, never beside the repository (the instructor's own grading writes there)
-    out = Path(tempfile.mkdtemp(prefix="grade")) / f"{copy.name}.json"
-    env = {**ENV, "COURSE_TEST_TIMEOUT": str(timeout), **(env or {})}
-    proc = subprocess.run([sys.executable, str(grader / "course" / "grade.py"), str(copy),
-                           f"--json={out}", *args],
-                          cwd=grader, env=env, capture_output=True, text=True, timeout=900)
-    assert "Traceback" not in proc.stderr + proc.stdout, proc.stdout + proc.stderr
-    if ok:
-        assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout, json.loads(out.read_text()) if out.is_file() else None, proc
-
-
-def earned(result):
-    return {e["problem"]: e["earned"] for e in result["problems"] if e["graded"]}
-
-
-def failing(result):
-    """{problem: the names of its failing tests} for the problems with one."""
-    return {e["problem"]: {t["test"] for t in e["tests"] if t["why"] is not None}
-            for e in result["problems"] if e["graded"] and e["earned"] < e["points"]}
-
-
-def full(*numbers):
-    from course.problems import PROBLEMS
-    return {p.number: p.points for p in PROBLEMS if p.number in numbers}
-
-
-def make_copy(out):
-    """A fresh student copy at out, made by course/make.py."""
-    proc = subprocess.run([sys.executable, "course/make.py", str(out), "--untracked"], cwd=ROOT,
-                          env=ENV, capture_output=True, text=True)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.startswith(f"wrote the student copy {out}")
-    return out
-
-
-def with_bodies(copy, where, bodies, prefix="", name="copy"):
-    """A copy of the student copy whose model.py is the repository's with these functions'
-    bodies, and `prefix` run at its import."""
-    from course.make import replace_bodies
-    other = where / name
-    shutil.copytree(copy, other)
-    source = replace_bodies((ROOT / "model.py").read_text(),
-                            {k: textwrap.dedent(v) for k, v in bodies.items()})
-    (other / "model.py").write_text(textwrap.dedent(prefix) + source)
-    return other
-
-
-def model_config(cfg):
-    """The ModelConfig train.py builds from a config (the byte tokenizer's 257 ids)."""
-    import model
-    keys = {f.name for f in fields(model.ModelConfig)}
-    return model.ModelConfig(**{**{k: v for k, v in cfg.items() if k in keys},
-                                "vocab_size": cfg["vocab_size"] or 257})
-
-
-def fake_experiment(out, losses=None, checkpoints=True):
-    """The folder the handout's command writes, without the training: for each run and seed the
-    config train.py records, a checkpoint of an untrained model (checkpoints) and a log that ends
-    with its loss on the validation windows, or with `losses` ({run: {seed: loss}}; default
-    course/expected's, the measured run's); results.json and the figure."""
-    import ablate
-    expected = json.loads((ROOT / "course" / "expected" / "results.json").read_text())
-    given = losses or {run: dict(enumerate(v["losses"])) for run, v in expected["runs"].items()}
-    logged = {}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # on a loaded 2-core machine, two threads take 10x as long
-    try:
-        write_runs(out, given, losses is None, checkpoints, logged)
-    finally:
-        torch.set_num_threads(threads)
-    stats, tables = ablate.summarize(logged)
-    (out / "results.json").write_text(json.dumps({**expected, "runs": stats, "tables": tables}))
-    shutil.copy(ROOT / "course" / "expected" / "depth_weights.png", out)
-    return out
-
-
-def write_runs(out, given, measured, checkpoints, logged):
-    """Each run's folder (fake_experiment); measured: log the checkpoint's own loss."""
-    from course import experiment
-    from course.problems import EXPERIMENT
-    from support.sweep import run_dir, train_config
-    val = None
-    for run, by_seed in given.items():
-        for seed, loss in by_seed.items():
-            where = run_dir(out, run, seed)
-            where.mkdir(parents=True)
-            cfg = train_config([str(ROOT / EXPERIMENT["base"]),
-                                str(ROOT / "configs" / "ablations" / f"mode_{run}.py"),
-                                f"--seed={seed}"])
-            if checkpoints:
-                import model
-                torch.manual_seed(seed)
-                gpt = model.GPT(model_config(cfg))
-                val = experiment.texts(cfg)[1] if val is None else val
-                loss = experiment.val_loss(gpt, val, cfg) if measured else loss
-                torch.save({"model": gpt.state_dict(), "model_config": asdict(gpt.config),
-                            "config": cfg, "step": cfg["max_iters"]}, where / "ckpt.pt")
-            logged.setdefault(run, {})[seed] = loss
-            (where / "config.json").write_text(json.dumps({**cfg, "out_dir": str(where),
-                                                           "resumes": []}))
-            (where / "log.jsonl").write_text(json.dumps({"kind": "eval", "step": cfg["max_iters"],
-                                                         "val_loss": loss}))
-
-# ----------------------------------------------------------------------------- eval.py's fixtures
-
-# The words of conftest.py's data_root corpus.
-WORDS = "the a cat dog sat ran on under mat log and then".split()
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """An out_dir with a ckpt.pt in train.py's format (building the model here is faster than
-    training one)."""
-    from conftest import tiny_model
-    from support.run_dir import save_checkpoint
-    out = tmp_path_factory.mktemp("eval_run")
-    model = tiny_model(vocab_size=257, block_size=32)
-    save_checkpoint({"model": model.state_dict(), "model_config": asdict(model.config),
-                     "tokenizer": "bytes", "step": 0}, out / "ckpt.pt")
-    return out
-
-
-@pytest.fixture
-def local_tasks_only(monkeypatch):
-    """lm-eval's TaskManager without its ~15,000 built-in tasks (indexing them takes ~15 s)."""
-    import lm_eval.tasks
-
-    class LocalOnly(lm_eval.tasks.TaskManager):
-        def __init__(self, include_path=None, include_defaults=True, **kwargs):
-            super().__init__(include_path=include_path, include_defaults=False, **kwargs)
-    monkeypatch.setattr(lm_eval.tasks, "TaskManager", LocalOnly)

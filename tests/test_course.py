@@ -1,62 +1,46 @@
-"""The course assignment (course/): the repository grades full marks on the code problems, with
-the hidden scenarios it records at grading time; a fresh student copy holds no solution, grades 0
-and still imports; its bodies pasted back grade full in the copy's practice grader and the
-instructor's; solutions that are right in another way keep full marks; each known wrong solution
-loses the tests of its own problem that catch it and nothing else; a crash or an endless loop costs
-only the tests it is in. The forgeries, problem 5's runs and make.py: tests/test_course_trust.py."""
+"""The course assignment (course/), as its handout (course/README.md) promises: make.py writes a
+student copy that holds no solution and refuses destinations that would lose files; grade.py
+grades a copy in the sandbox test by test: the repository full marks with its hidden scenarios, a
+fresh copy 0 and the reference's bodies full in the copy's practice grader, solutions right in
+another way full, each wrong solution the tests of its own problem that catch it and no other, a
+crash or an endless loop only the test it is in; the report, --json and one-line refusals. What an
+instructor can trust of the grader (attacks, problem 5's forgeries): tests/test_course_trust.py."""
 import ast
+import contextlib
+import json
+import shutil
 import subprocess
 import sys
+import textwrap
 from concurrent.futures import ThreadPoolExecutor
-from functools import partial
 
 import pytest
+import torch
 
-from course.make import LEFT_OUT, WITHHELD_PAGES, blank, repository_files, stubs
-from course.problems import EXPERIMENT, GRADED, PROBLEMS
-from helpers import (COURSE_TIMEOUT, ENV, ROOT, earned, failing, fake_experiment, full, grade,
-                     make_copy, with_bodies)
-from support.outputs import mark
+import model
+from configurator import run_main
+from course import grade as grade_py
+from course import make as make_py
+from course.make import LEFT_OUT, WITHHELD_PAGES, blank, replace_bodies, stubs
+from course.problems import EXPERIMENT, EXPERIMENT_COMMAND, GRADED, MARKER, PROBLEMS
+from helpers import ENV, ROOT
+from outputs import mark
 
 CODE = [p for p in GRADED if p.functions]  # problems 1-4
-LOOP_TIMEOUT = 10  # the copy whose causal_attention loops forever: its passing tests take 0.1 s
 TESTS = {p.number: {name for name, _ in p.tests} for p in GRADED}
+LOOP_TIMEOUT = 8  # the grading with an endless loop: its other tests take well under 1 s
 
 # Wrong solutions students write, as bodies of the functions they belong to, grouped so that each
 # copy breaks problems that the stubs keep apart: {copy: ({function: body}, {problem: the tests
-# that catch it})}.
+# that catch it})}. Problem 3 is graded with the reference answering its calls to the others'
+# functions, so a wrong group_mean or KVCache.update costs problem 3 nothing.
 WRONG = {
-    "sum, per-layer position": ({
-        "group_mean": "return q.unflatten(1, (n_kv_head, -1)).sum(2)  # the sum, not the mean",
-        "KVCache.update": """
-            end = self.pos + k.shape[2]
-            self.k[e, :, :, self.pos:end] = k
-            self.v[e, :, :, self.pos:end] = v
-            self.pos = end  # advanced per layer, not once per forward
-            return self.k[e, :, :, :end], self.v[e, :, :, :end]""",
-        "KVCache.advance": "pass"},
-        {2: {"qbar_is_the_mean_of_each_group_of_query_heads"},
-         4: {"a_prefill_then_chunks_and_single_tokens_equal_the_whole_sequence"}}),
-    "positions, no self, endless loop": ({
+    "positions, raw value cached, per-layer position, a crash": ({
+        "group_mean": "import os\nos._exit(3)  # the interpreter dies mid-test",
         "softmax_weights": """
             scores = torch.stack([torch.linalg.vecdot(qbar, kc) for kc in keys], 2)
             return (fp32_or_wider(scores)
                     / math.sqrt(qbar.shape[-1])).softmax(3)  # over positions""",
-        "depth_mix": """
-            keys, values = src_k, src_v  # the layer itself left out of its candidates
-            qbar = group_mean(q, k.shape[1])
-            alpha = mode.weights(qbar, keys)
-            k_out = weighted_sum(alpha, keys) if mode.mixes_k else k
-            v_out = weighted_sum(alpha, values) if mode.mixes_v else v
-            return k_out, v_out, alpha""",
-        "causal_attention": "while True:\n    pass"},
-        {2: {"the_weights_are_a_softmax_over_the_candidates",
-             "the_softmax_runs_in_float32_for_bf16_activations"},
-         3: {"depth_mix_mixes_what_each_mode_says", "the_model_gives_the_reference_logits",
-             "a_bf16_model_runs_in_bf16",
-             "each_layer_stores_its_mixed_record_and_decoding_reads_it"},
-         4: TESTS[4]}),
-    "raw value cached, a crash": ({
         "Attention.forward": """
             q, k, v = self.rotate(*self.project(x), cos, sin)
             raw = v
@@ -69,12 +53,17 @@ WRONG = {
             values = torch.cat([cache.v[e, :, :, :pos], v], 2)
             y = causal_attention(q, keys, values).transpose(1, 2)
             return self.o_proj(y.flatten(2)), (k, v)""",
-        "ModelConfig.sources": "import os\nos._exit(3)  # the interpreter dies mid-test"},
-        {1: {"every_layer_has_the_sources_of_the_rule", "layer_zero_and_vanilla_have_no_sources",
-             "the_paper_counts_117_candidates_at_48_layers"},
-         3: {"each_layer_stores_its_mixed_record_and_decoding_reads_it"}}),
-    # the four that every practice scenario let through: only the hidden ones catch them
-    "own stride, no shift, float32 sum, first row": ({
+        "KVCache.update": """
+            end = self.pos + k.shape[2]
+            self.k[e, :, :, self.pos:end] = k
+            self.v[e, :, :, self.pos:end] = v
+            self.pos = end  # advanced per layer, not once per forward
+            return self.k[e, :, :, :end], self.v[e, :, :, :end]""",
+        "KVCache.advance": "pass"},
+        {2: TESTS[2], 3: {"each_layer_stores_its_mixed_record_and_decoding_reads_it"},
+         4: {"a_prefill_then_chunks_and_single_tokens_equal_the_whole_sequence"}}),
+    # what every practice scenario lets through: only the hidden ones catch the first four
+    "own stride, no shift, float32 sum, first row, no self": ({
         "ModelConfig.stride": """
             return self.depth_stride or max(1, self.n_eff_layer // 2)  # the mode's own ignored""",
         "softmax_weights": """
@@ -88,15 +77,23 @@ WRONG = {
             end = self.pos + k.shape[2]
             self.k[e, 0, :, self.pos:end] = k[0]  # the batch's first sequence only
             self.v[e, 0, :, self.pos:end] = v[0]
-            return self.k[e, :, :, :end], self.v[e, :, :, :end]"""},
+            return self.k[e, :, :, :end], self.v[e, :, :, :end]""",
+        "depth_mix": """
+            keys, values = src_k, src_v  # the layer itself left out of its candidates
+            alpha = mode.weights(group_mean(q, k.shape[1]), keys, *rule)
+            return (weighted_sum(alpha, keys) if mode.mixes_k else k,
+                    weighted_sum(alpha, values) if mode.mixes_v else v, alpha)"""},
         {1: {"the_default_stride_is_the_modes_or_half_the_effective_depth",
              "every_layer_has_the_sources_of_the_rule"},
          2: {"the_weights_are_a_softmax_over_the_candidates",
              "the_softmax_runs_in_float32_for_bf16_activations"},
-         3: {"the_weighted_sum_of_the_candidates", "a_bf16_model_runs_in_bf16"},
+         3: {"the_weighted_sum_of_the_candidates", "depth_mix_mixes_what_each_mode_says",
+             "the_model_gives_the_reference_logits", "a_bf16_model_runs_in_bf16",
+             "each_layer_stores_its_mixed_record_and_decoding_reads_it"},
          4: {"a_prefill_then_chunks_and_single_tokens_equal_the_whole_sequence"}}),
-    # right values, wrong training: only a backward pass through the functions sees them
-    "in-place softmax, detached weights": ({
+    # right values, wrong training (only a backward pass sees those two), and a hang
+    "sum, in-place softmax, detached weights, endless loop": ({
+        "group_mean": "return q.unflatten(1, (n_kv_head, -1)).sum(2)  # the sum, not the mean",
         "softmax_weights": """
             scores = torch.stack([torch.linalg.vecdot(qbar, kc) for kc in keys], 2)
             s = fp32_or_wider(scores) / math.sqrt(qbar.shape[-1])
@@ -106,9 +103,13 @@ WRONG = {
             keys, values = src_k + [k], src_v + [v]
             alpha = mode.weights(group_mean(q, k.shape[1]), keys, *rule).detach()  # never learns
             return (weighted_sum(alpha, keys) if mode.mixes_k else k,
-                    weighted_sum(alpha, values) if mode.mixes_v else v, alpha)"""},
-        {2: {"the_weights_are_a_softmax_over_the_candidates"},
-         3: {"depth_mix_mixes_what_each_mode_says", "the_model_gives_the_reference_logits"}}),
+                    weighted_sum(alpha, values) if mode.mixes_v else v, alpha)""",
+        # a hang rather than a busy loop: the same timeout, without a core spent on it
+        "KVCache.advance": "import time\nwhile True:\n    time.sleep(0.1)"},
+        {2: {"qbar_is_the_mean_of_each_group_of_query_heads",
+             "the_weights_are_a_softmax_over_the_candidates"},
+         3: {"depth_mix_mixes_what_each_mode_says", "the_model_gives_the_reference_logits"},
+         4: {"a_prefill_then_chunks_and_single_tokens_equal_the_whole_sequence"}}),
 }
 # Right in another way than the reference: each keeps full marks.
 DIFFERENT = {
@@ -139,26 +140,144 @@ DIFFERENT = {
 }
 
 
+# ----------------------------------------------------------------------------- helpers
+
+def grade_cli(copy, *args, grader=ROOT, ok=True):
+    """`python course/grade.py copy --json=...` of grader's tree: (printed, its JSON, the process);
+    ok: it must exit 0. Never a traceback."""
+    out = copy.parent / f"{copy.name}.grade.json"  # beside the copy, never in the repository
+    proc = subprocess.run([sys.executable, str(grader / "course" / "grade.py"), str(copy),
+                           f"--json={out}", *args], cwd=grader, env=ENV, capture_output=True,
+                          text=True, timeout=600)
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == 0 or not ok, proc.stdout + proc.stderr
+    return proc.stdout, json.loads(out.read_text()) if out.is_file() else None, proc
+
+
+@contextlib.contextmanager
+def grading_here():
+    """Gradings in this process (grade_py.grade: a grader's start is most of a small grading),
+    leaving it as it was: the reference's extra row of DEPTH_MODES, torch's threads."""
+    threads = torch.get_num_threads()
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        for table in (model.DEPTH_MODES, model.DEFAULT_STRIDES):
+            table.pop("own_stride", None)
+
+
+def side_by_side(jobs: dict) -> dict:
+    """{name: job()}, two at a time in the order given (the longest first): each grading is a
+    grader and a sandboxed child taking turns, one core."""
+    with grading_here(), ThreadPoolExecutor(2) as pool:
+        futures = {name: pool.submit(job) for name, job in jobs.items()}
+        return {name: future.result() for name, future in futures.items()}
+
+
+def earned(result):
+    return {e["problem"]: e["earned"] for e in result["problems"] if e["graded"]}
+
+
+def failing(result):
+    """{problem: the names of its failing tests} for the problems with one."""
+    return {e["problem"]: {t["test"] for t in e["tests"] if t["why"] is not None}
+            for e in result["problems"] if e["graded"] and e["earned"] < e["points"]}
+
+
+def full(*numbers):
+    return {p.number: p.points for p in PROBLEMS if p.number in numbers}
+
+
+def reasons(result):
+    return [t["why"] for e in result["problems"] if e["graded"] for t in e["tests"] if t["why"]]
+
+
+def with_bodies(where, bodies, prefix="", copy=None):
+    """A folder holding the repository's model.py with these functions' bodies and `prefix` run
+    at its import; with copy, a copy of that student copy (its grader and fixtures) around it."""
+    shutil.copytree(copy, where) if copy else where.mkdir(parents=True)
+    source = replace_bodies((ROOT / "model.py").read_text(),
+                            {k: textwrap.dedent(v) for k, v in bodies.items()})
+    (where / "model.py").write_text(textwrap.dedent(prefix) + source)
+    return where
+
+
+def make_copy(out, *args, cwd=ROOT):
+    """course/make.py of cwd's tree, as a user runs it: (exit status, stderr, stdout)."""
+    proc = subprocess.run([sys.executable, str(cwd / "course" / "make.py"), str(out), *args],
+                          cwd=cwd, env=ENV, capture_output=True, text=True, timeout=600)
+    return proc.returncode, proc.stderr.strip(), proc.stdout
+
+
+def refused(capsys, main, *args):
+    """A refusal as the script's entry point answers it, in this process (a fresh Python spends
+    its time importing torch): (exit status, its line on stderr)."""
+    capsys.readouterr()
+    code = run_main(main, [str(a) for a in args])
+    return code, capsys.readouterr().err.strip()
+
+
+# ----------------------------------------------------------------------------- the copy
+
 @pytest.fixture(scope="module")
 def copy(tmp_path_factory):
-    """A fresh student copy, made once; tests that change it work on copies of it."""
-    return make_copy(tmp_path_factory.mktemp("course") / "student")
+    """A fresh student copy of the repository as it is (its untracked files too)."""
+    out = tmp_path_factory.mktemp("course") / "student"
+    code, err, printed = make_copy(out, "--untracked")
+    assert code == 0 and printed.startswith(f"wrote the student copy {out}"), err
+    return out
+
+
+def half_written(where):
+    """model.py with a line that does not parse added at its end; returns that line's number."""
+    lines = (ROOT / "model.py").read_text().splitlines() + ["def half_written(:"]
+    where.mkdir()
+    (where / "model.py").write_text("\n".join(lines) + "\n")
+    return len(lines)
+
+
+@pytest.fixture(scope="module")
+def graded(copy, tmp_path_factory):
+    """{case: result}: the repository graded by its own grader from the command line (its printed
+    lines, its JSON over an earlier one), the rest in this process: the fresh copy and the
+    reference's bodies by the copy's own grader (practice), and by the repository's (hidden
+    scenarios) the solutions right in another way, each wrong one and a model.py that does not
+    import (problem 1: every test says why)."""
+    where = tmp_path_factory.mktemp("graded")
+    copies = {name: with_bodies(where / name.replace(" ", "_"), bodies)
+              for name, (bodies, _) in WRONG.items()}
+    copies["different"] = with_bodies(where / "different", DIFFERENT)
+    pasted = with_bodies(where / "pasted", {}, copy=copy)
+    half_written(where / "broken")
+    (where / "repository.grade.json").write_text(json.dumps({"written_by": mark("grade.py")}))
+    (where / "repository").symlink_to(ROOT)  # the JSON beside it, in the temporary folder
+    (where / "no runs").mkdir()
+    loop = next(name for name in WRONG if "loop" in name)
+    jobs = {loop: lambda: grade_py.grade(copies[loop], timeout=LOOP_TIMEOUT),
+            "repository": lambda: grade_cli(where / "repository", f"--experiment={where / 'no runs'}"),
+            **{name: (lambda c=c: grade_py.grade(c)) for name, c in copies.items() if name != loop},
+            "fresh copy": lambda: grade_py.grade(copy, grader=copy),
+            "pasted back": lambda: grade_py.grade(pasted, grader=pasted),
+            "broken": lambda: grade_py.grade(where / "broken", only=1)}
+    return side_by_side(jobs)
 
 
 def test_the_repository_grades_full_marks_with_its_hidden_tests(graded):
-    """The instructor's grader on its own code: problems 1-4 full with the hidden scenarios; problem
-    5 on an untrained model's checkpoints (made by the fixture; the real runs take 10 minutes)
-    passes every test but the losses' (test_course_trust.py grades the losses)."""
-    printed, result = graded["repository"]
-    assert result["hidden_tests"] is True and result["written_by"] == mark("grade.py")
-    assert earned(result) == {**full(1, 2, 3, 4), 5: 11} and result["together"] is True, result
-    assert failing(result) == {5: {"the_losses_are_those_of_a_correct_model"}}
-    assert "the_losses_are_those_of_a_correct_model (-4): vanilla: mean final validation" \
-        in printed
+    """The instructor's grader on its own code, from the command line: problems 1-4 full with the
+    hidden scenarios, lines as the handout shows them, each test's points as course/problems.py
+    has them; problem 5 (no runs here: tests/test_course_trust.py grades them) 0, saying the
+    command to run; the JSON replaces the one grade.py wrote earlier."""
+    printed, result, _ = graded["repository"]
+    assert result["hidden_tests"] is True and result["sandbox"] is True
+    assert result["written_by"] == mark("grade.py") and result["together"] is True
+    assert earned(result) == {**full(1, 2, 3, 4), 5: 0}, result
     handout = (ROOT / "course" / "README.md").read_text().splitlines()
-    for line in printed.splitlines()[:len(CODE)]:  # what a correct solution prints, as shown
+    for line in printed.splitlines()[:len(CODE)]:
         assert line in handout, line
-    for e in result["problems"]:  # the points of every test, as course/problems.py has them
+    assert "together: cached decoding equals the full forward in every mode" in printed
+    assert "results.json: run `python lab/ablate.py --runs=vanilla,uniform,value" in printed
+    for e in result["problems"]:
         if e["graded"]:
             p = next(p for p in PROBLEMS if p.number == e["problem"])
             assert [(t["test"], t["points"]) for t in e["tests"]] == list(p.tests)
@@ -182,124 +301,156 @@ def test_the_handout_lists_the_problems_and_tests_as_the_grader_has_them():
              and any(cells[1] == name for p in GRADED for name, _ in p.tests)]
     assert tests == [t for p in GRADED for t in p.tests]
     assert f"{sum(p.points for p in GRADED)} points are graded" in text
+    assert f"\n{EXPERIMENT_COMMAND}\n" in text
 
 
-def test_a_fresh_copy_grades_zero_imports_and_trains_nothing_yet(copy, graded):
-    """The copy's own grader (practice: its recorded fixtures, no hidden tests)."""
-    printed, result = graded["fresh copy"]
+def test_a_fresh_copy_grades_zero_and_still_runs(copy, graded):
+    """The copy's own grader (practice: its recorded fixtures, no hidden tests): every test of
+    problems 1-4 names the function to write; problem 5 the command to run. The rest of the
+    repository imports and runs as it is: train.py's --help."""
+    result = graded["fresh copy"]
     assert result["hidden_tests"] is False
     assert earned(result) == dict.fromkeys([1, 2, 3, 4, 5], 0) and result["together"] is False
-    assert f"no {copy / EXPERIMENT['out'] / 'results.json'}: run `python ablate.py" in printed
     for p in CODE:
         entry = next(e for e in result["problems"] if e["problem"] == p.number)
         assert all(f"Problem {p.number}: write " in t["why"] for t in entry["tests"]), entry
-    # two fresh Pythons, side by side: each spends its time importing torch, on one core
-    help_, imports = (subprocess.Popen([sys.executable, *args], cwd=copy, env=ENV, text=True,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-                      for args in (["train.py", "--help"],
-                                   ["-c", "import model, baselines, train, sample, eval, ablate"]))
-    out, err = help_.communicate(timeout=300)
-    assert help_.returncode == 0 and "--depth_mode" in out, err
-    _, err = imports.communicate(timeout=300)
-    assert imports.returncode == 0, err
+    assert f"no {copy / EXPERIMENT['out'] / 'results.json'}: run `python lab/ablate.py" \
+        in reasons(result)[-1]
+    proc = subprocess.run([sys.executable, "-c", "import sys, sample, train\n"
+                           "sys.exit(train.run_main(train.main, ['--help']))"], cwd=copy, env=ENV,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "--depth_mode" in proc.stdout, proc.stderr
 
 
 def test_the_copy_holds_no_solution(copy):
-    """Every line of the blanked bodies and of what is left out (the loop references, the tests, the
-    pages that print the code, the answers) that the rest of the repository does not also hold: none
-    is in any file of the copy, and there are enough such lines for the search to mean something."""
+    """Every line of the blanked bodies and of what is left out (the loop references, the tests,
+    the pages that print the code, the answers) that the rest of the repository does not also
+    hold: none is in any file of the copy, and there are enough such lines for the search to mean
+    something."""
     blanked = stubs()
-    kept = {line.strip() for f in repository_files(untracked=True) if f.endswith((".py", ".md"))
+    handed = [f.relative_to(copy).as_posix() for f in copy.rglob("*") if f.is_file()]
+    kept = {line.strip() for f in handed if f.endswith((".py", ".md")) and (ROOT / f).is_file()
             and not f.startswith((*WITHHELD_PAGES, *blanked))  # as make.py copies them
             for line in (ROOT / f).read_text(errors="replace").splitlines()}
     for file, messages in blanked.items():  # what the copy keeps of the files it blanks
         kept |= {line.strip() for line in blank((ROOT / file).read_text(), messages).splitlines()}
     secret = set()
     for file, names in blanked.items():
-        tree, lines = ast.parse((ROOT / file).read_text()), (ROOT / file).read_text().splitlines()
-        for node in ast.walk(tree):
-            body = getattr(node, "body", None)
-            qual = [n for n in names if n.split(".")[-1] == getattr(node, "name", None)]
-            if qual and isinstance(node, ast.FunctionDef):
-                first = body[1] if isinstance(body[0], ast.Expr) else body[0]
+        lines = (ROOT / file).read_text().splitlines()
+        for node in ast.walk(ast.parse((ROOT / file).read_text())):
+            if isinstance(node, ast.FunctionDef) and any(n.split(".")[-1] == node.name
+                                                         for n in names):
+                first = node.body[1] if isinstance(node.body[0], ast.Expr) else node.body[0]
                 secret |= {lines[i].strip() for i in range(first.lineno - 1, node.end_lineno)}
     for left in [*LEFT_OUT, *WITHHELD_PAGES]:
         for f in [ROOT / left] if (ROOT / left).is_file() else (ROOT / left).rglob("*.py"):
             secret |= {line.strip() for line in f.read_text().splitlines()}
     secret = {s for s in secret - kept if len(s) >= 24 and not s.startswith("#")}
     assert len(secret) > 500, len(secret)
-    leaks = [(str(f.relative_to(copy)), line.strip())
-             for f in copy.rglob("*") if f.is_file() and f.suffix != ".pt"
-             for line in f.read_text(errors="replace").splitlines() if line.strip() in secret]
+    leaks = [(f, line.strip()) for f in handed if not f.endswith(".pt")
+             for line in (copy / f).read_text(errors="replace").splitlines()
+             if line.strip() in secret]
     assert not leaks, leaks[:10]
     assert not (copy / "test_model.py").exists() and not (copy / "tests").exists()
-    assert "REFERENCE_MODES" not in "".join(f.read_text(errors="replace")
-                                            for f in copy.rglob("*.py"))
+    assert (copy / MARKER).read_text().startswith("A student copy made by course/make.py")
 
 
-def half_written(where):
-    """model.py with a line that does not parse added at its end; returns that line's number."""
-    lines = (ROOT / "model.py").read_text().splitlines() + ["def half_written(:"]
-    (where / "model.py").write_text("\n".join(lines) + "\n")
-    return len(lines)
-
-
-@pytest.fixture(scope="module")
-def graded(copy, tmp_path_factory):
-    """{case: (printed, result)}: the repository graded by its own grader, with an untrained
-    experiment (fake_experiment); the fresh copy graded by its own grader (practice); copies of it
-    graded by the instructor's grader (this repository: hidden scenarios): the bodies pasted back,
-    the solutions right in another way, each wrong solution, and a model.py that does not import;
-    and the bodies pasted back in the copy's own grader. Each grading is a process of its own (a
-    grader and its child taking turns: one core), so they run two at a time, the longest first
-    (on an idle 2-core machine the endless loop takes 27 s, the repository 16 s, the crash 12 s,
-    each other 4-7 s): no long one is left to finish alone at the end."""
-    cases = {"pasted back": {}, "different": DIFFERENT,
-             **{name: bodies for name, (bodies, _) in WRONG.items()}, "does not import": {}}
-    copies = {name: with_bodies(copy, tmp_path_factory.mktemp("graded"), bodies)
-              for name, bodies in cases.items()}
-    half_written(copies["does not import"])
-    jobs = {name: partial(grade, where, timeout=LOOP_TIMEOUT if "loop" in name else COURSE_TIMEOUT)
-            for name, where in copies.items()}
-    jobs["practice"] = partial(grade, copies["pasted back"], grader=copies["pasted back"])
-    jobs["fresh copy"] = partial(grade, copy, grader=copy)
-    runs = tmp_path_factory.mktemp("experiment") / "runs"
-    jobs["repository"] = lambda: grade(ROOT, f"--experiment={fake_experiment(runs)}")
-    first = ["positions, no self, endless loop", "repository", "raw value cached, a crash"]
-    order = [*first, *(name for name in jobs if name not in first)]
-    with ThreadPoolExecutor(2) as pool:
-        done = {name: pool.submit(jobs[name]) for name in order}
-        return {name: job.result()[:2] for name, job in done.items()}
-
-
-@pytest.mark.parametrize("case", ["pasted back", "practice", "different"])
+@pytest.mark.parametrize("case", ["pasted back", "different"])
 def test_a_correct_solution_grades_full_marks(graded, case):
-    """The reference's bodies, in the instructor's grader and the copy's; and bodies right in
-    another way (bf16 einsum scores, KV heads repeated before causal_attention, a depth step at
-    layer 0 over itself alone, a depth_mix without the layout check) in the instructor's."""
-    _, result = graded[case]
+    """The reference's bodies in the copy's practice grader; bodies right in another way (bf16
+    einsum scores, KV heads repeated before causal_attention, a depth step at layer 0 over itself
+    alone, a depth_mix without the layout check) in the instructor's."""
+    result = graded[case]
     assert earned(result) == {**full(1, 2, 3, 4), 5: 0} and result["together"] is True, result
 
 
 @pytest.mark.parametrize("name", WRONG)
 def test_a_wrong_solution_costs_the_tests_that_catch_it_and_no_other(graded, name):
     _, broken = WRONG[name]
-    _, result = graded[name]
+    result = graded[name]
     assert {n: tests for n, tests in failing(result).items() if n != 5} == broken, result
     assert result["together"] is False
 
 
 def test_an_endless_loop_and_a_crash_say_so(graded):
-    printed, _ = graded["positions, no self, endless loop"]
-    assert f"the test ran past {LOOP_TIMEOUT} s: an endless loop" in printed
-    printed, _ = graded["raw value cached, a crash"]
-    assert "the interpreter died (exit 3)" in printed
+    """Each costs the test it is in: the child starts again for the next, which fails for its
+    own reason (a softmax over positions) or passes."""
+    loop, crash = (graded[next(n for n in WRONG if word in n)] for word in ("loop", "crash"))
+    assert f"the test ran past {LOOP_TIMEOUT} s: an endless loop, or far too much work" \
+        in reasons(loop)
+    second = next(e for e in crash["problems"] if e["problem"] == 2)["tests"]
+    assert [t["why"] == "the interpreter died (exit 3)" for t in second] == [True, False, False]
 
 
 def test_code_that_does_not_import_scores_zero_and_says_where(graded, tmp_path):
-    printed, result = graded["does not import"]
-    assert earned(result) == dict.fromkeys([1, 2, 3, 4, 5], 0)
-    line = half_written(tmp_path)
+    result = graded["broken"]
+    line = half_written(tmp_path / "again")
     why = f"the code does not import: SyntaxError: invalid syntax (model.py, line {line})"
-    assert all(t["why"] == why for e in result["problems"] if e["graded"] and e["problem"] != 5
-               for t in e["tests"]), result
+    assert earned(result) == {1: 0} and set(reasons(result)) == {why}, result
+
+
+# ----------------------------------------------------------------------------- refusals
+
+def test_make_refuses_destinations_that_would_lose_files(copy, tmp_path, capsys, monkeypatch):
+    """Inside the repository, holding it, an earlier copy without --overwrite, a folder of other
+    files, a file, the current folder: one line each, nothing touched. A make.py killed mid-write
+    left its part of a copy and the copy it was replacing: the old copy is back first. --overwrite
+    replaces a copy whole; from the command line a refusal is one line, exit status 2."""
+    student = tmp_path / "student"
+    shutil.copytree(copy, student)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for args, fragment in [((ROOT / "student",), "lies inside this repository"),
+                           ((ROOT.parent,), "holds"), ((student,), "pass --overwrite"),
+                           ((mine, "--overwrite"), "not written by course/make.py"),
+                           ((mine / "notes.txt",), "is a file")]:
+        code, err = refused(capsys, make_py.main, *args)
+        assert code == 2 and err.startswith("error: ") and fragment in err and "\n" not in err, \
+            (args, err)
+    assert (mine / "notes.txt").read_text() == "mine" and not (ROOT / "student").exists()
+    (tmp_path / ".student.tmp999999999").mkdir()
+    student.rename(tmp_path / ".student.old999999998")
+    code, err = refused(capsys, make_py.main, student, "--untracked")
+    assert code == 2 and "pass --overwrite" in err, err
+    (student / "old.txt").write_text("the earlier copy's")  # a file make.py wrote, as it says
+    manifest = json.loads((student / ".written_by.json").read_text())
+    (student / ".written_by.json").write_text(json.dumps({**manifest, "files": [
+        *manifest["files"], "old.txt"]}))
+    monkeypatch.setattr(make_py, "recorded", lambda: {})  # the fixtures: the copy's own test
+    assert refused(capsys, make_py.main, student, "--overwrite", "--untracked")[0] == 0
+    assert not (student / "old.txt").exists() and (student / MARKER).is_file()
+    assert not list(tmp_path.glob(".student.*"))
+    proc = subprocess.run([sys.executable, str(ROOT / "course" / "make.py"), "."], cwd=empty,
+                          env=ENV, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") \
+        and "is the current folder" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    assert not any(empty.iterdir())
+
+
+def test_grade_refuses_bad_arguments_in_one_line_before_grading(tmp_path, capsys):
+    mine = tmp_path / "notes.txt"
+    mine.write_text("mine")
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({"score": 3, "from": "another program"}))
+    for args, fragment in [([f"--json={tmp_path}"], "is a folder"),
+                           ([f"--json={mine}"], "was not written by grade.py"),
+                           ([f"--json={other}"], "was not written by grade.py"),
+                           ([f"--experiment={mine}"], "is not a folder"),
+                           (["--seed=-1"], "--seed must be a finite number in [0, 2**63)"),
+                           (["--problem=6"], "--problem=6 is not a choice"),
+                           ([tmp_path], "is not a copy of the assignment"),
+                           ([f"--json={tmp_path / 'run' / 'ckpt.dcp' / 'g.json'}"],
+                            "sharded checkpoint")]:
+        code, err = refused(capsys, grade_py.main, *args)
+        assert code == 2 and err.startswith("error: ") and fragment in err and "\n" not in err, err
+    assert mine.read_text() == "mine" and json.loads(other.read_text())["score"] == 3
+
+
+def test_grade_help_says_what_it_protects_against(capsys):
+    assert run_main(grade_py.main, ["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "bubblewrap" in out and "--no_sandbox" in out and "not enforced" in out
+    assert "apt-get install bubblewrap" in out and "--seed" in out
