@@ -30,27 +30,16 @@ from typing import Optional, get_args
 
 
 class UserError(Exception):
-    """Bad input, a missing file, a damaged folder: the message names the fix."""
+    """Bad input, a missing file, a damaged folder: the message names the fix. Its kinds: a
+    command line or config (ConfigError), a run folder, checkpoint or model folder
+    (CheckpointError), a dataset, corpus or tokenizer (DataError), a package to install."""
 
 
-class ConfigError(UserError, ValueError):
-    """A command line, a config file or a model shape that cannot be run."""
-
-
-class CheckpointError(UserError):
-    """A run folder, checkpoint, export or Hugging Face folder that cannot be used as asked."""
-
-
-class DataError(UserError):
-    """A dataset, a corpus or a tokenizer that cannot be used as asked."""
-
-
-class MissingPackage(UserError, ImportError):
-    """An optional package that is not installed; the message names its pip line."""
-
-
-class ShowHelp(Exception):
-    """--help: run_main prints the text and exits 0."""
+class ConfigError(UserError, ValueError): pass
+class CheckpointError(UserError): pass
+class DataError(UserError): pass
+class MissingPackage(UserError, ImportError): pass
+class ShowHelp(Exception): pass  # --help: run_main prints it and exits 0
 
 
 def require(module, purpose, pip=None):

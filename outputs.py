@@ -98,6 +98,9 @@ def save_checkpoint(obj, path):
         def write(self, data):
             self.n += len(data)
             return len(data)
+
+        def flush(self):  # torch.save flushes the file it is given
+            pass
     try:
         with room_for(path, lambda: torch.save(obj, count := Count()) or count.n), \
                 open(tmp, "wb") as f:

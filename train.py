@@ -3,16 +3,14 @@ Train a Depth-Attention decoder (or vanilla, or a baseline of baselines.py) on t
 
     python train.py                                    # the Shakespeare demo, minutes on a CPU
     python train.py configs/minipile_value.py --max_iters=100
-    python train.py configs/minipile_value.py --resume   # continue out_dir/ckpt.pt exactly
+    python train.py configs/minipile_value.py --resume   # continue out_dir's checkpoint exactly
     torchrun --standalone --nproc_per_node=8 train.py configs/paper_3b_value.py [--parallel=fsdp]
-    python train.py --residual=mhc --depth_mode=vanilla  # a baseline
     python train.py --init_from=zeng123/Depth-attention-3B --dataset=pile_neox  # trained weights
 
-The model's keys (model.ModelConfig's fields; baselines.BaselineConfig's once a command names one)
-and the training keys below share one namespace; config files and --key=value apply in order. The
-run is a function of its config: batch `step` is drawn from a generator seeded with (seed, step)
-over the global batch and each rank takes its slice, so the world size, gradient accumulation and
-resuming leave the losses unchanged.
+The model's keys (model.ModelConfig's; baselines.BaselineConfig's once named) and the training keys
+below are one namespace; config files and --key=value apply in order. Batch `step` is drawn from a
+generator seeded with (seed, step) over the global batch, each rank taking its slice, so the world
+size, gradient accumulation and resuming leave the losses unchanged.
 """
 import configurator  # first, so that Ctrl-C during the imports below is one line, exit 130
 if __name__ == "__main__":
@@ -37,25 +35,23 @@ from tqdm import tqdm
 
 from checkpoint import SHARDED, build_model, checkpoint_path, read_checkpoint
 from configurator import (CheckpointError, ConfigError, DataError, Key, UserError, dataclass_keys,
-                          nearest, parse, reason, require, resolve_device, run_main,
-                          updates)
+                          nearest, parse, reason, require, resolve_device, run_main, updates)
 from data import load_meta, prepare, read_tokens, shakespeare
-from model import DEPTH_MODES, GPT, Attention, ModelConfig
+from model import DEPTH_MODES, Attention, ModelConfig
 from outputs import (DiskFull, append_line, lock_run_folder, run_folder, save_checkpoint,
                      write_atomically)
 from tokenizer import from_record, get_tokenizer, same_tokenizer, tokenizer_record
 
-NO_RESULT = dict(result=False)  # keys that change no number the run reports
+SAME = dict(result=False)  # a key that changes no number the run reports
 KEYS = {
     "dataset": Key("shakespeare", "<data_root>/<dataset>/: {train,val}.bin, meta.json", path=True),
     "data_root": Key("data", "the folder that holds the prepared datasets", path=True),
     "out_dir": Key("out/shakespeare", "ckpt.pt, config.json, log.jsonl", path=True,
-                   per_invocation=True, **NO_RESULT),
+                   per_invocation=True, **SAME),
     "seed": Key(1337, "model init and the batch sequence", "in [0, 2**63)"),
-    # gradient accumulation = batch_tokens / (micro_batch * block_size * world_size)
-    "batch_tokens": Key(4096, "tokens per optimizer step, all ranks (paper: 1024 x 2048)", ">= 1"),
-    "micro_batch": Key(None, "sequences per forward pass on one rank; None = the rank's share",
-                       ">= 1", kind=int, **NO_RESULT),
+    "batch_tokens": Key(4096, "tokens per step, all ranks (paper: 1024 x 2048)", ">= 1"),
+    "micro_batch": Key(None, "sequences per forward pass on a rank; None = its whole share",
+                       ">= 1", kind=int, **SAME),  # the rest is gradient accumulation
     # the paper's recipe (section 3): AdamW, 2% warmup, cosine to 0.1 x peak, clip 1.0
     "max_iters": Key(400, "optimizer steps; the LR schedule spans exactly these", ">= 1"),
     "learning_rate": Key(3e-3, "peak LR (paper: 1e-3 at 1.5B/3B, 3e-4 at 410M)", "> 0"),
@@ -69,43 +65,38 @@ KEYS = {
     "min_lr_ratio": Key(0.1, "cosine floor as a fraction of the peak LR", "in [0, 1]"),
     "eval_interval": Key(100, "steps between evaluations (also at step 0 and the end)", ">= 0"),
     "eval_seqs": Key(64, "fixed validation windows, evenly spaced over val.bin", ">= 1"),
-    "log_interval": Key(25, "steps between printed lines (log.jsonl gets every step)", ">= 1",
-                        **NO_RESULT),
+    "log_interval": Key(25, "steps between printed lines (log.jsonl has every step)", ">= 1",
+                        **SAME),
     "ckpt_interval": Key(None, "steps between checkpoints; None = every evaluation; 0 = the end",
-                         ">= 0", kind=int, **NO_RESULT),
+                         ">= 0", kind=int, **SAME),
     "stop_at_step": Key(0, "end after this step with a checkpoint, keeping max_iters' schedule",
-                        ">= 0", **NO_RESULT),
-    "resume": Key(False, "continue out_dir's checkpoint", per_invocation=True, **NO_RESULT),
+                        ">= 0", **SAME),
+    "resume": Key(False, "continue out_dir's checkpoint", per_invocation=True, **SAME),
     "init_from": Key("", "start from these weights, fresh optimizer: an out_dir, a ckpt.pt, a HF "
-                     "folder or hub id"),
+                     "folder or hub id (lab/continued.py)"),
     "init_lr": Key("last", "--init_from a finished run: last = re-warm to its final rate, peak = "
                    "learning_rate", choices=("last", "peak")),
     "overwrite": Key(False, "start over in an out_dir that holds a checkpoint, deleting it",
-                     per_invocation=True, **NO_RESULT),
-    "sample_tokens": Key(200, "tokens sampled at the end of the run; 0 = none", ">= 0",
-                         **NO_RESULT),
-    "sample_prompt": Key("", "\"\" = start from end-of-text, like a new document", **NO_RESULT),
+                     per_invocation=True, **SAME),
+    "sample_tokens": Key(200, "tokens sampled at the end of the run; 0 = none", ">= 0", **SAME),
+    "sample_prompt": Key("", "\"\" = start from end-of-text, like a new document", **SAME),
     "device": Key("auto", "auto = cuda, then mps, then cpu"),
     "dtype": Key("auto", "auto = bfloat16 autocast on CUDA where supported, else float32",
                  choices=("auto", "float32", "bfloat16")),
-    "compile": Key(False, "torch.compile the training forward (slow to start on CPU)",
-                   **NO_RESULT),
+    "compile": Key(False, "torch.compile the training forward (slow to start on CPU)", **SAME),
     "parallel": Key("ddp", "under torchrun: ddp (every GPU the whole model) or fsdp (sharded, "
-                    "lab/fsdp.py)", choices=("ddp", "fsdp"), **NO_RESULT),
-    "activation_checkpointing": Key(False, "recompute each block in the backward pass",
-                                    **NO_RESULT),
-    "peak_flops": Key(0.0, "one device's peak FLOP/s for MFU; 0 = a known GPU's bf16 peak",
-                      ">= 0", **NO_RESULT),
+                    "lab/fsdp.py)", choices=("ddp", "fsdp"), **SAME),
+    "activation_checkpointing": Key(False, "recompute each block in the backward pass", **SAME),
+    "peak_flops": Key(0.0, "a device's peak FLOP/s for MFU; 0 = a known GPU's bf16 peak", ">= 0",
+                      **SAME),
     "memory_plan": Key(False, "print the per-GPU memory of ddp / fsdp (lab/memory.py) and exit",
-                       per_invocation=True, **NO_RESULT),
-    "wandb_log": Key(False, "log to Weights & Biases (pip install wandb)", **NO_RESULT),
-    "wandb_project": Key("depth-attention", "the wandb project", **NO_RESULT),
-    "wandb_run_name": Key("", "\"\" = the out_dir's name", **NO_RESULT),
+                       per_invocation=True, **SAME),
+    "wandb_log": Key(False, "log to Weights & Biases (pip install wandb)", **SAME),
+    "wandb_project": Key("depth-attention", "the wandb project", **SAME),
+    "wandb_run_name": Key("", "\"\" = the out_dir's name", **SAME),
 }
-# the model keys' defaults: the Shakespeare demo (1.25M parameters)
 DEMO = dict(block_size=256, n_layer=6, n_head=4, n_kv_head=2, head_dim=32, n_embd=128,
-            mlp_hidden=384)
-SAMPLE_TEMPERATURE, SAMPLE_TOP_K = 0.8, 200  # the end-of-run preview; sample.py has every knob
+            mlp_hidden=384)  # the model keys' defaults: the Shakespeare demo, 1.25M parameters
 GPU_PEAK_FLOPS = {"A100": 312e12, "H100": 989e12, "H100 PCIe": 756e12, "H200": 989e12,
                   "B200": 2250e12, "L4": 121e12, "L40S": 362e12}  # bf16 dense, datasheets
 
@@ -117,8 +108,7 @@ def table(baselines=False) -> dict:
     """Every key: the model's (BaselineConfig's with baselines) at the demo's sizes, then KEYS."""
     cls = __import__("baselines").BaselineConfig if baselines else ModelConfig
     model = dataclass_keys(cls, **DEMO)
-    model["vocab_size"] = Key(None, "None = the data's vocabulary (meta.json); more pads it",
-                              kind=int)
+    model["vocab_size"] = Key(None, "None = the data's vocabulary (meta.json)", kind=int)
     model["depth_mode"] = Key("value", model["depth_mode"].help, choices=tuple(DEPTH_MODES))
     if baselines:
         from baselines import ATTENTIONS, BASELINES
@@ -139,12 +129,6 @@ def parse_args(argv, base=None) -> dict:
     return parse(argv, table(baselines=True), __doc__, base)
 
 
-def model_config(cfg) -> dict:
-    """asdict of the model config the run's keys name (built on the meta device: no time)."""
-    with torch.device("meta"):
-        return asdict(build_model({k: v for k, v in cfg.items() if k not in KEYS}).config)
-
-
 def resolve(argv, master=True):
     """(cfg, ckpt, init): the run argv asks for, with --resume its checkpoint (whose config replaces
     the defaults, so `--out_dir=X --resume` continues it), with --init_from the weights to load."""
@@ -157,46 +141,27 @@ def resolve(argv, master=True):
             raise CheckpointError(f"{cfg['out_dir']} holds a model but not a run to continue; "
                                   f"train a new --out_dir with --init_from")
         keys = table(True)
-        inherited = {k: v for k, v in ckpt["config"].items() if k in keys
-                     and not keys[k].per_invocation}
-        cfg = parse_args(argv, {k: key.default for k, key in keys.items()} | inherited)
+        cfg = parse_args(argv, {k: key.default for k, key in keys.items()} | {
+            k: v for k, v in ckpt["config"].items() if k in keys and not keys[k].per_invocation})
         saved, began = ckpt["model_config"], ckpt["config"].get("init_from", "")
         cfg["vocab_size"] = cfg["vocab_size"] or saved["vocab_size"]
-        if changed := {k: (saved.get(k, v), v) for k, v in model_config(cfg).items()
-                       if saved.get(k, v) != v}:
+        with torch.device("meta"):  # the model asked for, in no time
+            now = asdict(build_model({k: v for k, v in cfg.items() if k not in KEYS}).config)
+        if changed := {k: (saved.get(k, v), v) for k, v in now.items() if saved.get(k, v) != v}:
             raise ConfigError(f"the checkpoint's model differs from the one asked for ({changed}, "
                               f"as (checkpoint, now)); drop those or train into a new --out_dir")
-        if cfg["init_from"] != began:
-            raise ConfigError(f"--resume=True continues {cfg['out_dir']}, which began "
-                              f"{f'from --init_from={began}' if began else 'from scratch'}; drop "
-                              f"--init_from, or start a new --out_dir from those weights")
-        if ("shards" in ckpt) != (cfg["parallel"] == "fsdp"):
-            raise ConfigError(f"{cfg['out_dir']} holds a checkpoint of --parallel="
-                              f"{'fsdp' if 'shards' in ckpt else 'ddp'}; resume it with that")
-        if cfg["overwrite"]:
-            raise ConfigError("--resume=True continues the checkpoint and --overwrite=True "
-                              "deletes it; pass one of them")
+        start = f"from --init_from={began}" if began else "from scratch"
+        for wrong, why in ((cfg["init_from"] != began, f"began {start}: drop --init_from"),
+                           (("shards" in ckpt) != (cfg["parallel"] == "fsdp"), "was written with "
+                            f"--parallel={'fsdp' if 'shards' in ckpt else 'ddp'}: resume with it"),
+                           (cfg["overwrite"], "would be deleted by --overwrite: pass one of them")):
+            if wrong:
+                raise ConfigError(f"--resume=True continues {cfg['out_dir']}, which {why}")
     elif cfg["init_from"]:
         from lab.continued import start_from  # only for --init_from
         init = start_from(cfg, {k for k, _ in updates(argv, table(True))}, master)
     resolve_device(cfg["device"])
     return cfg, ckpt, init
-
-
-def resumes(cfg, ckpt, master) -> list:
-    """The resumes behind this run, [{"step": s, "changed": {key: [before, after]}}]: each
-    changed training key is named (a new max_iters re-stretches the schedule from step s)."""
-    if ckpt is None:
-        return []
-    before = {k: key.default for k, key in KEYS.items()} | ckpt["config"]
-    changed = {k: [before[k], cfg[k]] for k in KEYS if not KEYS[k].per_invocation
-               and before[k] != cfg[k]}
-    if changed and master:
-        print(f"warning: resuming at step {ckpt['step']} with changed settings: "
-              f"{', '.join(f'{k} {a!r} -> {b!r}' for k, (a, b) in changed.items())}; config.json "
-              f"records them under \"resumes\"", file=sys.stderr)
-    return [*ckpt["config"].get("resumes", ckpt.get("config_history", [])),
-            {"step": ckpt["step"], "changed": changed}]
 
 
 def main(argv):
@@ -288,9 +253,9 @@ def build(cfg, meta, data_dir, ckpt, init):
 
 
 def make_optimizer(model, cfg, device):
-    """AdamW, weight decay on matrices only. A module declaring `optimizer_group` (a variant's:
-    LIMe's routers) puts its parameters in a group of their own after those two: its AdamW
-    options, and as lr_mult a multiple of the scheduled lr, a number or a key of cfg."""
+    """AdamW, weight decay on matrices only. A module declaring `optimizer_group` (LIMe's routers)
+    puts its parameters in a group of their own: its AdamW options, and as lr_mult a multiple of
+    the scheduled lr (a number, or a key of cfg)."""
     declared = {}  # the declaration (as a key) -> its parameters, in the modules' order
     for module in model.modules():
         if hasattr(module, "optimizer_group"):
@@ -337,7 +302,8 @@ class Process:
         return self.rank == 0
 
     def autocast(self):
-        return torch.autocast("cuda", torch.bfloat16) if self.bf16 else nullcontext()
+        return torch.autocast(self.device.split(":")[0], torch.bfloat16) if self.bf16 \
+            else nullcontext()
 
 
 def setup_process(cfg) -> Process:
@@ -357,15 +323,13 @@ def setup_process(cfg) -> Process:
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast
     bf16 = cfg["dtype"] == "bfloat16" or (cfg["dtype"] == "auto" and device.startswith("cuda")
                                           and torch.cuda.is_bf16_supported())
-    if bf16 and not device.startswith("cuda"):
-        raise ConfigError(f"--dtype=bfloat16 is bf16 autocast on CUDA; on {device} use float32")
     rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     return Process(rank, world, device, bf16, distributed)
 
 
 class Parallel:
-    """The model as trained: `forward` is what a step calls (DDP's wrapper, or the model itself,
-    sharded in place under FSDP); the rest are where the modes differ."""
+    """The model as trained: `forward` is what a step calls (DDP's wrapper; the model itself, one
+    process or sharded in place by FSDP: lab/fsdp.py); the rest are where the modes differ."""
 
     def __init__(self, model, mode, proc: Process):
         self.model, self.mode, self.forward = model, mode if proc.distributed else "single", model
@@ -420,28 +384,16 @@ class StopSignals:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item())
 
-    def restore(self):
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
-
-
-class Diverged(UserError):
-    def __init__(self, step, what, lr, saved):
-        super().__init__(f"training diverged at step {step} ({what}, lr {lr:.3g}); " + (
-            f"its last checkpoint (step {saved}) is kept: lower --learning_rate and continue it "
-            f"with --resume=True, or start over with --overwrite=True" if saved is not None
-            else "rerun with a lower --learning_rate"))
-
 
 # ----------------------------------------------------------------------------- the loop
 
 @dataclass
 class Run:
-    """What the loop works on: the model (unwrapped) and par (its DDP/FSDP form, fwd its forward,
+    """What the loop works on: the model (unwrapped) and par (its DDP/FSDP form; fwd: its forward,
     compiled or not), the data and batch layout, where the run stands and writes."""
     cfg: dict
     proc: Process
-    model: GPT
+    model: torch.nn.Module
     par: Parallel
     optimizer: torch.optim.Optimizer
     fwd: object
@@ -452,8 +404,7 @@ class Run:
     accum: int               # micro-steps per step
     rows: int                # sequences in the global batch
     record: dict             # saved with every checkpoint: what describes the whole run
-    out_dir: Path
-    flops_per_token: float   # for MFU (6N + attention's), times the peak's devices
+    flops_per_token: float   # 6N + attention's, for MFU
     t0: float                # time.monotonic() when the run began, less its earlier invocations'
     wandb: object = None
     step: int = 0
@@ -462,12 +413,8 @@ class Run:
     first: tuple = ()                # (step, time) when this invocation's first step ended
 
     @property
-    def elapsed(self) -> float:
-        return time.monotonic() - self.t0
-
-    @property
     def ckpt_path(self) -> Path:
-        return self.out_dir / (SHARDED if self.par.mode == "fsdp" else "ckpt.pt")
+        return Path(self.cfg["out_dir"]) / (SHARDED if self.par.mode == "fsdp" else "ckpt.pt")
 
 
 def batch_layout(cfg, world):
@@ -489,27 +436,22 @@ def batch_layout(cfg, world):
 
 def start(cfg, ckpt, init, proc) -> Run:
     """The data, the model on its device in its parallel form, the optimizer, a resumed run's
-    state, config.json and the log."""
-    history = resumes(cfg, ckpt, proc.master)
+    state; config.json and the log."""
     mb, accum, rows = batch_layout(cfg, proc.world)
     data_dir, meta, train, val = open_data(cfg, proc.master)
     model = build(cfg, meta, data_dir, ckpt, init).to(proc.device)
-    c = model.config  # before FSDP shards it: the whole model's parameters
-    flops = 6 * model.num_params() * c.n_loops + 12 * c.n_eff_layer * c.n_head * c.head_dim * \
-        c.block_size
+    c, T = model.config, cfg["block_size"]  # (before FSDP shards it: the whole model)
+    flops = 6 * model.num_params() * c.n_loops + 12 * c.n_eff_layer * c.n_head * c.head_dim * T
     if cfg["activation_checkpointing"]:  # each unit recomputed in the backward pass
         from baselines import wrap_units
         wrap_units(model)
     par = Parallel(model, cfg["parallel"], proc)
-    T = cfg["block_size"]
-    run = Run(cfg=cfg, proc=proc, model=model, par=par,
-              optimizer=make_optimizer(model, cfg, proc.device),
-              fwd=torch.compile(par.forward) if cfg["compile"] else par.forward, train=train,
-              val=val, val_offsets=np.linspace(0, len(val) - T - 1, cfg["eval_seqs"]).round()
-              .astype(np.int64), mb=mb, accum=accum, rows=rows, out_dir=Path(cfg["out_dir"]),
-              record={"config": {**cfg, "resumes": history}, "model_config": asdict(model.config),
-                      **tokenizer_record(meta["tokenizer"]), "data_dir": str(data_dir)},
-              flops_per_token=flops, t0=time.monotonic())
+    run = Run(cfg, proc, model, par, make_optimizer(model, cfg, proc.device),
+              torch.compile(par.forward) if cfg["compile"] else par.forward, train, val,
+              np.linspace(0, len(val) - T - 1, cfg["eval_seqs"]).round().astype(np.int64), mb,
+              accum, rows, {"config": {**cfg, "resumes": resumes(cfg, ckpt, proc.master)},
+                            "model_config": asdict(c), **tokenizer_record(meta["tokenizer"]),
+                            "data_dir": str(data_dir)}, flops, time.monotonic())
     if ckpt is not None:
         restore(run, ckpt)
     if proc.master:
@@ -549,16 +491,16 @@ def train_loop(run: Run) -> int:
                 break
     finally:
         bar.close()
-        signals.restore()
+        for s, handler in signals.previous.items():
+            signal.signal(s, handler)
     return stopped_by
 
 
 def one_step(run: Run) -> float:
-    """One optimizer step on the global batch of run.step (this rank's rows), logged. Returns its
-    learning rate."""
+    """One optimizer step on the global batch of run.step (this rank's rows), logged with its
+    speed (MFU where a peak is known, the ETA). Returns its learning rate."""
     cfg, proc, T = run.cfg, run.proc, run.cfg["block_size"]
-    t0 = time.perf_counter()
-    lr = lr_at(run.step, cfg)
+    t0, lr = time.perf_counter(), lr_at(run.step, cfg)
     for group, mult in zip(run.optimizer.param_groups, run.optimizer.lr_mults):
         group["lr"] = lr * (cfg[mult] if isinstance(mult, str) else mult)
     mine = slice(proc.rank * run.mb * run.accum, (proc.rank + 1) * run.mb * run.accum)
@@ -573,23 +515,23 @@ def one_step(run: Run) -> float:
     run.optimizer.zero_grad(set_to_none=True)
     run.step += 1
     now = time.perf_counter()  # the .item()s above waited for the device: no sync here
-    tok_per_s = cfg["batch_tokens"] / (now - t0)
     run.first = run.first or (run.step, now)
-    done = run.step - run.first[0]  # this invocation's steps since its first: the ETA's pace
+    pace = (now - run.first[1]) / (run.step - run.first[0]) if run.step > run.first[0] else now - t0
     record = {"kind": "train", "step": run.step, "train_loss": loss, "lr": lr,
-              "grad_norm": grad_norm, "tok_per_s": tok_per_s, "elapsed_s": run.elapsed,
-              "eta_s": ((now - run.first[1]) / done if done else now - t0) * (cfg["max_iters"]
-                                                                              - run.step)}
-    peak = cfg["peak_flops"] or peak_flops(proc.device)
+              "grad_norm": grad_norm, "tok_per_s": cfg["batch_tokens"] / (now - t0),
+              "elapsed_s": time.monotonic() - run.t0, "eta_s": pace * (cfg["max_iters"] - run.step)}
+    name = torch.cuda.get_device_name(proc.device) if proc.device.startswith("cuda") else ""
+    peak = cfg["peak_flops"] or max(((len(k), v) for k, v in GPU_PEAK_FLOPS.items() if k in name),
+                                    default=(0, 0))[1]  # the longest name that matches
     if peak:
-        record["mfu"] = run.flops_per_token * tok_per_s / (peak * proc.world)
+        record["mfu"] = run.flops_per_token * record["tok_per_s"] / (peak * proc.world)
     if proc.master:
         log(run, record)
         if run.step % cfg["log_interval"] == 0 or run.step == cfg["max_iters"]:
             mfu = f" | mfu {100 * record['mfu']:.1f}%" if peak else ""
             tqdm.write(f"step {run.step}/{cfg['max_iters']} | train_loss {loss:.4f} | lr "
-                       f"{lr:.2e} | grad_norm {grad_norm:.3f} | tok/s {tok_per_s:.0f}{mfu} | "
-                       f"eta {clock(record['eta_s'])}")
+                       f"{lr:.2e} | grad_norm {grad_norm:.3f} | tok/s {record['tok_per_s']:.0f}"
+                       f"{mfu} | eta {clock(record['eta_s'])}")
     return lr
 
 
@@ -608,13 +550,12 @@ def train_step(fwd, par, batches, accum, grad_clip, proc):
     return loss_sum.item() / (accum * proc.world), par.clip(grad_clip)
 
 
-def peak_flops(device) -> float:
-    """A known GPU's bf16 dense peak FLOP/s (the longest name that matches), else 0: no MFU."""
-    if not device.startswith("cuda"):
-        return 0.0
-    name = torch.cuda.get_device_name(torch.device(device))
-    known = [k for k in GPU_PEAK_FLOPS if k in name]
-    return GPU_PEAK_FLOPS[max(known, key=len)] if known else 0.0
+class Diverged(UserError):
+    def __init__(self, step, what, lr, saved):
+        super().__init__(f"training diverged at step {step} ({what}, lr {lr:.3g}); " + (
+            f"its last checkpoint (step {saved}) is kept: lower --learning_rate and continue it "
+            f"with --resume=True, or start over with --overwrite=True" if saved is not None
+            else "rerun with a lower --learning_rate"))
 
 
 def clock(seconds) -> str:
@@ -625,9 +566,9 @@ def clock(seconds) -> str:
 @torch.no_grad()
 def evaluation(run: Run):
     """The mean validation loss over the fixed windows (each rank scores its slice, summed in
-    float64) and the mean depth weight of each layer on each candidate (Figure 3's numbers),
-    logged. Every rank makes as many forward passes (FSDP gathers weights with every rank): one
-    with fewer windows scores its first again, uncounted."""
+    float64) and each layer's mean depth weight on each candidate (Figure 3's numbers), logged.
+    Every rank makes as many forward passes (FSDP gathers weights with every rank): one with
+    fewer windows scores its first again, uncounted."""
     proc, model, offsets, T = run.proc, run.model, run.val_offsets, run.cfg["block_size"]
     model.eval()
     mine = np.array_split(offsets, proc.world)[proc.rank]
@@ -652,7 +593,8 @@ def evaluation(run: Run):
     val_loss = sums[0] / sums[1]
     run.best_val = min(run.best_val, val_loss)
     if proc.master:
-        record = {"kind": "eval", "step": run.step, "val_loss": val_loss, "elapsed_s": run.elapsed}
+        record = {"kind": "eval", "step": run.step, "val_loss": val_loss,
+                  "elapsed_s": time.monotonic() - run.t0}
         for (e, c), w in weights.items():  # {"layer": {"candidate": mean weight}}
             record.setdefault("depth_weights", {}).setdefault(str(e), {})[str(c)] = \
                 round(w / len(offsets), 5)
@@ -681,10 +623,26 @@ class capture_depth_weights:
 
 # ----------------------------------------------------------------------------- logs, checkpoints
 
+def resumes(cfg, ckpt, master) -> list:
+    """The resumes behind this run, [{"step": s, "changed": {key: [before, after]}}]: each changed
+    training key is named (a new max_iters re-stretches the schedule from step s)."""
+    if ckpt is None:
+        return []
+    before = {k: key.default for k, key in KEYS.items()} | ckpt["config"]
+    changed = {k: [before[k], cfg[k]] for k in KEYS if not KEYS[k].per_invocation
+               and before[k] != cfg[k]}
+    if changed and master:
+        print(f"warning: resuming at step {ckpt['step']} with changed settings: "
+              f"{', '.join(f'{k} {a!r} -> {b!r}' for k, (a, b) in changed.items())}; config.json "
+              f"records them under \"resumes\"", file=sys.stderr)
+    return [*ckpt["config"].get("resumes", ckpt.get("config_history", [])),
+            {"step": ckpt["step"], "changed": changed}]
+
+
 def start_log(run: Run):
     """config.json, and log.jsonl cut back to the steps done (a killed run's lines after its
     checkpoint go). Returns wandb with --wandb_log, else None."""
-    cfg, out = run.cfg, run.out_dir
+    cfg, out = run.cfg, Path(run.cfg["out_dir"])
     write_atomically(out / "config.json", json.dumps(run.record["config"], indent=1) + "\n")
     kept = [r for r in read_log(out) if r["step"] <= run.step] if run.step else []
     write_atomically(out / "log.jsonl", "".join(json.dumps(r) + "\n" for r in kept))
@@ -704,8 +662,7 @@ def start_log(run: Run):
 def read_log(out_dir) -> list:
     """out_dir/log.jsonl's records: a last line cut short (a kill mid-write) is dropped with a
     warning; any other line that is not a record is a CheckpointError."""
-    path = Path(out_dir) / "log.jsonl"
-    records = []
+    path, records = Path(out_dir) / "log.jsonl", []
     for line in path.read_text().splitlines() if path.exists() else []:
         try:
             records.append(json.loads(line))
@@ -725,19 +682,12 @@ def read_log(out_dir) -> list:
 
 def log(run: Run, record):
     """One line of log.jsonl, whole or not at all (and wandb's, the depth weights flat)."""
-    append_line(run.out_dir / "log.jsonl", json.dumps(record))
+    append_line(Path(run.cfg["out_dir"]) / "log.jsonl", json.dumps(record))
     if run.wandb:
         flat = {f"depth_weight/{e}/{c}": w for e, row in record.get("depth_weights", {}).items()
                 for c, w in row.items()}
         plain = {k: v for k, v in record.items() if k not in ("step", "depth_weights")}
         run.wandb.log({**plain, **flat}, step=record["step"])
-
-
-def rng_state():
-    kind, key, pos, has_gauss, gauss = np.random.get_state()
-    return {"python": random.getstate(), "torch": torch.get_rng_state(),
-            "numpy": [kind, torch.from_numpy(key.astype(np.int64)), pos, has_gauss, gauss],
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
 
 
 def restore(run: Run, ckpt):
@@ -760,19 +710,22 @@ def restore(run: Run, ckpt):
 
 
 def save(run: Run, lr):
-    """The checkpoint of run.step (never of a diverged model): ckpt.pt from rank 0, or under FSDP
-    ckpt.dcp, each rank its shards (lab/fsdp.py)."""
+    """The checkpoint of run.step (never of a diverged model), with every generator's state:
+    ckpt.pt from rank 0, or under FSDP ckpt.dcp, each rank its shards (lab/fsdp.py)."""
     if not run.par.weights_finite():
         raise Diverged(run.step, "non-finite weights", lr, run.last_ckpt)
-    state = {"step": run.step, "best_val_loss": run.best_val, **run.record, "rng": rng_state(),
-             "elapsed_s": run.elapsed}
+    kind, key, pos, has_gauss, gauss = np.random.get_state()
+    state = {"step": run.step, "best_val_loss": run.best_val, **run.record,
+             "rng": {"python": random.getstate(), "torch": torch.get_rng_state(),
+                     "numpy": [kind, torch.from_numpy(key.astype(np.int64)), pos, has_gauss, gauss],
+                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []},
+             "elapsed_s": time.monotonic() - run.t0}
     try:
         if run.par.mode == "fsdp":
-            run.par.sharded.save(run.optimizer, state, run.out_dir, run.proc.master)
+            run.par.sharded.save(run.optimizer, state, run.cfg["out_dir"], run.proc.master)
         elif run.proc.master:
-            state = {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
-                     **state}
-            save_checkpoint(state, run.ckpt_path)
+            save_checkpoint({"model": run.model.state_dict(),
+                             "optimizer": run.optimizer.state_dict(), **state}, run.ckpt_path)
     except (OSError, RuntimeError, UserError) as e:  # a full disk, a lost rank (lab.fsdp's)
         kept = (f"the checkpoint of step {run.last_ckpt} is kept: " if run.last_ckpt is not None
                 else "no checkpoint was written: ")
@@ -784,38 +737,32 @@ def save(run: Run, lr):
 
 
 def finish(run: Run, stopped_by):
-    """A finished run's sample, and the last line: where the checkpoint is."""
-    proc = run.proc
-    if run.cfg["sample_tokens"] and run.step == run.cfg["max_iters"]:
-        sample_preview(run)
+    """A finished run's sample (from the prompt or end-of-text; FSDP: every rank generates, its
+    cache bf16 under mixed precision), and the last line: where the checkpoint is."""
+    cfg, proc, device = run.cfg, run.proc, run.proc.device
+    if cfg["sample_tokens"] and run.step == cfg["max_iters"] and (proc.master or
+                                                                  run.par.mode == "fsdp"):
+        enc = from_record(run.record)
+        prompt = enc.encode(cfg["sample_prompt"], allowed_special="all") or [enc.eot_token]
+        n_new = min(cfg["sample_tokens"], cfg["block_size"] - len(prompt))
+        if n_new > 0:
+            out = run.model.generate(
+                torch.tensor([prompt], device=device), n_new, temperature=0.8, top_k=200,
+                generator=torch.Generator(device=device).manual_seed(cfg["seed"]),
+                cache_dtype=torch.bfloat16 if run.par.mode == "fsdp" and proc.bf16 else None)
+            if proc.master:
+                print(f"sample ({n_new} tokens):\n{enc.decode(out[0].tolist())}")
     if proc.master and stopped_by:
         print(f"stopped by {signal.Signals(stopped_by).name} after step {run.step}, saved to "
               f"{run.ckpt_path}; continue with the same command and --resume=True", file=sys.stderr)
     elif proc.master:
         peak = (f"{torch.cuda.max_memory_allocated() / 2**30:.2f} GiB allocated on the GPU"
-                if proc.device.startswith("cuda") else
+                if device.startswith("cuda") else
                 f"{__import__('resource').getrusage(0).ru_maxrss / 2**20:.2f} GiB resident")
-        print(f"done: step {run.step} in {clock(run.elapsed)} | best val_loss {run.best_val:.4f} | "
-              f"checkpoint {run.ckpt_path} | peak {peak}")
+        print(f"done: step {run.step} in {clock(time.monotonic() - run.t0)} | best val_loss "
+              f"{run.best_val:.4f} | checkpoint {run.ckpt_path} | peak {peak}")
     if run.wandb:
         run.wandb.finish()
-
-
-def sample_preview(run: Run):
-    """A few tokens from the prompt or from end-of-text (FSDP: every rank generates; under its
-    mixed precision the cache is bf16)."""
-    if not (run.proc.master or run.par.mode == "fsdp"):
-        return
-    cfg, enc, device = run.cfg, from_record(run.record), run.proc.device
-    prompt = enc.encode(cfg["sample_prompt"], allowed_special="all") or [enc.eot_token]
-    n_new = min(cfg["sample_tokens"], cfg["block_size"] - len(prompt))
-    if n_new > 0:
-        gen = torch.Generator(device=device).manual_seed(cfg["seed"])
-        cache_dtype = torch.bfloat16 if run.par.mode == "fsdp" and run.proc.bf16 else None
-        out = run.model.generate(torch.tensor([prompt], device=device), n_new,
-                                 SAMPLE_TEMPERATURE, SAMPLE_TOP_K, gen, cache_dtype)
-        if run.proc.master:
-            print(f"sample ({n_new} tokens):\n{enc.decode(out[0].tolist())}")
 
 
 if __name__ == "__main__":

@@ -123,8 +123,7 @@ class TrainCrashed(Exception):
 # ----------------------------------------------------------------------------- the runs in --out
 
 def run_dir(out, name, seed, lr=None, factor=1) -> Path:
-    """out/<run>/seed<s> at the base's rate, out/<run>/lr<rate>/seed<s> at another peak rate,
-    out/<run>/long<f>x_lr<rate>/seed<s> for f times the steps."""
+    """out/<run>[/lr<rate> or /long<f>x_lr<rate>]/seed<s>: at a peak rate, for f x the steps."""
     d = Path(out) / name
     if lr is not None:
         d = d / (f"long{factor}x_lr{lr:g}" if factor > 1 else f"lr{lr:g}")
@@ -153,9 +152,8 @@ def final_val_loss(where):
 
 
 def differences(recorded, resumes, asked) -> str:
-    """How the config a run was trained (and resumed) with differs from the one asked for in the
-    keys that change a reported number (train.py's table says which; a key it no longer has
-    counts), as `key old -> new`; "" for the same run."""
+    """`key old -> new` for each key that changes a reported number (train.py's table says which;
+    a key it no longer has counts) where a run's config or resumes differ from asked; "" if none."""
     keys = train.table(True)
     before = {k: key.default for k, key in keys.items()} | recorded  # a key added since: default
 
@@ -170,18 +168,19 @@ def differences(recorded, resumes, asked) -> str:
 
 
 def survey(where, args, figure=False):
-    """(state, why) of a job's folder: "done", "resume" (a checkpoint) or "new", the config asked
-    for through every resume; else "stale" and what differs or cannot be read. figure: the report
-    draws from the finished run's checkpoint, read now rather than after the sweep."""
+    """(state, why) of a job's folder: "done", "resume", "new", or "stale" and what differs or
+    cannot be read (figure: its checkpoint too, which the report draws)."""
     ckpt, asked = where / "ckpt.pt", train.parse_args(args)
     try:
         loss = final_val_loss(where)
         if loss is None and ckpt.exists():
             saved = read_checkpoint(ckpt, verify=("config", "step"))
             recorded, what = saved.get("config"), f"checkpoint at step {saved.get('step')}"
-            if not isinstance(recorded, dict) or saved.get("step") == asked["max_iters"]:
-                raise CheckpointError(f"{ckpt} is no train.py run to continue, or its log.jsonl "
-                                      f"lacks the final evaluation (cut short or edited)")
+            if not isinstance(recorded, dict):
+                raise CheckpointError(f"{ckpt} holds a model but not a train.py run to continue")
+            if saved.get("step") == asked["max_iters"]:  # its final evaluation was logged first
+                raise CheckpointError(f"{where / 'log.jsonl'} lacks the final evaluation (cut "
+                                      f"short or edited)")
             resumes = recorded.get("resumes", saved.get("config_history", []))  # older: beside
         elif (where / "config.json").exists():
             recorded, what = read_config(where), "finished" if loss is not None else "unfinished"
@@ -218,22 +217,21 @@ def train_args(job, base, extra, out):
 
 
 def plan(cfg, base, extra, out, jobs, reads=(), figures=()):
-    """{job: (state, train.py arguments)}, every folder this command trains in (jobs) or reads
-    (reads: runs of the protocol before it) checked before anything trains. A run that cannot be
-    reused stops the command, unless --overwrite and it is one of the jobs; figures: the jobs whose
-    checkpoints the report reads."""
+    """{job: (state, train.py arguments)} of the jobs, every folder trained or read checked before
+    anything trains: a stale one stops the command, unless --overwrite and it is a job."""
     plans = {}
     for job in dict.fromkeys([*jobs, *reads]):
         args = train_args(job, base, extra, out)
         plans[job] = (*survey(run_dir(out, *job), args, job in figures), args)
-    stale = [f"{label(job)} ({why})" for job, (state, why, _) in plans.items()
-             if state == "stale" and not (cfg["overwrite"] and job in jobs)]
+    stale = {job: why for job, (state, why, _) in plans.items()
+             if state == "stale" and not (cfg["overwrite"] and job in jobs)}
     if stale:
         fix = ("pick a new --out, or rerun with --overwrite=True to delete and retrain them"
-               if set(plans) <= set(jobs) else "rerun the protocols that train them (lr_sweep, "
+               if set(stale) <= set(jobs) else "rerun the protocols that train them (lr_sweep, "
                "then best_lr) with these settings and --overwrite=True first, or pick a new --out")
+        shown = [f"{label(job)} ({why})" for job, why in stale.items()]
         raise CheckpointError(f"{len(stale)} run(s) in {out} cannot be reused: "
-                              f"{'; '.join(stale[:4])}{'; ...' * (len(stale) > 4)}; {fix}")
+                              f"{'; '.join(shown[:4])}{'; ...' * (len(stale) > 4)}; {fix}")
     for job in jobs:  # train.py's folders, or found foreign or unwritable before anything trains
         if plans[job][0] != "done":
             run_folder(run_dir(out, *job), plans[job][0] == "resume").record()
@@ -261,12 +259,12 @@ def train_one(job, state, args, out, threads):
         raise TrainCrashed(f"{label(job)} crashed ({how}), see {where}/train.out; it ends:\n"
                            + "\n".join(lines[start:]))
     loss = final_val_loss(where)
-    return f"{label(job)}: " + ("stopped before the end" if loss is None else f"val_loss {loss:.4f}")
+    return f"{label(job)}: " + (f"val_loss {loss:.4f}" if loss is not None
+                                else "stopped before the end")
 
 
 def run_all(cfg, out, threads, plans):
-    """Train the planned jobs, --jobs at a time, in order (seed-major: early results cover every
-    run). A failure or Ctrl-C starts no further run; the started ones end (Ctrl-C stops them)."""
+    """The planned jobs, --jobs at a time, in order; a failure or Ctrl-C starts no further one."""
     pool = ThreadPoolExecutor(cfg["jobs"])
     try:
         for msg in pool.map(lambda job: train_one(job, *plans[job], out, threads), plans):
@@ -282,8 +280,8 @@ def run_all(cfg, out, threads, plans):
 
 
 def parse_args(argv):
-    """(ablate.py's config, train.py's arguments after `--`, the peak rates, the run names), the
-    syntax and values checked, reading no file but the config files after `--`."""
+    """(config, train.py's arguments after `--`, peak rates, run names), checked; reads no file
+    but the config files after `--`."""
     split = argv.index("--") if "--" in argv else len(argv)
     cfg, extra = parse(argv[:split], KEYS, __doc__), argv[split + 1:]
     # read as train.py reads them: a malformed one or an unknown key stops the sweep up front
@@ -367,8 +365,8 @@ def run_protocol(cfg, extra, lrs, names):
 # ----------------------------------------------------------------------------- the report
 
 def check_outputs(out, protocol, names):
-    """Before anything trains: --out is ablate.py's folder (a folder from before manifests holds
-    nothing but its names) and every result file of the protocol can be written there."""
+    """--out is ablate.py's folder (one from before manifests holds nothing else), and the
+    protocol's result files can be written there."""
     own = [*RUNS, *(f"{stem}{ext}" for stem in RESULTS.values() for ext in (".json", ".md")),
            "curves.png", "gap_vs_tokens.png", *DEPTH_FIGURES.values()]
     claim(out, "ablate.py", "--out", own,
@@ -392,25 +390,21 @@ def std(x):
 
 
 def collect(out, names, seeds, rates=None):
-    """{run: {seed: final val loss}} of the finished runs; rates: {run: peak rate}, None: the
-    base's."""
+    """{run: {seed: final val loss}} of the finished runs at rates ({run: rate}; None: base's)."""
     rates = rates or dict.fromkeys(names)
     return {n: {s: v for s in seeds if (v := final_val_loss(run_dir(out, n, s, rates[n])))
                 is not None} for n in names}
 
 
 def summarize(losses, title_suffix=""):
-    """Mean and std over seeds, and the difference to each table's baseline, paired by seed.
-
-    Runs with the same seed start from the same weights (the shared parameters are created first,
-    in the same order) and see the same batches, so the noise that matters is the spread of the
-    per-seed differences: Δ/SE = mean(d) / (std(d) / sqrt(n)). A table is left out when it would
-    only repeat runs shown above it, and the main table when no baseline ran."""
+    """(stats, tables): mean and std over seeds, the difference to each table's baseline paired
+    by seed (same seed, same initial weights and batches: Δ/SE = mean(d) / (std(d) / sqrt(n)))."""
     stats = {n: {"losses": list(v.values()), "mean": float(np.mean(list(v.values()))),
                  "std": std(list(v.values()))} for n, v in losses.items() if v}
     tables, shown = [], set()
     for title, rows in TABLES:
         baseline, rows, main = rows[0], [n for n in rows if n in stats], title == MAIN_TITLE
+        # no table that only repeats runs shown above it, nor a main table without a baseline
         if baseline not in stats or set(rows) <= shown or main and set(rows) <= {*MAIN[:2]}:
             continue
         shown |= set(rows)
@@ -484,8 +478,7 @@ def evals(run):
 
 
 def gap_curves(out, names, seeds, rates, factor, batch_tokens):
-    """The paired gap of every run to names[0] at each evaluation both logged, over the seeds:
-    {run: [(tokens seen, mean gap, SE or None, seeds)]}."""
+    """{run: [(tokens seen, mean gap to names[0], SE or None, seeds)]}, paired by seed."""
     curves = {}
     for n in names[1:]:
         pairs = [(dict(evals(run_dir(out, n, s, rates[n], factor))),
@@ -518,8 +511,7 @@ def gap_markdown(curves, short, baseline, short_tokens):
 # ----------------------------------------------------------------------------- figures
 
 def pyplot(needed=False):
-    """matplotlib's pyplot, drawing to files. Without matplotlib: a MissingPackage if needed, else
-    None, said in one line (the tables stand alone)."""
+    """matplotlib's pyplot; without it a MissingPackage if needed, else None (tables suffice)."""
     try:
         require("matplotlib", "drawing figures").use("Agg")
         return require("matplotlib.pyplot", "drawing figures")
@@ -530,8 +522,7 @@ def pyplot(needed=False):
 
 
 def save(plt, fig, path, dpi=120):
-    """The figure drawn in memory, then written whole, marked as ablate.py's in its metadata so
-    that a rerun may replace it (outputs.written_here)."""
+    """Written whole, marked as ablate.py's so that a rerun may replace it (written_here)."""
     for ax in [ax for ax in fig.axes if ax.lines]:  # line plots, not the heatmap
         ax.grid(alpha=0.3)
         if ax.get_legend_handles_labels()[0]:
@@ -588,8 +579,8 @@ def plot_gaps(plt, curves, short, baseline, short_tokens, path):
 
 @torch.no_grad()
 def depth_weight_matrix(source, n_windows=DEPTH_WINDOWS) -> np.ndarray:
-    """(L, L): the mean weight each effective layer puts on each candidate (its sources, then
-    itself) over n_windows fixed validation windows, KV heads and positions; NaN elsewhere."""
+    """(L, L): each effective layer's mean weight on each candidate over n_windows validation
+    windows, KV heads and positions; NaN where not a candidate."""
     _, ckpt, model = snapshot(lambda: checkpoint_path(source), read_model)  # a live run's too
     T, L = model.config.block_size, model.config.n_eff_layer
     data_dir = ROOT / ckpt["data_dir"]  # relative to the repository, where train.py ran
@@ -620,8 +611,7 @@ def plot_depth_weights(plt, m, path, title):
 
 
 def show_depth_weights(source, figure):
-    """--depth_weights=RUN: the table printed, the heatmap drawn at figure (default beside the
-    checkpoint; an existing file only if ablate.py drew it)."""
+    """--depth_weights=RUN: the table printed, the heatmap drawn (default beside the checkpoint)."""
     path, m = checkpoint_path(source), depth_weight_matrix(source)
     if np.isnan(m).all():
         raise CheckpointError(f"{source}'s model computes no per-token depth weights (vanilla, the "
@@ -639,8 +629,7 @@ def show_depth_weights(source, figure):
 
 
 def plot_run(run, figure):
-    """--curves=RUN: the train and validation losses, learning rate, tokens per second and each
-    layer's depth weight on itself (1 = vanilla) over steps, from its log.jsonl."""
+    """--curves=RUN: losses, learning rate, tokens/s and depth weights on self, from log.jsonl."""
     records = train.read_log(run)
     trained, evaluated = ([r for r in records if r.get("kind") == k] for k in ("train", "eval"))
     if not trained:

@@ -1,18 +1,16 @@
 """
-Score a model the way the paper does (Table 1, section 3.1): accuracy on eight downstream tasks
-through lm-evaluation-harness (`pip install lm-eval`), zero- or five-shot, and validation perplexity.
+Score a model as the paper's Table 1 does (section 3.1): accuracy on eight downstream tasks through
+lm-evaluation-harness (`pip install lm-eval`), zero- or five-shot, and validation perplexity.
 
-    python lab/eval.py --init_from=out/RUN                      # the paper's eight tasks, zero-shot
+    python lab/eval.py --init_from=out/RUN                     # the paper's eight tasks, zero-shot
     python lab/eval.py --init_from=out/RUN --num_fewshot=5 --json=out/RUN/eval_5shot.json
-    python lab/eval.py --init_from=out/RUN --tasks= --ppl=pile  # perplexity of data/pile/val.bin
-    python lab/eval.py --init_from=zeng123/Depth-attention-3B   # a Hugging Face folder or hub id
+    python lab/eval.py --init_from=out/RUN --tasks= --ppl=pile # perplexity of data/pile/val.bin
+    python lab/eval.py --init_from=zeng123/Depth-attention-3B  # a Hugging Face folder or hub id
     python lab/eval.py --init_from=out/RUN --include_path=docs/eval_tasks --tasks=shakespeare_last_word
-    python lab/eval.py --init_from=out/RUN --tasks='arc_*'      # every single task that matches
 
-lm-eval builds the prompts and computes the metrics; EvalLM only turns text into token scores.
-Whatever can be checked without the model is checked before it loads: the flags, --json, the --ppl
-data, and every task's file and data (read, or found offline in the datasets cache). docs/eval.md
-says the rest.
+lm-eval builds the prompts and computes the metrics; EvalLM turns text into token scores. Whatever
+can be checked without the model is checked before it loads: the keys, --init_from naming a model,
+--json, the --ppl data, every task's file and data. docs/eval.md says the rest.
 """
 import sys
 from pathlib import Path
@@ -55,18 +53,16 @@ try:  # optional: only the downstream tasks need it; --ppl works without
 except ImportError:
     lm_eval, TemplateLM = None, object
 
-# lm-eval's names of Table 1's tasks: LAMBADA, PIQA, WinoGrande, SciQ, HellaSwag, ARC-Easy,
-# ARC-Challenge, RACE
+# Table 1's tasks in lm-eval: LAMBADA, PIQA, WinoGrande, SciQ, HellaSwag, ARC-Easy/Challenge, RACE
 PAPER_TASKS = ("lambada_openai", "piqa", "winogrande", "sciq", "hellaswag", "arc_easy",
                "arc_challenge", "race")
 # Table 1, quoted: the average accuracy (%) over PAPER_TASKS by shots, and the Pile validation
 # perplexity (GPT-NeoX tokens), of Qwen3-style models trained on 32B Pile tokens
-TABLE1_AVG = {0: {"1.5B vanilla": 51.26, "1.5B Depth-Attention": 53.60, "3B vanilla": 53.76,
-                  "3B mHC": 54.68, "3B AttnRes": 55.01, "3B DenseFormer": 54.70,
-                  "3B Depth-Attention": 55.69},
-              5: {"1.5B vanilla": 51.65, "1.5B Depth-Attention": 53.72, "3B vanilla": 54.16,
-                  "3B mHC": 55.65, "3B AttnRes": 55.92, "3B DenseFormer": 55.59,
-                  "3B Depth-Attention": 56.17}}
+TABLE1_AVG = {
+    0: {"1.5B vanilla": 51.26, "1.5B Depth-Attention": 53.60, "3B vanilla": 53.76, "3B mHC": 54.68,
+        "3B AttnRes": 55.01, "3B DenseFormer": 54.70, "3B Depth-Attention": 55.69},
+    5: {"1.5B vanilla": 51.65, "1.5B Depth-Attention": 53.72, "3B vanilla": 54.16, "3B mHC": 55.65,
+        "3B AttnRes": 55.92, "3B DenseFormer": 55.59, "3B Depth-Attention": 56.17}}
 TABLE1_PPL = {"1.5B vanilla": 8.17, "1.5B Depth-Attention": 7.77, "3B vanilla": 7.55,
               "3B Depth-Attention": 7.25}
 GLOB_CHARACTERS = set("*?[")  # fnmatch's: a --tasks name with one of them is a pattern
@@ -131,9 +127,6 @@ class EvalLM(TemplateLM):
     def tok_encode(self, string, add_special_tokens=None, **kwargs):
         return self.enc.encode(string, allowed_special="all")
 
-    def tok_decode(self, ids):
-        return self.enc.decode(ids)
-
     def _loglikelihood_tokens(self, requests, disable_tqdm=False):
         """(log p(continuation | context), whether greedy decoding gives it) per request, on the
         last block_size + 1 tokens (lm-eval's Hugging Face rule)."""
@@ -175,9 +168,9 @@ class EvalLM(TemplateLM):
             temperature = float(kwargs.get("temperature", 1.0)) if kwargs.get("do_sample") else 0.0
             ids = self.tok_encode(context)[-(self.max_length - new):] or [self.prefix_token_id]
             idx = torch.tensor([ids], device=self.model.lm_head.weight.device)  # (1, prompt)
-            text = self.tok_decode(
+            text = self.enc.decode(
                 self.model.generate(idx, new, temperature=temperature)[0, len(ids):].tolist())
-            for stop in until + [self.tok_decode([self.eot_token_id])]:
+            for stop in until + [self.enc.decode([self.eot_token_id])]:
                 text = text.split(stop)[0]
             out.append(text)
         return out
@@ -186,12 +179,8 @@ class EvalLM(TemplateLM):
 def open_ppl_data(data_root, name):
     """(folder, meta.json, val.bin memory-mapped) of the --ppl dataset."""
     data_dir = Path(data_root) / name
-    meta = load_meta(data_dir)  # its error names the folder it looked in
-    val = read_tokens(data_dir, "val", meta)
-    if len(val) < 2:  # one input, one target
-        raise DataError(f"{data_dir / 'val.bin'} holds fewer than 2 tokens: rebuild {data_dir} "
-                        f"with prepare_data.py --force")
-    return data_dir, meta, val
+    meta = load_meta(data_dir)  # checked against the .bin files; val holds 2 tokens or more
+    return data_dir, meta, read_tokens(data_dir, "val", meta)
 
 
 def check_ppl_data(data, loaded, init_from):
@@ -350,9 +339,8 @@ def read_data_beside_task_files(manager, include_path):
 
 
 def hub_out_of_reach(timeout=HUB_PROBE_SECONDS):
-    """Why the tasks may not download (offline by choice, or no answer to one HEAD request through
-    the environment's proxies), else None. Any answer counts, an HTTP error or a TLS failure too:
-    the probe must never stop a run that could download."""
+    """Why the tasks may not download (offline by choice, or no answer to one HEAD request), else
+    None. Any answer counts, an HTTP error or a TLS failure too: a run that could download runs."""
     import datasets.config
     if datasets.config.HF_HUB_OFFLINE:  # either variable sets it when datasets is imported
         chosen = " and ".join(f"{v}={os.environ[v]}" for v in OFFLINE_VARIABLES
@@ -377,7 +365,8 @@ def hub_out_of_reach(timeout=HUB_PROBE_SECONDS):
 
 @contextmanager
 def hub_offline():
-    """datasets' offline mode within the block, restored after (main runs in tests' process)."""
+    """datasets' offline mode within the block (cached data loads, the rest fails at once instead
+    of retrying), restored after: main runs in the tests' process too."""
     import datasets.config
     import huggingface_hub.constants as hub
     saved = datasets.config.HF_HUB_OFFLINE, hub.HF_HUB_OFFLINE
@@ -396,20 +385,18 @@ def print_table(results, num_fewshot, limited):
             if t not in results.get("groups", {})}
     if rows:
         print(f"\n{'task':<20}{'acc':>8}{'acc_norm':>10}  other metrics ({num_fewshot}-shot)")
-    accs, norm_or_acc = [], []
     for task, m in rows.items():
-        acc, norm = m.get("acc,none"), m.get("acc_norm,none")
+        acc, norm = (m.get(f"{k},none") for k in ("acc", "acc_norm"))
         other = ", ".join(f"{k.split(',')[0]} {v:.4g}" for k, v in m.items() if k.endswith(",none")
                           and "stderr" not in k and k.split(",")[0] not in ("acc", "acc_norm"))
         print(f"{task:<20}{'-' if acc is None else f'{100 * acc:.2f}':>8}"
               f"{'-' if norm is None else f'{100 * norm:.2f}':>10}  {other}")
-        if acc is not None:
-            accs.append(100 * acc)
-            norm_or_acc.append(100 * (acc if norm is None else norm))
-    if accs:
-        print(f"{'average, acc':<20}{sum(accs) / len(accs):>8.2f}{'':>10}  over {len(accs)} tasks")
-        print(f"{'average, acc_norm':<20}{'':>8}{sum(norm_or_acc) / len(accs):>10.2f}  acc_norm "
-              f"where a task has it, else acc (the paper does not say which it averages)")
+    if scored := [(m["acc,none"], m.get("acc_norm,none", m["acc,none"])) for m in rows.values()
+                  if "acc,none" in m]:
+        acc, norm = (100 * sum(column) / len(scored) for column in zip(*scored))
+        print(f"{'average, acc':<20}{acc:>8.2f}{'':>10}  over {len(scored)} tasks")
+        print(f"{'average, acc_norm':<20}{'':>8}{norm:>10.2f}  acc_norm where a task has it, else "
+              f"acc (the paper does not say which it averages)")
         if sorted(rows) == sorted(PAPER_TASKS) and num_fewshot in TABLE1_AVG:
             print(f"paper, Table 1, {num_fewshot}-shot average"
                   f"{' (this run: --limit, a subset)' if limited else ''}: "

@@ -53,7 +53,9 @@ def verify_shards(path, files, rank=0, world=1) -> list:
 
 def read_shards(state, ckpt, rank=0, world=1):
     """Fill state's tensors from the folder (ckpt: checkpoint.read_checkpoint's dict of it):
-    whole tensors in one process, each rank its shards under torchrun."""
+    whole tensors in one process, each rank its shards under torchrun. state is laid out as
+    lab/fsdp.py saves, {"model": ..., "optimizer": ...}, or is a model's state_dict alone."""
+    state = state if "model" in state else {"model": state}
     path = Path(ckpt["shards"])
     if path.name.endswith(".old") and not path.exists():  # put back since by the run's lock holder
         path = path.with_name(path.name[:-4])

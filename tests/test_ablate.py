@@ -286,15 +286,18 @@ def test_curves_of_one_run(sweep, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def protocols(base, tmp_path_factory):
-    """The learning-rate protocols: the sweep, best_lr on its runs, the runs twice as long."""
+def protocols(base, sweep, tmp_path_factory):
+    """The learning-rate protocols: the sweep (at the base's 1e-2, the shared sweep's runs, copied
+    as a user copies finished runs: reused), best_lr on its runs, the runs twice as long."""
     out = tmp_path_factory.mktemp("protocols") / "out"
+    for run in ("vanilla", "value"):
+        shutil.copytree(sweep[0] / run / "seed0", out / run / "lr0.01" / "seed0")
     common = [f"--base={base}", f"--out={out}", "--runs=vanilla,value", "--lrs=1e-3,1e-2",
               "--jobs=2", "--seeds=1"]
-    ablate(*common, "--protocol=lr_sweep")
+    assert ablate(*common, "--protocol=lr_sweep").count("done already") == 2
     best_lr = ablate(*common, "--protocol=best_lr")
     ablate(*common, "--protocol=long", "--long_runs=vanilla,value", "--long_factor=2")
-    return out, best_lr
+    return out, best_lr, common
 
 
 def final(out, run, sub, seed=0):
@@ -302,7 +305,7 @@ def final(out, run, sub, seed=0):
 
 
 def test_the_protocols_take_each_runs_best_rate_and_follow_the_gap(protocols):
-    out, best_lr = protocols
+    out, best_lr, _ = protocols
     sweep = json.loads((out / "results_lr_sweep.json").read_text())
     for run in ("vanilla", "value"):
         losses = {lr: final(out, run, f"lr{lr:g}")[-1]["val_loss"] for lr in (1e-3, 1e-2)}
@@ -327,6 +330,10 @@ def test_the_protocols_take_each_runs_best_rate_and_follow_the_gap(protocols):
     assert short[0] == 3 * 128 and short[1] == pytest.approx(d)
     assert f"| value | short | 0.00 | {short[1]:+.4f} |" in (out / "results_long.md").read_text()
     assert drawn(out / "gap_vs_tokens.png")
+    before = files(out)  # best_lr reads the sweep's runs: stale ones point at the sweep
+    msg = refused(*protocols[2], "--protocol=best_lr", "--", "--max_iters=5")
+    assert "max_iters 3 -> 5" in msg and "rerun the protocols that train them" in msg, msg
+    assert files(out) == before
 
 
 def test_the_main_table_pairs_seeds_and_quotes_the_paper(tmp_path):

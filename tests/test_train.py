@@ -79,7 +79,7 @@ def test_wandb_gets_the_depth_weights_as_one_series_each(tmp_path):
     class Wandb:  # what train.py calls of a wandb run
         def log(self, values, step):
             self.logged = (values, step)
-    run = SimpleNamespace(out_dir=tmp_path, wandb=Wandb())
+    run = SimpleNamespace(cfg={"out_dir": str(tmp_path)}, out_dir=tmp_path, wandb=Wandb())
     record = {"kind": "eval", "step": 8, "val_loss": 2.5,
               "depth_weights": {"2": {"0": 0.25, "2": 0.75}}}
     train_py.log(run, record)
