@@ -1,9 +1,9 @@
 """
-Every file a script writes, by one rule: it writes only into a folder that is new, empty, or
-carries its own manifest, `.written_by.json`, naming the script and the files it wrote there;
---overwrite removes only those. Any other file is the user's: kept, or named in a refusal, never
+Every file a script writes, by one rule: a script writes only into a folder that is new, empty or
+carries its manifest, `.written_by.json`, naming the script and the files it wrote there, and
+--overwrite removes only those; any other file is the user's, kept or named in a refusal, never
 deleted. A folder the command reads (its --init_from, the run it exports, a corpus) is never its
-target, nor a folder holding one. Every file is written whole or not at all (a temporary, then a
+target, nor a folder holding one. A file is written whole or not at all (a temporary, then a
 rename), and a full disk is one error naming the path and the space needed (DiskFull).
 
     folder = claim(out_dir, "train.py", "--out_dir", RUN_FILES, sources=[("--init_from", src)])
@@ -25,11 +25,11 @@ from configurator import CheckpointError, ConfigError, UserError
 
 MANIFEST = ".written_by.json"
 NO_ROOM = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}  # a full disk, quota or file-size limit
+# what train.py writes into its out_dir; train.out is the console log lab/ablate.py keeps there
+RUN_FILES = ("train.lock", "config.json", "log.jsonl", "ckpt.pt", "ckpt.dcp", "train.out")
 
 
 class DiskFull(UserError):
-    """A write that found no room, nothing of it left: the path and the space it needs."""
-
     def __init__(self, path, need, more=False):
         self.free = f"free {'more than ' if more else ''}{max(1, math.ceil(need / 1e6))} MB"
         super().__init__(f"cannot write {path}: no space left on device; {self.free} or pick "
@@ -43,8 +43,8 @@ def mark(script) -> str:
 
 @contextmanager
 def room_for(path, need, more=False):
-    """A write inside the block that found no room is DiskFull naming path and need() bytes (more:
-    at least). torch.save wraps the OSError; safetensors' Rust errors end "(os error N)"."""
+    """A write inside that found no room is DiskFull naming path and need() bytes (more: at
+    least). torch.save wraps the OSError; safetensors' Rust errors end "(os error N)"."""
     try:
         yield
     except Exception as e:
@@ -86,9 +86,8 @@ def append_line(path, line):
 
 
 def save_checkpoint(obj, path):
-    """torch.save obj and its checksums (checkpoint.read_checkpoint verifies them) to a synced
-    temporary beside path, then rename: a kill at any moment leaves the previous checkpoint or the
-    new one, never a torn file."""
+    """torch.save obj and its checksums to a synced temporary beside path, then rename: a kill
+    leaves the previous checkpoint or the new one, never a torn file."""
     path, tmp = Path(path), Path(path).with_name(f"{Path(path).name}.tmp{os.getpid()}")
     obj = {**obj, "checksums": checksums(obj)}
 
@@ -123,7 +122,6 @@ def fsync_dir(folder):
 
 
 def not_in_a_checkpoint(path, flag):
-    """A ConfigError if path lies inside a sharded checkpoint: the next save replaces it whole."""
     for folder in [Path(path).resolve(), *Path(path).resolve().parents]:
         if folder.name.startswith("ckpt.dcp"):
             raise ConfigError(f"{flag}={path} lies inside {folder}, a sharded checkpoint that the "
@@ -149,8 +147,8 @@ def listing(names, most=4) -> str:
 
 
 class Folder:
-    """A folder claim() let script write. names: its manifest's files; they and their killed
-    writes (NAME.tmp<pid>, NAME.old<pid>) are its own; foreign: every other name in it."""
+    """A folder claim() let script write; names: its manifest's files, which (with their killed
+    writes, NAME.tmp<pid> and NAME.old<pid>) are its own; foreign: every other name in it."""
 
     def __init__(self, path: Path, script, flag, names):
         self.path, self.script, self.flag, self.names = path, script, flag, sorted(set(names))
@@ -197,9 +195,9 @@ def seal(tmp, script):
 
 def claim(path, script, flag, names=(), sources=(), legacy=lambda folder: []) -> Folder:
     """The folder at path, checked before any work to be one script may write: not a file, not
-    the current folder, not a source of this command (sources: (flag, path)) or a folder holding
-    one; new, empty or marked by script (legacy(folder): what an earlier version of script wrote
-    there before manifests). names: the files script writes there."""
+    the current folder, not a source of this command (sources: (flag, path)) nor holding one;
+    new, empty or marked by script (legacy(folder): what an earlier version of script wrote there
+    before manifests). names: the files script writes there."""
     p, where = Path(path), Path(path).resolve()
     not_in_a_checkpoint(p, flag)
     if p.exists() and not p.is_dir():
@@ -226,8 +224,8 @@ def claim(path, script, flag, names=(), sources=(), legacy=lambda folder: []) ->
 
 
 def output_file(path, flag, written_by=None) -> Path:
-    """A result file checked writable before any work (its folder created); written_by: the
-    script whose earlier result an existing file must be to be replaced."""
+    """A result file checked writable before any work (its folder made); written_by: the script
+    whose earlier result (JSON "written_by", or a figure's metadata) a file must be to go."""
     p = Path(path)
     not_in_a_checkpoint(p, flag)
     if p.is_dir() or str(path).endswith(("/", "\\")):
@@ -240,26 +238,16 @@ def output_file(path, flag, written_by=None) -> Path:
     except OSError as e:
         raise ConfigError(f"cannot write {flag}={path} ({e.strerror or e}); pick a writable "
                           f"path") from None
-    if written_by and p.is_file() and p.stat().st_size and not written_here(p, written_by):
-        raise ConfigError(f"{flag}={path} exists and was not written by {written_by}; pick "
-                          f"another path, or delete the file if it may go")
+    if written_by and p.is_file() and p.stat().st_size:
+        data = p.read_bytes() if p.stat().st_size < 1 << 26 else b""  # a result is far smaller
+        try:
+            ours = json.loads(data).get("written_by") == mark(written_by)
+        except (ValueError, AttributeError):  # not JSON, or not an object: maybe a figure
+            ours = p.suffix.lower() != ".json" and mark(written_by).encode() in data
+        if not ours:
+            raise ConfigError(f"{flag}={path} exists and was not written by {written_by}; pick "
+                              f"another path, or delete the file if it may go")
     return p
-
-
-def written_here(path, script) -> bool:
-    """Whether the file is an earlier result of script: a JSON object whose written_by is
-    mark(script), or a figure whose metadata holds it."""
-    p = Path(path)
-    if p.stat().st_size > 1 << 26:  # an earlier result is far smaller
-        return False
-    data = p.read_bytes()
-    if p.suffix.lower() != ".json":
-        return mark(script).encode() in data
-    try:
-        earlier = json.loads(data)
-    except ValueError:
-        return False
-    return isinstance(earlier, dict) and earlier.get("written_by") == mark(script)
 
 
 def stale_pid(path):
@@ -278,9 +266,9 @@ def stale_pid(path):
 
 
 def clean_stale(dest, hidden=False, inside=False, restorable=lambda old: True):
-    """Remove what killed runs left beside dest: the temporaries NAME.tmp<pid> and NAME.old<pid>,
-    the dest a swap moved aside, put back first when dest is gone and restorable(it). hidden: the
-    names start with a dot; inside: dest's own NAME.tmp<pid> files too."""
+    """Remove what killed runs left beside dest: NAME.tmp<pid> and NAME.old<pid> (the dest a swap
+    moved aside, put back first when dest is gone and restorable(it)); hidden: the names start
+    with a dot; inside: dest's own NAME.tmp<pid> files too."""
     dest = Path(dest)
     stem = f"{'.' if hidden else ''}{dest.name}"
     for old in dest.parent.glob(f"{stem}.old*"):
@@ -292,12 +280,6 @@ def clean_stale(dest, hidden=False, inside=False, restorable=lambda old: True):
         if stale_pid(path) is not None:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
             print(f"removed {path}, left by a killed run")
-
-
-# ----------------------------------------------------------------------------- a run's folder
-
-# What train.py writes into its out_dir; train.out is the console log lab/ablate.py keeps there
-RUN_FILES = ("train.lock", "config.json", "log.jsonl", "ckpt.pt", "ckpt.dcp", "train.out")
 
 
 def run_folder(out_dir, resuming, init_from=""):
@@ -315,37 +297,34 @@ def lock_run_folder(out_dir, resuming, overwrite, init_from=""):
     releases it when the process dies, so a killed run never blocks the next). A second run into
     the folder is refused; a fresh start over a checkpoint needs overwrite, which deletes only the
     files train.py wrote. Returns the open lock file."""
-    import fcntl  # POSIX; the one platform train.py runs on
+    import fcntl  # POSIX, as train.py
     folder = run_folder(out_dir, resuming, init_from)
     folder.record()
-    out_dir = folder.path
+    out = folder.path
     try:
-        lock = open(out_dir / "train.lock", "a+")
+        lock = open(out / "train.lock", "a+")
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         lock.seek(0)
         raise CheckpointError(f"another train.py ({lock.read().strip() or 'pid unknown'}) is "
-                              f"writing to {out_dir}; wait for it or pick another --out_dir") from None
+                              f"writing to {out}; wait for it or pick another --out_dir") from None
     except OSError as e:
-        raise CheckpointError(f"cannot write to --out_dir={out_dir} ({e.strerror}); pick a "
-                              f"writable folder") from e
+        raise CheckpointError(f"cannot write to --out_dir={out} ({e.strerror}); pick a writable "
+                              f"folder") from e
     lock.truncate(0)
     lock.write(f"pid {os.getpid()}\n")
     lock.flush()
-    for torn in out_dir.glob("ckpt.pt.tmp*"):  # a write cut short by a kill; no other writer
+    for torn in out.glob("ckpt.pt.tmp*"):  # a write cut short by a kill; no other writer
         torn.unlink()
-    shutil.rmtree(out_dir / "ckpt.dcp.tmp", ignore_errors=True)
-    old = out_dir / "ckpt.dcp.old"  # a sharded save killed between its renames: the checkpoint
-    if old.is_dir() and not (out_dir / "ckpt.dcp").exists():
-        old.rename(out_dir / "ckpt.dcp")
-    shutil.rmtree(old, ignore_errors=True)
-    held = [n for n in ("ckpt.pt", "ckpt.dcp") if (out_dir / n).exists()]
-    if held and not resuming:
+    shutil.rmtree(out / "ckpt.dcp.tmp", ignore_errors=True)
+    if (out / "ckpt.dcp.old").is_dir() and not (out / "ckpt.dcp").exists():
+        (out / "ckpt.dcp.old").rename(out / "ckpt.dcp")  # a sharded save killed between renames
+    shutil.rmtree(out / "ckpt.dcp.old", ignore_errors=True)
+    if (held := [n for n in ("ckpt.pt", "ckpt.dcp") if (out / n).exists()]) and not resuming:
         if not overwrite:
-            raise CheckpointError(f"{out_dir} already holds a checkpoint; continue it with "
+            raise CheckpointError(f"{out} already holds a checkpoint; continue it with "
                                   f"--resume=True, or start over with --overwrite=True (which "
                                   f"deletes the files train.py wrote there)")
-        print(f"warning: --overwrite=True: deleting {', '.join(held)} and the log of {out_dir}, "
-              f"starting over")
+        print(f"warning: --overwrite=True: deleting {', '.join(held)} and the log of {out}")
         folder.clear(keep=["train.lock", MANIFEST])
     return lock

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from checkpoint import SHARDED, build_model, checkpoint_path, read_checkpoint
+from checkpoint import SHARDED, build_model
 from configurator import (CheckpointError, ConfigError, DataError, Key, UserError, dataclass_keys,
                           nearest, parse, reason, require, resolve_device, run_main, updates)
 from data import load_meta, prepare, read_tokens, shakespeare
@@ -46,12 +46,11 @@ SAME = dict(result=False)  # a key that changes no number the run reports
 KEYS = {
     "dataset": Key("shakespeare", "<data_root>/<dataset>/: {train,val}.bin, meta.json", path=True),
     "data_root": Key("data", "the folder that holds the prepared datasets", path=True),
-    "out_dir": Key("out/shakespeare", "ckpt.pt, config.json, log.jsonl", path=True,
-                   per_invocation=True, **SAME),
+    "out_dir": Key("out/shakespeare", "the run's folder", path=True, per_invocation=True, **SAME),
     "seed": Key(1337, "model init and the batch sequence", "in [0, 2**63)"),
     "batch_tokens": Key(4096, "tokens per step, all ranks (paper: 1024 x 2048)", ">= 1"),
-    "micro_batch": Key(None, "sequences per forward pass on a rank; None = its whole share",
-                       ">= 1", kind=int, **SAME),  # the rest is gradient accumulation
+    "micro_batch": Key(None, "sequences per forward on a rank; None = its share", ">= 1", kind=int,
+                       **SAME),  # the rest of a rank's share is gradient accumulation
     # the paper's recipe (section 3): AdamW, 2% warmup, cosine to 0.1 x peak, clip 1.0
     "max_iters": Key(400, "optimizer steps; the LR schedule spans exactly these", ">= 1"),
     "learning_rate": Key(3e-3, "peak LR (paper: 1e-3 at 1.5B/3B, 3e-4 at 410M)", "> 0"),
@@ -65,8 +64,7 @@ KEYS = {
     "min_lr_ratio": Key(0.1, "cosine floor as a fraction of the peak LR", "in [0, 1]"),
     "eval_interval": Key(100, "steps between evaluations (also at step 0 and the end)", ">= 0"),
     "eval_seqs": Key(64, "fixed validation windows, evenly spaced over val.bin", ">= 1"),
-    "log_interval": Key(25, "steps between printed lines (log.jsonl has every step)", ">= 1",
-                        **SAME),
+    "log_interval": Key(25, "steps between printed lines (log.jsonl: every step)", ">= 1", **SAME),
     "ckpt_interval": Key(None, "steps between checkpoints; None = every evaluation; 0 = the end",
                          ">= 0", kind=int, **SAME),
     "stop_at_step": Key(0, "end after this step with a checkpoint, keeping max_iters' schedule",
@@ -78,7 +76,7 @@ KEYS = {
                    "learning_rate", choices=("last", "peak")),
     "overwrite": Key(False, "start over in an out_dir that holds a checkpoint, deleting it",
                      per_invocation=True, **SAME),
-    "sample_tokens": Key(200, "tokens sampled at the end of the run; 0 = none", ">= 0", **SAME),
+    "sample_tokens": Key(200, "tokens sampled at the end; 0 = none", ">= 0", **SAME),
     "sample_prompt": Key("", "\"\" = start from end-of-text, like a new document", **SAME),
     "device": Key("auto", "auto = cuda, then mps, then cpu"),
     "dtype": Key("auto", "auto = bfloat16 autocast on CUDA where supported, else float32",
@@ -87,8 +85,7 @@ KEYS = {
     "parallel": Key("ddp", "under torchrun: ddp (every GPU the whole model) or fsdp (sharded, "
                     "lab/fsdp.py)", choices=("ddp", "fsdp"), **SAME),
     "activation_checkpointing": Key(False, "recompute each block in the backward pass", **SAME),
-    "peak_flops": Key(0.0, "a device's peak FLOP/s for MFU; 0 = a known GPU's bf16 peak", ">= 0",
-                      **SAME),
+    "peak_flops": Key(0.0, "a device's peak FLOP/s for MFU; 0 = a known GPU's", ">= 0", **SAME),
     "memory_plan": Key(False, "print the per-GPU memory of ddp / fsdp (lab/memory.py) and exit",
                        per_invocation=True, **SAME),
     "wandb_log": Key(False, "log to Weights & Biases (pip install wandb)", **SAME),
@@ -130,33 +127,14 @@ def parse_args(argv, base=None) -> dict:
 
 
 def resolve(argv, master=True):
-    """(cfg, ckpt, init): the run argv asks for, with --resume its checkpoint (whose config replaces
-    the defaults, so `--out_dir=X --resume` continues it), with --init_from the weights to load."""
+    """(cfg, ckpt, init): the run argv asks for, and the checkpoint it continues (--resume) or the
+    weights it starts from (--init_from): lab/continued.py."""
     cfg = parse_args(argv)
     run_folder(cfg["out_dir"], cfg["resume"], cfg["init_from"])  # before anything is read
     ckpt = init = None
     if cfg["resume"]:
-        ckpt = read_checkpoint(checkpoint_path(cfg["out_dir"]))
-        if not {"config", "step", "rng"} <= ckpt.keys():
-            raise CheckpointError(f"{cfg['out_dir']} holds a model but not a run to continue; "
-                                  f"train a new --out_dir with --init_from")
-        keys = table(True)
-        cfg = parse_args(argv, {k: key.default for k, key in keys.items()} | {
-            k: v for k, v in ckpt["config"].items() if k in keys and not keys[k].per_invocation})
-        saved, began = ckpt["model_config"], ckpt["config"].get("init_from", "")
-        cfg["vocab_size"] = cfg["vocab_size"] or saved["vocab_size"]
-        with torch.device("meta"):  # the model asked for, in no time
-            now = asdict(build_model({k: v for k, v in cfg.items() if k not in KEYS}).config)
-        if changed := {k: (saved.get(k, v), v) for k, v in now.items() if saved.get(k, v) != v}:
-            raise ConfigError(f"the checkpoint's model differs from the one asked for ({changed}, "
-                              f"as (checkpoint, now)); drop those or train into a new --out_dir")
-        start = f"from --init_from={began}" if began else "from scratch"
-        for wrong, why in ((cfg["init_from"] != began, f"began {start}: drop --init_from"),
-                           (("shards" in ckpt) != (cfg["parallel"] == "fsdp"), "was written with "
-                            f"--parallel={'fsdp' if 'shards' in ckpt else 'ddp'}: resume with it"),
-                           (cfg["overwrite"], "would be deleted by --overwrite: pass one of them")):
-            if wrong:
-                raise ConfigError(f"--resume=True continues {cfg['out_dir']}, which {why}")
+        from lab.continued import resume  # only for --resume
+        cfg, ckpt = resume(cfg, argv, table(True), parse_args)
     elif cfg["init_from"]:
         from lab.continued import start_from  # only for --init_from
         init = start_from(cfg, {k for k, _ in updates(argv, table(True))}, master)
@@ -166,8 +144,10 @@ def resolve(argv, master=True):
 
 def main(argv):
     cfg, ckpt, init = resolve(argv, master=os.environ.get("RANK", "0") == "0")
-    if cfg["memory_plan"]:
+    if cfg["memory_plan"]:  # the micro batch as this launch would take it, then the plan
         from lab.memory import print_plan
+        if cfg["micro_batch"] is not None:
+            batch_layout(cfg, int(os.environ.get("WORLD_SIZE", 1)))
         return print_plan(cfg)
     proc = setup_process(cfg)
     lock = lock_run_folder(cfg["out_dir"], ckpt is not None, cfg["overwrite"],
@@ -232,8 +212,7 @@ def get_batch(data, offsets, T, device, vocab_size):
 
 
 def build(cfg, meta, data_dir, ckpt, init):
-    """The model from the seed, or with init's weights; the data must be in the tokenizer of the
-    weights it continues and fit their vocabulary."""
+    """The model from the seed, or with init's weights; the data in the weights' tokenizer."""
     enc = init.tokenizer if init else from_record(ckpt) if ckpt else None
     if enc is not None and not same_tokenizer(get_tokenizer(meta["tokenizer"]), enc):
         raise DataError(f"{data_dir} was tokenized with {meta['tokenizer']}, but the model reads "
@@ -389,8 +368,7 @@ class StopSignals:
 
 @dataclass
 class Run:
-    """What the loop works on: the model (unwrapped) and par (its DDP/FSDP form; fwd: its forward,
-    compiled or not), the data and batch layout, where the run stands and writes."""
+    """What the loop works on; par: the model's DDP/FSDP form, fwd: its forward, maybe compiled."""
     cfg: dict
     proc: Process
     model: torch.nn.Module
@@ -435,8 +413,7 @@ def batch_layout(cfg, world):
 
 
 def start(cfg, ckpt, init, proc) -> Run:
-    """The data, the model on its device in its parallel form, the optimizer, a resumed run's
-    state; config.json and the log."""
+    """The data, the model in its parallel form, the optimizer, a resumed run's state, the log."""
     mb, accum, rows = batch_layout(cfg, proc.world)
     data_dir, meta, train, val = open_data(cfg, proc.master)
     model = build(cfg, meta, data_dir, ckpt, init).to(proc.device)
@@ -449,10 +426,11 @@ def start(cfg, ckpt, init, proc) -> Run:
     run = Run(cfg, proc, model, par, make_optimizer(model, cfg, proc.device),
               torch.compile(par.forward) if cfg["compile"] else par.forward, train, val,
               np.linspace(0, len(val) - T - 1, cfg["eval_seqs"]).round().astype(np.int64), mb,
-              accum, rows, {"config": {**cfg, "resumes": resumes(cfg, ckpt, proc.master)},
+              accum, rows, {"config": {**cfg, "resumes": ckpt["resumes"] if ckpt else []},
                             "model_config": asdict(c), **tokenizer_record(meta["tokenizer"]),
                             "data_dir": str(data_dir)}, flops, time.monotonic())
     if ckpt is not None:
+        from lab.continued import restore
         restore(run, ckpt)
     if proc.master:
         run.wandb = start_log(run)
@@ -464,8 +442,8 @@ def start(cfg, ckpt, init, proc) -> Run:
 
 
 def train_loop(run: Run) -> int:
-    """Steps up to max_iters: evaluate, checkpoint and stop as the config says. Returns the signal
-    that stopped the run (SIGINT, SIGTERM: a checkpoint of the step reached), else 0."""
+    """Steps to max_iters, evaluating and saving as the config says. Returns the signal that stopped
+    the run (SIGINT, SIGTERM: after a checkpoint of the step reached), else 0."""
     cfg, proc = run.cfg, run.proc
     every_ckpt = cfg["eval_interval"] if cfg["ckpt_interval"] is None else cfg["ckpt_interval"]
     if run.step == 0 and cfg["eval_interval"] > 0:
@@ -536,8 +514,8 @@ def one_step(run: Run) -> float:
 
 
 def train_step(fwd, par, batches, accum, grad_clip, proc):
-    """Forward and backward over the micro-batches, gradients reduced once (on the last), then
-    clipped. Returns (the mean loss over all ranks, the global grad norm before clipping)."""
+    """Forward and backward over the micro-batches, gradients reduced on the last, clipped.
+    Returns (the mean loss over all ranks, the global grad norm before clipping)."""
     loss_sum = torch.zeros((), device=proc.device)
     for micro, (x, y) in enumerate(batches):
         with par.gradient_sync(micro == accum - 1):
@@ -565,10 +543,9 @@ def clock(seconds) -> str:
 
 @torch.no_grad()
 def evaluation(run: Run):
-    """The mean validation loss over the fixed windows (each rank scores its slice, summed in
-    float64) and each layer's mean depth weight on each candidate (Figure 3's numbers), logged.
-    Every rank makes as many forward passes (FSDP gathers weights with every rank): one with
-    fewer windows scores its first again, uncounted."""
+    """The mean validation loss over the fixed windows (each rank its slice, summed in float64)
+    and each layer's mean depth weight on each candidate (Figure 3's numbers), logged. Every rank
+    runs as many forwards (FSDP gathers with all): one short of windows rescores, uncounted."""
     proc, model, offsets, T = run.proc, run.model, run.val_offsets, run.cfg["block_size"]
     model.eval()
     mine = np.array_split(offsets, proc.world)[proc.rank]
@@ -623,25 +600,8 @@ class capture_depth_weights:
 
 # ----------------------------------------------------------------------------- logs, checkpoints
 
-def resumes(cfg, ckpt, master) -> list:
-    """The resumes behind this run, [{"step": s, "changed": {key: [before, after]}}]: each changed
-    training key is named (a new max_iters re-stretches the schedule from step s)."""
-    if ckpt is None:
-        return []
-    before = {k: key.default for k, key in KEYS.items()} | ckpt["config"]
-    changed = {k: [before[k], cfg[k]] for k in KEYS if not KEYS[k].per_invocation
-               and before[k] != cfg[k]}
-    if changed and master:
-        print(f"warning: resuming at step {ckpt['step']} with changed settings: "
-              f"{', '.join(f'{k} {a!r} -> {b!r}' for k, (a, b) in changed.items())}; config.json "
-              f"records them under \"resumes\"", file=sys.stderr)
-    return [*ckpt["config"].get("resumes", ckpt.get("config_history", [])),
-            {"step": ckpt["step"], "changed": changed}]
-
-
 def start_log(run: Run):
-    """config.json, and log.jsonl cut back to the steps done (a killed run's lines after its
-    checkpoint go). Returns wandb with --wandb_log, else None."""
+    """config.json, log.jsonl cut back to the checkpoint's step; wandb with --wandb_log."""
     cfg, out = run.cfg, Path(run.cfg["out_dir"])
     write_atomically(out / "config.json", json.dumps(run.record["config"], indent=1) + "\n")
     kept = [r for r in read_log(out) if r["step"] <= run.step] if run.step else []
@@ -690,28 +650,9 @@ def log(run: Run, record):
         run.wandb.log({**plain, **flat}, step=record["step"])
 
 
-def restore(run: Run, ckpt):
-    """A resumed run's weights, optimizer, RNG states and place (batch `step` is (seed, step)'s)."""
-    if run.par.mode == "fsdp":
-        run.par.sharded.load(run.optimizer, ckpt)
-    else:
-        run.model.load_state_dict(ckpt["model"])
-        run.optimizer.load_state_dict(ckpt["optimizer"])
-    rng = ckpt["rng"]
-    random.setstate(rng["python"])
-    kind, key, *rest = rng["numpy"]
-    np.random.set_state((kind, key.numpy().astype(np.uint32), *rest))
-    torch.set_rng_state(rng["torch"])
-    if rng["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    run.step = run.last_ckpt = ckpt["step"]
-    run.best_val = ckpt["best_val_loss"]
-    run.t0 -= ckpt.get("elapsed_s", 0.0)
-
-
 def save(run: Run, lr):
-    """The checkpoint of run.step (never of a diverged model), with every generator's state:
-    ckpt.pt from rank 0, or under FSDP ckpt.dcp, each rank its shards (lab/fsdp.py)."""
+    """The checkpoint of run.step, never of a diverged model: ckpt.pt from rank 0, or under FSDP
+    ckpt.dcp, each rank its shards (lab/fsdp.py)."""
     if not run.par.weights_finite():
         raise Diverged(run.step, "non-finite weights", lr, run.last_ckpt)
     kind, key, pos, has_gauss, gauss = np.random.get_state()

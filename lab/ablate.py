@@ -39,11 +39,11 @@ import torch
 
 import train
 from baselines import DEPTH_MODES
-from bench_cache import table as text_table
 from checkpoint import checkpoint_path, read_checkpoint, read_model
 from configurator import (CheckpointError, ConfigError, DataError, Key, UserError, not_a_choice,
-                          parse, require, run_main, updates)
+                          parse, require, run_main, table, updates)
 from data import load_meta, read_tokens
+from lab.hf import is_hf_folder
 from lab.shards import snapshot
 from outputs import claim, mark, output_file, run_folder, write_atomically
 
@@ -151,7 +151,7 @@ def final_val_loss(where):
     return None
 
 
-def differences(recorded, resumes, asked) -> str:
+def differences(recorded, asked) -> str:
     """`key old -> new` for each key that changes a reported number (train.py's table says which;
     a key it no longer has counts) where a run's config or resumes differ from asked; "" if none."""
     keys = train.table(True)
@@ -162,8 +162,8 @@ def differences(recorded, resumes, asked) -> str:
     # vocab_size None follows the data, which dataset and data_root name
     diff = [f"{k} {before[k]!r} -> {v!r}" for k, v in asked.items() if counts(k)
             and before[k] != v and not (k == "vocab_size" and v is None)]
-    diff += [f"resumed at step {r.get('step')} with {k} {a!r} -> {b!r}" for r in resumes
-             for k, (a, b) in r["changed"].items() if counts(k)]
+    diff += [f"resumed at step {r.get('step')} with {k} {a!r} -> {b!r}" for r in
+             recorded.get("resumes", []) for k, (a, b) in r["changed"].items() if counts(k)]
     return ", ".join(diff)
 
 
@@ -175,23 +175,23 @@ def survey(where, args, figure=False):
         loss = final_val_loss(where)
         if loss is None and ckpt.exists():
             saved = read_checkpoint(ckpt, verify=("config", "step"))
-            recorded, what = saved.get("config"), f"checkpoint at step {saved.get('step')}"
-            if not isinstance(recorded, dict):
+            if not isinstance(saved.get("config"), dict):
                 raise CheckpointError(f"{ckpt} holds a model but not a train.py run to continue")
+            # an older checkpoint kept its resumes beside its config
+            recorded = {"resumes": saved.get("config_history", []), **saved["config"]}
+            what = f"checkpoint at step {saved.get('step')}"
             if saved.get("step") == asked["max_iters"]:  # its final evaluation was logged first
                 raise CheckpointError(f"{where / 'log.jsonl'} lacks the final evaluation (cut "
                                       f"short or edited)")
-            resumes = recorded.get("resumes", saved.get("config_history", []))  # older: beside
         elif (where / "config.json").exists():
             recorded, what = read_config(where), "finished" if loss is not None else "unfinished"
-            resumes = recorded.get("resumes", [])
         else:
             return "new", None
         if figure and loss is not None and ckpt.exists():
             read_checkpoint(ckpt, verify=("model", "model_config"))
     except UserError as e:
         return "stale", str(e)
-    if diff := differences(recorded, resumes, asked):
+    if diff := differences(recorded, asked):
         return "stale", f"{what}; {diff}"
     return ("done" if loss is not None else "resume" if ckpt.exists() else "new"), None
 
@@ -612,6 +612,9 @@ def plot_depth_weights(plt, m, path, title):
 
 def show_depth_weights(source, figure):
     """--depth_weights=RUN: the table printed, the heatmap drawn (default beside the checkpoint)."""
+    if is_hf_folder(source):  # an export keeps no validation data to read the weights on
+        raise CheckpointError(f"{source} is a Hugging Face folder; --depth_weights reads a train.py "
+                              f"run, its checkpoint and data: give the run it was exported from")
     path, m = checkpoint_path(source), depth_weight_matrix(source)
     if np.isnan(m).all():
         raise CheckpointError(f"{source}'s model computes no per-token depth weights (vanilla, the "
@@ -620,7 +623,7 @@ def show_depth_weights(source, figure):
     figure = output_file(figure or path.parent / "depth_weights.png", "--figure", "ablate.py")
     print(f"mean depth weights of {path} over {DEPTH_WINDOWS} validation windows (row: layer, "
           f"column: candidate)")
-    print(text_table([[e, *("." if np.isnan(w) else f"{w:.2f}" for w in row)]
+    print(table([[e, *("." if np.isnan(w) else f"{w:.2f}" for w in row)]
                       for e, row in enumerate(m) if np.isnan(row).sum() < len(m) - 1],
                      ["layer", *range(len(m))]))
     if plt := pyplot():

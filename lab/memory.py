@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from baselines import BaselineConfig, build_model
+from baselines import BaselineConfig, build_model, wrap_units
 from configurator import ConfigError, DataError, table
 from data import load_meta
 

@@ -275,6 +275,10 @@ def test_depth_weights_of_one_run_printed_and_drawn(sweep, tmp_path):
                                                      f"--figure={notes}")
     assert "no per-token depth weights" in refused(f"--depth_weights={vanilla}")
     assert "no checkpoint at" in refused(f"--depth_weights={tmp_path / 'nothing'}")
+    (tmp_path / "hf").mkdir()  # an export: the run it came from holds the data
+    (tmp_path / "hf" / "config.json").write_text("{}")
+    (tmp_path / "hf" / "model.safetensors").write_text("")
+    assert "is a Hugging Face folder" in refused(f"--depth_weights={tmp_path / 'hf'}")
 
 
 def test_curves_of_one_run(sweep, tmp_path):

@@ -29,7 +29,7 @@ from outputs import mark
 
 CODE = [p for p in GRADED if p.functions]  # problems 1-4
 TESTS = {p.number: {name for name, _ in p.tests} for p in GRADED}
-LOOP_TIMEOUT = 8  # the grading with an endless loop: its other tests take well under 1 s
+LOOP_TIMEOUT = 3  # the grading with an endless loop: its slowest other test takes 0.5 s
 
 # Wrong solutions students write, as bodies of the functions they belong to, grouped so that each
 # copy breaks problems that the stubs keep apart: {copy: ({function: body}, {problem: the tests
@@ -171,14 +171,6 @@ def grading_here():
             table.pop("own_stride", None)
 
 
-def side_by_side(jobs: dict) -> dict:
-    """{name: job()}, two at a time in the order given (the longest first): each grading is a
-    grader and a sandboxed child taking turns, one core."""
-    with grading_here(), ThreadPoolExecutor(2) as pool:
-        futures = {name: pool.submit(job) for name, job in jobs.items()}
-        return {name: future.result() for name, future in futures.items()}
-
-
 def earned(result):
     return {e["problem"]: e["earned"] for e in result["problems"] if e["graded"]}
 
@@ -197,21 +189,20 @@ def reasons(result):
     return [t["why"] for e in result["problems"] if e["graded"] for t in e["tests"] if t["why"]]
 
 
-def with_bodies(where, bodies, prefix="", copy=None):
-    """A folder holding the repository's model.py with these functions' bodies and `prefix` run
-    at its import; with copy, a copy of that student copy (its grader and fixtures) around it."""
+def with_bodies(where, bodies, copy=None):
+    """A folder holding the repository's model.py with these functions' bodies; with copy, a copy
+    of that student copy (its grader and fixtures) around it."""
     shutil.copytree(copy, where) if copy else where.mkdir(parents=True)
-    source = replace_bodies((ROOT / "model.py").read_text(),
-                            {k: textwrap.dedent(v) for k, v in bodies.items()})
-    (where / "model.py").write_text(textwrap.dedent(prefix) + source)
+    (where / "model.py").write_text(replace_bodies(
+        (ROOT / "model.py").read_text(), {k: textwrap.dedent(v) for k, v in bodies.items()}))
     return where
 
 
 def make_copy(out, *args, cwd=ROOT):
-    """course/make.py of cwd's tree, as a user runs it: (exit status, stderr, stdout)."""
-    proc = subprocess.run([sys.executable, str(cwd / "course" / "make.py"), str(out), *args],
+    """course/make.py as a user runs it, from cwd: (exit status, stderr, stdout)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "course" / "make.py"), str(out), *args],
                           cwd=cwd, env=ENV, capture_output=True, text=True, timeout=600)
-    return proc.returncode, proc.stderr.strip(), proc.stdout
+    return proc.returncode, proc.stderr, proc.stdout
 
 
 def refused(capsys, main, *args):
@@ -224,15 +215,6 @@ def refused(capsys, main, *args):
 
 # ----------------------------------------------------------------------------- the copy
 
-@pytest.fixture(scope="module")
-def copy(tmp_path_factory):
-    """A fresh student copy of the repository as it is (its untracked files too)."""
-    out = tmp_path_factory.mktemp("course") / "student"
-    code, err, printed = make_copy(out, "--untracked")
-    assert code == 0 and printed.startswith(f"wrote the student copy {out}"), err
-    return out
-
-
 def half_written(where):
     """model.py with a line that does not parse added at its end; returns that line's number."""
     lines = (ROOT / "model.py").read_text().splitlines() + ["def half_written(:"]
@@ -242,29 +224,53 @@ def half_written(where):
 
 
 @pytest.fixture(scope="module")
-def graded(copy, tmp_path_factory):
-    """{case: result}: the repository graded by its own grader from the command line (its printed
-    lines, its JSON over an earlier one), the rest in this process: the fresh copy and the
-    reference's bodies by the copy's own grader (practice), and by the repository's (hidden
-    scenarios) the solutions right in another way, each wrong one and a model.py that does not
-    import (problem 1: every test says why)."""
+def graded(tmp_path_factory):
+    """{case: what it gave}, two at a time, the longest first: a fresh student copy of the
+    repository as it is (its untracked files too), graded by its own grader (practice: 0), then
+    the reference's bodies in it (full), then train.py's --help there; meanwhile the repository
+    graded by its own grader from the command line (its printed lines, its JSON over an earlier
+    one), and in this process with the hidden scenarios the solutions right in another way, each
+    wrong one and a model.py that does not import (problem 1: every test says why)."""
     where = tmp_path_factory.mktemp("graded")
     copies = {name: with_bodies(where / name.replace(" ", "_"), bodies)
               for name, (bodies, _) in WRONG.items()}
     copies["different"] = with_bodies(where / "different", DIFFERENT)
-    pasted = with_bodies(where / "pasted", {}, copy=copy)
     half_written(where / "broken")
     (where / "repository.grade.json").write_text(json.dumps({"written_by": mark("grade.py")}))
-    (where / "repository").symlink_to(ROOT)  # the JSON beside it, in the temporary folder
+    (where / "repository").symlink_to(ROOT)  # its JSON beside it, in the temporary folder
     (where / "no runs").mkdir()
+    out = {}
+
+    def copy_then_practice():
+        out["copy"] = student = where / "student"
+        out["make"] = make_copy(student, "--untracked")
+        out["fresh copy"] = grade_py.grade(student, grader=student)
+        pasted = with_bodies(where / "pasted", {}, copy=student)
+        out["pasted back"] = grade_py.grade(pasted, grader=pasted)
+        out["help"] = subprocess.run(
+            [sys.executable, "-c", "import sys, sample, train\n"
+             "sys.exit(train.run_main(train.main, ['--help']))"], cwd=student, env=ENV,
+            capture_output=True, text=True, timeout=300)
+
     loop = next(name for name in WRONG if "loop" in name)
-    jobs = {loop: lambda: grade_py.grade(copies[loop], timeout=LOOP_TIMEOUT),
-            "repository": lambda: grade_cli(where / "repository", f"--experiment={where / 'no runs'}"),
-            **{name: (lambda c=c: grade_py.grade(c)) for name, c in copies.items() if name != loop},
-            "fresh copy": lambda: grade_py.grade(copy, grader=copy),
-            "pasted back": lambda: grade_py.grade(pasted, grader=pasted),
-            "broken": lambda: grade_py.grade(where / "broken", only=1)}
-    return side_by_side(jobs)
+    jobs = [copy_then_practice,
+            lambda: out.update({loop: grade_py.grade(copies[loop], timeout=LOOP_TIMEOUT)}),
+            lambda: out.update(repository=grade_cli(where / "repository",
+                                                    f"--experiment={where / 'no runs'}")),
+            *(lambda name=name: out.update({name: grade_py.grade(copies[name])})
+              for name in copies if name != loop),
+            lambda: out.update(broken=grade_py.grade(where / "broken", only=1))]
+    with grading_here(), ThreadPoolExecutor(2) as pool:
+        for job in [pool.submit(job) for job in jobs]:
+            job.result()
+    return out
+
+
+@pytest.fixture(scope="module")
+def copy(graded):
+    code, err, printed = graded["make"]
+    assert code == 0 and printed.startswith(f"wrote the student copy {graded['copy']}"), err
+    return graded["copy"]
 
 
 def test_the_repository_grades_full_marks_with_its_hidden_tests(graded):
@@ -320,9 +326,7 @@ def test_a_fresh_copy_grades_zero_and_still_runs(copy, graded):
         assert all(f"Problem {p.number}: write " in t["why"] for t in entry["tests"]), entry
     assert f"no {copy / EXPERIMENT['out'] / 'results.json'}: run `python lab/ablate.py" \
         in reasons(result)[-1]
-    proc = subprocess.run([sys.executable, "-c", "import sys, sample, train\n"
-                           "sys.exit(train.run_main(train.main, ['--help']))"], cwd=copy, env=ENV,
-                          capture_output=True, text=True, timeout=300)
+    proc = graded["help"]
     assert proc.returncode == 0 and "--depth_mode" in proc.stdout, proc.stderr
 
 
@@ -427,10 +431,9 @@ def test_make_refuses_destinations_that_would_lose_files(copy, tmp_path, capsys,
     assert refused(capsys, make_py.main, student, "--overwrite", "--untracked")[0] == 0
     assert not (student / "old.txt").exists() and (student / MARKER).is_file()
     assert not list(tmp_path.glob(".student.*"))
-    proc = subprocess.run([sys.executable, str(ROOT / "course" / "make.py"), "."], cwd=empty,
-                          env=ENV, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 2 and proc.stderr.startswith("error: ") \
-        and "is the current folder" in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+    code, err, printed = make_copy(".", cwd=empty)
+    assert code == 2 and err.startswith("error: ") and "is the current folder" in err \
+        and err.count("\n") == 1 and not printed, err
     assert not any(empty.iterdir())
 
 

@@ -69,7 +69,8 @@ def test_text_source_exact_stream_and_meta(tmp_path, num_proc):
     assert load_meta(data_dir) == {
         "source": "text", "input": f"{src}: 6 files", "tokenizer": "bytes", "vocab_size": 257,
         "eot_token": EOT, "max_token_id": max(stream(DOCS)), "dtype": "uint16",
-        "eot": "appended after every document", "split": "non-empty document i is val if i % 2 == 0",
+        "eot": "appended after every document",
+        "split": "non-empty document i is val if i % 2 == 0",
         "tokens": {"train": len(stream(DOCS[1::2])), "val": len(stream(DOCS[0::2]))},
         "documents": {"train": 2, "val": 3}}
 
