@@ -1,12 +1,8 @@
 """
-Reading a trained model: `load_model(init_from)`, the one way every script turns what a user names
-into a model and its tokenizer, and `read_checkpoint`, a train.py checkpoint checked against the
-checksums written with it (outputs.save_checkpoint), so a flipped byte is an error naming the
-entry, never weights served.
-
-    init_from = "out/shakespeare"             a train.py out_dir: its ckpt.pt, or an FSDP run's ckpt.dcp
-              = "out/shakespeare/ckpt.pt"     a checkpoint file
-              = "out/shakespeare_hf"          a Hugging Face folder, or a hub id (lab/hf.py)
+Reading a trained model: `load_model(init_from)` turns a train.py out_dir, a ckpt.pt (or an FSDP
+run's ckpt.dcp), a Hugging Face folder or a hub id (lab/hf.py) into a model and its tokenizer, for
+every script; `read_checkpoint` checks a checkpoint against the checksums written with it
+(outputs.save_checkpoint), so a flipped byte is an error naming the entry, never weights served.
 """
 import hashlib
 import os
@@ -27,9 +23,8 @@ SHARDED = "ckpt.dcp"  # an FSDP run's checkpoint folder (lab/fsdp.py); ckpt.dcp.
 
 
 def build_model(keys: dict) -> GPT:
-    """The model a flat dict of keys names (train.py's, a checkpoint's): baselines.build_model's,
-    which model.GPT is for a ModelConfig of model.py's own rows, built here without reading
-    baselines.py (a default run never loads it)."""
+    """The model a flat dict of keys names: baselines.build_model's, which for model.py's own
+    rows is model.GPT, built here without loading baselines.py."""
     if "baselines" not in sys.modules and keys.keys() <= {f.name for f in fields(ModelConfig)} \
             and keys.get("depth_mode", "value") in DEPTH_MODES:  # model.py's rows alone so far
         return GPT(ModelConfig(**keys))
@@ -38,8 +33,7 @@ def build_model(keys: dict) -> GPT:
 
 
 def _digest(value, h):
-    """Feed value into hash h: a tensor as dtype, shape and bytes, containers in order, the rest
-    as repr. torch.load gives back equal values, so an equal digest."""
+    """value into hash h: a tensor as dtype, shape and bytes, containers in order, else repr."""
     if isinstance(value, torch.Tensor):
         h.update(f"tensor {value.dtype} {tuple(value.shape)};".encode())
         h.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
@@ -80,10 +74,8 @@ def read_checkpoint(path, verify=None) -> dict:
     if path.is_dir() and path.name.startswith(SHARDED):
         return {**read_checkpoint(path / "run.pt", verify), "shards": str(path)}
     if not path.is_file():
-        left = sorted(q.name for q in path.parent.glob("ckpt.*.tmp*")) if path.parent.is_dir() else []
-        raise CheckpointError(f"no checkpoint at {path}" + (f" ({', '.join(left)}: a write that "
-                              f"did not finish)" if left else "") + "; train one with `python "
-                              f"train.py`, or check the path")
+        raise CheckpointError(f"no checkpoint at {path}; train one with `python train.py`, or "
+                              f"check the path")
     try:  # through one open file: a run may rename a new checkpoint over path meanwhile
         with open(path, "rb") as f:
             fd = f"/proc/self/fd/{f.fileno()}"
@@ -110,10 +102,10 @@ def read_checkpoint(path, verify=None) -> dict:
 
 @dataclass
 class Loaded:
-    model: GPT            # in eval mode, on the device asked for
-    tokenizer: object     # tokenizer.py's interface
-    source: str           # the file or folder the weights came from
-    step: Optional[int]   # training steps behind the weights (None: unknown)
+    model: GPT  # in eval mode, on the device asked for
+    tokenizer: object
+    source: str  # the file or folder the weights came from
+    step: Optional[int] = None  # training steps behind the weights (None: unknown)
     config: Optional[dict] = None  # a train.py run's config
 
 
@@ -141,7 +133,7 @@ def load_model(init_from, device="cpu") -> Loaded:
         from lab.hf import from_pretrained, snapshot
         folder = snapshot(init_from)
         return Loaded(from_pretrained(folder).to(device).eval(), get_tokenizer(str(folder)),
-                      str(folder), None)
+                      str(folder))
     path = checkpoint_path(init_from)
     if path.is_dir():  # a folder a run may replace while it is read (lab/shards.py)
         from lab.shards import snapshot

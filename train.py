@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from checkpoint import SHARDED, build_model
 from configurator import (CheckpointError, ConfigError, DataError, Key, UserError, dataclass_keys,
-                          nearest, parse, reason, require, resolve_device, run_main, updates)
+                          nearest, parse, reason, resolve_device, run_main, updates)
 from data import load_meta, prepare, read_tokens, shakespeare
 from model import DEPTH_MODES, Attention, ModelConfig
 from outputs import (DiskFull, append_line, lock_run_folder, run_folder, save_checkpoint,
@@ -602,21 +602,13 @@ class capture_depth_weights:
 
 def start_log(run: Run):
     """config.json, log.jsonl cut back to the checkpoint's step; wandb with --wandb_log."""
-    cfg, out = run.cfg, Path(run.cfg["out_dir"])
+    out = Path(run.cfg["out_dir"])
     write_atomically(out / "config.json", json.dumps(run.record["config"], indent=1) + "\n")
     kept = [r for r in read_log(out) if r["step"] <= run.step] if run.step else []
     write_atomically(out / "log.jsonl", "".join(json.dumps(r) + "\n" for r in kept))
-    if not cfg["wandb_log"]:
-        return None
-    wandb = require("wandb", "--wandb_log=True")
-    try:
-        wandb.init(project=cfg["wandb_project"], name=cfg["wandb_run_name"] or out.name, config=cfg)
-    except Exception as e:  # wandb's own: no login and no terminal to ask for one
-        if not type(e).__module__.startswith("wandb"):
-            raise
-        raise ConfigError(f"wandb did not start ({reason(e)}): run `wandb login`, or set "
-                          f"WANDB_MODE=offline and `wandb sync` later") from None
-    return wandb
+    if run.cfg["wandb_log"]:
+        from lab.tracking import Wandb
+        return Wandb(run.cfg)
 
 
 def read_log(out_dir) -> list:
@@ -641,13 +633,10 @@ def read_log(out_dir) -> list:
 
 
 def log(run: Run, record):
-    """One line of log.jsonl, whole or not at all (and wandb's, the depth weights flat)."""
+    """One line of log.jsonl, whole or not at all (and wandb's)."""
     append_line(Path(run.cfg["out_dir"]) / "log.jsonl", json.dumps(record))
     if run.wandb:
-        flat = {f"depth_weight/{e}/{c}": w for e, row in record.get("depth_weights", {}).items()
-                for c, w in row.items()}
-        plain = {k: v for k, v in record.items() if k not in ("step", "depth_weights")}
-        run.wandb.log({**plain, **flat}, step=record["step"])
+        run.wandb.log(record)
 
 
 def save(run: Run, lr):

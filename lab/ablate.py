@@ -613,8 +613,8 @@ def plot_depth_weights(plt, m, path, title):
 def show_depth_weights(source, figure):
     """--depth_weights=RUN: the table printed, the heatmap drawn (default beside the checkpoint)."""
     if is_hf_folder(source):  # an export keeps no validation data to read the weights on
-        raise CheckpointError(f"{source} is a Hugging Face folder; --depth_weights reads a train.py "
-                              f"run, its checkpoint and data: give the run it was exported from")
+        raise CheckpointError(f"{source} is a Hugging Face folder; --depth_weights reads a "
+                              f"train.py run, its checkpoint and data: give the run it came from")
     path, m = checkpoint_path(source), depth_weight_matrix(source)
     if np.isnan(m).all():
         raise CheckpointError(f"{source}'s model computes no per-token depth weights (vanilla, the "

@@ -11,16 +11,17 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from support.variants import build_model, make_config
-from model import ModelConfig
-from support.config import read_config_file
-from support.memory import plan
+import train
+from baselines import build_model
+from configurator import read_config_file
 from helpers import ROOT
+from lab.memory import plan
+from model import ModelConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (docs/gpu.md)")
 
-PAPER = read_config_file(ROOT / "configs" / "paper_1p5b_value.py")
+PAPER = read_config_file(ROOT / "configs" / "paper_1p5b_value.py", train.table(True))
 SHAPE = {k: v for k, v in PAPER.items() if k in ModelConfig.__dataclass_fields__}
 SHAPE.update(n_layer=4, depth_stride=2)  # every layer but the first mixes 2 or 3 candidates
 MODES = ("vanilla", "value")
@@ -32,7 +33,7 @@ PLAN = 0.10  # the memory plan off the allocator's peak of a bf16 training step,
 def model(mode, **keys):
     torch.manual_seed(0)
     with torch.device("cuda"):
-        return build_model(make_config(**{**SHAPE, **keys, "depth_mode": mode}))
+        return build_model({**SHAPE, **keys, "depth_mode": mode})
 
 
 def tokens(n=T + 2):
@@ -96,7 +97,7 @@ def test_bf16_logits_agree_with_float32(mode):
 
 def test_a_bf16_steps_peak_agrees_with_the_memory_plan():
     """The allocator's peak over a bf16 training step (weights, gradients, AdamW's state, the
-    activations and autocast's weight copies) against memory.py's plan of it, within PLAN
+    activations and autocast's weight copies) against lab/memory.py's plan of it, within PLAN
     (docs/memory.md: the plan leaves out only the CUDA context and library workspaces, which the
     allocator does not count either)."""
     net, toks = model("value"), tokens()
