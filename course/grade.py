@@ -81,9 +81,7 @@ def reference(seed):
     return {"tests": tests, "calls": None}, model
 
 
-def digest(grader: Path) -> dict:
-    """The grader's own files: a grading during which one changed is void."""
-    files = [*sorted(grader.glob("*.py")), *sorted((grader / "course").rglob("*.py"))]
+def digest(files) -> dict:
     return {str(f): hashlib.sha256(f.read_bytes()).hexdigest() if f.is_file() else None
             for f in files}
 
@@ -100,7 +98,12 @@ def grade(root: Path, only=None, experiment=None, seed=None, sandboxed=True, gra
     if sandboxed and (why := sandbox.problem(root / "model.py")):
         raise UserError(why)  # before the reference's work: nothing graded
     seed = random.SystemRandom().randrange(2 ** 31) if seed is None else seed
-    before, practice = digest(grader), (grader / MARKER).is_file()
+    # the grader's own files, the core it loaded from its tree too: a grading during which one
+    # changed is void
+    loaded = [Path(m.__file__) for m in list(sys.modules.values()) if getattr(m, "__file__", None)]
+    files = sorted({grader / "model.py", *(grader / "course").rglob("*.py"),
+                    *(f for f in loaded if f.parent == grader and f.suffix == ".py")})
+    before, practice = digest(files), (grader / MARKER).is_file()
     ref, answering = (load_fixtures(grader), None) if practice else reference(seed)
     problems = [p for p in PROBLEMS if only in (None, p.number)]
     entries = []
@@ -125,7 +128,7 @@ def grade(root: Path, only=None, experiment=None, seed=None, sandboxed=True, gra
                             and child.together())
         finally:
             child.close()
-    tampered = [f for f, h in digest(grader).items() if before.get(f) != h]
+    tampered = [f for f, h in digest(files).items() if before[f] != h]
     if tampered:
         for e in entries:
             if e["graded"]:
