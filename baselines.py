@@ -73,8 +73,8 @@ class BaselineConfig(ModelConfig):
              f"{self.attention!r}; choose one of {', '.join(ATTENTIONS)}")
         if self.attention == "keyless":  # its depth step mixes values; there is no key to mix
             need(not DEPTH_MODES[self.depth_mode].mixes_k and self.residual == "add",
-                 f"BaselineConfig: attention=keyless has no keys to mix and runs on the plain "
-                 f"stream; use --depth_mode=value, uniform or vanilla with --residual=add")
+                 "BaselineConfig: attention=keyless has no keys to mix and runs on the plain "
+                 "stream; use --depth_mode=value, uniform or vanilla with --residual=add")
         need(self.mhc_num_streams >= 2,
              f"BaselineConfig: mhc_num_streams must be at least 2, got {self.mhc_num_streams}")
 

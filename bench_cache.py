@@ -41,7 +41,7 @@ from torch.profiler import ProfilerActivity, profile
 import train
 from baselines import (BASELINES, DEPTH_COSTS, DEPTH_MODES, BaselineConfig, build_model,
                        make_config, wrap_units)
-from configurator import (ConfigError, Key, dataclass_keys, not_a_choice, parse, read_config_file,
+from configurator import (ConfigError, Key, not_a_choice, parse,
                           reason, require, resolve_device, run_main, table)
 from model import Attention, ModelConfig, uniform_weights
 from outputs import mark, output_file, write_atomically
@@ -51,7 +51,7 @@ CONFIGS = Path(__file__).resolve().parent / "configs"
 PRESETS = {"paper_3b": CONFIGS / "paper_3b_value.py", "paper_1p5b": CONFIGS / "paper_1p5b_value.py"}
 
 # the model's keys at its defaults; `modes` replaces depth_mode, residual and attention
-MODEL_KEYS = {k: key for k, key in dataclass_keys(BaselineConfig).items()
+MODEL_KEYS = {k: key for k, key in train.dataclass_keys(BaselineConfig).items()
               if k not in ("depth_mode", "residual", "attention")}
 MODEL_KEYS["vocab_size"] = replace(MODEL_KEYS["vocab_size"],
                                    help="the random tokens' vocabulary (paper: GPT-NeoX 50304)")
@@ -94,7 +94,7 @@ TIMED = METRICS[3:]
 
 def preset(name) -> dict:
     """The model keys of a paper config (its training keys are train.py's)."""
-    return {k: v for k, v in read_config_file(PRESETS[name], train.table(True)).items()
+    return {k: v for k, v in train.read_config_file(PRESETS[name], train.table(True)).items()
             if k in MODEL_KEYS}
 
 

@@ -4,29 +4,22 @@ Every script's command line, in one dialect, and the errors a user can fix.
     python train.py configs/minipile_value.py --n_layer=8 --depth_mode vanilla --compile
     python prepare_data.py text --input a.txt b.txt --name=mine
 
-A script declares its keys as a table {name: Key}; `parse` reads `--key=value`, `--key value`, a
-bare `--flag` (a boolean) or a list (a tuple default: the values up to the next option). Positional
-arguments fill the positional keys in order, or, where there are none, are config files: Python
-assignments (`n_layer = 12`) applied in order, one of which may start from another (`base_config =
-"base.py"`). Values take the default's type; anything else is a ConfigError naming the nearest key
-or choice, and --help lists every key with its default and help.
-
-A UserError's message names the fix: `run_main` prints it as one line, `error: ...`, exit 2;
-anything else is a bug, a traceback. Ctrl-C is one line, `interrupted`, exit 130, from a script's
-first line (`interruptible`) to its exit. Standard library only (prepare_data.py needs no torch).
+A script's keys are a table {name: Key}: `--key=value`, `--key value`, a bare `--flag`, a list up
+to the next option; positionals fill positional keys, or are config files (assignments, applied in
+order; `base_config = "base.py"` starts from another). A value takes its default's type; anything
+else is a ConfigError naming the nearest key or choice. `run_main` prints a UserError as one line,
+`error: ...`, exit 2 (anything else is a bug: a traceback), and Ctrl-C as `interrupted`, exit 130,
+from a script's first line (`interruptible`). Standard library only: prepare_data.py needs no torch.
 """
 import ast
 import difflib
 import importlib
-import inspect
 import math
 import os
-import re
 import signal
 import sys
-from dataclasses import dataclass, fields
-from pathlib import Path
-from typing import Optional, get_args
+from dataclasses import dataclass
+from typing import Optional
 
 
 class UserError(Exception):
@@ -129,16 +122,6 @@ class Key:
     per_invocation: bool = False     # train.py's: how this command runs, never from a checkpoint
 
 
-def dataclass_keys(cls, **defaults) -> dict:
-    """A config dataclass's fields as keys: the default (or defaults'), the field's one-line
-    comment as the help, an Optional field's type as its kind."""
-    comments = {}
-    for c in reversed(cls.__mro__[:-1]):
-        comments.update(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", inspect.getsource(c), re.M))
-    return {f.name: Key(defaults.get(f.name, f.default), comments.get(f.name, ""),
-                        kind=(get_args(f.type) or (None,))[0]) for f in fields(cls)}
-
-
 def table(rows, header) -> str:
     """Rows of values as aligned plain-text columns under header (a script's report)."""
     widths = [max(len(str(r[i])) for r in [header] + rows) for i in range(len(header))]
@@ -168,53 +151,19 @@ def not_a_choice(flag, value, choices) -> ConfigError:
 
 # ----------------------------------------------------------------------------- parsing
 
-def read_config_file(path, known, _seen=()) -> dict:
-    """The assignments of a config file (after its base_config's), each a key of known."""
-    path = Path(path).expanduser()
-    if not path.is_file():
-        near = nearest(path.name, [p.name for p in path.parent.glob("*.py")]) \
-            if path.parent.is_dir() else None
-        raise ConfigError(f"config file {path} not found; " + (
-            f"did you mean {path.with_name(near)}?" if near else "configs/ holds the shipped ones"))
-    if path.resolve() in _seen:
-        raise ConfigError(f"config file {path} includes itself through base_config")
-    scope = {}
-    try:
-        exec(compile(path.read_bytes().decode("utf-8"), str(path), "exec"), {}, scope)
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"config file {path} is not UTF-8 (byte {e.start}); save it as UTF-8") \
-            from None
-    except Exception as e:  # a syntax error or a failing expression: the file's line
-        tb = e.__traceback__
-        while tb and tb.tb_frame.f_code.co_filename != str(path):
-            tb = tb.tb_next
-        line = e.lineno if isinstance(e, SyntaxError) else tb and tb.tb_lineno
-        raise ConfigError(f"config file {path}, line {line or '?'}: {type(e).__name__}: {e}; "
-                          f"config files hold assignments such as `n_layer = 12`") from None
-    base = scope.pop("base_config", None)
-    own = {k: v for k, v in scope.items() if not k.startswith("_")}
-    if unknown := sorted(own.keys() - set(known)):
-        raise unknown_key(unknown[0], known, f"config file {path}: ")
-    if base is not None and not (isinstance(base, str) and base.strip()):
-        raise ConfigError(f"config file {path}: base_config names a file in quotes, such as "
-                          f"base_config = \"base.py\", not {base!r}")
-    return {**read_config_file(path.parent / base, known, (*_seen, path.resolve())),
-            **own} if base else own
-
-
-def updates(argv, keys) -> list:
-    """[(key, raw value)] in argv's order: config files' assignments, positionals, options."""
-    slots = [k for k, key in keys.items() if key.positional]
-    files, out, i = not slots, [], 0
+def updates(argv, keys, files=None) -> list:
+    """[(key, raw value)] in argv's order: positionals, options, and the assignments of config
+    files, a positional of a script without positional keys read by files(path, keys)."""
+    slots, out, i = [k for k, key in keys.items() if key.positional], [], 0
     while i < len(argv):
         arg, i = argv[i], i + 1
         if arg == "--":
             raise ConfigError("a bare -- ends nothing here: arguments and options come in any "
                               "order; drop it")
         if not arg.startswith("-") or arg == "-":
-            if not files and not slots:
+            if not (slots or files):
                 raise ConfigError(f"unexpected argument {arg!r}; --help lists the keys")
-            out += read_config_file(arg, keys).items() if files else [(slots.pop(0), arg)]
+            out += [(slots.pop(0), arg)] if slots else files(arg, keys).items()
             continue
         name, eq, text = arg.lstrip("-").partition("=")
         if not arg.startswith("--") or name not in keys:
@@ -277,9 +226,9 @@ def check(cfg: dict, keys: dict):
             raise ConfigError(f"--{name} must be a finite number {key.check}, got {value!r}")
 
 
-def parse(argv, keys: dict, doc="", base=None) -> dict:
-    """The config argv asks for: base (the defaults, or a resumed run's) <- config files,
-    positionals and options in argv's order, every value checked. --help: ShowHelp."""
+def parse(argv, keys: dict, doc="", base=None, files=None) -> dict:
+    """The config argv asks for: base (the defaults, or a resumed run's) <- positionals, options
+    and config files (updates) in argv's order, every value checked. --help: ShowHelp."""
     if "-h" in argv or "--help" in argv:
         raise ShowHelp(doc.strip() + "\n\nkeys (--key=value or --key value; a bare --flag sets a "
                        "boolean):\n" + "\n".join(
@@ -287,7 +236,7 @@ def parse(argv, keys: dict, doc="", base=None) -> dict:
                            f"{key.help}{f'; one of {key.choices}' * bool(key.choices)}".rstrip()
                            for k, key in keys.items()))
     cfg = {name: key.default for name, key in keys.items()} if base is None else dict(base)
-    for name, value in updates(argv, keys):
+    for name, value in updates(argv, keys, files):
         cfg[name] = coerce(value, keys[name])
     if missing := [k for k, key in keys.items() if key.positional and cfg[k] is None]:
         raise ConfigError(f"missing {missing[0].upper()}: --help says what to give")

@@ -1,11 +1,8 @@
 """
-Sample text from a train.py run, a checkpoint, a Hugging Face folder or a hub id.
+Sample text from a train.py run, a checkpoint, a Hugging Face folder or a hub id, with the KV cache.
 
     python sample.py --init_from=out/shakespeare --prompt="ROMEO:" --num_samples=3
     python sample.py --init_from=zeng123/Depth-attention-3B --prompt="The capital of France is"
-
-A run brings its config and its data's tokenizer (checkpoint.load_model); model.generate decodes
-with the KV cache.
 """
 import configurator  # first, so that Ctrl-C during the imports below is one line, exit 130
 if __name__ == "__main__":

@@ -1,13 +1,6 @@
-"""
-Tokenizers behind tiktoken's interface: encode(text, allowed_special=...), encode_ordinary(text),
-decode(ids), eot_token, n_vocab, name.
-
-    get_tokenizer("bytes")                       256 bytes + end-of-text, no download (Shakespeare)
-    get_tokenizer("gpt2")                        tiktoken's GPT-2 BPE (MiniPile, the Pile)
-    get_tokenizer("zeng123/Depth-attention-3B")  a tokenizer.json: a folder, a file or a hub id
-
-A tokenizer.json is lab/hf.py's (the `tokenizers` package), read only for one. No torch here.
-"""
+"""Tokenizers behind tiktoken's interface (encode, encode_ordinary, decode, eot_token, n_vocab,
+name): "bytes" (256 bytes + end-of-text, offline: Shakespeare), "gpt2" (tiktoken's BPE), or a
+tokenizer.json of a folder, file or hub id (lab/hf.py's, read only for one). No torch here."""
 from functools import lru_cache
 
 import tiktoken
@@ -20,9 +13,8 @@ TIKTOKEN = ("bytes", "gpt2")  # rebuilt from their names; any other is a tokeniz
 
 @lru_cache(maxsize=None)
 def get_tokenizer(name):
-    """bytes (257 ids: every byte its own token, so any UTF-8 text round-trips), gpt2 (50257), or
-    a tokenizer.json. An unknown name or a failed download is a DataError saying which."""
-    if name == "bytes":  # no merges: the pattern only bounds a piece's length
+    """The tokenizer `name` names; one that cannot be had is a DataError saying why."""
+    if name == "bytes":  # every byte its own token: any UTF-8 text round-trips; no merges
         return tiktoken.Encoding(name="bytes", pat_str=r"[\s\S]{1,256}", special_tokens={EOT: 256},
                                  mergeable_ranks={bytes([i]): i for i in range(256)})
     if name == "gpt2":
@@ -58,7 +50,6 @@ def from_record(record: dict):
 
 
 def same_tokenizer(a, b) -> bool:
-    """Whether two tokenizers give the same ids (names cannot tell: "gpt2" and a hub model's
-    tokenizer.json may be one): the end-of-text id and a probe text's ids."""
+    """Whether two tokenizers give the same ids (names cannot tell): a probe text's."""
     probe = "Probe: the quick brown fox, 1234.\n"
     return a.eot_token == b.eot_token and a.encode(probe) == b.encode(probe)

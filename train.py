@@ -16,7 +16,9 @@ import configurator  # first, so that Ctrl-C during the imports below is one lin
 if __name__ == "__main__":
     configurator.interruptible()
 import functools
+import inspect
 import json
+import re
 import math
 import os
 import random
@@ -24,9 +26,9 @@ import signal
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Optional
+from typing import Optional, get_args
 
 import numpy as np
 import torch
@@ -34,8 +36,8 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from checkpoint import SHARDED, build_model
-from configurator import (CheckpointError, ConfigError, DataError, Key, UserError, dataclass_keys,
-                          nearest, parse, reason, resolve_device, run_main, updates)
+from configurator import (CheckpointError, ConfigError, DataError, Key, UserError, nearest, parse,
+                          reason, resolve_device, run_main, unknown_key, updates)
 from data import load_meta, prepare, read_tokens, shakespeare
 from model import DEPTH_MODES, Attention, ModelConfig
 from outputs import (DiskFull, append_line, lock_run_folder, run_folder, save_checkpoint,
@@ -100,6 +102,52 @@ GPU_PEAK_FLOPS = {"A100": 312e12, "H100": 989e12, "H100 PCIe": 756e12, "H200": 9
 
 # ----------------------------------------------------------------------------- the run's config
 
+def dataclass_keys(cls, **defaults) -> dict:
+    """A config dataclass's fields as keys: the default (or defaults'), the field's one-line
+    comment as the help, an Optional field's type as its kind."""
+    comments = {}
+    for c in reversed(cls.__mro__[:-1]):
+        comments.update(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.*)$", inspect.getsource(c), re.M))
+    return {f.name: Key(defaults.get(f.name, f.default), comments.get(f.name, ""),
+                        kind=(get_args(f.type) or (None,))[0]) for f in fields(cls)}
+
+
+
+def read_config_file(path, known, _seen=()) -> dict:
+    """The assignments of a config file (after its base_config's), each a key of known: configs/
+    holds train.py's (bench_cache.py and lab/ablate.py read them too)."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        near = nearest(path.name, [p.name for p in path.parent.glob("*.py")]) \
+            if path.parent.is_dir() else None
+        raise ConfigError(f"config file {path} not found; " + (
+            f"did you mean {path.with_name(near)}?" if near else "configs/ holds the shipped ones"))
+    if path.resolve() in _seen:
+        raise ConfigError(f"config file {path} includes itself through base_config")
+    scope = {}
+    try:
+        exec(compile(path.read_bytes().decode("utf-8"), str(path), "exec"), {}, scope)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 (byte {e.start}); save it as UTF-8") \
+            from None
+    except Exception as e:  # a syntax error or a failing expression: the file's line
+        tb = e.__traceback__
+        while tb and tb.tb_frame.f_code.co_filename != str(path):
+            tb = tb.tb_next
+        line = e.lineno if isinstance(e, SyntaxError) else tb and tb.tb_lineno
+        raise ConfigError(f"config file {path}, line {line or '?'}: {type(e).__name__}: {e}; "
+                          f"config files hold assignments such as `n_layer = 12`") from None
+    base = scope.pop("base_config", None)
+    own = {k: v for k, v in scope.items() if not k.startswith("_")}
+    if unknown := sorted(own.keys() - set(known)):
+        raise unknown_key(unknown[0], known, f"config file {path}: ")
+    if base is not None and not (isinstance(base, str) and base.strip()):
+        raise ConfigError(f"config file {path}: base_config names a file in quotes, such as "
+                          f"base_config = \"base.py\", not {base!r}")
+    return {**read_config_file(path.parent / base, known, (*_seen, path.resolve())),
+            **own} if base else own
+
+
 @functools.lru_cache(maxsize=None)
 def table(baselines=False) -> dict:
     """Every key: the model's (BaselineConfig's with baselines) at the demo's sizes, then KEYS."""
@@ -118,12 +166,12 @@ def parse_args(argv, base=None) -> dict:
     """The config argv asks for (over base: a resumed run's), checked before anything is read;
     baselines.py's keys and rows join the table once the command names one."""
     try:
-        cfg = parse(argv, table("-h" in argv or "--help" in argv), __doc__, base)
+        cfg = parse(argv, table("-h" in argv or "--help" in argv), __doc__, base, read_config_file)
         if not (base or {}).keys() - table().keys():
             return cfg
     except ConfigError:
         pass  # a key or depth_mode of baselines.py's, or the same error once more below
-    return parse(argv, table(baselines=True), __doc__, base)
+    return parse(argv, table(baselines=True), __doc__, base, read_config_file)
 
 
 def resolve(argv, master=True):
@@ -137,7 +185,8 @@ def resolve(argv, master=True):
         cfg, ckpt = resume(cfg, argv, table(True), parse_args)
     elif cfg["init_from"]:
         from lab.continued import start_from  # only for --init_from
-        init = start_from(cfg, {k for k, _ in updates(argv, table(True))}, master)
+        init = start_from(cfg, {k for k, _ in updates(argv, table(True), read_config_file)},
+                          master)
     resolve_device(cfg["device"])
     return cfg, ckpt, init
 

@@ -285,7 +285,7 @@ def parse_args(argv):
     split = argv.index("--") if "--" in argv else len(argv)
     cfg, extra = parse(argv[:split], KEYS, __doc__), argv[split + 1:]
     # read as train.py reads them: a malformed one or an unknown key stops the sweep up front
-    if own := [k for k, _ in updates(extra, train.table(True)) if k in OWN_KEYS]:
+    if own := [k for k, _ in updates(extra, train.table(True), train.read_config_file) if k in OWN_KEYS]:
         raise ConfigError(f"--{own[0]} after -- is ablate.py's to set ({OWN_KEYS[own[0]]})")
     try:
         lrs = sorted({float(x) for x in cfg["lrs"].split(",") if x.strip()})
@@ -315,7 +315,7 @@ def run_protocol(cfg, extra, lrs, names):
     # train.py runs in ROOT: the base and config files by absolute path, every key as --key=value
     base = str(Path(cfg["base"]).resolve())
     args = [f"--{k}={v if isinstance(v, str) else repr(v)}"
-            for k, v in updates(extra, train.table(True))]
+            for k, v in updates(extra, train.table(True), train.read_config_file)]
     for name in names:  # checked as train.py checks them: a wrong value stops the sweep up front
         try:
             train.parse_args(train_args((name, 0, None, 1), base, args, out))

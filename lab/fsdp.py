@@ -93,8 +93,11 @@ class Sharded:
             dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=tmp)
         except CheckpointException as e:  # raised on every rank when a rank's write failed
             failed = sorted((getattr(e, "failures", None) or {}).items())
-            raise SaveError(f"rank {failed[0][0]}: {reason(failed[0][1])}" if failed else
-                            reason(e), bool(failed) and isinstance(failed[0][1], dist.DistError))
+            # each failure is (the exception, its stack summary)
+            rank, error = failed[0] if failed else (None, e)
+            error = error[0] if isinstance(error, tuple) else error
+            raise SaveError(f"rank {rank}: {reason(error)}" if failed else reason(e),
+                            isinstance(error, dist.DistError))
         error, digests = None, {}
         try:
             digests = digest_files(tmp, sorted(p.name for p in tmp.iterdir())[rank::world])

@@ -13,7 +13,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import train
 from baselines import build_model
-from configurator import read_config_file
 from helpers import ROOT
 from lab.memory import plan
 from model import ModelConfig
@@ -21,7 +20,7 @@ from model import ModelConfig
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (docs/gpu.md)")
 
-PAPER = read_config_file(ROOT / "configs" / "paper_1p5b_value.py", train.table(True))
+PAPER = train.read_config_file(ROOT / "configs" / "paper_1p5b_value.py", train.table(True))
 SHAPE = {k: v for k, v in PAPER.items() if k in ModelConfig.__dataclass_fields__}
 SHAPE.update(n_layer=4, depth_stride=2)  # every layer but the first mixes 2 or 3 candidates
 MODES = ("vanilla", "value")

@@ -13,7 +13,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import train
 from baselines import BaselineConfig, build_model, make_config
 from bench_cache import measured_peak
-from configurator import read_config_file
 from conftest import tiny_config
 from helpers import ROOT, cli
 from lab import memory
@@ -94,7 +93,7 @@ def test_the_plan_matches_the_allocator_peak_which_checkpointing_lowers():
                                             ("paper_1p5b_value", 1.34),
                                             ("paper_3b_value", 2.75)])
 def test_the_paper_shapes_have_the_papers_parameter_counts(name, billions):
-    cfg = read_config_file(ROOT / "configs" / f"{name}.py", train.table(True))
+    cfg = train.read_config_file(ROOT / "configs" / f"{name}.py", train.table(True))
     config = make_config(**{k: v for k, v in cfg.items()
                             if k in {f.name for f in fields(BaselineConfig)}})
     assert round(memory.param_counts(memory.meta_model(config))["total"] / 1e9, 2) == billions
