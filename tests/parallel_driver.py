@@ -93,8 +93,8 @@ def train_py(out, name, args, rank):
             try:
                 return run_main(train.main, args)
             except BaseException:
-                traceback.print_exc()
-                e.flush()
+                traceback.print_exc(file=sys.__stderr__)  # into the launch's output
+                sys.__stderr__.flush()
                 os._exit(1)
 
 
@@ -103,7 +103,7 @@ def main(out, plan):
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {}
-    for name, keys in CASES.items():  # DDP is train.py's runs' (its gradients are the model's)
+    for name, keys in CASES.items():  # DDP: train.py's runs (an all-reduce, alike for every model)
         layouts = [("fsdp", train.Process(rank, world, "cpu", False, True))]
         if rank == 0:
             layouts.insert(0, ("single", train.Process(0, 1, "cpu", False, False)))

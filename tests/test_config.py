@@ -22,6 +22,11 @@ KEYS = {"n_layer": Key(12, "blocks", ">= 1"), "lr": Key(1e-3, "rate", "> 0"),
         "compile": Key(False, "fast"), "mode": Key("a", "how", choices=("a", "b")),
         "out": Key("out", "where", path=True), "inputs": Key((), "files")}
 DEFAULTS = {k: key.default for k, key in KEYS.items()}
+
+
+def parse_with_files(argv, keys=KEYS):
+    """configurator.parse as train.py calls it: a positional is a config file."""
+    return parse(argv, keys, files=train.read_config_file)
 # every script's table and the command line it needs besides the option tested
 SCRIPTS = {"train.py": (train.table(True), []), "sample.py": (sample.KEYS, []),
            "prepare_data.py": (prepare_data.KEYS, ["text"]), "lab/export.py": (export.KEYS,
@@ -60,7 +65,7 @@ def test_values_are_typed_like_the_default_in_either_spelling(tmp_path):
     assert parse(["--inputs", "a", "b", "--n_layer=2"], KEYS)["inputs"] == ("a", "b")
     assert parse(["--inputs=a"], KEYS)["inputs"] == ("a",)
     (tmp_path / "c.py").write_text("n_layer = 3\ninputs = ['x', 'y']\n")
-    assert parse(["--compile", str(tmp_path / "c.py")], KEYS) == {
+    assert parse_with_files(["--compile", str(tmp_path / "c.py")]) == {
         **DEFAULTS, "compile": True, "n_layer": 3, "inputs": ("x", "y")}
 
 
@@ -87,7 +92,7 @@ def test_values_are_typed_like_the_default_in_either_spelling(tmp_path):
 ], ids=str)
 def test_a_slip_is_a_config_error_naming_the_key_and_the_fix(argv, named):
     with pytest.raises(ConfigError) as e:
-        parse(argv, KEYS)
+        parse_with_files(argv)
     assert named in str(e.value) and "\n" not in str(e.value), e.value
 
 
@@ -103,13 +108,15 @@ def test_help_lists_every_key_with_its_default_help_and_choices():
 
 
 def test_config_files_apply_in_order_and_inherit_through_base_config(tmp_path, monkeypatch):
+    """train.py's (bench_cache.py and lab/ablate.py read them through it); another script takes
+    no config file."""
     (tmp_path / "base.py").write_text("n_layer = 8\nname = 'base'\nlr = 3e-4\n")
     (tmp_path / "child.py").write_text("base_config = 'base.py'\nname = 'child'\n")
     (tmp_path / "delta.py").write_text("lr = 2e-3\n")
-    cfg = parse([str(tmp_path / "child.py"), str(tmp_path / "delta.py"), "--n_layer=2"], KEYS)
+    cfg = parse_with_files([str(tmp_path / "child.py"), str(tmp_path / "delta.py"), "--n_layer=2"])
     assert cfg == {**DEFAULTS, "n_layer": 2, "name": "child", "lr": 2e-3}
     monkeypatch.setenv("HOME", str(tmp_path))  # ~ is expanded in a file's path and a path key
-    assert parse(["~/delta.py", "--out=~/runs/a"], KEYS) == {**DEFAULTS, "lr": 2e-3,
+    assert parse_with_files(["~/delta.py", "--out=~/runs/a"]) == {**DEFAULTS, "lr": 2e-3,
                                                               "out": f"{tmp_path}/runs/a"}
     for text, named in [("base_config = 'loop.py'\n", "includes itself"),
                         ("N_layer = 2\n", "did you mean n_layer?"),  # the file and the key
@@ -118,13 +125,15 @@ def test_config_files_apply_in_order_and_inherit_through_base_config(tmp_path, m
                         ("compile = None\n", "--compile=None")]:
         (tmp_path / "loop.py").write_text(text)
         with pytest.raises(ConfigError, match=named) as e:
-            parse([str(tmp_path / "loop.py")], KEYS)
+            parse_with_files([str(tmp_path / "loop.py")])
         assert "\n" not in str(e.value)
     (tmp_path / "latin.py").write_bytes(b"name = 'caf\xe9'\n")
     with pytest.raises(ConfigError, match="UTF-8"):
-        parse([str(tmp_path / "latin.py")], KEYS)
+        parse_with_files([str(tmp_path / "latin.py")])
     with pytest.raises(ConfigError, match="did you mean .*delta.py"):  # the nearest sibling
-        parse([str(tmp_path / "delt.py")], KEYS)
+        parse_with_files([str(tmp_path / "delt.py")])
+    with pytest.raises(ConfigError, match="delta.py"):
+        parse([str(tmp_path / "delta.py")], KEYS)
 
 
 def test_positionals_fill_in_order_and_options_come_anywhere():
@@ -140,20 +149,23 @@ def test_positionals_fill_in_order_and_options_come_anywhere():
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_every_key_of_every_script_takes_only_what_it_means(script, tmp_path):
-    """Each key of the script's table: a value outside its range or choices, an empty path, and
-    (from a config file, where a script takes one: on the command line a string's "None" is text)
-    None where the default is not None or a None default's value of another kind: each a
-    ConfigError naming the flag."""
+    """Each key of the script's table: a value outside its range or choices, an empty path, None
+    where the default is not None, a None default's value of another kind: each a ConfigError
+    naming the flag. train.py's from a config file too, where a string's None is None (on the
+    command line it is the text "None")."""
     keys, pos = SCRIPTS[script]
     bad = [(name, f"--{name}={OUTSIDE[key.check]}") for name, key in keys.items() if key.check]
     bad += [(name, f"--{name}=nonesuch") for name, key in keys.items() if key.choices]
     bad += [(name, f"--{name}=") for name, key in keys.items() if key.path and not key.positional]
-    if not pos:
-        for name, key in keys.items():
-            if not isinstance(key.default, tuple):
-                other = None if key.default is not None else \
-                    next(v for v in ("x", 2.5) if not isinstance(v, key.kind))
-                bad.append((name, f"{name} = {other!r}\n"))
+    for name, key in keys.items():
+        if key.default is None and key.kind not in (str, None):
+            bad.append((name, f"--{name}=x"))
+        elif key.default is not None and not isinstance(key.default, (str, tuple)):
+            bad.append((name, f"--{name}=None"))
+        if script == "train.py" and not isinstance(key.default, tuple):
+            other = None if key.default is not None else \
+                next(v for v in ("x", 2.5) if not isinstance(v, key.kind))
+            bad.append((name, f"{name} = {other!r}\n"))
     for name, arg in bad:
         if not arg.startswith("--"):
             (tmp_path / "c.py").write_text(arg)

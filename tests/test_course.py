@@ -198,10 +198,10 @@ def with_bodies(where, bodies, copy=None):
     return where
 
 
-def make_copy(out, *args, cwd=ROOT):
-    """course/make.py as a user runs it, from cwd: (exit status, stderr, stdout)."""
-    proc = subprocess.run([sys.executable, str(ROOT / "course" / "make.py"), str(out), *args],
-                          cwd=cwd, env=ENV, capture_output=True, text=True, timeout=600)
+def make_copy(out, *args, tree=ROOT):
+    """course/make.py of tree as a user runs it: (exit status, stderr, stdout)."""
+    proc = subprocess.run([sys.executable, str(tree / "course" / "make.py"), str(out), *args],
+                          cwd=tree, env=ENV, capture_output=True, text=True, timeout=600)
     return proc.returncode, proc.stderr, proc.stdout
 
 
@@ -402,23 +402,24 @@ def test_code_that_does_not_import_scores_zero_and_says_where(graded, tmp_path):
 def test_make_refuses_destinations_that_would_lose_files(copy, tmp_path, capsys, monkeypatch):
     """Inside the repository, holding it, an earlier copy without --overwrite, a folder of other
     files, a file, the current folder: one line each, nothing touched. A make.py killed mid-write
-    left its part of a copy and the copy it was replacing: the old copy is back first. --overwrite
-    replaces a copy whole; from the command line a refusal is one line, exit status 2."""
+    left its part of a copy and the copy it was replacing: the old copy is back first; --overwrite
+    replaces it whole."""
     student = tmp_path / "student"
     shutil.copytree(copy, student)
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("mine")
-    empty = tmp_path / "empty"
-    empty.mkdir()
+    (tmp_path / "empty").mkdir()
+    monkeypatch.chdir(tmp_path / "empty")
     for args, fragment in [((ROOT / "student",), "lies inside this repository"),
                            ((ROOT.parent,), "holds"), ((student,), "pass --overwrite"),
                            ((mine, "--overwrite"), "not written by course/make.py"),
-                           ((mine / "notes.txt",), "is a file")]:
+                           ((mine / "notes.txt",), "is a file"), ((".",), "is the current folder")]:
         code, err = refused(capsys, make_py.main, *args)
         assert code == 2 and err.startswith("error: ") and fragment in err and "\n" not in err, \
             (args, err)
     assert (mine / "notes.txt").read_text() == "mine" and not (ROOT / "student").exists()
+    assert not any((tmp_path / "empty").iterdir())
     (tmp_path / ".student.tmp999999999").mkdir()
     student.rename(tmp_path / ".student.old999999998")
     code, err = refused(capsys, make_py.main, student, "--untracked")
@@ -427,14 +428,48 @@ def test_make_refuses_destinations_that_would_lose_files(copy, tmp_path, capsys,
     manifest = json.loads((student / ".written_by.json").read_text())
     (student / ".written_by.json").write_text(json.dumps({**manifest, "files": [
         *manifest["files"], "old.txt"]}))
-    monkeypatch.setattr(make_py, "recorded", lambda: {})  # the fixtures: the copy's own test
+    monkeypatch.setattr(make_py, "recorded", lambda: {})  # recording: the fixture's make.py
     assert refused(capsys, make_py.main, student, "--overwrite", "--untracked")[0] == 0
     assert not (student / "old.txt").exists() and (student / MARKER).is_file()
     assert not list(tmp_path.glob(".student.*"))
-    code, err, printed = make_copy(".", cwd=empty)
-    assert code == 2 and err.startswith("error: ") and "is the current folder" in err \
-        and err.count("\n") == 1 and not printed, err
-    assert not any(empty.iterdir())
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory):
+    """The repository as it is (its untracked files too), committed to a git repository of its
+    own, with an untracked scratch file."""
+    tree = tmp_path_factory.mktemp("instructor") / "tree"
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
+                           capture_output=True, check=True).stdout.decode().split("\0")
+    for f in filter(None, files):
+        if (ROOT / f).is_file():
+            (tree / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, tree / f)
+    git = ["git", "-c", "user.name=course", "-c", "user.email=course@example.com"]
+    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "the instructor's tree"]):
+        subprocess.run([*git, *args], cwd=tree, check=True, capture_output=True)
+    (tree / "scratch").mkdir()
+    (tree / "scratch" / "solution.py").write_text("# the instructor's notes\n")
+    return tree
+
+
+def test_make_copies_what_git_sees_of_the_tree(tree, tmp_path, capsys, monkeypatch):
+    """An untracked scratch file is named and refused (--untracked copies it, under a dirty
+    stamp); a model.py the fixtures cannot be recorded from is one line, no copy written."""
+    monkeypatch.setattr(make_py, "ROOT", tree)
+    monkeypatch.setattr(make_py, "recorded", lambda: {})  # this process's model.py is ROOT's
+    code, err = refused(capsys, make_py.main, tmp_path / "a")
+    assert code == 2 and "scratch/solution.py" in err and "--untracked" in err, err
+    assert refused(capsys, make_py.main, tmp_path / "b", "--untracked")[0] == 0
+    assert (tmp_path / "b" / "scratch" / "solution.py").is_file()
+    assert "-dirty (a dirty tree" in (tmp_path / "b" / MARKER).read_text()
+    broken = shutil.copytree(tree, tmp_path / "broken")
+    source = (broken / "model.py").read_text()
+    (broken / "model.py").write_text(source.replace(
+        "    return q.unflatten(1, (n_kv_head, -1)).mean(2)", "    raise RuntimeError('broken')"))
+    code, err, printed = make_copy(tmp_path / "c", "--untracked", tree=broken)
+    assert code == 2 and "cannot record the fixtures" in err and err.count("\n") == 1, err
+    assert "Traceback" not in err + printed and not (tmp_path / "c").exists()
 
 
 def test_grade_refuses_bad_arguments_in_one_line_before_grading(tmp_path, capsys):

@@ -4,7 +4,7 @@ copy's fixtures, returns what is not a tensor, reads the reference, outlives its
 the grader's bytecode or site-packages, writes the report, asks the parent for answers or patches
 its own harness scores nothing by it, one case per kind; problem 5 re-evaluates the runs'
 checkpoints, so runs written without training score 0, and honest ones pass; damaged fixtures and
-a missing sandbox are refused in one line; make.py copies what git sees of the instructor's tree."""
+a missing sandbox are refused in one line."""
 import compileall
 import contextlib
 import functools
@@ -31,7 +31,7 @@ import model
 import train
 from checkpoint import build_model, read_checkpoint
 from configurator import UserError, run_main
-from course import experiment
+from course import experiment, fixtures
 from course import grade as grade_py
 from course.make import blank, replace_bodies, stubs
 from course.problems import EXPERIMENT, FIXTURES, MARKER
@@ -313,63 +313,45 @@ HOLD = {"weighted_sum": """
 
 # ----------------------------------------------------------------------------- the gradings
 
-@pytest.fixture(scope="module")
-def tree(tmp_path_factory):
-    """The repository as it is (its untracked files too), committed in a git repository of its
-    own: the instructor's tree that make.py copies and the attacks aim at, its grader's bytecode
-    written (a target); then an untracked scratch file."""
-    tree = tmp_path_factory.mktemp("instructor") / "tree"
+def instructor(where):
+    """The repository's files as they are (untracked ones too): an instructor's tree that graded
+    code may try to rewrite, its grader's bytecode written (a target)."""
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
                            capture_output=True, check=True).stdout.decode().split("\0")
     for f in filter(None, files):
         if (ROOT / f).is_file():
-            (tree / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / f, tree / f)
-    git = ["git", "-c", "user.name=course", "-c", "user.email=course@example.com"]
-    for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "the instructor's tree"]):
-        subprocess.run([*git, *args], cwd=tree, check=True, capture_output=True)
-    compileall.compile_dir(tree / "course", quiet=1)
-    (tree / "scratch").mkdir()
-    (tree / "scratch" / "solution.py").write_text("# the instructor's notes\n")
-    return tree
-
-
-def make(tree, out, *args):
-    """course/make.py of tree, as a user runs it: (exit status, stderr)."""
-    proc = subprocess.run([sys.executable, str(tree / "course" / "make.py"), str(out), *args],
-                          cwd=tree, env=ENV, capture_output=True, text=True, timeout=600)
-    assert "Traceback" not in proc.stderr + proc.stdout, proc.stderr
-    return proc.returncode, proc.stderr.strip()
-
-
-def unrecordable(tree, where):
-    """make.py of a tree whose model.py the fixtures cannot be recorded from."""
-    other = shutil.copytree(tree, where / "broken_tree")
-    source = (other / "model.py").read_text()
-    (other / "model.py").write_text(source.replace(
-        "    return q.unflatten(1, (n_kv_head, -1)).mean(2)", "    raise RuntimeError('broken')"))
-    return make(other, where / "c", "--untracked")
+            (where / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, where / f)
+    compileall.compile_dir(where / "course", quiet=1)
+    return where
 
 
 @pytest.fixture(scope="module")
-def graded(tree, tmp_path_factory):
-    """{case: what it gave}, two at a time, the longest first: the attacks by the instructor's
-    grader (those that need its command line, its tree or its process from the command line, on
-    the tree; the rest in this process), make.py of the tree, and the copy's fixtures looked up.
-    The escape is followed by a blank copy's grading on the same tree, once nothing it started is
-    left: {"escape": (printed, result, proc), "survivors", "blank", "after", "pth", ...}."""
+def graded(tmp_path_factory):
+    """{case: what it gave}: each attack graded by the instructor's grader, two at a time, the
+    longest first; from the command line those that look for the grader's process (on a tree of
+    their own), the rest in this process. The escape is followed by a blank copy's grading on the
+    same tree, once nothing it started is left."""
     where = tmp_path_factory.mktemp("attacks")
+    T00 = time.monotonic()
+    tree, rewritten = instructor(where / "tree"), instructor(where / "rewritten")
     pth = Path(sysconfig.get_paths()["purelib"]) / f"zz_course_attack_{os.getpid()}.pth"
     forged = attack_copy(where / "forged", FORGED.format(report=str(where / "report.jsonl")))
     (forged / "pytest.py").write_text("print('5 passed')\nraise SystemExit(0)\n")
     (forged / "conftest.py").write_text("raise SystemExit(0)\n")
+    lookup = attack_copy(where / "lookup", LOOKUP_TABLE.format(fixtures=str(where / FIXTURES)),
+                         bodies=LOOKUP)
+    (where / FIXTURES).parent.mkdir(parents=True)
+    with grading_here():  # the practice fixtures, as make.py records them, before any grading
+        torch.save(fixtures.record(model), where / FIXTURES)
+    (where / MARKER).write_text("A student copy\n")  # where: the copy's grader, for practice
     copies = {"escape": attack_copy(where / "escape", suffix=escape(tree, pth)),
               "blank": attack_copy(where / "blank"),
               "rewriter": attack_copy(where / "rewriter", REWRITER),
               "oracle": attack_copy(where / "oracle", suffix=ORACLE, bodies=HOLD),
               "garbage": attack_copy(where / "garbage", NOISE, bodies=GARBAGE)}
-    rewritten = shutil.copytree(tree, where / "rewritten", ignore=shutil.ignore_patterns(".git"))
     out = {"before": hashes(tree)}
+    print("SETUP", time.monotonic() - T00, file=sys.stderr)
 
     def escape_then_blank():
         out["escape"] = grade_cli(copies["escape"], f"--experiment={where}", grader=tree, ok=False)
@@ -377,36 +359,32 @@ def graded(tree, tmp_path_factory):
         while (survivors := marked_processes()) and time.monotonic() < deadline:
             time.sleep(0.1)
         out["survivors"] = survivors
+        print("ESCAPE", time.monotonic() - T00, file=sys.stderr)
         out["blank"] = grade_py.grade(copies["blank"], only=1, grader=tree)
         out["after"], out["pth"] = hashes(tree), pth.exists()
+
+    def rewriter():
+        out["rewriter"] = grade_cli(copies["rewriter"], "--problem=1", "--no_sandbox",
+                                    grader=rewritten, ok=False)
+        out["rewritten"] = hashes(rewritten)
 
     def oracle():
         start = time.monotonic()
         out["oracle"] = grade_py.grade(copies["oracle"])
         out["held"] = time.monotonic() - start
 
-    def copy():
-        out["untracked"] = make(tree, where / "a")
-        out["copy code"] = make(tree, where / "student", "--untracked")
-        out["copy"] = where / "student"
-        lookup = attack_copy(where / "lookup_model", LOOKUP_TABLE.format(
-            fixtures=str(out["copy"] / FIXTURES)), bodies=LOOKUP) / "model.py"
-        shutil.copytree(out["copy"], where / "lookup")
-        shutil.copy(lookup, where / "lookup" / "model.py")
-        out["lookup practice"] = grade_py.grade(where / "lookup", only=2, sandboxed=False,
-                                                grader=where / "lookup")
-        out["lookup"] = grade_py.grade(where / "lookup", only=2, sandboxed=False)
-
-    jobs = [escape_then_blank, copy, oracle,
-            lambda: out.update(rewriter=grade_cli(copies["rewriter"], "--problem=1",
-                                                  "--no_sandbox", grader=rewritten, ok=False)),
-            lambda: out.update(rewritten=hashes(rewritten)),
-            lambda: out.update(forged=grade_py.grade(forged, only=1)),
+    jobs = [escape_then_blank, rewriter, oracle,
             lambda: out.update(garbage=grade_py.grade(copies["garbage"])),
-            lambda: out.update(unrecordable=unrecordable(tree, where))]
+            lambda: out.update(forged=grade_py.grade(forged, only=1)),
+            lambda: out.update(practice=grade_py.grade(lookup, only=2, sandboxed=False,
+                                                       grader=where)),
+            lambda: out.update(lookup=grade_py.grade(lookup, only=2, sandboxed=False))]
     try:
         with grading_here(), ThreadPoolExecutor(2) as pool:
-            for job in [pool.submit(job) for job in jobs]:
+            def timed(i, job):
+                t = time.monotonic(); job(); print("JOB", i, round(time.monotonic() - t, 1), round(time.monotonic() - T0, 1), file=sys.stderr)
+            T0 = time.monotonic()
+            for job in [pool.submit(timed, i, job) for i, job in enumerate(jobs)]:
                 job.result()
         out["report"] = (where / "report.jsonl").exists()
         return out
@@ -443,7 +421,7 @@ def test_answers_looked_up_in_the_copys_fixtures_fail_the_hidden_tests(graded):
     """A model.py that answers from the practice fixtures (unsandboxed: in the sandbox it cannot
     even read them) passes the copy's own grader on the values it looks up (not their gradients),
     and 0 from the instructor's: fresh inputs, and scenarios the copy never saw."""
-    practice = graded["lookup practice"]
+    practice = graded["practice"]
     assert failing(practice) == {2: {"qbar_is_the_mean_of_each_group_of_query_heads",
                                      "the_weights_are_a_softmax_over_the_candidates"}}, practice
     assert all(t["why"] is None or t["why"].startswith("backward (training)")
@@ -522,18 +500,6 @@ def test_a_patched_harness_does_not_decode(graded):
     assert failing(result)[3] == {"each_layer_stores_its_mixed_record_and_decoding_reads_it"}
     assert "a_prefill_then_chunks_and_single_tokens_equal_the_whole_sequence" in failing(result)[4]
     assert result["together"] is False
-
-
-def test_make_copies_what_git_sees_of_the_tree(graded):
-    """An untracked scratch file is named and refused (--untracked copies it, under a dirty
-    stamp); a model.py the fixtures cannot be recorded from is one line, no copy written."""
-    code, err = graded["untracked"]
-    assert code == 2 and "scratch/solution.py" in err and "--untracked" in err, err
-    assert graded["copy code"] == (0, ""), graded["copy code"]
-    assert (graded["copy"] / "scratch" / "solution.py").is_file()
-    assert "-dirty (a dirty tree" in (graded["copy"] / MARKER).read_text()
-    code, err = graded["unrecordable"]
-    assert code == 2 and "cannot record the fixtures" in err and "\n" not in err, err
 
 
 # ----------------------------------------------------------------------------- refusals

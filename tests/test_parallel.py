@@ -10,7 +10,6 @@ model. Every 2-rank run is in one torchrun launch of tests/parallel_driver.py.""
 import json
 import os
 import shutil
-import sys
 from dataclasses import asdict
 
 import pytest
@@ -29,26 +28,27 @@ from lab.shards import digest_files
 from outputs import lock_run_folder, save_checkpoint
 
 SHARDS = ("__0_0.distcp", "__1_0.distcp", ".metadata")  # and run.pt, which records them
+SHORT = ["--max_iters=8", "--ckpt_interval=0"]  # TINY's evaluations at 0, 4, 8; one checkpoint
 
 
 @pytest.fixture(scope="module")
 def launch(data_root, tmp_path_factory):
     """(the driver's folder, its variants.json, the exit status of each train.py run, the launch's
-    stderr). The runs: FSDP and DDP through 16 steps, each also stopped at 6 and resumed, bf16
+    stderr). The runs: FSDP and DDP through 8 steps, each also stopped at 3 and resumed, bf16
     under FSDP, then resumes of damaged copies of the FSDP run and of one whose write is blocked."""
     out = tmp_path_factory.mktemp("launch")
-    data, ddp = f"--data_root={data_root}", [*TINY, "--micro_batch=2", "--batch_tokens=256"]
-    fsdp_run = [*FSDP_RUN, "--ckpt_interval=0"]  # a checkpoint at the end (or the stop) alone
+    data, ddp = f"--data_root={data_root}", [*TINY, *SHORT, "--micro_batch=2", "--batch_tokens=256"]
+    fsdp_run = [*FSDP_RUN, *SHORT]
     fsdp = out / "fsdp"
 
-    def resumed(name, action):  # a copy of the FSDP run, changed, resumed to step 20
-        return [name, [f"--out_dir={out / name}", "--resume=True", "--max_iters=20"],
+    def resumed(name, action):  # a copy of the FSDP run, changed, resumed to step 10
+        return [name, [f"--out_dir={out / name}", "--resume=True", "--max_iters=10"],
                 ["copy", fsdp, out / name], [action[0], out / name / action[1]]]
     plan = [["fsdp", [*fsdp_run, data, f"--out_dir={fsdp}"]],
             ["ddp", [*ddp, data, f"--out_dir={out / 'ddp'}"]],
             *[step for name, args in (("fsdp_resumed", fsdp_run), ("ddp_resumed", ddp))
               for step in ([f"{name}_stop", [*args, data, f"--out_dir={out / name}",
-                                             "--stop_at_step=6"]],
+                                             "--stop_at_step=3"]],
                            [name, [f"--out_dir={out / name}", "--resume=True"]])],
             ["bf16", [*fsdp_run, data, f"--out_dir={out / 'bf16'}", "--dtype=bfloat16",
                       "--max_iters=2", "--eval_interval=0", "--sample_tokens=5"]],
@@ -102,7 +102,7 @@ def test_one_process_ddp_and_fsdp_are_the_same_run_and_resume_exactly(launch, da
                                                                       monkeypatch):
     out, _, status, _ = launch
     assert all(status[n] == 0 for n in ("fsdp", "ddp", "fsdp_resumed", "ddp_resumed")), status
-    assert train(monkeypatch, *TINY, *SINGLE, f"--data_root={data_root}",
+    assert train(monkeypatch, *TINY, *SINGLE, *SHORT, f"--data_root={data_root}",
                  f"--out_dir={tmp_path}") is None
     for name in ("fsdp", "ddp"):
         diff = max_diff(read_log(out / name), read_log(tmp_path))
@@ -133,10 +133,10 @@ def test_a_failed_sharded_write_is_one_line_and_keeps_the_previous_checkpoint(la
     torch.distributed.checkpoint raises on every rank; the run says it once."""
     out = launch[0]
     line = one_line(launch, "blocked")
-    assert f"could not write {out / 'blocked' / SHARDED} at step 20 (rank 0: " in line
+    assert f"could not write {out / 'blocked' / SHARDED} at step 10 (rank 0: " in line
     assert "File exists" in line and "FrameSummary" not in line  # the cause, not its stack
-    assert "the checkpoint of step 16 is kept" in line
-    assert read_checkpoint(out / "blocked" / SHARDED)["step"] == 16
+    assert "the checkpoint of step 8 is kept" in line
+    assert read_checkpoint(out / "blocked" / SHARDED)["step"] == 8
 
 
 @pytest.mark.parametrize("args, message", [(["--parallel=fsdp"], "launch `torchrun"),
@@ -159,7 +159,7 @@ def test_readers_read_the_whole_model_and_sample_and_export_it(launch, tmp_path,
     files = read_checkpoint(out / "fsdp" / SHARDED)["files"]
     assert sorted(files) == sorted(SHARDS)
     loaded, whole = load_model(out / "fsdp"), load_model(out / "ddp").model.state_dict()
-    assert loaded.step == 16 and loaded.source.endswith(SHARDED)
+    assert loaded.step == 8 and loaded.source.endswith(SHARDED)
     assert all(torch.allclose(v, whole[k], atol=1e-4) for k, v in loaded.model.state_dict().items())
     greedy = ["--prompt=the cat", "--max_new_tokens=6", "--temperature=0"]
     texts = [cli("sample.py", f"--init_from={out / 'fsdp'}", *greedy)[1].split("--- sample")[-1]]
@@ -208,10 +208,10 @@ def test_a_kill_between_the_renames_keeps_the_previous_checkpoint(launch, tmp_pa
     run_dir = copy_of(launch, tmp_path)
     (run_dir / SHARDED).rename(run_dir / f"{SHARDED}.old")
     (run_dir / f"{SHARDED}.tmp").mkdir()
-    assert load_model(run_dir).step == 16
+    assert load_model(run_dir).step == 8
     lock_run_folder(run_dir, resuming=True, overwrite=False).close()
     assert sorted(p.name for p in run_dir.glob("ckpt*")) == [SHARDED]
-    assert load_model(run_dir).step == 16
+    assert load_model(run_dir).step == 8
     with pytest.raises(CheckpointError, match="already holds a checkpoint"):
         lock_run_folder(run_dir, resuming=False, overwrite=False)
 
@@ -220,14 +220,14 @@ def test_a_kill_between_the_renames_keeps_the_previous_checkpoint(launch, tmp_pa
 def test_a_checkpoint_resumes_only_under_the_parallel_that_wrote_it(launch, name, other,
                                                                    tmp_path, monkeypatch):
     line = train(monkeypatch, f"--out_dir={copy_of(launch, tmp_path, name)}", "--resume=True",
-                 f"--parallel={other}", "--max_iters=20")
+                 f"--parallel={other}", "--max_iters=10")
     assert line.startswith("error: ") and f"--parallel={name}" in line, line
 
 
 def test_no_export_lands_in_or_around_a_run(launch, tmp_path):
     """`export.py RUN RUN/ckpt.dcp --overwrite` once replaced the FSDP checkpoint with an
     export."""
-    src, other = copy_of(launch, tmp_path), shutil.copytree(launch[0] / "fsdp", tmp_path / "b")
+    src, other = copy_of(launch, tmp_path), shutil.copytree(launch[0] / "fsdp", tmp_path / "other")
     before = {p: p.read_bytes() for p in tmp_path.rglob("*") if p.is_file()}
     for dest in (src / SHARDED, src / SHARDED / "hf", tmp_path, other / SHARDED):
         with pytest.raises(UserError):
