@@ -188,15 +188,17 @@ def resolve(argv, master=True):
         init = start_from(cfg, {k for k, _ in updates(argv, table(True), read_config_file)},
                           master)
     resolve_device(cfg["device"])
+    batch_layout(cfg, int(os.environ.get("WORLD_SIZE", 1)))  # and the model's shape: before
+    with torch.device("meta"):  # any file is written (vocab_size None: the data's, later)
+        build_model({k: v for k, v in cfg.items() if k not in KEYS} | {
+            "vocab_size": cfg["vocab_size"] or 1})
     return cfg, ckpt, init
 
 
 def main(argv):
     cfg, ckpt, init = resolve(argv, master=os.environ.get("RANK", "0") == "0")
-    if cfg["memory_plan"]:  # the micro batch as this launch would take it, then the plan
+    if cfg["memory_plan"]:
         from lab.memory import print_plan
-        if cfg["micro_batch"] is not None:
-            batch_layout(cfg, int(os.environ.get("WORLD_SIZE", 1)))
         return print_plan(cfg)
     proc = setup_process(cfg)
     lock = lock_run_folder(cfg["out_dir"], ckpt is not None, cfg["overwrite"],
@@ -652,8 +654,8 @@ class capture_depth_weights:
 def start_log(run: Run):
     """config.json, log.jsonl cut back to the checkpoint's step; wandb with --wandb_log."""
     out = Path(run.cfg["out_dir"])
-    write_atomically(out / "config.json", json.dumps(run.record["config"], indent=1) + "\n")
     kept = [r for r in read_log(out) if r["step"] <= run.step] if run.step else []
+    write_atomically(out / "config.json", json.dumps(run.record["config"], indent=1) + "\n")
     write_atomically(out / "log.jsonl", "".join(json.dumps(r) + "\n" for r in kept))
     if run.cfg["wandb_log"]:
         from lab.tracking import Wandb

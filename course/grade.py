@@ -67,14 +67,17 @@ def load_fixtures(grader: Path):
     return ref
 
 
-def reference(seed):
-    """The instructor's: practice and hidden scenarios drawn from seed, with the outputs of this
-    tree's model.py, and the model that answers the calls of problem 3."""
+def reference(seed, names=None):
+    """The instructor's: practice and hidden scenarios drawn from seed (of the tests in names, or
+    all), with the outputs of this tree's model.py, and the model that answers the calls of
+    problem 3."""
     import model
     from course import fixtures, ops
     ops.prepare(model)
     try:
-        tests = fixtures.expected(model, fixtures.scenarios(model, seed, hidden=True))
+        tests = {k: v for k, v in fixtures.scenarios(model, seed, hidden=True).items()
+                 if names is None or k in names}
+        tests = fixtures.expected(model, tests)
     except Exception as e:
         raise UserError(f"could not record the tests from {model.__file__} ({type(e).__name__}: "
                         f"{e}); grade with a tree whose model.py is complete")
@@ -104,8 +107,9 @@ def grade(root: Path, only=None, experiment=None, seed=None, sandboxed=True, gra
     files = sorted({grader / "model.py", *(grader / "course").rglob("*.py"),
                     *(f for f in loaded if f.parent == grader and f.suffix == ".py")})
     before, practice = digest(files), (grader / MARKER).is_file()
-    ref, answering = (load_fixtures(grader), None) if practice else reference(seed)
     problems = [p for p in PROBLEMS if only in (None, p.number)]
+    names = {name for p in problems for name, _ in p.tests} | {"together"} * (only is None)
+    ref, answering = (load_fixtures(grader), None) if practice else reference(seed, names)
     entries = []
     with tempfile.TemporaryDirectory(prefix="grade", ignore_cleanup_errors=True) as tmp:
         shutil.copy(root / "model.py", Path(tmp) / "model.py")  # all of the student's code it runs

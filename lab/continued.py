@@ -12,6 +12,7 @@ import os
 import random
 import sys
 from dataclasses import asdict, fields
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -91,7 +92,9 @@ def resume(cfg, argv, keys, parse):
         raise ConfigError(f"the checkpoint's model differs from the one asked for ({changed}, as "
                           f"(checkpoint, now)); drop those or train into a new --out_dir")
     start = f"from --init_from={began}" if began else "from scratch"
-    for wrong, why in ((cfg["init_from"] != began, f"began {start}: drop --init_from"),
+    same = cfg["init_from"] == began or began and Path(cfg["init_from"]).resolve() == \
+        Path(began).resolve()  # the same weights, however spelled
+    for wrong, why in ((not same, f"began {start}: drop --init_from"),
                        (("shards" in ckpt) != (cfg["parallel"] == "fsdp"), "was written with "
                         f"--parallel={'fsdp' if 'shards' in ckpt else 'ddp'}: resume with it"),
                        (cfg["overwrite"], "would be deleted by --overwrite: pass one of them")):

@@ -38,7 +38,6 @@ from course.problems import EXPERIMENT, FIXTURES, MARKER
 from helpers import ENV, ROOT
 from outputs import save_checkpoint
 
-ZERO = dict.fromkeys([1, 2, 3, 4], 0)
 MARKER_ARG = "course-attack-grandchild"  # in a grandchild's command line: seen from outside
 
 
@@ -62,7 +61,7 @@ def grading_here():
     their hidden scenarios drawn once for all, as --seed would (the reference's outputs are the
     rest), leaving it as it was: the reference's extra row of DEPTH_MODES, torch's threads."""
     threads, reference = torch.get_num_threads(), grade_py.reference
-    grade_py.reference = functools.cache(lambda seed: reference(0))
+    grade_py.reference = functools.cache(lambda *args: reference(0))
     try:
         yield
     finally:
@@ -333,7 +332,6 @@ def graded(tmp_path_factory):
     their own), the rest in this process. The escape is followed by a blank copy's grading on the
     same tree, once nothing it started is left."""
     where = tmp_path_factory.mktemp("attacks")
-    T00 = time.monotonic()
     tree, rewritten = instructor(where / "tree"), instructor(where / "rewritten")
     pth = Path(sysconfig.get_paths()["purelib"]) / f"zz_course_attack_{os.getpid()}.pth"
     forged = attack_copy(where / "forged", FORGED.format(report=str(where / "report.jsonl")))
@@ -351,15 +349,13 @@ def graded(tmp_path_factory):
               "oracle": attack_copy(where / "oracle", suffix=ORACLE, bodies=HOLD),
               "garbage": attack_copy(where / "garbage", NOISE, bodies=GARBAGE)}
     out = {"before": hashes(tree)}
-    print("SETUP", time.monotonic() - T00, file=sys.stderr)
 
     def escape_then_blank():
-        out["escape"] = grade_cli(copies["escape"], f"--experiment={where}", grader=tree, ok=False)
+        out["escape"] = grade_cli(copies["escape"], "--problem=1", grader=tree, ok=False)
         deadline = time.monotonic() + 30  # the kernel ends a PID namespace's processes at once
         while (survivors := marked_processes()) and time.monotonic() < deadline:
             time.sleep(0.1)
         out["survivors"] = survivors
-        print("ESCAPE", time.monotonic() - T00, file=sys.stderr)
         out["blank"] = grade_py.grade(copies["blank"], only=1, grader=tree)
         out["after"], out["pth"] = hashes(tree), pth.exists()
 
@@ -381,10 +377,7 @@ def graded(tmp_path_factory):
             lambda: out.update(lookup=grade_py.grade(lookup, only=2, sandboxed=False))]
     try:
         with grading_here(), ThreadPoolExecutor(2) as pool:
-            def timed(i, job):
-                t = time.monotonic(); job(); print("JOB", i, round(time.monotonic() - t, 1), round(time.monotonic() - T0, 1), file=sys.stderr)
-            T0 = time.monotonic()
-            for job in [pool.submit(timed, i, job) for i, job in enumerate(jobs)]:
+            for job in [pool.submit(job) for job in jobs]:
                 job.result()
         out["report"] = (where / "report.jsonl").exists()
         return out
@@ -444,10 +437,9 @@ def test_results_that_are_not_the_functions_score_nothing_and_prints_cost_nothin
 
 def test_graded_code_cannot_read_the_reference(graded):
     """The grader's tree is not in the sandbox: the reference model.py is nowhere to be found, by
-    /proc or by its path; the attack scores 0 on problems 1-4."""
+    /proc or by its path, to answer for the stubs with."""
     _, result, _ = graded["escape"]
-    assert {k: v for k, v in earned(result).items() if k < 5} == ZERO
-    assert result["together"] is False and result["sandbox"] is True
+    assert earned(result) == {1: 0} and result["sandbox"] is True, result
 
 
 def test_nothing_the_graded_code_starts_outlives_its_test(graded):
@@ -471,7 +463,7 @@ def test_the_report_is_written_by_the_grader_alone(graded):
     """The sandbox sees neither the grader's stdout nor its command line: the last line printed
     and the JSON are the grader's."""
     printed, result, proc = graded["escape"]
-    assert printed.strip().splitlines()[-1] == "score: 0 / 85", printed
+    assert printed.strip().splitlines()[-1] == "score: 0 / 10", printed
     assert "85 / 85" not in printed + proc.stderr and result["score"] == 0
 
 

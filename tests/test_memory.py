@@ -55,6 +55,16 @@ def test_the_meta_trace_saves_what_a_cpu_forward_saves_and_counts_its_parameters
         (model.num_params(), sum(p.numel() for p in outside), max(blocks))
 
 
+def test_a_block_saves_what_one_more_layer_adds():
+    """by_block's share of a block (docs/memory.md's breakdown) is what the model saves more with
+    that block than without it (vanilla: every block alike); the labels split the trace."""
+    shallow, deep = (memory.trace(tiny_config(depth_mode="vanilla", n_layer=n), B, T)
+                     for n in (1, 2))
+    assert deep.total(deep.saved()) - shallow.total(shallow.saved()) == deep.by_block()[1] > 0
+    assert deep.by_block()[memory.OUTSIDE] == shallow.by_block()[memory.OUTSIDE] > 0
+    assert set(deep.by_block()) == {0, 1, memory.OUTSIDE}
+
+
 def test_flash_keeps_a_logsumexp_where_math_keeps_the_probabilities():
     """The flash emulation's claim, checked on CPU: forced onto the math kernel, a CPU forward saves
     what meta's own math path saves, the (B, H, T, T) probabilities among it; the flash kernel

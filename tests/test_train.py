@@ -174,8 +174,6 @@ def test_init_from_switches_only_what_keeps_the_weights(vanilla, tmp_path, monke
     assert line.startswith("error:") and "--init_from" in line, line
 
 
-@pytest.mark.xfail(strict=True, reason="train.resolve compares --init_from as text: the run's "
-                   "own weights spelled another way (a trailing /) are refused on --resume")
 def test_a_resume_takes_its_weights_however_spelled(vanilla, tmp_path, monkeypatch):
     (run, short), tune = vanilla, tmp_path / "tune"
     assert train(monkeypatch, *short, f"--init_from={run}", f"--out_dir={tune}") is None
