@@ -358,8 +358,8 @@ def setup_process(cfg) -> Process:
 
 
 class Parallel:
-    """The model as trained: `forward` is what a step calls (DDP's wrapper; the model itself, one
-    process or sharded in place by FSDP: lab/fsdp.py); the rest are where the modes differ."""
+    """The model as trained: `forward` is what a step calls (the model, or DDP's wrapper; FSDP
+    shards it in place: lab/fsdp.py); gradients reduced on a step's last micro-step, clipped."""
 
     def __init__(self, model, mode, proc: Process):
         self.model, self.mode, self.forward = model, mode if proc.distributed else "single", model
@@ -372,24 +372,15 @@ class Parallel:
                 model, device_ids=ids, gradient_as_bucket_view=True)
 
     def gradient_sync(self, sync):
-        """One micro-step's backward: gradients are reduced only on the last."""
         if self.mode == "fsdp":
             self.model.set_requires_gradient_sync(sync)
         return self.forward.no_sync() if self.mode == "ddp" and not sync else nullcontext()
 
-    def clip(self, max_norm) -> float:
-        """Clip to max_norm (0: none) on the global gradient norm, which it returns."""
+    def clip(self, max_norm) -> float:  # the global norm, before clipping (0: none)
         if self.mode == "fsdp":
             return self.sharded.clip(max_norm)
         return torch.nn.utils.clip_grad_norm_(self.model.parameters(),
                                               max_norm or float("inf")).item()
-
-    def weights_finite(self) -> bool:
-        local = [p.to_local() if hasattr(p, "to_local") else p for p in self.model.parameters()]
-        ok = torch.stack([p.isfinite().all() for p in local]).all().to(torch.int32)
-        if self.mode == "fsdp":
-            dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        return bool(ok)
 
 
 class StopSignals:
@@ -419,7 +410,10 @@ class StopSignals:
 
 @dataclass
 class Run:
-    """What the loop works on; par: the model's DDP/FSDP form, fwd: its forward, maybe compiled."""
+    """What the loop works on. par: the model's DDP/FSDP form, fwd its forward (maybe compiled);
+    val_offsets: the fixed validation windows; mb, accum, rows: the micro batch, micro-steps a
+    step, sequences a step; record: what describes the run in every checkpoint; t0: when it began
+    (less earlier invocations'); first: (step, time) of this invocation's first step."""
     cfg: dict
     proc: Process
     model: torch.nn.Module
@@ -428,18 +422,18 @@ class Run:
     fwd: object
     train: np.ndarray
     val: np.ndarray
-    val_offsets: np.ndarray  # the fixed validation windows: every eval, run and world size
-    mb: int                  # micro_batch
-    accum: int               # micro-steps per step
-    rows: int                # sequences in the global batch
-    record: dict             # saved with every checkpoint: what describes the whole run
-    flops_per_token: float   # 6N + attention's, for MFU
-    t0: float                # time.monotonic() when the run began, less its earlier invocations'
+    val_offsets: np.ndarray
+    mb: int
+    accum: int
+    rows: int
+    record: dict
+    flops_per_token: float  # 6N + attention's, for MFU
+    t0: float
     wandb: object = None
     step: int = 0
     best_val: float = float("inf")
-    last_ckpt: Optional[int] = None  # the step of the last checkpoint written
-    first: tuple = ()                # (step, time) when this invocation's first step ended
+    last_ckpt: Optional[int] = None
+    first: tuple = ()
 
     @property
     def ckpt_path(self) -> Path:
@@ -693,7 +687,11 @@ def log(run: Run, record):
 def save(run: Run, lr):
     """The checkpoint of run.step, never of a diverged model: ckpt.pt from rank 0, or under FSDP
     ckpt.dcp, each rank its shards (lab/fsdp.py)."""
-    if not run.par.weights_finite():
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in run.model.parameters()]
+    finite = torch.stack([p.isfinite().all() for p in local]).all().to(torch.int32)
+    if run.proc.distributed:  # every rank's shard
+        dist.all_reduce(finite, op=dist.ReduceOp.MIN)
+    if not finite:
         raise Diverged(run.step, "non-finite weights", lr, run.last_ckpt)
     kind, key, pos, has_gauss, gauss = np.random.get_state()
     state = {"step": run.step, "best_val_loss": run.best_val, **run.record,

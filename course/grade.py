@@ -108,7 +108,7 @@ def grade(root: Path, only=None, experiment=None, seed=None, sandboxed=True, gra
                     *(f for f in loaded if f.parent == grader and f.suffix == ".py")})
     before, practice = digest(files), (grader / MARKER).is_file()
     problems = [p for p in PROBLEMS if only in (None, p.number)]
-    names = {name for p in problems for name, _ in p.tests} | {"together"} * (only is None)
+    names = {name for p in problems for name, _ in p.tests} | {"together"}
     ref, answering = (load_fixtures(grader), None) if practice else reference(seed, names)
     entries = []
     with tempfile.TemporaryDirectory(prefix="grade", ignore_cleanup_errors=True) as tmp:

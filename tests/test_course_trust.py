@@ -61,7 +61,8 @@ def grading_here():
     their hidden scenarios drawn once for all, as --seed would (the reference's outputs are the
     rest), leaving it as it was: the reference's extra row of DEPTH_MODES, torch's threads."""
     threads, reference = torch.get_num_threads(), grade_py.reference
-    grade_py.reference = functools.cache(lambda *args: reference(0))
+    drawn = functools.cache(lambda: reference(0))  # every test's scenarios, seed 0
+    grade_py.reference = lambda seed, names: drawn()
     try:
         yield
     finally:
