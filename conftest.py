@@ -77,7 +77,6 @@ def data_root(tmp_path_factory):
     """A tiny corpus from a small grammar, prepared as bytes by prepare_data.py's text source:
     data_root/tiny."""
     import prepare_data
-    from data import prepare
     root = tmp_path_factory.mktemp("data")
     rng = random.Random(0)
     words = "the a cat dog sat ran on under mat log and then".split()
@@ -85,6 +84,6 @@ def data_root(tmp_path_factory):
         text = "\n".join(" ".join(rng.choice(words) for _ in range(8)) + "." for _ in range(40))
         (root / f"doc{i}.txt").write_text(text)
     inputs = [str(root / "doc*.txt")]
-    prepare(lambda: prepare_data.corpus("text", inputs, 1, 0.1, "strict"), "text", "tiny",
-            "bytes", root, num_proc=1)
+    prepare_data.prepare(lambda: prepare_data.corpus("text", inputs, 1, 0.1, "strict"), "text",
+                         "tiny", "bytes", root, num_proc=1)
     return root

@@ -23,6 +23,7 @@ import math
 import os
 import random
 import signal
+import subprocess
 import sys
 import time
 from contextlib import nullcontext
@@ -38,7 +39,7 @@ from tqdm import tqdm
 from checkpoint import SHARDED, build_model
 from configurator import (CheckpointError, ConfigError, DataError, Key, UserError, nearest, parse,
                           reason, resolve_device, run_main, unknown_key, updates)
-from data import load_meta, prepare, read_tokens, shakespeare
+from data import load_meta, read_tokens
 from model import DEPTH_MODES, Attention, ModelConfig
 from outputs import (DiskFull, append_line, lock_run_folder, run_folder, save_checkpoint,
                      write_atomically)
@@ -231,8 +232,8 @@ def open_data(cfg, master):
             hint = f"did you mean --dataset={near}? else " if near else ""
             raise DataError(f"no prepared data at {data_dir}: {hint}run `python prepare_data.py "
                             f"SOURCE --name {cfg['dataset']} --out_dir {cfg['data_root']}` first")
-        if master:
-            prepare(shakespeare, "shakespeare", "shakespeare", "bytes", cfg["data_root"])
+        if master:  # the README's first command, run for the user: its own process and lines
+            prepare_shakespeare(cfg["data_root"])
         if dist.is_initialized():
             dist.barrier()
     meta = load_meta(data_dir)
@@ -242,6 +243,20 @@ def open_data(cfg, master):
             raise DataError(f"{data_dir}/{split}.bin has {len(data)} tokens, but a window needs "
                             f"block_size + 1 = {cfg['block_size'] + 1}; lower --block_size")
     return data_dir, meta, train, val
+
+
+def prepare_shakespeare(data_root):
+    """`python prepare_data.py shakespeare --out_dir=DATA_ROOT`, in a child process (its pool of
+    tokenizer processes never forks this one, torch loaded); Ctrl-C and its errors are its own
+    one line, and this process exits with its status."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the child answers Ctrl-C
+    try:
+        code = subprocess.run([sys.executable, str(Path(__file__).with_name("prepare_data.py")),
+                               "shakespeare", f"--out_dir={data_root}"]).returncode
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if code:
+        sys.exit(code)
 
 
 def train_offsets(seed, step, n_rows, n_tokens, T):
