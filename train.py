@@ -46,15 +46,13 @@ from outputs import (DiskFull, append_line, lock_run_folder, run_folder, save_ch
 from tokenizer import from_record, get_tokenizer, same_tokenizer, tokenizer_record
 
 SAME = dict(result=False)  # a key that changes no number the run reports
-KEYS = {
+KEYS = {  # the paper's recipe (section 3): AdamW, 2% warmup, cosine to 0.1 x peak, clip 1.0
     "dataset": Key("shakespeare", "<data_root>/<dataset>/: {train,val}.bin, meta.json", path=True),
     "data_root": Key("data", "the folder that holds the prepared datasets", path=True),
     "out_dir": Key("out/shakespeare", "the run's folder", path=True, per_invocation=True, **SAME),
     "seed": Key(1337, "model init and the batch sequence", "in [0, 2**63)"),
     "batch_tokens": Key(4096, "tokens per step, all ranks (paper: 1024 x 2048)", ">= 1"),
-    "micro_batch": Key(None, "sequences per forward on a rank; None = its share", ">= 1", kind=int,
-                       **SAME),  # the rest of a rank's share is gradient accumulation
-    # the paper's recipe (section 3): AdamW, 2% warmup, cosine to 0.1 x peak, clip 1.0
+    "micro_batch": Key(None, "sequences per forward on a rank; None = its whole share", ">= 1", kind=int, **SAME),
     "max_iters": Key(400, "optimizer steps; the LR schedule spans exactly these", ">= 1"),
     "learning_rate": Key(3e-3, "peak LR (paper: 1e-3 at 1.5B/3B, 3e-4 at 410M)", "> 0"),
     "weight_decay": Key(0.1, "on matrices only; norms and other 1-D parameters get none", ">= 0"),
@@ -68,29 +66,21 @@ KEYS = {
     "eval_interval": Key(100, "steps between evaluations (also at step 0 and the end)", ">= 0"),
     "eval_seqs": Key(64, "fixed validation windows, evenly spaced over val.bin", ">= 1"),
     "log_interval": Key(25, "steps between printed lines (log.jsonl: every step)", ">= 1", **SAME),
-    "ckpt_interval": Key(None, "steps between checkpoints; None = every evaluation; 0 = the end",
-                         ">= 0", kind=int, **SAME),
-    "stop_at_step": Key(0, "end after this step with a checkpoint, keeping max_iters' schedule",
-                        ">= 0", **SAME),
+    "ckpt_interval": Key(None, "steps between checkpoints; None = each eval; 0 = the end", ">= 0", kind=int, **SAME),
+    "stop_at_step": Key(0, "end after this step with a checkpoint, keeping max_iters' schedule", ">= 0", **SAME),
     "resume": Key(False, "continue out_dir's checkpoint", per_invocation=True, **SAME),
-    "init_from": Key("", "start from these weights, fresh optimizer: an out_dir, a ckpt.pt, a HF "
-                     "folder or hub id (lab/continued.py)"),
-    "init_lr": Key("last", "--init_from a finished run: last = re-warm to its final rate, peak = "
-                   "learning_rate", choices=("last", "peak")),
-    "overwrite": Key(False, "start over in an out_dir that holds a checkpoint, deleting it",
-                     per_invocation=True, **SAME),
+    "init_from": Key("", "start from these weights, fresh optimizer: an out_dir, a ckpt.pt, a HF folder or hub id"),
+    "init_lr": Key("last", "--init_from a finished run: re-warm to its final rate, or peak", choices=("last", "peak")),
+    "overwrite": Key(False, "start over where a checkpoint is, deleting it", per_invocation=True, **SAME),
     "sample_tokens": Key(200, "tokens sampled at the end; 0 = none", ">= 0", **SAME),
     "sample_prompt": Key("", "\"\" = start from end-of-text, like a new document", **SAME),
     "device": Key("auto", "auto = cuda, then mps, then cpu"),
-    "dtype": Key("auto", "auto = bfloat16 autocast on CUDA where supported, else float32",
-                 choices=("auto", "float32", "bfloat16")),
+    "dtype": Key("auto", "auto = bf16 autocast on CUDA, else float32", choices=("auto", "float32", "bfloat16")),
     "compile": Key(False, "torch.compile the training forward (slow to start on CPU)", **SAME),
-    "parallel": Key("ddp", "under torchrun: ddp (every GPU the whole model) or fsdp (sharded, "
-                    "lab/fsdp.py)", choices=("ddp", "fsdp"), **SAME),
+    "parallel": Key("ddp", "under torchrun: ddp, or fsdp (sharded)", choices=("ddp", "fsdp"), **SAME),
     "activation_checkpointing": Key(False, "recompute each block in the backward pass", **SAME),
     "peak_flops": Key(0.0, "a device's peak FLOP/s for MFU; 0 = a known GPU's", ">= 0", **SAME),
-    "memory_plan": Key(False, "print the per-GPU memory of ddp / fsdp (lab/memory.py) and exit",
-                       per_invocation=True, **SAME),
+    "memory_plan": Key(False, "print the per-GPU memory of ddp / fsdp and exit", per_invocation=True, **SAME),
     "wandb_log": Key(False, "log to Weights & Biases (pip install wandb)", **SAME),
     "wandb_project": Key("depth-attention", "the wandb project", **SAME),
     "wandb_run_name": Key("", "\"\" = the out_dir's name", **SAME),
@@ -721,12 +711,11 @@ def save(run: Run, lr):
             save_checkpoint({"model": run.model.state_dict(),
                              "optimizer": run.optimizer.state_dict(), **state}, run.ckpt_path)
     except (OSError, RuntimeError, UserError) as e:  # a full disk, a lost rank (lab.fsdp's)
-        kept = (f"the checkpoint of step {run.last_ckpt} is kept: " if run.last_ckpt is not None
-                else "no checkpoint was written: ")
-        again = "--resume=True" if run.last_ckpt is not None else "rerun"
-        fix = f"{e.free}, then {again}" if isinstance(e, DiskFull) else f"continue with {again}"
-        raise CheckpointError(f"could not write {run.ckpt_path} at step {run.step} ({reason(e)})"
-                              f"; {kept}{fix}") from None
+        kept, then = ((f"the checkpoint of step {run.last_ckpt} is kept", "continue with "
+                       "--resume=True") if run.last_ckpt is not None else ("none is kept", "rerun"))
+        why = "a rank stopped meanwhile" if getattr(e, "peer_lost", False) else reason(e)
+        raise CheckpointError(f"could not write {run.ckpt_path} at step {run.step} ({why}); {kept}: "
+                              f"{f'{e.free}, then ' if isinstance(e, DiskFull) else ''}{then}") from None
     run.last_ckpt = run.step
 
 

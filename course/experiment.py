@@ -1,14 +1,10 @@
 """
-Problem 5, judged by the trusted parent from the runs the handout's command wrote (it trains
-nothing, and runs no code of the copy): every run finished with the handout's settings,
-results.json says what the logs say, each run's final checkpoint re-evaluated here on the
-validation windows gives the loss its log says and no lower a loss than on training text drawn
-afresh (a run trained on the validation windows fails), the losses are those of a correct model
-with value below vanilla, and the figure of the depth weights is there.
-
-The re-evaluation uses this grader's model.py and the embedded Shakespeare prepared afresh (never
-the copy's data), and reads the checkpoints as data (weights_only): a run folder written without
-training, or with losses edited into its log, fails it.
+Problem 5, judged by the trusted parent from the runs the handout's command wrote, as data (it
+trains nothing and runs no code of the copy): every run finished with the handout's settings,
+results.json says what the logs say, each final checkpoint re-evaluated here (this grader's
+model.py, the embedded Shakespeare prepared afresh) gives its logged loss and no lower a loss than
+on training text drawn afresh, the losses are a correct model's, and the figure is there. A run
+folder written without training, or with losses edited into its log, fails.
 """
 import contextlib
 import io

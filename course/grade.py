@@ -7,25 +7,18 @@ course/README.md).
     python course/grade.py --problem=3           # one problem, with every failing test's reason
 
 What it protects against: the graded code runs in an OS sandbox made by bubblewrap
-(course/sandbox.py): new user, mount, PID, network and IPC namespaces; a fresh tmpfs holding a copy
-of the student's model.py and nothing else; a read-only view of the Python environment; no grader
-tree, reference model.py, report or other student's copy in its file system; no view of the
-grader's processes, command line, terminal or open files; no network; nothing writable outside
-its tmpfs; every process it starts killed when its test ends; limits on time and memory per test.
-It receives each test's inputs and returns outputs by value over two pipes (torch.load with
-weights_only: data, never code); this process alone holds the expected outputs, answers a stub's
-call only while the op that installed it runs and only within the test's sizes, judges the
-returned values and writes the report after the sandbox is gone. What the harness in the sandbox
-could claim about itself (a view, a code path) is re-verified from values or not scored: a cache
-update returning views rather than copies is not enforced. Problem 5's runs are read as data and
-their checkpoints re-evaluated here.
+(course/sandbox.py says what it sees: a copy of the student's model.py and a read-only Python,
+never the grader's tree, processes or files). Inputs go in and outputs come back by value over two
+pipes; this process alone holds the expected outputs, answers a stub's call only while the op
+that installed it runs and within the test's sizes, judges the values and writes the report.
+What the harness in the sandbox could claim about itself (a view, a code path) is not enforced:
+only values are graded. Problem 5's runs are read as data, their checkpoints re-evaluated here.
 
-What it needs: the bwrap command (apt-get install bubblewrap) and user namespaces (as root they
-always work; as another user, kernel.unprivileged_userns_clone=1 where the kernel has it). Where
-the sandbox cannot start, grading is refused in one line naming the fix; --no_sandbox grades
-unsandboxed for practice, and the report says so ("sandbox": false): never for credit.
-The instructor's grader (a tree that is not a student copy) draws a fresh seed each time and adds
-hidden scenarios to the practice ones, computing the expected outputs from its own model.py.
+What it needs: the bwrap command (apt-get install bubblewrap) and user namespaces; where the
+sandbox cannot start, grading is refused in one line naming the fix. --no_sandbox grades
+unsandboxed for practice, never for credit (the report says "sandbox": false). The instructor's
+grader (a tree that is not a student copy) draws a fresh seed each time and adds hidden scenarios
+to the practice ones, computing the expected outputs from its own model.py.
 """
 import sys
 from pathlib import Path
@@ -37,7 +30,6 @@ if __name__ == "__main__":
     configurator.interruptible()
 import hashlib
 import json
-import os
 import random
 import shutil
 import tempfile
@@ -54,17 +46,14 @@ def load_fixtures(grader: Path):
     import torch
     from course.fixtures import FORMAT
     path = grader / FIXTURES
-    hint = "ask for a fresh copy (python course/make.py)"
-    if not path.is_file():
-        raise UserError(f"{path} is missing; {hint}")
-    try:
+    try:  # missing, cut short, foreign or damaged bytes
         ref = torch.load(path, weights_only=True)
-    except Exception as e:  # truncated, foreign or damaged bytes
-        raise UserError(f"{path} cannot be read ({type(e).__name__}): it is truncated or not the "
-                        f"grader's fixtures; {hint}")
-    if not isinstance(ref, dict) or ref.get("format") != FORMAT or "tests" not in ref:
-        raise UserError(f"{path} is not the fixtures of this grader (format {FORMAT}); {hint}")
-    return ref
+        if isinstance(ref, dict) and ref.get("format") == FORMAT and "tests" in ref:
+            return ref
+    except Exception:
+        pass
+    raise UserError(f"{path} is missing, damaged or not the fixtures of this grader (format "
+                    f"{FORMAT}); ask for a fresh copy (python course/make.py)")
 
 
 def reference(seed, names=None):
@@ -213,6 +202,7 @@ def main(argv):
         changed = ", ".join(result["tampered"])
         raise UserError(f"the grader's own files changed while grading ({changed}): this grading "
                         f"is void; restore them (git checkout) and grade in a container")
+
 
 if __name__ == "__main__":
     sys.exit(run_main(main))

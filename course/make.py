@@ -65,20 +65,14 @@ def replace_bodies(source: str, bodies: dict) -> str:
     return "".join(lines)
 
 
-def blank(source: str, messages: dict) -> str:
-    """replace_bodies with `raise NotImplementedError(message)` for each
-    {qualified name: message}."""
-    return replace_bodies(source, {name: f"raise NotImplementedError({m!r})"
-                                   for name, m in messages.items()})
-
-
 def stubs() -> dict:
-    """{file: {qualified name: message}} from the problems' list."""
+    """{file: {qualified name: the body that raises NotImplementedError}} from the problems."""
     out = {}
     for p in PROBLEMS:
         for function in p.functions:
             file, name = function.split(":")
-            out.setdefault(file, {})[name] = f"Problem {p.number}: write {name} (course/README.md)"
+            message = f"Problem {p.number}: write {name} (course/README.md)"
+            out.setdefault(file, {})[name] = f"raise NotImplementedError({message!r})"
     return out
 
 
@@ -125,7 +119,7 @@ def write_copy(tmp: Path, untracked: bool) -> int:
         (tmp / f).parent.mkdir(parents=True, exist_ok=True)
         text = (ROOT / f).read_text() if f in blanked or f in WITHHELD_PAGES else None
         if f in blanked:
-            (tmp / f).write_text(blank(text, blanked[f]))
+            (tmp / f).write_text(replace_bodies(text, blanked[f]))
         elif f in WITHHELD_PAGES:
             (tmp / f).write_text(f"# {text.splitlines()[0].lstrip('# ')}\n\n"
                                  f"Left out of the student copy: "
@@ -197,8 +191,7 @@ def main(argv):
             os.replace(out, old)
         os.replace(tmp, out)
     except OSError as e:
-        raise UserError(f"cannot write {args['out_dir']} ({e.strerror or e}); pick a folder you can "
-                        f"write to")
+        raise UserError(f"cannot write {out} ({e.strerror or e}); pick a folder you can write to")
     except ValueError as e:  # a function the problems name that the code no longer has
         raise UserError(f"course/problems.py names {e}: update its list to the code's names")
     finally:

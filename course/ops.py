@@ -173,8 +173,7 @@ def gradients(model, config, state, idx):
     """A model's parameter gradients of <logits, cotangent>, by name."""
     gpt = build(model, config, state, torch.float64)
     with torch.enable_grad():
-        grads = through(gpt(idx)[0], list(gpt.parameters()))
-    return [g for g in grads]
+        return through(gpt(idx)[0], list(gpt.parameters()))
 
 
 OPS = {f.__name__: f for f in (stride, sources, group_mean, softmax_weights, weighted_sum,
@@ -317,25 +316,26 @@ def restore(model, undo):
 
 # ------------------------------------------------------------------------- the pipes
 
-def send(f, message):
+def packed(message) -> bytes:
+    """A message as it travels: its length, then torch.save's bytes."""
     buffer = io.BytesIO()
     torch.save(message, buffer)
-    f.write(struct.pack("<Q", buffer.tell()) + buffer.getvalue())
+    return struct.pack("<Q", buffer.tell()) + buffer.getvalue()
+
+
+def send(f, message):
+    f.write(packed(message))
     f.flush()
 
 
-def receive(f, trusted=True, limit=1 << 28):
-    """A message, or EOFError; from a child (trusted=False) only data, and at most `limit` bytes."""
+def receive(f):
+    """The parent's next message (the parent reads the child's itself, as data only), or
+    EOFError."""
     head = f.read(8)
-    if len(head) < 8:
+    body = f.read(struct.unpack("<Q", head)[0]) if len(head) == 8 else b""
+    if not body:
         raise EOFError
-    (n,) = struct.unpack("<Q", head)
-    if n > limit:
-        raise ValueError(f"a message of {n} bytes")
-    body = f.read(n)
-    if len(body) < n:
-        raise EOFError
-    return torch.load(io.BytesIO(body), weights_only=not trusted)
+    return torch.load(io.BytesIO(body), weights_only=False)
 
 
 def serve(read_fd, write_fd):
@@ -379,15 +379,9 @@ def serve(read_fd, write_fd):
             function, fn, arguments = ctx.call
             send(outbox, {"call": function, "arguments": arguments, "cotangent": grad})
             reply = receive(inbox)
-            if "grads" in reply:
-                return (None, None, *reply["grads"])
-            inputs = [t.requires_grad_() if t.is_floating_point() else t
-                      for t in tensors(arguments)]  # the student's own function's backward
-            with torch.enable_grad():
-                out = fn(**rebuilt(arguments, iter(inputs)))
-                floating = [t for t in inputs if t.requires_grad]
-                grads = torch.autograd.grad((out * grad).sum(), floating, allow_unused=True)
-            return (None, None, *grads)
+            if "grads" not in reply:  # the student's own function's backward
+                reply = answer(model, function, arguments, fn, cotangent=grad)
+            return (None, None, *reply["grads"])
     while True:
         try:
             task = receive(inbox)

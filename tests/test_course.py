@@ -22,7 +22,7 @@ import model
 from configurator import run_main
 from course import grade as grade_py
 from course import make as make_py
-from course.make import LEFT_OUT, WITHHELD_PAGES, blank, replace_bodies, stubs
+from course.make import LEFT_OUT, WITHHELD_PAGES, replace_bodies, stubs
 from course.problems import EXPERIMENT, EXPERIMENT_COMMAND, GRADED, MARKER, PROBLEMS
 from helpers import ENV, ROOT
 from outputs import mark
@@ -341,8 +341,9 @@ def test_the_copy_holds_no_solution(copy):
     kept = {line.strip() for f in handed if f.endswith((".py", ".md")) and (ROOT / f).is_file()
             and not f.startswith((*WITHHELD_PAGES, *blanked))  # as make.py copies them
             for line in (ROOT / f).read_text(errors="replace").splitlines()}
-    for file, messages in blanked.items():  # what the copy keeps of the files it blanks
-        kept |= {line.strip() for line in blank((ROOT / file).read_text(), messages).splitlines()}
+    for file, bodies in blanked.items():  # what make.py keeps of the files it blanks
+        kept |= {line.strip() for line in
+                 replace_bodies((ROOT / file).read_text(), bodies).splitlines()}
     secret = set()
     for file, names in blanked.items():
         lines = (ROOT / file).read_text().splitlines()

@@ -33,11 +33,12 @@ from checkpoint import build_model, read_checkpoint
 from configurator import UserError, run_main
 from course import experiment, fixtures
 from course import grade as grade_py
-from course.make import blank, replace_bodies, stubs
-from course.problems import EXPERIMENT, FIXTURES, MARKER
+from course.make import replace_bodies, stubs
+from course.problems import EXPERIMENT, FIXTURES, GRADED, MARKER
 from helpers import ENV, ROOT
 from outputs import save_checkpoint
 
+TESTS = {p.number: {name for name, _ in p.tests} for p in GRADED}
 MARKER_ARG = "course-attack-grandchild"  # in a grandchild's command line: seen from outside
 
 
@@ -85,8 +86,8 @@ def attack_copy(where, prefix="", suffix="", bodies=None):
     """A folder with the repository's model.py, every function a stub (bodies None) or these
     bodies, `prefix` and `suffix` run at its import."""
     source = (ROOT / "model.py").read_text()
-    source = blank(source, stubs()["model.py"]) if bodies is None else replace_bodies(
-        source, {k: textwrap.dedent(v) for k, v in bodies.items()})
+    source = replace_bodies(source, stubs()["model.py"] if bodies is None else
+                            {k: textwrap.dedent(v) for k, v in bodies.items()})
     where.mkdir(parents=True)
     (where / "model.py").write_text(textwrap.dedent(prefix) + source + textwrap.dedent(suffix))
     return where
@@ -428,8 +429,7 @@ def test_results_that_are_not_the_functions_score_nothing_and_prints_cost_nothin
     in one line, and the grading goes on; prints that are not UTF-8 cost problem 3 nothing."""
     result = graded["garbage"]
     assert earned(result)[2] == 0 and earned(result)[3] == 25, result
-    assert failing(result)[4] == {"causal_attention_over_a_whole_sequence",
-                                  "a_prefill_then_chunks_and_single_tokens_equal_the_whole_sequence"}
+    assert failing(result)[4] == TESTS[4]
     assert {"the_default_stride_is_the_modes_or_half_the_effective_depth",
             "an_explicit_stride_is_kept"} <= failing(result)[1]
     whys = [t["why"] for e in result["problems"] if e["graded"] for t in e["tests"] if t["why"]]
@@ -457,7 +457,8 @@ def test_graded_code_cannot_persist(graded, target):
     assert any(f.suffix == ".pyc" for f in graded["before"])
     assert not [f for f in changed if f.suffix == kinds.get(target, "-")], changed
     assert target != "site-packages" or not graded["pth"]
-    assert earned(graded["blank"]) == {1: 0} and not graded["blank"]["tampered"], graded["blank"]
+    blank = graded["blank"]
+    assert earned(blank) == {1: 0} and not blank["tampered"], blank
 
 
 def test_the_report_is_written_by_the_grader_alone(graded):
