@@ -439,6 +439,7 @@ class Run:
     best_val: float = float("inf")
     last_ckpt: Optional[int] = None
     first: tuple = ()
+    log_kept: str = ""  # a resumed run's log.jsonl, up to its checkpoint's step
 
     @property
     def ckpt_path(self) -> Path:
@@ -653,33 +654,12 @@ class capture_depth_weights:
 def start_log(run: Run):
     """config.json, log.jsonl cut back to the checkpoint's step; wandb with --wandb_log."""
     out = Path(run.cfg["out_dir"])
-    kept = [r for r in read_log(out) if r["step"] <= run.step] if run.step else []
+    kept = run.log_kept if run.step else ""  # a resumed run's: lab/continued.py
     write_atomically(out / "config.json", json.dumps(run.record["config"], indent=1) + "\n")
-    write_atomically(out / "log.jsonl", "".join(json.dumps(r) + "\n" for r in kept))
+    write_atomically(out / "log.jsonl", kept)
     if run.cfg["wandb_log"]:
         from lab.tracking import Wandb
         return Wandb(run.cfg)
-
-
-def read_log(out_dir) -> list:
-    """out_dir/log.jsonl's records: a last line cut short (a kill mid-write) is dropped with a
-    warning; any other line that is not a record is a CheckpointError."""
-    path, records = Path(out_dir) / "log.jsonl", []
-    for line in path.read_text().splitlines() if path.exists() else []:
-        try:
-            records.append(json.loads(line))
-        except ValueError:
-            records.append(None)
-        if not isinstance(records[-1], dict) or "step" not in records[-1]:
-            records[-1] = None
-    if records and records[-1] is None:
-        print(f"warning: {path}'s last line was cut short (a kill mid-write); dropped it",
-              file=sys.stderr)
-        records.pop()
-    if None in records:
-        raise CheckpointError(f"{path} line {records.index(None) + 1} is not a train.py record "
-                              f"(edited?); restore it or delete the line")
-    return records
 
 
 def log(run: Run, record):

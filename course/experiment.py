@@ -16,11 +16,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+import prepare_data
 import train
 from checkpoint import build_model, read_checkpoint
 from configurator import UserError
 from course.problems import EXPERIMENT, EXPERIMENT_COMMAND, PROBLEMS
-from data import load_meta, prepare, read_tokens, shakespeare
+from data import load_meta, read_tokens
+from lab import ablate
+from lab.ablate import differences, final_val_loss, read_config, run_dir
 
 HINT = f"run `{EXPERIMENT_COMMAND}` from the repository's folder (it resumes what it has)"
 EVAL_TOLERANCE = 1e-4  # float32 sums in another batching: 1e-6 apart; a model other than the
@@ -42,37 +45,10 @@ def jobs():
     return [(run, seed) for run in EXPERIMENT["runs"] for seed in range(EXPERIMENT["seeds"])]
 
 
-def run_dir(out: Path, run, seed) -> Path:
-    return out / run / f"seed{seed}"  # where lab/ablate.py's shared protocol writes a run
-
-
-def asked(grader: Path, run, seed) -> dict:
-    """The config train.py resolves for the handout's run: its base, its mode's delta, its seed."""
-    return train.parse_args([str(grader / EXPERIMENT["base"]),
-                             str(grader / "configs" / "ablations" / f"mode_{run}.py"),
-                             f"--seed={seed}"])
-
-
-def differences(recorded: dict, asked: dict) -> str:
-    """`key recorded -> asked` for each key that changes a number the run reports (train.py's table
-    says which), through every resume recorded; "" for the run asked for."""
-    keys = train.table(True)
-    counts = [k for k in asked if keys[k].result and not (k == "vocab_size" and asked[k] is None)]
-    diff = [f"{k} {recorded.get(k, keys[k].default)!r} -> {asked[k]!r}" for k in counts
-            if recorded.get(k, keys[k].default) != asked[k]]
-    diff += [f"resumed at step {r['step']} with {k} {a!r} -> {b!r}"
-             for r in recorded.get("resumes", []) for k, (a, b) in r["changed"].items()
-             if k not in keys or keys[k].result]
-    return ", ".join(diff)
-
-
-def final_val_loss(where: Path):
-    """The last evaluation's loss if the run finished (evaluated at max_iters), else None."""
-    evals = [r for r in train.read_log(where) if r.get("kind") == "eval"]
-    config = where / "config.json"
-    done = evals and config.is_file() and evals[-1]["step"] == json.loads(
-        config.read_text())["max_iters"]
-    return evals[-1]["val_loss"] if done else None
+def asked(run, seed) -> dict:
+    """The config train.py resolves for a job of the handout's command, as lab/ablate.py runs it."""
+    base = str(ablate.ROOT / EXPERIMENT["base"])
+    return train.parse_args(ablate.train_args((run, seed, None, 1), base, [], EXPERIMENT["out"]))
 
 
 def results_of(out: Path) -> dict:
@@ -86,12 +62,11 @@ def results_of(out: Path) -> dict:
     return results
 
 
-def finished(out, results, grader):
+def finished(out, results):
     for run, seed in jobs():
         where = run_dir(out, run, seed)
         need(final_val_loss(where) is not None, f"{where} has not finished: {HINT}")
-        changed = differences(json.loads((where / "config.json").read_text()),
-                              asked(grader, run, seed))
+        changed = differences(read_config(where), asked(run, seed))
         need(not changed, f"{where} was trained with other settings ({changed}): {HINT}")
     need(results["config"]["protocol"] == "shared" and not results["train_overrides"],
          f"results.json comes from another command: {HINT}")
@@ -102,7 +77,7 @@ def losses_of(out):
             for run in EXPERIMENT["runs"]}
 
 
-def logged(out, results, grader):
+def logged(out, results):
     losses = losses_of(out)
     for run, values in losses.items():
         need(results["runs"][run]["losses"][:len(values)] == values,
@@ -121,7 +96,9 @@ def texts(cfg) -> tuple:
     need(cfg["dataset"] == "shakespeare", f"the runs trained on {cfg['dataset']}: {HINT}")
     with tempfile.TemporaryDirectory(prefix="grade-data") as tmp, \
             contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        folder = prepare(shakespeare, "shakespeare", "shakespeare", "bytes", tmp, num_proc=1)
+        # in this process: one tokenizer process (num_proc=1) forks nothing
+        folder = prepare_data.prepare(prepare_data.shakespeare, "shakespeare", "shakespeare",
+                                      "bytes", tmp, num_proc=1)
         meta = load_meta(folder)
         return tuple(np.array(read_tokens(folder, split, meta)) for split in ("train", "val"))
 
@@ -156,10 +133,10 @@ def not_trained_on_validation(gpt, tokens, val_said, cfg, where):
          f"split; {HINT}")
 
 
-def reevaluated(out, results, grader):
+def reevaluated(out, results):
     """Each run's final checkpoint, scored on the validation windows train.py evaluates (evenly
     spaced over val.bin), gives the loss its log ends with, and was not trained on them."""
-    data, checkpoints = None, {job: checkpoint(out, grader, *job) for job in jobs()}  # before any
+    data, checkpoints = None, {job: checkpoint(out, *job) for job in jobs()}  # before any
     for (run, seed), (ckpt, cfg) in checkpoints.items():  # evaluation: a forgery fails at once
         where = run_dir(out, run, seed)
         tokens, val = data = texts(cfg) if data is None else data
@@ -176,11 +153,11 @@ def reevaluated(out, results, grader):
         not_trained_on_validation(gpt, tokens, said, cfg, where)
 
 
-def checkpoint(out, grader, run, seed):
+def checkpoint(out, run, seed):
     """A run's final checkpoint and config, once it holds the run's model (mode, depth, stride,
     sizes) and weights no other seed of the run has: a checkpoint relabelled, or one training
     copied to both seeds, fails."""
-    where, cfg = run_dir(out, run, seed), asked(grader, run, seed)
+    where, cfg = run_dir(out, run, seed), asked(run, seed)
     need((where / "ckpt.pt").is_file(), f"no {where / 'ckpt.pt'}: the run's final checkpoint is "
                                         f"graded; {HINT}")
     ckpt = read_checkpoint(where / "ckpt.pt")
@@ -199,14 +176,14 @@ def checkpoint(out, grader, run, seed):
     return ckpt, cfg
 
 
-def correct(out, results, grader):
+def correct(out, results):
     """Each mean within the tolerance of the reference's, and value below vanilla by at least half
     the reference's gap, seed by seed (EXPERIMENT in course/problems.py says why so)."""
     off = [f"{run}: mean final validation loss {results['runs'][run]['mean']:.4f}, the "
            f"reference's {want:.4f}" for run, want in EXPERIMENT["reference"].items()
            if abs(results["runs"][run]["mean"] - want) > EXPERIMENT["tolerance"]]
     need(not off, f"{'; '.join(off)} (+-{EXPERIMENT['tolerance']}): were problems 1-4 correct when "
-                  f"it trained? Retrain with --overwrite added to the command")
+                  f"it trained? Retrain: delete {EXPERIMENT['out']} and rerun the command")
     losses = losses_of(out)
     gain = sum(a - b for a, b in zip(losses["value"], losses["vanilla"])) / EXPERIMENT["seeds"]
     need(gain < -EXPERIMENT["gain"] / 2,
@@ -214,7 +191,7 @@ def correct(out, results, grader):
          f"{-EXPERIMENT['gain']:+.4f}: value trained like vanilla; were problems 1-4 correct?")
 
 
-def figure(out, results, grader):
+def figure(out, results):
     png = out / "depth_weights.png"
     need(png.is_file(), f"no {png}: it needs matplotlib (pip install matplotlib); then rerun the "
                         f"command, which reuses the runs and draws the figures")
@@ -229,23 +206,23 @@ CHECKS = {"every_run_finished_with_the_handouts_settings": finished,
           "the_figure_of_the_depth_weights": figure}
 
 
-def grade(out: Path, grader: Path) -> dict:
-    """{test: None or why it failed} for the runs in out; grader: this tree (its configs). The
-    logs, results.json and the figure count only once the checkpoints give the logged losses:
-    records written without the training earn nothing."""
+def grade(out: Path) -> dict:
+    """{test: None or why it failed} for the runs in out. The logs, results.json and the figure
+    count only once the checkpoints give the logged losses: records written without the training
+    earn nothing."""
     problem = next(p for p in PROBLEMS if p.number == 5)
     first = "each_checkpoint_gives_its_logged_loss"
-    verdicts = {first: verdict(first, out, grader)}
+    verdicts = {first: verdict(first, out)}
     for name, _ in problem.tests:
         if name != first:  # its own reason first (no results.json), else the checkpoints'
-            verdicts[name] = verdict(name, out, grader) or (verdicts[first] and (
+            verdicts[name] = verdict(name, out) or (verdicts[first] and (
                 f"not graded: the checkpoints do not give the logged losses ({first})"))
     return verdicts
 
 
-def verdict(name, out, grader):
+def verdict(name, out):
     try:
-        CHECKS[name](out, results_of(out), grader)
+        CHECKS[name](out, results_of(out))
         return None
     except Fail as e:
         return str(e)

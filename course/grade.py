@@ -112,7 +112,7 @@ def grade(root: Path, only=None, experiment=None, seed=None, sandboxed=True, gra
                 if p.functions:
                     results = child.problem(p)
                 else:
-                    results = runs.grade(Path(experiment or root / EXPERIMENT["out"]), grader)
+                    results = runs.grade(Path(experiment or root / EXPERIMENT["out"]))
                 entries.append(entry(p, results))
             code = [e for e in entries if e.get("graded") and e["problem"] != 5]
             together = None

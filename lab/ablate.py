@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 import train
+from lab.continued import read_log
 from baselines import DEPTH_MODES
 from checkpoint import checkpoint_path, read_checkpoint, read_model
 from configurator import (CheckpointError, ConfigError, DataError, Key, UserError, not_a_choice,
@@ -144,7 +145,7 @@ def read_config(where) -> dict:
 
 def final_val_loss(where):
     """The last evaluation's loss if the run finished (evaluated at max_iters), else None."""
-    evals = [r for r in train.read_log(where) if r.get("kind") == "eval"]
+    evals = [r for r in read_log(where) if r.get("kind") == "eval"]
     if evals and (Path(where) / "config.json").exists() \
             and evals[-1]["step"] == read_config(where)["max_iters"]:
         return evals[-1]["val_loss"]
@@ -474,7 +475,7 @@ def sweep_markdown(means, lrs, best):
 
 def evals(run):
     """[(step, val loss)] of a run folder's evaluations."""
-    return [(r["step"], r["val_loss"]) for r in train.read_log(run) if r.get("kind") == "eval"]
+    return [(r["step"], r["val_loss"]) for r in read_log(run) if r.get("kind") == "eval"]
 
 
 def gap_curves(out, names, seeds, rates, factor, batch_tokens):
@@ -633,7 +634,7 @@ def show_depth_weights(source, figure):
 
 def plot_run(run, figure):
     """--curves=RUN: losses, learning rate, tokens/s and depth weights on self, from log.jsonl."""
-    records = train.read_log(run)
+    records = read_log(run)
     trained, evaluated = ([r for r in records if r.get("kind") == k] for k in ("train", "eval"))
     if not trained:
         raise CheckpointError(f"{run}/log.jsonl has no training step to draw; give a train.py "

@@ -8,6 +8,7 @@ length, whose positions RoPE computes), and --init_lr says where the rate starts
 has decayed to its floor, and re-warming to a new run's peak undoes part of what that decay gained
 (docs/results.md measures it).
 """
+import json
 import os
 import random
 import sys
@@ -113,7 +114,8 @@ def resume(cfg, argv, keys, parse):
 
 
 def restore(run, ckpt):
-    """A resumed run's weights, optimizer, RNG states and place (batch `step` is (seed, step)'s)."""
+    """A resumed run's weights, optimizer, RNG states, place (batch `step` is (seed, step)'s) and
+    log."""
     if run.par.mode == "fsdp":
         run.par.sharded.load(run.optimizer, ckpt)
     else:
@@ -129,3 +131,28 @@ def restore(run, ckpt):
     run.step = run.last_ckpt = ckpt["step"]
     run.best_val = ckpt["best_val_loss"]
     run.t0 -= ckpt.get("elapsed_s", 0.0)
+    # a killed run's lines after its checkpoint go; the log is checked before anything is written
+    run.log_kept = "".join(json.dumps(r) + "\n" for r in read_log(run.cfg["out_dir"])
+                           if r["step"] <= run.step)
+
+
+def read_log(out_dir) -> list:
+    """out_dir/log.jsonl's records: a last line cut short (a kill mid-write) is dropped with a
+    warning; any other line that is not a record is a CheckpointError."""
+    path, records = Path(out_dir) / "log.jsonl", []
+    for line in path.read_text().splitlines() if path.exists() else []:
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            records.append(None)
+        if not isinstance(records[-1], dict) or "step" not in records[-1]:
+            records[-1] = None
+    if records and records[-1] is None:
+        print(f"warning: {path}'s last line was cut short (a kill mid-write); dropped it",
+              file=sys.stderr)
+        records.pop()
+    if None in records:
+        raise CheckpointError(f"{path} line {records.index(None) + 1} is not a train.py record "
+                              f"(edited?); restore it or delete the line")
+    return records
+

@@ -29,7 +29,7 @@ from outputs import mark
 
 CODE = [p for p in GRADED if p.functions]  # problems 1-4
 TESTS = {p.number: {name for name, _ in p.tests} for p in GRADED}
-LOOP_TIMEOUT = 3  # the grading with an endless loop: its slowest other test takes 0.5 s
+LOOP_TIMEOUT = 6  # the grading with an endless loop: its slowest other test takes 0.5 s
 
 # Wrong solutions students write, as bodies of the functions they belong to, grouped so that each
 # copy breaks problems that the stubs keep apart: {copy: ({function: body}, {problem: the tests
@@ -248,9 +248,10 @@ def graded(tmp_path_factory):
         out["fresh copy"] = grade_py.grade(student, grader=student)
         pasted = with_bodies(where / "pasted", {}, copy=student)
         out["pasted back"] = grade_py.grade(pasted, grader=pasted)
-        out["help"] = subprocess.run(
-            [sys.executable, "-c", "import sys, sample, train\n"
-             "sys.exit(train.run_main(train.main, ['--help']))"], cwd=student, env=ENV,
+        out["help"] = subprocess.run(  # the commands of the handout: their --help
+            [sys.executable, "-c", "import configurator, sample, train\nfrom lab import ablate\n"
+             "for main in train.main, ablate.main:\n"
+             "    assert configurator.run_main(main, ['--help']) == 0"], cwd=student, env=ENV,
             capture_output=True, text=True, timeout=300)
 
     loop = next(name for name in WRONG if "loop" in name)
@@ -318,7 +319,7 @@ def test_the_handout_lists_the_problems_and_tests_as_the_grader_has_them():
 def test_a_fresh_copy_grades_zero_and_still_runs(copy, graded):
     """The copy's own grader (practice: its recorded fixtures, no hidden tests): every test of
     problems 1-4 names the function to write; problem 5 the command to run. The rest of the
-    repository imports and runs as it is: train.py's --help."""
+    repository imports and runs as it is: train.py's and lab/ablate.py's --help."""
     result = graded["fresh copy"]
     assert result["hidden_tests"] is False
     assert earned(result) == dict.fromkeys([1, 2, 3, 4, 5], 0) and result["together"] is False
@@ -328,7 +329,8 @@ def test_a_fresh_copy_grades_zero_and_still_runs(copy, graded):
     assert f"no {copy / EXPERIMENT['out'] / 'results.json'}: run `python lab/ablate.py" \
         in reasons(result)[-1]
     proc = graded["help"]
-    assert proc.returncode == 0 and "--depth_mode" in proc.stdout, proc.stderr
+    assert proc.returncode == 0 and "--depth_mode" in proc.stdout and "--seeds" in proc.stdout, \
+        proc.stderr
 
 
 def test_the_copy_holds_no_solution(copy):

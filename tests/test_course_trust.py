@@ -32,6 +32,7 @@ import train
 from checkpoint import build_model, read_checkpoint
 from configurator import UserError, run_main
 from course import experiment, fixtures
+from lab import ablate
 from course import grade as grade_py
 from course.make import replace_bodies, stubs
 from course.problems import EXPERIMENT, FIXTURES, GRADED, MARKER
@@ -566,7 +567,7 @@ def fake_experiment(out, losses=None, checkpoints=True):
         for seed, loss in enumerate(by_seed):
             where = experiment.run_dir(out, run, seed)
             where.mkdir(parents=True)
-            cfg = {**experiment.asked(ROOT, run, seed), "vocab_size": 257}
+            cfg = {**experiment.asked(run, seed), "vocab_size": 257}
             if checkpoints:
                 torch.manual_seed(seed)
                 gpt = build_model({k: v for k, v in cfg.items() if k not in train.KEYS})
@@ -577,13 +578,9 @@ def fake_experiment(out, losses=None, checkpoints=True):
             (where / "config.json").write_text(json.dumps({**cfg, "resumes": []}))
             (where / "log.jsonl").write_text(json.dumps(
                 {"kind": "eval", "step": cfg["max_iters"], "val_loss": loss}) + "\n")
+    stats, tables = ablate.summarize({run: dict(enumerate(v)) for run, v in given.items()})
     expected = json.loads((ROOT / "course" / "expected" / "results.json").read_text())
-    rows = [{"run": run, "diff": sum(a - b for a, b in zip(v, given["vanilla"])) / len(v)}
-            for run, v in given.items()]
-    (out / "results.json").write_text(json.dumps({
-        **expected, "runs": {run: {"losses": v, "mean": sum(v) / len(v)}
-                             for run, v in given.items()},
-        "tables": [{"baseline": "vanilla", "rows": rows}]}))
+    (out / "results.json").write_text(json.dumps({**expected, "runs": stats, "tables": tables}))
     shutil.copy(ROOT / "course" / "expected" / "depth_weights.png", out)
     return out
 
@@ -602,7 +599,7 @@ def runs(tmp_path, monkeypatch):
 def test_problem_5_runs_that_give_their_logged_losses_pass(runs):
     """Checkpoints that give the losses their logs end with pass every test but the losses' (an
     untrained model's)."""
-    verdicts = experiment.grade(runs, ROOT)
+    verdicts = experiment.grade(runs)
     assert [name for name, why in verdicts.items() if why] == [
         "the_losses_are_those_of_a_correct_model"], verdicts
     assert "vanilla: mean final validation loss 5.5491" in verdicts[
@@ -614,14 +611,14 @@ def test_problem_5_reevaluates_the_checkpoints(runs, tmp_path):
     give them, score 0 on every test."""
     expected = json.loads((ROOT / "course" / "expected" / "results.json").read_text())
     losses = {run: v["losses"] for run, v in expected["runs"].items()}
-    bare = experiment.grade(fake_experiment(tmp_path / "bare", losses, checkpoints=False), ROOT)
+    bare = experiment.grade(fake_experiment(tmp_path / "bare", losses, checkpoints=False))
     assert all(bare.values()) and "no " in bare["each_checkpoint_gives_its_logged_loss"], bare
     forged = tmp_path / "forged"
     shutil.copytree(tmp_path / "bare", forged)
     for run, seed in experiment.jobs():
         shutil.copy(experiment.run_dir(runs, run, seed) / "ckpt.pt",
                     experiment.run_dir(forged, run, seed))
-    verdicts = experiment.grade(forged, ROOT)
+    verdicts = experiment.grade(forged)
     assert all(verdicts.values()), verdicts
     assert "the log is not the checkpoint's" in verdicts["each_checkpoint_gives_its_logged_loss"]
 
@@ -639,7 +636,7 @@ def test_problem_5_fabricated_runs_score_nothing(runs, tmp_path):
         ckpt["config"] = read_checkpoint(target / "ckpt.pt")["config"]
         save_checkpoint(ckpt, target / "ckpt.pt")
         shutil.copy(source / "log.jsonl", target / "log.jsonl")
-        verdicts[name] = experiment.grade(forged, ROOT)
+        verdicts[name] = experiment.grade(forged)
         assert all(verdicts[name].values()), verdicts[name]
     assert "holds another model than its run's: depth_mode 'vanilla' (the run's: 'value')" \
         in verdicts["relabelled"]["each_checkpoint_gives_its_logged_loss"], verdicts
@@ -682,7 +679,7 @@ def test_problem_5s_checks_of_the_records(tmp_path):
     results.json, a shorter run and a missing figure each fail their check."""
     def check(name, out):
         try:
-            experiment.CHECKS[name](out, experiment.results_of(out), ROOT)
+            experiment.CHECKS[name](out, experiment.results_of(out))
         except experiment.Fail as e:
             return str(e)
         return None
@@ -716,7 +713,7 @@ def test_problem_5s_reference_was_measured_with_todays_recipe():
     asks for today, and its losses and value's paired gain are the grader's reference."""
     measured = json.loads((ROOT / "course" / "expected" / "configs.json").read_text())
     for run in EXPERIMENT["runs"]:
-        assert not experiment.differences(measured[run], experiment.asked(ROOT, run, 0)), run
+        assert not experiment.differences(measured[run], experiment.asked(run, 0)), run
     results = json.loads((ROOT / "course" / "expected" / "results.json").read_text())
     assert {run: round(results["runs"][run]["mean"], 4) for run in EXPERIMENT["runs"]} \
         == EXPERIMENT["reference"]
