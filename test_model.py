@@ -7,7 +7,6 @@ no edit here (docs/forking.md); its examples run through the whole contract belo
 bugs a fork plants fail the clause that names them. Then what only the paper's rows have: the
 decode kernel, the attention calls, generation, the source rule's worked counts, the paper's
 costs, clear errors."""
-import copy
 import itertools
 import math
 import re

@@ -231,7 +231,7 @@ def bug(*args, **kwargs):
 @pytest.mark.parametrize("script, module, name, argv", [
     ("sample.py", "checkpoint", "load_model", ["--init_from=RUN"]),
     ("lab/export.py", "checkpoint", "load_model", ["RUN", "OUT"]),
-    ("prepare_data.py", "data", "prepare", ["text", "--input", "meta.json"]),
+    ("prepare_data.py", "tokenizer", "get_tokenizer", ["text", "--input", "meta.json"]),
     ("train.py", "data", "load_meta", ["--dataset=x", "--out_dir=RUN"]),
 ])
 def test_a_bug_below_a_script_is_a_traceback_not_a_user_error(script, module, name, argv,

@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import data
 import prepare_data
 from configurator import DataError, MissingPackage
 from data import load_meta, read_tokens
@@ -172,15 +171,15 @@ def test_a_failed_run_leaves_the_previous_dataset_and_no_temporaries(tmp_path, m
     src = write_docs(tmp_path / "docs", DOCS)
     before = prepare(tmp_path / "out", "text", src)
     files = snapshot(before)
-    encode, calls = data._encode, []
+    encode, calls = prepare_data._encode, []
 
     def encode_then_die(task):
         calls.append(task)
         if len(calls) == 3:
             raise KeyboardInterrupt
         return encode(task)
-    monkeypatch.setattr(data, "CHUNK_CHARS", 1)  # one document a task: the failure is mid-file
-    monkeypatch.setattr(data, "_encode", encode_then_die)
+    monkeypatch.setattr(prepare_data, "CHUNK_CHARS", 1)  # one document a task: the failure is mid-file
+    monkeypatch.setattr(prepare_data, "_encode", encode_then_die)
     for name, force in [("text", True), ("fresh", False)]:
         calls.clear()
         with pytest.raises(KeyboardInterrupt):
@@ -192,7 +191,7 @@ def test_a_failed_run_leaves_the_previous_dataset_and_no_temporaries(tmp_path, m
 def test_a_finished_dataset_is_kept_unless_forced(tmp_path, monkeypatch, capsys):
     src = write_docs(tmp_path / "docs", DOCS)
     data_dir = prepare(tmp_path / "out", "text", src)
-    monkeypatch.setattr(data, "_encode", None)  # any tokenizing now would fail
+    monkeypatch.setattr(prepare_data, "_encode", None)  # any tokenizing now would fail
     assert prepare(tmp_path / "out", "text", src) == data_dir
     assert "already prepared; --force rebuilds it" in capsys.readouterr().out
     with open(data_dir / "train.bin", "ab") as f:

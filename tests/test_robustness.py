@@ -29,7 +29,7 @@ import tiktoken.registry
 import torch
 
 import checkpoint
-import data
+import prepare_data
 from checkpoint import load_model, read_checkpoint
 from configurator import CheckpointError, ConfigError, run_main
 from conftest import tiny_model
@@ -128,7 +128,7 @@ def other_tokenizer(w, mp):
 def no_tokenizer(w, mp):
     def loaded(*args):
         raise AssertionError("the tokenizer was loaded before the flags were checked")
-    mp.setattr(data, "get_tokenizer", loaded)
+    mp.setattr(prepare_data, "get_tokenizer", loaded)
     write("README.md", b"mine")(w, mp)
 
 
@@ -798,17 +798,16 @@ def test_every_script_first_imports_the_quiet_ctrl_c():
 # prepare_data.py whose tokenizer tasks never end: each worker marks its pid in the folder given
 # first, then waits, so a Ctrl-C sent once both have marked finds them inside a task.
 STUCK_PREPARE = """
-import os, runpy, signal, sys
+import os, signal, sys
 sys.path.insert(0, ".")
-import data
+import configurator, prepare_data
 marks = sys.argv.pop(1)
 def stuck(task):
     open(os.path.join(marks, str(os.getpid())), "w").close()
     signal.pause()  # Ctrl-C is ignored in a worker; the pool's terminate ends it
-stuck.__module__, stuck.__qualname__ = "data", "_encode"  # pickled by that name
-data._encode = stuck  # workers forked after this take it
-sys.argv = ["prepare_data.py", *sys.argv[1:]]
-runpy.run_path("prepare_data.py", run_name="__main__")
+stuck.__module__, stuck.__qualname__ = "prepare_data", "_encode"  # pickled by that name
+prepare_data._encode = stuck  # workers forked after this take it
+sys.exit(configurator.run_main(prepare_data.main, sys.argv[1:]))
 """
 
 
