@@ -15,8 +15,7 @@ from typing import Optional
 import torch
 
 from configurator import CheckpointError
-from model import DEPTH_MODES, GPT, ModelConfig
-from model import ConfigError as ModelConfigError
+from model import DEPTH_MODES, GPT, ConfigError, ModelConfig
 from tokenizer import from_record, get_tokenizer
 
 SHARDED = "ckpt.dcp"  # an FSDP run's checkpoint folder (lab/fsdp.py); ckpt.dcp.old during a save
@@ -101,10 +100,10 @@ def read_checkpoint(path, verify=None) -> dict:
 
 
 @dataclass
-class Loaded:
-    model: GPT  # in eval mode, on the device asked for
+class Loaded:  # the model, in eval mode on the device asked for, and where it came from
+    model: GPT
     tokenizer: object
-    source: str  # the file or folder the weights came from
+    source: str  # the file or folder
     step: Optional[int] = None  # training steps behind the weights (None: unknown)
     config: Optional[dict] = None  # a train.py run's config
 
@@ -114,7 +113,7 @@ def read_model(path):
     ckpt = read_checkpoint(path, ("model", "model_config", "files", "tokenizer", "tokenizer_json"))
     try:
         model = build_model(ckpt["model_config"])
-    except ModelConfigError as e:  # a stored config this code cannot build
+    except ConfigError as e:  # model.py's: a stored config this code cannot build
         raise CheckpointError(f"{path}: {e}") from None
     if "shards" in ckpt:  # whole tensors from an FSDP run's shards
         from lab.shards import read_shards

@@ -21,12 +21,10 @@ from torch.nn.attention.bias import causal_lower_right
 
 
 class ConfigError(ValueError):
-    """A config that describes no model; the message names the fix (configurator.ConfigError, the
-    scripts' user error, is one too)."""
+    """A config that describes no model; the message names the fix."""
 
 
-def need(ok: bool, message: str):
-    """A ConfigError with the message (which names the fix) unless ok: checks read as rules."""
+def need(ok: bool, message: str):  # a ConfigError unless ok: the checks read as rules
     if not ok:
         raise ConfigError(message)
 
@@ -181,9 +179,8 @@ def depth_mix(q, k, v, src_k, src_v, mode: DepthMode, rule=()):
 
 
 def weighted_sum(alpha, xs):
-    """sum_c alpha_c xs[c] in xs' dtype, one multiply-add in place per candidate (2x faster than
-    products and a sum, docs/cost.md), each reading a record where it lies: backward keeps the
-    records (alive for attention anyway), never a stacked copy of the candidates per layer."""
+    """sum_c alpha_c xs[c] in xs' dtype, a multiply-add in place per candidate (2x faster than a
+    stack and a sum, docs/cost.md): backward keeps the records, never a stacked copy per layer."""
     w = alpha.to(xs[0].dtype).unsqueeze(-1)                            # (B, n_kv_head, C, T, 1)
     out = w[:, :, 0] * xs[0]
     for c in range(1, len(xs)):
@@ -242,8 +239,7 @@ class KVCache:
 # ----------------------------------------------------------------------------- the decoder
 
 def rope_tables(config: ModelConfig, start: int, T: int, device, dtype):
-    """cos, sin (T, D) of positions start .. start+T-1 in the parameters' precision (accurate at
-    long positions; float64 in exact tests); apply_rope casts them."""
+    """cos, sin (T, D) of positions start .. start+T-1, float32 or wider; apply_rope casts them."""
     dims = torch.arange(0, config.head_dim, 2, device=device, dtype=dtype)
     inv_freq = 1.0 / config.rope_theta ** (dims / config.head_dim)             # (D/2,)
     freqs = torch.outer(torch.arange(start, start + T, device=device, dtype=dtype), inv_freq)
@@ -268,9 +264,9 @@ class RMSNorm(nn.Module):
 
 
 def causal_attention(q, k, v):
-    """Causal attention of q's T queries, the last T of k's S positions. Training, a prefill (is_causal)
-    and a decode step take no mask, so FlashAttention serves them; a chunk continuing a filled cache
-    takes causal_lower_right (docs/cost.md). is_causal stays a literal for torch.compile."""
+    """Causal attention of q's T queries, the last T of k's S positions. Training, a prefill
+    (is_causal) and a decode step take no mask, so FlashAttention serves them; a chunk continuing a
+    filled cache takes causal_lower_right (docs/cost.md). is_causal: a literal, for torch.compile."""
     T, S = q.shape[2], k.shape[2]
     if T == 1:
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
@@ -303,33 +299,30 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin, src_k, src_v, cache, e):
         """x: (B, T, n_embd) at effective layer e; src_k, src_v: its sources' records. Returns
-        (output, record): what this layer stored, which later depth steps read (section 2.4)."""
+        (output, record): what it stored, which later depth steps read (section 2.4)."""
         q, k, v = self.rotate(*self.project(x), cos, sin)                 # (B, heads, T, D)
         if src_k:  # the sources S(e) (ModelConfig.sources): none in vanilla and at layer 0
             k, v = self.depth_step(q, k, v, src_k, src_v, e)
         return self.store_and_attend(q, k, v, cache, e)
 
-    def project(self, x):
-        """q: (B, T, n_head, D); k, v: (B, T, n_kv_head, D)."""
+    def project(self, x):  # q: (B, T, n_head, D); k, v: (B, T, n_kv_head, D)
         B, T, _ = x.shape
         return (self.q_proj(x).view(B, T, self.n_head, self.head_dim),
                 self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim),
                 self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim))
 
-    def rotate(self, q, k, v, cos, sin):
-        """q/k-norm and RoPE; q, k, v come back (B, heads, T, D)."""
+    def rotate(self, q, k, v, cos, sin):  # q/k-norm and RoPE; q, k, v come back (B, heads, T, D)
         q = apply_rope(self.q_norm(q).transpose(1, 2), cos, sin)
         return q, self.position_key(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
 
-    def position_key(self, k, cos, sin):
-        """k_norm and RoPE of keys (B, n_kv_head, T, D) in the configured order."""
+    def position_key(self, k, cos, sin):  # k_norm and RoPE of keys in the configured order
         if self.k_norm_after_rope:  # RoPE keeps the RMS: the orders differ by k_norm's weight
             return self.k_norm(apply_rope(k, cos, sin))
         return apply_rope(self.k_norm(k), cos, sin)
 
     def depth_step(self, q, k, v, src_k, src_v, e):
-        """k, v mixed with the sources' records as the layer's row of DEPTH_MODES says."""
-        # a decode step's one-call kernel (the same mix, faster) has no alpha for capture()
+        """k, v mixed with the sources' records as the layer's row of DEPTH_MODES says; a decode
+        step's one-call kernel (the same mix, faster) has no alpha for weights_sink."""
         if self.mode.decode_kernel and q.shape[2] == 1 and self.weights_sink is None:
             return depth_mix_one(q, k, v, src_k, src_v, self.mode)
         rule = () if self.depth_params is None else (self.depth_params, e)

@@ -1,13 +1,9 @@
 """
-Every file a script writes, by one rule: a script writes only into a folder that is new, empty or
-carries its manifest, `.written_by.json`, naming the script and the files it wrote there, and
---overwrite removes only those; any other file is the user's, kept or named in a refusal, never
-deleted. A folder the command reads (its --init_from, the run it exports, a corpus) is never its
-target, nor a folder holding one. A file is written whole or not at all (a temporary, then a
-rename), and a full disk is one error naming the path and the space needed (DiskFull).
-
-    folder = claim(out_dir, "train.py", "--out_dir", RUN_FILES, sources=[("--init_from", src)])
-    folder.record()        # the manifest first, then the files it names
+Every file a script writes, by one rule: only into a folder that is new, empty or carries its
+manifest, `.written_by.json`, naming the script and the files it wrote there (`claim`); --overwrite
+removes only those, any other file is the user's, never deleted; never into a folder the command
+reads. A file is written whole or not at all (a temporary, then a rename), and a full disk is one
+error naming the path and the space it needs (DiskFull).
 """
 import errno
 import json
@@ -36,8 +32,7 @@ class DiskFull(UserError):
                          f"another path")
 
 
-def mark(script) -> str:
-    """What a script writes into its results ("written_by") and manifests."""
+def mark(script) -> str:  # a script's results ("written_by") and manifests carry it
     return f"{script}, Depth-Attention"
 
 
@@ -112,8 +107,7 @@ def save_checkpoint(obj, path):
     fsync_dir(path.parent)
 
 
-def fsync_dir(folder):
-    """Make a rename inside folder durable."""
+def fsync_dir(folder):  # a rename inside it, durable
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -143,12 +137,12 @@ def manifest(folder) -> dict:
 
 
 def listing(names, most=4) -> str:
-    return ", ".join(names[:most]) + (f" and {len(names) - most} more" if len(names) > most else "")
+    return ", ".join(names[:most]) + f" and {len(names) - most} more" * (len(names) > most)
 
 
 class Folder:
-    """A folder claim() let script write; names: its manifest's files, which (with their killed
-    writes, NAME.tmp<pid> and NAME.old<pid>) are its own; foreign: every other name in it."""
+    """A folder claim() let script write; names: its manifest's files, its own with their killed
+    writes (NAME.tmp<pid>, NAME.old<pid>); foreign: every other name in it."""
 
     def __init__(self, path: Path, script, flag, names):
         self.path, self.script, self.flag, self.names = path, script, flag, sorted(set(names))
@@ -181,15 +175,13 @@ class Folder:
             print(f"--overwrite kept {listing(self.foreign)} in {self.path}: {self.script} did "
                   f"not write {'it' if len(self.foreign) == 1 else 'them'}")
 
-    def refuse_foreign(self):
-        """A folder replaced whole must hold nothing but its own files."""
+    def refuse_foreign(self):  # a folder replaced whole holds nothing but its own files
         if self.foreign:
             raise ConfigError(f"{self.flag}={self.path} holds {listing(self.foreign)}, which "
                               f"{self.script} did not write; move those out first")
 
 
-def seal(tmp, script):
-    """The manifest of a folder written whole at tmp, before it is renamed into place."""
+def seal(tmp, script):  # the manifest of a folder written whole at tmp, before its rename
     Folder(Path(tmp), script, "", [p.name for p in Path(tmp).iterdir()]).record()
 
 
@@ -293,10 +285,9 @@ def run_folder(out_dir, resuming, init_from=""):
 
 
 def lock_run_folder(out_dir, resuming, overwrite, init_from=""):
-    """Create out_dir with its manifest and lock it for this process's life (flock: the kernel
-    releases it when the process dies, so a killed run never blocks the next). A second run into
-    the folder is refused; a fresh start over a checkpoint needs overwrite, which deletes only the
-    files train.py wrote. Returns the open lock file."""
+    """out_dir with its manifest, locked for this process's life (flock: released when the process
+    dies, so a killed run never blocks the next; a second run is refused); a fresh start over a
+    checkpoint needs overwrite, which deletes only train.py's files. Returns the open lock."""
     import fcntl  # POSIX, as train.py
     folder = run_folder(out_dir, resuming, init_from)
     folder.record()
@@ -312,8 +303,7 @@ def lock_run_folder(out_dir, resuming, overwrite, init_from=""):
         raise CheckpointError(f"cannot write to --out_dir={out} ({e.strerror}); pick a writable "
                               f"folder") from e
     lock.truncate(0)
-    lock.write(f"pid {os.getpid()}\n")
-    lock.flush()
+    print(f"pid {os.getpid()}", file=lock, flush=True)
     for torn in out.glob("ckpt.pt.tmp*"):  # a write cut short by a kill; no other writer
         torn.unlink()
     shutil.rmtree(out / "ckpt.dcp.tmp", ignore_errors=True)

@@ -26,7 +26,7 @@ import signal
 import subprocess
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Optional, get_args
@@ -103,14 +103,12 @@ def dataclass_keys(cls, **defaults) -> dict:
                         kind=(get_args(f.type) or (None,))[0]) for f in fields(cls)}
 
 
-
 def read_config_file(path, known, _seen=()) -> dict:
     """The assignments of a config file (after its base_config's), each a key of known: configs/
     holds train.py's (bench_cache.py and lab/ablate.py read them too)."""
     path = Path(path).expanduser()
     if not path.is_file():
-        near = nearest(path.name, [p.name for p in path.parent.glob("*.py")]) \
-            if path.parent.is_dir() else None
+        near = nearest(path.name, [p.name for p in path.parent.glob("*.py")])
         raise ConfigError(f"config file {path} not found; " + (
             f"did you mean {path.with_name(near)}?" if near else "configs/ holds the shipped ones"))
     if path.resolve() in _seen:
@@ -119,8 +117,7 @@ def read_config_file(path, known, _seen=()) -> dict:
     try:
         exec(compile(path.read_bytes().decode("utf-8"), str(path), "exec"), {}, scope)
     except UnicodeDecodeError as e:
-        raise ConfigError(f"config file {path} is not UTF-8 (byte {e.start}); save it as UTF-8") \
-            from None
+        raise ConfigError(f"config file {path} is not UTF-8 (byte {e.start}); save it so") from None
     except Exception as e:  # a syntax error or a failing expression: the file's line
         tb = e.__traceback__
         while tb and tb.tb_frame.f_code.co_filename != str(path):
@@ -195,8 +192,8 @@ def main(argv):
     lock = lock_run_folder(cfg["out_dir"], ckpt is not None, cfg["overwrite"],
                            cfg["init_from"]) if proc.master else None  # held until the exit
     if proc.master and ckpt is None:  # as nanoGPT: the keys off their defaults
-        keys = table(cfg.keys() != table().keys())
-        print("\n".join(f"{k} = {v!r}" for k, v in cfg.items() if v != keys[k].default))
+        print("\n".join(f"{k} = {v!r}" for k, v in cfg.items()
+                        if v != table(cfg.keys() != table().keys())[k].default))
     run = start(cfg, ckpt, init, proc)
     del ckpt, init
     stopped_by = train_loop(run)
@@ -222,8 +219,13 @@ def open_data(cfg, master):
             hint = f"did you mean --dataset={near}? else " if near else ""
             raise DataError(f"no prepared data at {data_dir}: {hint}run `python prepare_data.py "
                             f"SOURCE --name {cfg['dataset']} --out_dir {cfg['data_root']}` first")
-        if master:  # the README's first command, run for the user: its own process and lines
-            prepare_shakespeare(cfg["data_root"])
+        if master:  # the README's first command, in a process of its own (its tokenizer pool
+            handler = signal.signal(signal.SIGINT, signal.SIG_IGN)  # never forks this one; a
+            code = subprocess.run([sys.executable, Path(__file__).with_name("prepare_data.py"),
+                                   "shakespeare", f"--out_dir={cfg['data_root']}"]).returncode
+            signal.signal(signal.SIGINT, handler)  # Ctrl-C meanwhile is its one line, its status)
+            if code:
+                sys.exit(code)
         if dist.is_initialized():
             dist.barrier()
     meta = load_meta(data_dir)
@@ -233,20 +235,6 @@ def open_data(cfg, master):
             raise DataError(f"{data_dir}/{split}.bin has {len(data)} tokens, but a window needs "
                             f"block_size + 1 = {cfg['block_size'] + 1}; lower --block_size")
     return data_dir, meta, train, val
-
-
-def prepare_shakespeare(data_root):
-    """`python prepare_data.py shakespeare --out_dir=DATA_ROOT`, in a child process (its pool of
-    tokenizer processes never forks this one, torch loaded); Ctrl-C and its errors are its own
-    one line, and this process exits with its status."""
-    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # the child answers Ctrl-C
-    try:
-        code = subprocess.run([sys.executable, str(Path(__file__).with_name("prepare_data.py")),
-                               "shakespeare", f"--out_dir={data_root}"]).returncode
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if code:
-        sys.exit(code)
 
 
 def train_offsets(seed, step, n_rows, n_tokens, T):
@@ -288,9 +276,8 @@ def build(cfg, meta, data_dir, ckpt, init):
 
 
 def make_optimizer(model, cfg, device):
-    """AdamW, weight decay on matrices only. A module declaring `optimizer_group` (LIMe's routers)
-    puts its parameters in a group of their own: its AdamW options, and as lr_mult a multiple of
-    the scheduled lr (a number, or a key of cfg)."""
+    """AdamW, decay on matrices only; a module's `optimizer_group` (LIMe's routers) is a group of
+    its own: its options, and lr_mult, a multiple of the scheduled lr (a number, or a key of cfg)."""
     declared = {}  # the declaration (as a key) -> its parameters, in the modules' order
     for module in model.modules():
         if hasattr(module, "optimizer_group"):
@@ -331,18 +318,14 @@ class Process:
     device: str
     bf16: bool
     distributed: bool
-
-    @property
-    def master(self) -> bool:
-        return self.rank == 0
+    master = property(lambda self: self.rank == 0)
 
     def autocast(self):
-        return torch.autocast(self.device.split(":")[0], torch.bfloat16) if self.bf16 \
-            else nullcontext()
+        return torch.autocast(self.device.split(":")[0], torch.bfloat16) if self.bf16 else nullcontext()
 
 
 def setup_process(cfg) -> Process:
-    """Join torchrun's process group when RANK is set; this process's device and precision."""
+    """Join torchrun's process group (RANK set); this process's device and precision."""
     distributed = "RANK" in os.environ
     device = resolve_device(cfg["device"], int(os.environ.get("LOCAL_RANK", 0)) if distributed
                             else None)
@@ -389,9 +372,8 @@ class Parallel:
 
 
 class StopSignals:
-    """Ctrl-C and SIGTERM (a scheduler's, before preemption) ask the run to stop: the step in
-    flight finishes, a checkpoint is written, the exit is 128 + the signal. A second Ctrl-C stops
-    at once (KeyboardInterrupt: the last checkpoint stays)."""
+    """Ctrl-C or SIGTERM (a scheduler's) stops the run after the step in flight, with a checkpoint,
+    exit 128 + the signal; a second Ctrl-C at once (KeyboardInterrupt: the last checkpoint stays)."""
 
     def __init__(self):
         self.received = 0
@@ -416,9 +398,8 @@ class StopSignals:
 @dataclass
 class Run:
     """What the loop works on. par: the model's DDP/FSDP form, fwd its forward (maybe compiled);
-    val_offsets: the fixed validation windows; mb, accum, rows: the micro batch, micro-steps a
-    step, sequences a step; record: what describes the run in every checkpoint; t0: when it began
-    (less earlier invocations'); first: (step, time) of this invocation's first step."""
+    mb, accum, rows: the micro batch, micro-steps and sequences a step; record: what describes the
+    run in every checkpoint; t0: when it began; first: (step, time) of this invocation's first."""
     cfg: dict
     proc: Process
     model: torch.nn.Module
@@ -432,7 +413,7 @@ class Run:
     accum: int
     rows: int
     record: dict
-    flops_per_token: float  # 6N + attention's, for MFU
+    mfu: float  # MFU per token a second: 6N + attention's FLOPs / the devices' peak (0: unknown)
     t0: float
     wandb: object = None
     step: int = 0
@@ -447,8 +428,8 @@ class Run:
 
 
 def batch_layout(cfg, world):
-    """(micro_batch, accumulation steps, rows): rows = batch_tokens / block_size sequences a
-    step, each rank rows / world in passes of micro_batch (any layout: the same run to rounding)."""
+    """(micro_batch, micro-steps, rows): rows = batch_tokens / block_size sequences a step, a rank
+    rows / world in passes of micro_batch (any layout: the same run, to float rounding)."""
     T, tokens = cfg["block_size"], cfg["batch_tokens"]
     if tokens % (T * world):
         near = max(1, round(tokens / (T * world))) * T * world
@@ -469,6 +450,9 @@ def start(cfg, ckpt, init, proc) -> Run:
     data_dir, meta, train, val = open_data(cfg, proc.master)
     model = build(cfg, meta, data_dir, ckpt, init).to(proc.device)
     c, T = model.config, cfg["block_size"]  # (before FSDP shards it: the whole model)
+    name = torch.cuda.get_device_name(proc.device) if proc.device.startswith("cuda") else ""
+    peak = cfg["peak_flops"] or max(((len(k), v) for k, v in GPU_PEAK_FLOPS.items() if k in name),
+                                    default=(0, 0))[1]  # the longest name that matches
     flops = 6 * model.num_params() * c.n_loops + 12 * c.n_eff_layer * c.n_head * c.head_dim * T
     if cfg["activation_checkpointing"]:  # each unit recomputed in the backward pass
         from baselines import wrap_units
@@ -479,7 +463,8 @@ def start(cfg, ckpt, init, proc) -> Run:
               np.linspace(0, len(val) - T - 1, cfg["eval_seqs"]).round().astype(np.int64), mb,
               accum, rows, {"config": {**cfg, "resumes": ckpt["resumes"] if ckpt else []},
                             "model_config": asdict(c), **tokenizer_record(meta["tokenizer"]),
-                            "data_dir": str(data_dir)}, flops, time.monotonic())
+                            "data_dir": str(data_dir)}, flops / (peak * proc.world) if peak else 0,
+              time.monotonic())
     if ckpt is not None:
         from lab.continued import restore
         restore(run, ckpt)
@@ -493,8 +478,7 @@ def start(cfg, ckpt, init, proc) -> Run:
 
 
 def train_loop(run: Run) -> int:
-    """Steps to max_iters, evaluating and saving as the config says. Returns the signal that stopped
-    the run (SIGINT, SIGTERM: after a checkpoint of the step reached), else 0."""
+    """Steps to max_iters, evaluating and saving as cfg says; the signal that stopped it, else 0."""
     cfg, proc = run.cfg, run.proc
     every_ckpt = cfg["eval_interval"] if cfg["ckpt_interval"] is None else cfg["ckpt_interval"]
     if run.step == 0 and cfg["eval_interval"] > 0:
@@ -538,7 +522,7 @@ def one_step(run: Run) -> float:
                          run.model.config.vocab_size) for m in range(run.accum))
     loss, grad_norm = train_step(run.fwd, run.par, batches, run.accum, cfg["grad_clip"], proc)
     if not math.isfinite(loss + grad_norm):  # before the update reaches the weights
-        raise Diverged(run.step + 1, f"train_loss {loss}, grad_norm {grad_norm}", lr,
+        raise diverged(run.step + 1, f"train_loss {loss}, grad_norm {grad_norm}", lr,
                        run.last_ckpt)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
@@ -549,15 +533,12 @@ def one_step(run: Run) -> float:
     record = {"kind": "train", "step": run.step, "train_loss": loss, "lr": lr,
               "grad_norm": grad_norm, "tok_per_s": cfg["batch_tokens"] / (now - t0),
               "elapsed_s": time.monotonic() - run.t0, "eta_s": pace * (cfg["max_iters"] - run.step)}
-    name = torch.cuda.get_device_name(proc.device) if proc.device.startswith("cuda") else ""
-    peak = cfg["peak_flops"] or max(((len(k), v) for k, v in GPU_PEAK_FLOPS.items() if k in name),
-                                    default=(0, 0))[1]  # the longest name that matches
-    if peak:
-        record["mfu"] = run.flops_per_token * record["tok_per_s"] / (peak * proc.world)
+    if run.mfu:
+        record["mfu"] = run.mfu * record["tok_per_s"]
     if proc.master:
         log(run, record)
         if run.step % cfg["log_interval"] == 0 or run.step == cfg["max_iters"]:
-            mfu = f" | mfu {100 * record['mfu']:.1f}%" if peak else ""
+            mfu = f" | mfu {100 * record['mfu']:.1f}%" if run.mfu else ""
             tqdm.write(f"step {run.step}/{cfg['max_iters']} | train_loss {loss:.4f} | lr "
                        f"{lr:.2e} | grad_norm {grad_norm:.3f} | tok/s {record['tok_per_s']:.0f}"
                        f"{mfu} | eta {clock(record['eta_s'])}")
@@ -579,12 +560,11 @@ def train_step(fwd, par, batches, accum, grad_clip, proc):
     return loss_sum.item() / (accum * proc.world), par.clip(grad_clip)
 
 
-class Diverged(UserError):
-    def __init__(self, step, what, lr, saved):
-        super().__init__(f"training diverged at step {step} ({what}, lr {lr:.3g}); " + (
-            f"its last checkpoint (step {saved}) is kept: lower --learning_rate and continue it "
-            f"with --resume=True, or start over with --overwrite=True" if saved is not None
-            else "rerun with a lower --learning_rate"))
+def diverged(step, what, lr, saved) -> UserError:
+    return UserError(f"training diverged at step {step} ({what}, lr {lr:.3g}); " + (
+        f"its last checkpoint (step {saved}) is kept: lower --learning_rate and continue it with "
+        f"--resume=True, or start over with --overwrite=True" if saved is not None
+        else "rerun with a lower --learning_rate"))
 
 
 def clock(seconds) -> str:
@@ -594,9 +574,9 @@ def clock(seconds) -> str:
 
 @torch.no_grad()
 def evaluation(run: Run):
-    """The mean validation loss over the fixed windows (each rank its slice, summed in float64)
-    and each layer's mean depth weight on each candidate (Figure 3's numbers), logged. Every rank
-    runs as many forwards (FSDP gathers with all): one short of windows rescores, uncounted."""
+    """The mean validation loss over the fixed windows (each rank its slice, summed in float64) and
+    each layer's mean depth weight on each candidate (Figure 3), logged. Every rank runs as many
+    forwards (FSDP gathers with all): one short of windows rescores one, uncounted."""
     proc, model, offsets, T = run.proc, run.model, run.val_offsets, run.cfg["block_size"]
     model.eval()
     mine = np.array_split(offsets, proc.world)[proc.rank]
@@ -630,22 +610,17 @@ def evaluation(run: Run):
         tqdm.write(f"eval step {run.step} | val_loss {val_loss:.4f}")
 
 
-class capture_depth_weights:
+@contextmanager
+def capture_depth_weights(model):
     """Within: {effective layer e: (S(e), alpha (B, n_kv_head, C, T) float32)} of every forward
     (the decode kernel, which computes none, off); empty for a model without per-token weights."""
-
-    def __init__(self, model):
-        self.model, self.sink = model, {}
-        self.attns = [m for m in model.modules() if isinstance(m, Attention)]
-
-    def __enter__(self):
-        for m in self.attns:
-            m.weights_sink = lambda e, alpha: self.sink.__setitem__(
-                e, (self.model.depth_sources[e], alpha.detach()))
-        return self.sink
-
-    def __exit__(self, *exc):
-        for m in self.attns:
+    sink, attns = {}, [m for m in model.modules() if isinstance(m, Attention)]
+    for m in attns:
+        m.weights_sink = lambda e, alpha: sink.__setitem__(e, (model.depth_sources[e], alpha.detach()))
+    try:
+        yield sink
+    finally:
+        for m in attns:
             m.weights_sink = None
 
 
@@ -677,7 +652,7 @@ def save(run: Run, lr):
     if run.proc.distributed:  # every rank's shard
         dist.all_reduce(finite, op=dist.ReduceOp.MIN)
     if not finite:
-        raise Diverged(run.step, "non-finite weights", lr, run.last_ckpt)
+        raise diverged(run.step, "non-finite weights", lr, run.last_ckpt)
     kind, key, pos, has_gauss, gauss = np.random.get_state()
     state = {"step": run.step, "best_val_loss": run.best_val, **run.record,
              "rng": {"python": random.getstate(), "torch": torch.get_rng_state(),
@@ -700,8 +675,8 @@ def save(run: Run, lr):
 
 
 def finish(run: Run, stopped_by):
-    """A finished run's sample (from the prompt or end-of-text; FSDP: every rank generates, its
-    cache bf16 under mixed precision), and the last line: where the checkpoint is."""
+    """A finished run's sample (FSDP: every rank generates, a bf16 cache under mixed precision),
+    and the last line: where the checkpoint is."""
     cfg, proc, device = run.cfg, run.proc, run.proc.device
     if cfg["sample_tokens"] and run.step == cfg["max_iters"] and (proc.master or
                                                                   run.par.mode == "fsdp"):
