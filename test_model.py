@@ -257,8 +257,8 @@ def test_contract_compiles_in_one_graph(variant):
     torch._dynamo.reset()  # every variant is a new graph of GPT.forward: no recompile limit
     compiled = torch.compile(model, backend="eager", fullgraph=True)
     idx = torch.randint(0, 257, (2, 8))
-    with torch.no_grad():
-        for T in (8, 6):
+    with torch.no_grad():  # a second length (a symbolic one) for Depth-Attention's own row
+        for T in (8, 6) if variant == "value" else (8,):
             assert torch.equal(compiled(idx[:, :T], idx[:, :T])[1], model(idx[:, :T], idx[:, :T])[1])
 
 

@@ -38,7 +38,7 @@ def test_the_readme_first_commands_load_a_small_core(tmp_path):
     """python train.py (a few steps, on a fresh data folder: Shakespeare prepared on first use)
     and python sample.py on its run. The README states these figures."""
     data, out = tmp_path / "data", tmp_path / "out"
-    runs = {"train.py": loaded("train.py", "--max_iters=2", "--eval_interval=2",
+    runs = {"train.py": loaded("train.py", "--max_iters=2", "--eval_interval=2", "--eval_seqs=4",
                                f"--data_root={data}", f"--out_dir={out}", "--sample_tokens=8"),
             "sample.py": loaded("sample.py", f"--init_from={out}", "--max_new_tokens=8")}
     for script, files in runs.items():
