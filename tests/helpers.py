@@ -8,12 +8,14 @@ test_model.py. The naive reference is the other shared module, tests/reference.p
 keeps the tiny models (tiny_config, tiny_model, tiny_variant) and data_root.
 """
 import contextlib
+import functools
 import gc
 import hashlib
 import io
 import json
 import os
 import runpy
+import shutil
 import subprocess
 import sys
 import traceback
@@ -138,8 +140,10 @@ def eval_losses(out_dir):
 
 
 def max_diff(a, b):
-    """The largest difference between two read_log results, which must have logged the same
-    steps."""
+    """The largest difference of two tensors, or of two read_log results (which must have logged
+    the same steps)."""
+    if isinstance(a, torch.Tensor):
+        return (a - b).abs().max().item()
     assert a.keys() == b.keys(), f"different steps logged: {sorted(a.keys() ^ b.keys())}"
     return max(abs(a[k] - b[k]) for k in a)
 
@@ -259,3 +263,58 @@ def contract_variants(source_cases):
                    for name in ATTENTIONS if name != "standard"
                    for plus, mode in (("", "vanilla"), ("+value", "value"))}}
     return {name: {**keys, **shapes.get(name, {})} for name, keys in variants.items()}
+
+
+# ----------------------------------------------------------------------------- the course's grader
+# course/ is imported inside these functions only, so that the rest of the suite runs without it.
+
+def grade_cli(copy, *args, grader=ROOT, ok=True):
+    """`python course/grade.py copy --json=...` of grader's tree: (printed, its JSON, the process);
+    ok: it must exit 0. Never a traceback."""
+    out = copy.parent / f"{copy.name}.grade.json"  # beside the copy, never in the repository
+    proc = subprocess.run([sys.executable, str(grader / "course" / "grade.py"), str(copy),
+                           f"--json={out}", *args], cwd=grader, env=ENV, capture_output=True,
+                          text=True, timeout=600)
+    assert "Traceback" not in proc.stderr + proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == 0 or not ok, proc.stdout + proc.stderr
+    return proc.stdout, json.loads(out.read_text()) if out.is_file() else None, proc
+
+
+@contextlib.contextmanager
+def grading_here():
+    """Gradings in this process (grade_py.grade: a grader's start is most of a small grading),
+    their hidden scenarios drawn once for all, as --seed would (the reference's outputs are the
+    rest), leaving it as it was: the reference's extra row of DEPTH_MODES, torch's threads."""
+    import model
+    from course import grade as grade_py
+    threads, reference = torch.get_num_threads(), grade_py.reference
+    drawn = functools.cache(lambda: reference(0))  # every test's scenarios, seed 0
+    grade_py.reference = lambda seed, names: drawn()
+    try:
+        yield
+    finally:
+        grade_py.reference = reference
+        torch.set_num_threads(threads)
+        for table in (model.DEPTH_MODES, model.DEFAULT_STRIDES):
+            table.pop("own_stride", None)
+
+
+def earned(result):
+    return {e["problem"]: e["earned"] for e in result["problems"] if e["graded"]}
+
+
+def failing(result):
+    """{problem: the names of its failing tests} for the problems with one."""
+    return {e["problem"]: {t["test"] for t in e["tests"] if t["why"] is not None}
+            for e in result["problems"] if e["graded"] and e["earned"] < e["points"]}
+
+
+def copy_repository(where):
+    """The repository's files as they are, untracked ones too (an instructor's working tree)."""
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
+                           capture_output=True, check=True).stdout.decode().split("\0")
+    for f in filter(None, files):
+        if (ROOT / f).is_file():
+            (where / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / f, where / f)
+    return where

@@ -3,7 +3,6 @@ the default, each key's range, choice, kind and path rule, None only where it me
 config files (in order, base_config), positionals and lists, ~ expanded, the nearest key or file
 named for a slip; a user error is one line and exit 2 from every script, a bug a traceback; the
 shipped config files resolve."""
-import gc
 
 import pytest
 import torch
@@ -38,15 +37,6 @@ PARSE = {"train.py": train.parse_args, "bench_cache.py": bench_cache.parse_args,
 # a value each rule refuses
 OUTSIDE = {"> 0": 0, ">= 0": -1, ">= 1": 0, "in [0, 1)": 1, "in [0, 1]": 2, "in (0, 0.5]": 0.9,
            "in [0, 2**63)": 2**63}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _frozen_heap():
-    """helpers.cli's gc.collect() walks every object torch made (0.25 s a call); frozen, only
-    what this module makes."""
-    gc.freeze()
-    yield
-    gc.unfreeze()
 
 
 def test_values_are_typed_like_the_default_in_either_spelling(tmp_path):

@@ -6,8 +6,6 @@ another way full, each wrong solution the tests of its own problem that catch it
 crash or an endless loop only the test it is in; the report, --json and one-line refusals. What an
 instructor can trust of the grader (attacks, problem 5's forgeries): tests/test_course_trust.py."""
 import ast
-import contextlib
-import functools
 import json
 import shutil
 import subprocess
@@ -16,15 +14,13 @@ import textwrap
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import torch
 
-import model
 from configurator import run_main
 from course import grade as grade_py
 from course import make as make_py
 from course.make import LEFT_OUT, WITHHELD_PAGES, replace_bodies, stubs
 from course.problems import EXPERIMENT, EXPERIMENT_COMMAND, GRADED, MARKER, PROBLEMS
-from helpers import ENV, ROOT
+from helpers import ENV, ROOT, copy_repository, earned, failing, grade_cli, grading_here
 from outputs import mark
 
 CODE = [p for p in GRADED if p.functions]  # problems 1-4
@@ -142,45 +138,6 @@ DIFFERENT = {
 
 
 # ----------------------------------------------------------------------------- helpers
-
-def grade_cli(copy, *args, grader=ROOT, ok=True):
-    """`python course/grade.py copy --json=...` of grader's tree: (printed, its JSON, the process);
-    ok: it must exit 0. Never a traceback."""
-    out = copy.parent / f"{copy.name}.grade.json"  # beside the copy, never in the repository
-    proc = subprocess.run([sys.executable, str(grader / "course" / "grade.py"), str(copy),
-                           f"--json={out}", *args], cwd=grader, env=ENV, capture_output=True,
-                          text=True, timeout=600)
-    assert "Traceback" not in proc.stderr + proc.stdout, proc.stdout + proc.stderr
-    assert proc.returncode == 0 or not ok, proc.stdout + proc.stderr
-    return proc.stdout, json.loads(out.read_text()) if out.is_file() else None, proc
-
-
-@contextlib.contextmanager
-def grading_here():
-    """Gradings in this process (grade_py.grade: a grader's start is most of a small grading),
-    their hidden scenarios drawn once for all, as --seed would (the reference's outputs are the
-    rest), leaving it as it was: the reference's extra row of DEPTH_MODES, torch's threads."""
-    threads, reference = torch.get_num_threads(), grade_py.reference
-    drawn = functools.cache(lambda: reference(0))  # every test's scenarios, seed 0
-    grade_py.reference = lambda seed, names: drawn()
-    try:
-        yield
-    finally:
-        grade_py.reference = reference
-        torch.set_num_threads(threads)
-        for table in (model.DEPTH_MODES, model.DEFAULT_STRIDES):
-            table.pop("own_stride", None)
-
-
-def earned(result):
-    return {e["problem"]: e["earned"] for e in result["problems"] if e["graded"]}
-
-
-def failing(result):
-    """{problem: the names of its failing tests} for the problems with one."""
-    return {e["problem"]: {t["test"] for t in e["tests"] if t["why"] is not None}
-            for e in result["problems"] if e["graded"] and e["earned"] < e["points"]}
-
 
 def full(*numbers):
     return {p.number: p.points for p in PROBLEMS if p.number in numbers}
@@ -443,12 +400,7 @@ def tree(tmp_path_factory):
     """The repository as it is (its untracked files too), committed to a git repository of its
     own, with an untracked scratch file."""
     tree = tmp_path_factory.mktemp("instructor") / "tree"
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
-                           capture_output=True, check=True).stdout.decode().split("\0")
-    for f in filter(None, files):
-        if (ROOT / f).is_file():
-            (tree / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / f, tree / f)
+    copy_repository(tree)
     git = ["git", "-c", "user.name=course", "-c", "user.email=course@example.com"]
     for args in (["init", "-q"], ["add", "-A"], ["commit", "-q", "-m", "the instructor's tree"]):
         subprocess.run([*git, *args], cwd=tree, check=True, capture_output=True)

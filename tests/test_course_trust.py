@@ -6,14 +6,11 @@ its own harness scores nothing by it, one case per kind; problem 5 re-evaluates 
 checkpoints, so runs written without training score 0, and honest ones pass; damaged fixtures and
 a missing sandbox are refused in one line."""
 import compileall
-import contextlib
-import functools
 import json
 import math
 import os
 import shutil
 import subprocess
-import sys
 import sysconfig
 import tempfile
 import textwrap
@@ -36,7 +33,7 @@ from lab import ablate
 from course import grade as grade_py
 from course.make import replace_bodies, stubs
 from course.problems import EXPERIMENT, FIXTURES, GRADED, MARKER
-from helpers import ENV, ROOT
+from helpers import ROOT, copy_repository, earned, failing, grade_cli, grading_here
 from outputs import save_checkpoint
 
 TESTS = {p.number: {name for name, _ in p.tests} for p in GRADED}
@@ -44,44 +41,6 @@ MARKER_ARG = "course-attack-grandchild"  # in a grandchild's command line: seen 
 
 
 # ----------------------------------------------------------------------------- helpers
-
-def grade_cli(copy, *args, grader, ok=True):
-    """`python course/grade.py copy --json=...` of grader's tree: (printed, its JSON, the process);
-    ok: it must exit 0. Never a traceback."""
-    out = copy.parent / f"{copy.name}.grade.json"
-    proc = subprocess.run([sys.executable, str(grader / "course" / "grade.py"), str(copy),
-                           f"--json={out}", *args], cwd=grader, env=ENV, capture_output=True,
-                          text=True, timeout=600)
-    assert "Traceback" not in proc.stderr + proc.stdout, proc.stdout + proc.stderr
-    assert proc.returncode == 0 or not ok, proc.stdout + proc.stderr
-    return proc.stdout, json.loads(out.read_text()) if out.is_file() else None, proc
-
-
-@contextlib.contextmanager
-def grading_here():
-    """Gradings in this process (grade_py.grade: a grader's start is most of a small grading),
-    their hidden scenarios drawn once for all, as --seed would (the reference's outputs are the
-    rest), leaving it as it was: the reference's extra row of DEPTH_MODES, torch's threads."""
-    threads, reference = torch.get_num_threads(), grade_py.reference
-    drawn = functools.cache(lambda: reference(0))  # every test's scenarios, seed 0
-    grade_py.reference = lambda seed, names: drawn()
-    try:
-        yield
-    finally:
-        grade_py.reference = reference
-        torch.set_num_threads(threads)
-        for table in (model.DEPTH_MODES, model.DEFAULT_STRIDES):
-            table.pop("own_stride", None)
-
-
-def earned(result):
-    return {e["problem"]: e["earned"] for e in result["problems"] if e["graded"]}
-
-
-def failing(result):
-    return {e["problem"]: {t["test"] for t in e["tests"] if t["why"] is not None}
-            for e in result["problems"] if e["graded"] and e["earned"] < e["points"]}
-
 
 def attack_copy(where, prefix="", suffix="", bodies=None):
     """A folder with the repository's model.py, every function a stub (bodies None) or these
@@ -318,12 +277,7 @@ HOLD = {"weighted_sum": """
 def instructor(where):
     """The repository's files as they are (untracked ones too): an instructor's tree that graded
     code may try to rewrite, its grader's bytecode written (a target)."""
-    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=ROOT,
-                           capture_output=True, check=True).stdout.decode().split("\0")
-    for f in filter(None, files):
-        if (ROOT / f).is_file():
-            (where / f).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(ROOT / f, where / f)
+    copy_repository(where)
     compileall.compile_dir(where / "course", quiet=1)
     return where
 

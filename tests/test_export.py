@@ -20,7 +20,7 @@ from baselines import make_config
 from checkpoint import load_model
 from conftest import tiny_model
 from configurator import CheckpointError
-from helpers import (ENV, ROOT, assert_one_error_line, cli, make_tokenizer_json,
+from helpers import (ENV, ROOT, assert_one_error_line, cli, make_tokenizer_json, max_diff,
                      write_authors_folder)
 from lab.export import save_pretrained
 from lab.hf import REMOTE_ARCH, config_from_hf, from_pretrained, shared_names
@@ -28,6 +28,7 @@ from outputs import MANIFEST, save_checkpoint, seal
 from tokenizer import get_tokenizer, tokenizer_record
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures("one_thread")
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 SIZE = dict(vocab_size=257, block_size=64, n_layer=4, n_embd=32, n_head=4, n_kv_head=2,
@@ -42,19 +43,6 @@ MODES = {"value": dict(depth_mode="value", depth_stride=2),
          "vanilla": dict(depth_mode="vanilla")}
 TOL = 1e-5  # float32 on both sides, and the same code: any drift is a bug, not rounding
 BYTES = get_tokenizer("bytes")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Models this small run several times faster on one thread than on threads that wait."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def max_diff(a, b):
-    return (a - b).abs().max().item()
 
 
 def export(root, mode, tokenizer=None, dtype=torch.float32, **overrides):

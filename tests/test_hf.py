@@ -23,24 +23,12 @@ from configurator import CheckpointError, DataError
 from data import load_meta, read_tokens
 from helpers import (ENV, HIGH_ID, QWEN3_EOT, QWEN3_VOCAB, ROOT, TINY_SHORT, WORDS,
                      assert_one_error_line, cli, eval_losses, log_records, make_tokenizer_json,
-                     qwen3_tokenizer, read_log, train, write_authors_folder)
+                     max_diff, qwen3_tokenizer, read_log, train, write_authors_folder)
 from lab.hf import HFTokenizer, from_pretrained, looks_like_hub_id
 from reference import reference_forward
 
 transformers = pytest.importorskip("transformers")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Models this small run faster on one thread than on threads that wait for each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-def max_diff(a, b):
-    return (a - b).abs().max().item()
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ----------------------------------------------------------------------------- the authors' layout

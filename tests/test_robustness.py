@@ -10,7 +10,6 @@ promise is about a process: an exit status from the interpreter, a kill, a signa
 """
 import ast
 import fcntl
-import gc
 import json
 import os
 import random
@@ -40,15 +39,6 @@ from outputs import MANIFEST, RUN_FILES, append_line, claim, lock_run_folder, ma
 
 SHORT = [*TINY_SHORT, "--max_iters=4", "--eval_interval=2"]  # checkpoints at steps 2 and 4
 LAB = {s: (ROOT / "lab" / s).exists() for s in ("eval.py", "ablate.py")}  # being ported
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _frozen_heap():
-    """helpers.cli's gc.collect() walks every object torch made (0.25 s a call); frozen, only
-    what this module makes."""
-    gc.freeze()
-    yield
-    gc.unfreeze()
 
 
 @pytest.fixture(scope="module")
