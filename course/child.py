@@ -1,18 +1,16 @@
 """
 The graded child process, seen from the trusted parent (course/grade.py): start it in the sandbox
-(course/sandbox.py) on a copy of the student's model.py, hand it each scenario of a test, answer the
-calls its stubs make while the op that installed them runs (problem 3's calls to the functions of
-problems 1, 2 and 4, within the op's sizes), and judge each result
-(course/checks.py). A test that runs past its limit, or during which the child dies, fails; the
-child starts again for the next test, so a crash or an endless loop costs that test alone.
+(course/sandbox.py) on the student's model.py, hand it each scenario of a test, answer the calls
+its stubs make while the op that installed them runs (problem 3's calls to the functions of
+problems 1, 2 and 4, within the op's sizes and on its own config), and judge each result
+(course/checks.py). The parent bounds what it reads: a test's time however much the child writes,
+each message by the op's sizes (read in linear time, then checked to be data no larger than the
+op), the calls of one op. A test that runs past its limit, or during which the child dies, fails;
+the child starts again for the next test, so a crash or an endless loop costs that test alone.
 """
-import io
 import os
 import select
-import signal
 import struct
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,22 +20,13 @@ from course import checks, fixtures, ops, sandbox
 
 OPS_SOURCE = Path(ops.__file__).read_text()
 IMPORT_TIMEOUT_S = 60  # starting Python and torch, then importing model.py
+CALLS = 2000  # stub calls one op may make (the reference's largest makes 100)
+ITEMS = 20_000  # objects in one message (the largest result holds 700)
+MESSAGE = 1 << 20  # a message's bytes beyond 16 times the op's own tensors
 
 
 class Gone(Exception):
     """The child died, ran out of time, or sent something that is not a message."""
-
-
-# The child's first lines, before it imports anything of the student's: no file can be written
-# outside a tmpfs either (a report, a grader file; a write fails with EFBIG), memory bounded, hard
-# limits it cannot raise. tempfile's probe file is such a write: its folder is named instead.
-LIMITS = f"""import os, resource, signal, tempfile
-resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))
-resource.setrlimit(resource.RLIMIT_AS, ({sandbox.MEMORY}, {sandbox.MEMORY}))
-resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-tempfile.tempdir = os.getcwd()
-"""
 
 
 def scale(x, sizes=None):
@@ -53,60 +42,74 @@ def scale(x, sizes=None):
     return sizes
 
 
-def within(arguments, sizes) -> bool:
+def within(arguments, sizes, configs=()) -> bool:
     """A stub's call no larger than the op it runs in: no number, size or tensor beyond the op's
     own (a KV cache: its layers times one input), so the reference's work for it stays that of
-    the test."""
+    the test; a config (stride, sources) only the op's own, so no rule is answered but its."""
     if not isinstance(arguments, dict):
         return False
     biggest, elements = scale(arguments)
-    return biggest <= sizes[0] and elements <= sizes[0] * sizes[1]
+    own = [a["ModelConfig"] for a in arguments.values() if isinstance(a, dict) and "ModelConfig"
+           in a]
+    return biggest <= sizes[0] and elements <= sizes[0] * sizes[1] and all(
+        isinstance(c, dict) and any(c.items() >= o.items() for o in configs) for c in own)
+
+
+def data(x, elements) -> bool:
+    """Whether x is plain data (dicts of names, lists, numbers, strings, dense tensors) of at most
+    ITEMS objects and `elements` tensor elements: what the parent then touches is the op's size."""
+    stack, items = [x], 0
+    while stack and items < ITEMS and elements >= 0:
+        y, items = stack.pop(), items + 1
+        if isinstance(y, torch.Tensor):
+            elements -= y.numel()
+            if y.layout != torch.strided:
+                return False
+        elif isinstance(y, (list, tuple, dict)):
+            stack += y.values() if isinstance(y, dict) else y
+            if isinstance(y, dict) and not all(isinstance(k, str) for k in y):
+                return False
+        elif not isinstance(y, (bool, int, float, str, type(None))):
+            return False
+    return not stack and elements >= 0
 
 
 class Child:
-    def __init__(self, tree, ref, model, timeout, sandboxed=True):
-        self.tree, self.ref, self.model, self.timeout = tree, ref, model, timeout
-        self.sandboxed = sandboxed
-        self.proc, self.import_error = None, None
+    def __init__(self, source, ref, model, timeout, sandboxed=True, hidden=()):
+        self.source, self.ref, self.model, self.timeout = source, ref, model, timeout
+        self.sandboxed, self.hidden = sandboxed, hidden
+        self.box, self.import_error = None, None
 
     # ---------------------------------------------------------------- the process and its pipes
     def start(self):
+        if isinstance(self.source, str):  # why the grader would not read model.py
+            self.import_error = self.source
+            return
         down_r, down_w = os.pipe()
         up_r, up_w = os.pipe()
-        env = {k: v for k, v in os.environ.items()
-               if k in ("PATH", "LANG", "LC_ALL")}
-        env["OMP_NUM_THREADS"] = "1"  # tiny tensors: one thread is 20x faster than a pool
-        code = LIMITS + OPS_SOURCE + f"\nserve({down_r}, {up_w})\n"
-        argv = [sys.executable, "-I", "-B", "-c", code]
-        if self.sandboxed:
-            argv = sandbox.command(self.tree / "model.py", argv)
-        # a session of its own: the kill at the end reaches every process it started (sandboxed,
-        # the PID namespace's end does too); no preexec_fn, so gradings may run in threads
-        self.proc = subprocess.Popen(argv, cwd=self.tree,
-                                     env={**env, "HOME": str(self.tree)}, stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     pass_fds=(down_r, up_w), start_new_session=True)
-        os.close(down_r)
-        os.close(up_w)
+        try:
+            self.box = sandbox.Sandboxed(OPS_SOURCE + f"\nserve({down_r}, {up_w})\n", self.source,
+                                         (down_r, up_w), self.hidden, self.sandboxed)
+        finally:
+            os.close(down_r)
+            os.close(up_w)
         self.down, self.up = down_w, up_r
         try:
-            first = self.receive(time.monotonic() + IMPORT_TIMEOUT_S)
+            first = self.receive(time.monotonic() + IMPORT_TIMEOUT_S, 1 << 16, 0)
         except Gone as e:
             self.import_error = (f"importing model.py did not finish in {IMPORT_TIMEOUT_S} s"
                                  if "ran past" in str(e)
                                  else f"model.py could not be imported: {e}")
             return
         if "error" in first:
-            self.import_error = f"the code does not import: {first['error']}"
+            self.import_error = f"the code does not import: {str(first['error'])[:300]}"
 
     def close(self):
-        if self.proc is not None:
+        if self.box is not None:
             for fd in (self.down, self.up):
                 os.close(fd)
-            if self.proc.poll() is None:  # its session; sandboxed, its PID namespace dies
-                os.killpg(self.proc.pid, signal.SIGKILL)  # with bwrap: anything it started
-            self.proc.wait()
-            self.proc = None
+            self.box.kill()
+            self.box = None
 
     def send(self, message, deadline):
         data = ops.packed(message)
@@ -119,59 +122,68 @@ class Child:
                 raise Gone(self.death()) from None
 
     def read(self, n, deadline):
-        data = b""
-        while len(data) < n:
-            if not select.select([self.up], [], [], max(0.0, deadline - time.monotonic()))[0]:
-                raise Gone(f"the test ran past {self.timeout:g} s: an endless loop, or far too "
-                           f"much work")
-            chunk = os.read(self.up, min(n - len(data), 1 << 20))
+        """n bytes, into one buffer, before the deadline however fast they come."""
+        data, got = bytearray(n), 0
+        while got < n:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([self.up], [], [], left)[0]:
+                raise Gone(f"the test ran past {self.timeout:g} s: an endless loop, far too much "
+                           f"work, or far too much to say")
+            chunk = os.readv(self.up, [memoryview(data)[got:]])
             if not chunk:
                 raise Gone(self.death())
-            data += chunk
-        return data
+            got += chunk
+        return bytes(data)
 
     def death(self):
         try:
-            code = self.proc.wait(5)
-        except subprocess.TimeoutExpired:
+            code = self.box.proc.wait(5)
+        except Exception:
             return "the child closed its pipe"
+        if sandbox.out_of_memory(self.box.cgroup):
+            return f"the test used more than the sandbox's {sandbox.MEMORY >> 30} GiB of memory"
         return "the child exited early (exit 0)" if code == 0 else \
             f"the interpreter died (exit {code})"
 
-    def receive(self, deadline, limit=1 << 28):
+    def receive(self, deadline, limit, elements):
+        """The child's next message: at most limit bytes, then data of at most `elements`."""
         (n,) = struct.unpack("<Q", self.read(8, deadline))
         if n > limit:
-            raise Gone(f"the child sent a message of {n} bytes")
+            raise Gone(f"the child sent a message of {n} bytes, more than the test's {limit}")
         try:
-            message = torch.load(io.BytesIO(self.read(n, deadline)), weights_only=True)
+            message = sandbox.untrusted(self.read(n, deadline), limit)
         except Gone:
             raise
         except Exception as e:
             raise Gone(f"the child sent something that is not data ({type(e).__name__})") from e
-        if not isinstance(message, dict):
-            raise Gone("the child sent something that is not a message")
+        if not isinstance(message, dict) or not data(message, elements):
+            raise Gone("the child sent something that is not a message of the test's size")
         return message
 
     # ------------------------------------------------------------------------- running ops
-    def ask(self, op, args, stubs, deadline):
+    def ask(self, op, args, stubs, deadline, want):
         """One op in the child: its result, after answering every call its stubs make."""
         self.send({"op": op, "args": args, "stubs": stubs}, deadline)
-        sizes = scale(args)
-        while True:
-            message = self.receive(deadline)
+        sizes, own = scale(args), [a for a in args if isinstance(a, dict) and "n_layer" in a]
+        tensors = ops.tensors([args, want])
+        limit = MESSAGE + 16 * sum(t.numel() * t.element_size() for t in tensors)
+        elements = 4 * sum(t.numel() for t in tensors) + 4096
+        for _ in range(CALLS):
+            message = self.receive(deadline, limit, elements)
             if "call" in message:
                 cotangent = message.get("cotangent")
-                fair = message["call"] in stubs and within(message.get("arguments"), sizes) \
+                fair = message["call"] in stubs and within(message.get("arguments"), sizes, own) \
                     and (cotangent is None or within({"c": cotangent}, sizes))
                 reply = self.answer(message["call"], message["arguments"], cotangent) if fair \
                     else {"own": True}
                 self.send(reply, deadline)
             elif "error" in message:
-                return False, str(message["error"])
+                return False, str(message["error"])[:300]
             elif "result" in message:
                 return True, message["result"]
             else:
                 raise Gone("the child sent something that is not a result")
+        raise Gone(f"the op made more than {CALLS} calls")
 
     def answer(self, function, arguments, cotangent=None):
         """A stub's call: the reference's answer from the call's own inputs (the instructor's),
@@ -190,14 +202,14 @@ class Child:
 
     def run(self, test, stubs):
         """None if every scenario of the test passes, else why the first one failed."""
-        if self.proc is None:
+        if self.box is None and not self.import_error:
             self.start()
         if self.import_error:
             return self.import_error
         deadline = time.monotonic() + self.timeout
         try:
             for op, args, what, want in self.ref["tests"][test]:
-                ok, got = self.ask(op, args, stubs, deadline)
+                ok, got = self.ask(op, args, stubs, deadline, want)
                 if not ok:
                     return f"{what}: {got}"
                 try:

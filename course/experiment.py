@@ -1,35 +1,45 @@
 """
 Problem 5, judged by the trusted parent from the runs the handout's command wrote, as data (it
-trains nothing and runs no code of the copy): every run finished with the handout's settings,
-results.json says what the logs say, each final checkpoint re-evaluated here (this grader's
-model.py, the embedded Shakespeare prepared afresh) gives its logged loss and no lower a loss than
-on training text drawn afresh, the losses are a correct model's, and the figure is there. A run
-folder written without training, or with losses edited into its log, fails.
+trains nothing and runs no code of the copy). Every file is read inside the runs' folder without
+following a link, its size checked before it is read. Each final checkpoint is loaded into the
+model of its run's settings and scored here, on the embedded Shakespeare prepared afresh: it must
+give the loss its log ends with, and no lower a loss than on training text drawn afresh; hold its
+own seed's initial weights where training never reaches (the embeddings of the bytes the text
+never holds); differ from its other seed's as two trainings do; and score better in its own mode
+than in the other runs'. The means and value's gain are these re-evaluated losses, and no test earns
+a point unless they are a correctly trained model's. The grader draws Figure 3 itself, from value
+seed 0's checkpoint.
 """
 import contextlib
 import io
 import json
 import math
 import tempfile
+from functools import cache
 from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
 import prepare_data
 import train
-from checkpoint import build_model, read_checkpoint
-from configurator import UserError
+from checkpoint import build_model
+from course import sandbox
 from course.problems import EXPERIMENT, EXPERIMENT_COMMAND, PROBLEMS
 from data import load_meta, read_tokens
 from lab import ablate
-from lab.ablate import differences, final_val_loss, read_config, run_dir
 
 HINT = f"run `{EXPERIMENT_COMMAND}` from the repository's folder (it resumes what it has)"
-EVAL_TOLERANCE = 1e-4  # float32 sums in another batching: 1e-6 apart; a model other than the
-                       # logged one: far more
+LIMITS = {"results.json": 1 << 20, "config.json": 1 << 16, "log.jsonl": 16 << 20,
+          "ckpt.pt": 64 << 20}  # bytes: 20 times what the handout's command writes
+EVAL_TOLERANCE = 1e-4  # float32 sums in another batching: 1e-6 apart; another model: far more
 TRAIN_WINDOWS = 256   # training windows a checkpoint is scored on: the mean to about 0.008
 SEEN_MARGIN = 0.02    # what loss on them above the validation loss a run of the handout may have
+MODE_WINDOWS = 16     # validation windows two seeds, and the runs' modes, are compared on
+UNTOUCHED = 0.99      # cosine of a byte's embeddings the text never holds to its seed's init: 1.0
+SEEDS_APART = 0.05    # KL nats a token: two trainings 0.15; a copy within the tolerance 0.02
+GATES = ("each_checkpoint_gives_its_logged_loss", "the_losses_are_those_of_a_correct_model")
 
 
 class Fail(Exception):
@@ -51,49 +61,97 @@ def asked(run, seed) -> dict:
     return train.parse_args(ablate.train_args((run, seed, None, 1), base, [], EXPERIMENT["out"]))
 
 
-def results_of(out: Path) -> dict:
-    path = out / "results.json"
-    need(path.is_file(), f"no {path}: {HINT}")
+class Runs:
+    """The runs' folder (base/within), read once a file, as data."""
+
+    def __init__(self, base: Path, within: str):
+        self.base, self.within, self.read, self.scores = base, within, {}, None
+
+    def bytes(self, *parts):
+        path = str(Path(self.within, *parts))
+        if path not in self.read:
+            try:
+                self.read[path] = sandbox.read_inside(self.base, path, LIMITS[parts[-1]])
+            except FileNotFoundError:
+                self.read[path] = Fail(f"no {self.base / path}: {HINT}")
+            except OSError as e:
+                self.read[path] = Fail(f"{self.base / path} is not read ({e.strerror}): the runs "
+                                       f"are the files the command wrote, no links, each at most "
+                                       f"{LIMITS[parts[-1]]} bytes; {HINT}")
+        if isinstance(self.read[path], Fail):
+            raise self.read[path]
+        return self.read[path]
+
+    def json(self, *parts):
+        try:
+            return json.loads(self.bytes(*parts))
+        except (ValueError, UnicodeDecodeError):
+            raise Fail(f"{self.base / self.within / Path(*parts)} is not JSON: {HINT}") from None
+
+    def final(self, run, seed):
+        """The run's last evaluation's loss if it evaluated at max_iters, else None."""
+        where = (run, f"seed{seed}")
+        lines = self.bytes(*where, "log.jsonl").decode(errors="replace").splitlines()
+        evals = [r for r in map(record, lines) if r.get("kind") == "eval"]
+        max_iters = self.json(*where, "config.json").get("max_iters")
+        return evals[-1]["val_loss"] if evals and evals[-1].get("step") == max_iters else None
+
+    def checkpoint(self, run, seed) -> dict:
+        try:
+            ckpt = sandbox.untrusted(self.bytes(run, f"seed{seed}", "ckpt.pt"), LIMITS["ckpt.pt"])
+        except Fail:
+            raise
+        except Exception as e:
+            raise Fail(f"{self.where(run, seed)}/ckpt.pt is not a checkpoint ({type(e).__name__})"
+                       f": {HINT}") from None
+        need(isinstance(ckpt, dict) and isinstance(ckpt.get("model"), dict),
+             f"{self.where(run, seed)}/ckpt.pt is not a train.py checkpoint: {HINT}")
+        return ckpt
+
+    def where(self, run, seed):
+        return self.base / self.within / run / f"seed{seed}"
+
+
+def record(line) -> dict:
     try:
-        results = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError):
-        raise Fail(f"{path} is not JSON: {HINT}") from None
-    need(isinstance(results, dict), f"{path} is not lab/ablate.py's results: {HINT}")
-    return results
+        r = json.loads(line)
+    except ValueError:
+        return {}
+    return r if isinstance(r, dict) else {}
 
 
-def finished(out, results):
+def finished(runs, _):
     for run, seed in jobs():
-        where = run_dir(out, run, seed)
-        need(final_val_loss(where) is not None, f"{where} has not finished: {HINT}")
-        changed = differences(read_config(where), asked(run, seed))
+        where = runs.where(run, seed)
+        need(runs.final(run, seed) is not None, f"{where} has not finished: {HINT}")
+        changed = ablate.differences(runs.json(run, f"seed{seed}", "config.json"),
+                                     asked(run, seed))
         need(not changed, f"{where} was trained with other settings ({changed}): {HINT}")
+    results = runs.json("results.json")
     need(results["config"]["protocol"] == "shared" and not results["train_overrides"],
          f"results.json comes from another command: {HINT}")
 
 
-def losses_of(out):
-    return {run: [final_val_loss(run_dir(out, run, s)) for s in range(EXPERIMENT["seeds"])]
-            for run in EXPERIMENT["runs"]}
-
-
-def logged(out, results):
-    losses = losses_of(out)
-    for run, values in losses.items():
-        need(results["runs"][run]["losses"][:len(values)] == values,
-             f"results.json's {run} is not its logs'")
+def logged(runs, _):
+    """results.json's losses, means and paired differences are the logs'."""
+    results = runs.json("results.json")
+    losses = {run: [runs.final(run, s) for s in range(EXPERIMENT["seeds"])]
+              for run in EXPERIMENT["runs"]}
     rows = {row["run"]: row for table in results["tables"] if table["baseline"] == "vanilla"
             for row in table["rows"]}
-    for run in EXPERIMENT["runs"][1:]:  # the paired difference, seed by seed, against vanilla
-        paired = sum(a - b for a, b in zip(losses[run], losses["vanilla"])) / len(losses[run])
-        need(abs(rows[run]["diff"] - paired) < 1e-12,
+    for run, values in losses.items():
+        said = results["runs"][run]
+        need(said["losses"] == values and abs(said["mean"] - np.mean(values)) < 1e-12,
+             f"results.json's {run} is not its logs'")
+        paired = np.mean([a - b for a, b in zip(values, losses["vanilla"])])
+        need(run == "vanilla" or abs(rows[run]["diff"] - paired) < 1e-12,
              f"the paired difference of {run} is not its logs'")
 
 
-def texts(cfg) -> tuple:
-    """The run's dataset, (train, val) tokens, prepared afresh here (the embedded Shakespeare takes
-    a second), never read from the copy."""
-    need(cfg["dataset"] == "shakespeare", f"the runs trained on {cfg['dataset']}: {HINT}")
+@cache
+def texts() -> tuple:
+    """The embedded Shakespeare's (train, val) tokens, prepared afresh here (a second), never read
+    from the copy."""
     with tempfile.TemporaryDirectory(prefix="grade-data") as tmp, \
             contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         # in this process: one tokenizer process (num_proc=1) forks nothing
@@ -103,10 +161,9 @@ def texts(cfg) -> tuple:
         return tuple(np.array(read_tokens(folder, split, meta)) for split in ("train", "val"))
 
 
-def val_loss(gpt, val, cfg) -> float:
-    """The mean loss over the validation windows train.py evaluates (evenly spaced over val.bin)."""
-    offsets = np.linspace(0, len(val) - cfg["block_size"] - 1, cfg["eval_seqs"])
-    return mean_loss(gpt, val, offsets.round().astype(np.int64), cfg["block_size"])
+def windows(val, cfg, n):
+    """The starts of n validation windows evenly spaced over val, as train.py evaluates them."""
+    return np.linspace(0, len(val) - cfg["block_size"] - 1, n).round().astype(np.int64)
 
 
 def mean_loss(gpt, tokens, offsets, T) -> float:
@@ -119,84 +176,124 @@ def mean_loss(gpt, tokens, offsets, T) -> float:
     return sum(losses) / len(offsets)
 
 
-def not_trained_on_validation(gpt, tokens, val_said, cfg, where):
+def model(cfg, state=None, **changes):
+    """The GPT of a run's settings (changes: another mode), its weights state; Fail if they are
+    not its."""
+    gpt = build_model({k: v for k, v in {**cfg, **changes}.items() if k not in train.KEYS})
+    try:
+        if state is not None:
+            gpt.load_state_dict(state)
+    except Exception as e:
+        raise Fail(f"the checkpoint does not hold the model of its run's settings "
+                   f"({type(e).__name__}): {HINT}") from None
+    return gpt
+
+
+def scored(runs) -> dict:
+    """{job: its checkpoint's loss on the validation windows}, once every checkpoint is its run's
+    finished training (the check of the third test, which the others' points wait for)."""
+    if runs.scores is None:
+        try:
+            runs.scores = score(runs)
+        except Exception as e:
+            runs.scores = e
+    if isinstance(runs.scores, Exception):
+        raise runs.scores
+    return runs.scores
+
+
+def score(runs) -> dict:
+    tokens, val = texts()
+    unseen = torch.ones(257, dtype=torch.bool)
+    unseen[np.unique(np.concatenate([tokens, val])).astype(np.int64)] = False
+    predicted, scores = {}, {}
+    for run, seed in jobs():
+        cfg, where, ckpt = {**asked(run, seed), "vocab_size": 257}, runs.where(run, seed), \
+            runs.checkpoint(run, seed)
+        need(ckpt.get("step") == cfg["max_iters"], f"{where}/ckpt.pt is not the checkpoint of the "
+                                                   f"finished run: {HINT}")
+        gpt, T = model(cfg, ckpt["model"]), cfg["block_size"]
+        torch.manual_seed(seed)  # train.py's init of the seed, where training never reaches
+        a, b = (m.embed_tokens.weight.detach()[unseen].double().flatten() for m in (gpt, model(cfg)))
+        need(float(a @ b) > UNTOUCHED * float(a.norm() * b.norm()),
+             f"{where}: its checkpoint was not trained from seed {seed}'s initial weights by the "
+             f"handout's recipe (the embeddings of bytes the text never holds are not that "
+             f"seed's): {HINT}")
+        scores[run, seed] = loss = mean_loss(gpt, val, windows(val, cfg, cfg["eval_seqs"]), T)
+        said = runs.final(run, seed)
+        need(math.isfinite(loss) and said is not None and abs(loss - said) < EVAL_TOLERANCE,
+             f"{where}: its checkpoint scores {loss:.4f} on the validation windows, its log says "
+             f"{said}: the log is not the checkpoint's; {HINT}")
+        not_trained_on_validation(gpt, tokens, loss, T, where)
+        x, y = train.get_batch(val, windows(val, cfg, MODE_WINDOWS), T, "cpu", 257)
+        with torch.no_grad():
+            p = predicted[run, seed] = gpt(x)[0].double().log_softmax(-1)
+            for other in range(seed):  # KL(other || this) a token: two trainings' is 0.15
+                kl = float((predicted[run, other].exp() * (predicted[run, other] - p)).sum(-1)
+                           .mean())
+                need(kl > SEEDS_APART, f"{where}: it predicts what seed {other}'s checkpoint does "
+                                       f"(KL {kl:.3f} nats a token, two trainings' 0.15): each seed "
+                                       f"is a training of its own; {HINT}")
+            for mode in {asked(r, seed)["depth_mode"] for r in EXPERIMENT["runs"]} - {
+                    cfg["depth_mode"]}:
+                other = model(cfg, ckpt["model"], depth_mode=mode).eval()(x, y)[1].item()
+                need(other > F.cross_entropy(p.flatten(0, 1), y.flatten()).item(),
+                     f"{where}: its checkpoint scores as well as a {mode} model as it does as its "
+                     f"run's {cfg['depth_mode']}: it was not trained as its run; {HINT}")
+    return scores
+
+
+def not_trained_on_validation(gpt, tokens, loss, T, where):
     """A run of the handout's command scores 0.01-0.06 lower on text it trained on than on the
     validation windows (six trained checkpoints of its base config, three draws each); one trained
     on the validation windows scores lower on them. The training windows are drawn here, afresh:
     the copy cannot know them."""
-    T = cfg["block_size"]
-    offsets = np.random.default_rng().integers(0, len(tokens) - T - 1, TRAIN_WINDOWS)
-    seen = mean_loss(gpt, tokens, offsets, T)
-    need(seen - val_said <= SEEN_MARGIN,
-         f"{where}: its checkpoint scores {val_said:.4f} on the validation windows but {seen:.4f} "
-         f"on training text drawn at random: it learnt the validation windows, not the training "
+    seen = mean_loss(gpt, tokens, np.random.default_rng().integers(0, len(tokens) - T - 1,
+                                                                    TRAIN_WINDOWS), T)
+    need(seen - loss <= SEEN_MARGIN,
+         f"{where}: its checkpoint scores {loss:.4f} on the validation windows but {seen:.4f} on "
+         f"training text drawn at random: it learnt the validation windows, not the training "
          f"split; {HINT}")
 
 
-def reevaluated(out, results):
-    """Each run's final checkpoint, scored on the validation windows train.py evaluates (evenly
-    spaced over val.bin), gives the loss its log ends with, and was not trained on them."""
-    data, checkpoints = None, {job: checkpoint(out, *job) for job in jobs()}  # before any
-    for (run, seed), (ckpt, cfg) in checkpoints.items():  # evaluation: a forgery fails at once
-        where = run_dir(out, run, seed)
-        tokens, val = data = texts(cfg) if data is None else data
-        try:
-            gpt = build_model(ckpt["model_config"])
-            gpt.load_state_dict(ckpt["model"])
-        except Exception as e:
-            raise Fail(f"{where / 'ckpt.pt'} does not hold the model its config says "
-                       f"({type(e).__name__}): {HINT}") from None
-        loss, said = val_loss(gpt, val, cfg), final_val_loss(where)
-        need(math.isfinite(loss) and abs(loss - said) < EVAL_TOLERANCE,
-             f"{where}: its checkpoint scores {loss:.4f} on the validation windows, its log says "
-             f"{said:.4f}: the log is not the checkpoint's; {HINT}")
-        not_trained_on_validation(gpt, tokens, said, cfg, where)
+def reevaluated(runs, _):
+    scored(runs)
 
 
-def checkpoint(out, run, seed):
-    """A run's final checkpoint and config, once it holds the run's model (mode, depth, stride,
-    sizes) and weights no other seed of the run has: a checkpoint relabelled, or one training
-    copied to both seeds, fails."""
-    where, cfg = run_dir(out, run, seed), asked(run, seed)
-    need((where / "ckpt.pt").is_file(), f"no {where / 'ckpt.pt'}: the run's final checkpoint is "
-                                        f"graded; {HINT}")
-    ckpt = read_checkpoint(where / "ckpt.pt")
-    need(isinstance(ckpt.get("config"), dict) and ckpt.get("step") == cfg["max_iters"]
-         and not differences(ckpt["config"], cfg),
-         f"{where / 'ckpt.pt'} is not the checkpoint of the finished run: {HINT}")
-    wrong = [f"{k} {v!r} (the run's: {cfg[k]!r})" for k, v in ckpt["model_config"].items()
-             if cfg.get(k) is not None and v != cfg[k]]
-    need(not wrong, f"{where / 'ckpt.pt'} holds another model than its run's: "
-                    f"{', '.join(wrong[:3])}; {HINT}")
-    for other in range(seed):  # two seeds are two trainings
-        state = read_checkpoint(run_dir(out, run, other) / "ckpt.pt")["model"]
-        need(any(k not in state or not torch.equal(state[k], v) for k, v in ckpt["model"].items()),
-             f"{where / 'ckpt.pt'} holds the same weights as {run} seed {other}: each seed is a "
-             f"run of its own; {HINT}")
-    return ckpt, cfg
-
-
-def correct(out, results):
-    """Each mean within the tolerance of the reference's, and value below vanilla by at least half
-    the reference's gap, seed by seed (EXPERIMENT in course/problems.py says why so)."""
-    off = [f"{run}: mean final validation loss {results['runs'][run]['mean']:.4f}, the "
-           f"reference's {want:.4f}" for run, want in EXPERIMENT["reference"].items()
-           if abs(results["runs"][run]["mean"] - want) > EXPERIMENT["tolerance"]]
-    need(not off, f"{'; '.join(off)} (+-{EXPERIMENT['tolerance']}): were problems 1-4 correct when "
-                  f"it trained? Retrain: delete {EXPERIMENT['out']} and rerun the command")
-    losses = losses_of(out)
-    gain = sum(a - b for a, b in zip(losses["value"], losses["vanilla"])) / EXPERIMENT["seeds"]
+def correct(runs, _):
+    """Each mean of the re-evaluated losses within the tolerance of the reference's, and value
+    below vanilla by at least half the reference's gap, seed by seed (EXPERIMENT in
+    course/problems.py says why so)."""
+    losses = {run: [scored(runs)[run, s] for s in range(EXPERIMENT["seeds"])]
+              for run in EXPERIMENT["runs"]}
+    off = [f"{run}: mean final validation loss {np.mean(losses[run]):.4f}, the reference's "
+           f"{want:.4f}" for run, want in EXPERIMENT["reference"].items()
+           if abs(np.mean(losses[run]) - want) > EXPERIMENT["tolerance"]]
+    need(not off, f"{'; '.join(off)} (+-{EXPERIMENT['tolerance']}), as the grader scores the "
+                  f"checkpoints: were problems 1-4 correct when it trained? Retrain: delete "
+                  f"{EXPERIMENT['out']} and rerun the command")
+    gain = np.mean([a - b for a, b in zip(losses["value"], losses["vanilla"])])
     need(gain < -EXPERIMENT["gain"] / 2,
          f"value is {gain:+.4f} against vanilla in the paired mean, the reference's "
          f"{-EXPERIMENT['gain']:+.4f}: value trained like vanilla; were problems 1-4 correct?")
 
 
-def figure(out, results):
-    png = out / "depth_weights.png"
-    need(png.is_file(), f"no {png}: it needs matplotlib (pip install matplotlib); then rerun the "
-                        f"command, which reuses the runs and draws the figures")
-    need(png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000,
-         f"{png} is not a figure")
+def figure(runs, path):
+    """Figure 3, drawn here from value seed 0's checkpoint (the student's PNG is not read): each
+    layer's mean weight on each candidate over 16 validation windows, drawn at path if given."""
+    cfg = {**asked("value", 0), "vocab_size": 257}
+    gpt, val = model(cfg, runs.checkpoint("value", 0)["model"]), texts()[1]
+    T, L = cfg["block_size"], gpt.config.n_eff_layer
+    m = np.full((L, L), np.nan)
+    with torch.no_grad(), train.capture_depth_weights(gpt.eval()) as alphas:
+        gpt(torch.from_numpy(np.stack([val[s:s + T] for s in windows(val, cfg, 16)]).astype(int)))
+    for e, (sources, alpha) in alphas.items():  # alpha: (B, n_kv_head, candidates, T)
+        m[e, sources + [e]] = alpha.double().mean(dim=(0, 1, 3)).numpy()
+    need(alphas and np.allclose(np.nansum(m[list(alphas)], 1), 1),
+         f"value seed 0's checkpoint gives no depth weights: {HINT}")
+    if path and (plt := ablate.pyplot()):
+        ablate.plot_depth_weights(plt, m, path, "Depth weights, value, seed 0 (drawn by the "
+                                                "grader)")
 
 
 CHECKS = {"every_run_finished_with_the_handouts_settings": finished,
@@ -206,28 +303,23 @@ CHECKS = {"every_run_finished_with_the_handouts_settings": finished,
           "the_figure_of_the_depth_weights": figure}
 
 
-def grade(out: Path) -> dict:
-    """{test: None or why it failed} for the runs in out. The logs, results.json and the figure
-    count only once the checkpoints give the logged losses: records written without the training
-    earn nothing."""
-    problem = next(p for p in PROBLEMS if p.number == 5)
-    first = "each_checkpoint_gives_its_logged_loss"
-    verdicts = {first: verdict(first, out)}
-    for name, _ in problem.tests:
-        if name != first:  # its own reason first (no results.json), else the checkpoints'
-            verdicts[name] = verdict(name, out) or (verdicts[first] and (
-                f"not graded: the checkpoints do not give the logged losses ({first})"))
-    return verdicts
+def grade(base: Path, within: str, path=None) -> dict:
+    """{test: None or why it failed} for the runs in base/within; no test passes unless the
+    checkpoints are a correct training's (GATES). path: where the figure is drawn."""
+    runs = Runs(base, within)
+    verdicts = {name: verdict(CHECKS[name], runs, path)
+                for name, _ in next(p for p in PROBLEMS if p.number == 5).tests}
+    gate = next((name for name in GATES if verdicts[name]), None)
+    return {name: why or gate and f"not graded: the checkpoints are not a correct training's "
+                                  f"({gate})" for name, why in verdicts.items()}
 
 
-def verdict(name, out):
+def verdict(check, runs, path):
     try:
-        CHECKS[name](out, results_of(out))
+        check(runs, path)
         return None
     except Fail as e:
         return str(e)
-    except (KeyError, TypeError, ValueError, IndexError, OSError) as e:
+    except (KeyError, TypeError, ValueError, IndexError, AttributeError, OSError) as e:
         return (f"the runs' records are not what the handout's command writes "
                 f"({type(e).__name__}: {e}): {HINT}")
-    except UserError as e:  # the core's: an unreadable log or checkpoint, in one line
-        return str(e)

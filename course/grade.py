@@ -30,9 +30,8 @@ if __name__ == "__main__":
     configurator.interruptible()
 import hashlib
 import json
+import os
 import random
-import shutil
-import tempfile
 
 from configurator import Key, UserError, parse, run_main
 from course.problems import EXPERIMENT, FIXTURES, GRADED, MARKER, PROBLEMS
@@ -79,15 +78,17 @@ def digest(files) -> dict:
 
 
 def grade(root: Path, only=None, experiment=None, seed=None, sandboxed=True, grader=HERE,
-          timeout=TEST_TIMEOUT_S) -> dict:
+          timeout=TEST_TIMEOUT_S, figure=None) -> dict:
     """The report on the copy at root. grader: the tree whose grader this is; a student copy's
-    (its marker) has the practice fixtures and no reference to record more."""
+    (its marker) has the practice fixtures and no reference to record more. figure: where to draw
+    problem 5's depth weights."""
     import torch  # here, not at the top: a refused argument answers before torch loads
     from course import experiment as runs
     from course import sandbox
     from course.child import Child
     torch.set_num_threads(1)  # tiny tensors: one thread is 20x faster than a pool
-    if sandboxed and (why := sandbox.problem(root / "model.py")):
+    hidden = tuple(dict.fromkeys(os.path.realpath(f) for f in (grader, root, HERE)))
+    if sandboxed and (why := sandbox.problem(hidden)):
         raise UserError(why)  # before the reference's work: nothing graded
     seed = random.SystemRandom().randrange(2 ** 31) if seed is None else seed
     # the grader's own files, the core it loaded from its tree too: a grading during which one
@@ -99,28 +100,26 @@ def grade(root: Path, only=None, experiment=None, seed=None, sandboxed=True, gra
     problems = [p for p in PROBLEMS if only in (None, p.number)]
     names = {name for p in problems for name, _ in p.tests} | {"together"}
     ref, answering = (load_fixtures(grader), None) if practice else reference(seed, names)
-    entries = []
-    with tempfile.TemporaryDirectory(prefix="grade", ignore_cleanup_errors=True) as tmp:
-        shutil.copy(root / "model.py", Path(tmp) / "model.py")  # all of the student's code it runs
-        child = Child(Path(tmp), ref, answering, timeout, sandboxed)
-        try:
-            for p in problems:
-                if not p.graded:
-                    entries.append({"problem": p.number, "title": p.title, "points": p.points,
-                                    "graded": False})
-                    continue
-                if p.functions:
-                    results = child.problem(p)
-                else:
-                    results = runs.grade(Path(experiment or root / EXPERIMENT["out"]))
-                entries.append(entry(p, results))
-            code = [e for e in entries if e.get("graded") and e["problem"] != 5]
-            together = None
-            if only is None:
-                together = (len(code) == 4 and all(e["earned"] == e["points"] for e in code)
-                            and child.together())
-        finally:
-            child.close()
+    try:  # all of the student's code it runs, read without following a link, its size bounded
+        source = sandbox.read_inside(root, "model.py", sandbox.SOURCE_LIMIT)
+    except OSError as e:  # a link, a folder, a FIFO, too large: what the tests say
+        source = f"model.py is not a file of at most {sandbox.SOURCE_LIMIT} bytes ({e.strerror})"
+    entries, child = [], Child(source, ref, answering, timeout, sandboxed, hidden)
+    try:
+        for p in problems:
+            if not p.graded:
+                entries.append({"problem": p.number, "title": p.title, "points": p.points,
+                                "graded": False})
+                continue
+            entries.append(entry(p, child.problem(p) if p.functions else runs.grade(
+                Path(experiment or root), "" if experiment else EXPERIMENT["out"], figure)))
+        code = [e for e in entries if e.get("graded") and e["problem"] != 5]
+        together = None
+        if only is None:
+            together = (len(code) == 4 and all(e["earned"] == e["points"] for e in code)
+                        and child.together())
+    finally:
+        child.close()
     tampered = [f for f, h in digest(files).items() if before[f] != h]
     if tampered:
         for e in entries:
@@ -137,7 +136,7 @@ def grade(root: Path, only=None, experiment=None, seed=None, sandboxed=True, gra
 def entry(p, results) -> dict:
     """A problem's result: each test's points earned, and why a test failed."""
     tests = [{"test": name, "points": points, "earned": points if results[name] is None else 0,
-              "why": results[name]} for name, points in p.tests]
+              "why": results[name] and results[name][:400]} for name, points in p.tests]
     return {"problem": p.number, "title": p.title, "points": p.points, "graded": True,
             "earned": sum(t["earned"] for t in tests), "tests": tests}
 
@@ -174,7 +173,8 @@ def show(result, verbose):
 
 KEYS = {
     "dir": Key("", "the copy to grade (default: the one this script is in)", positional=True),
-    "json": Key("", "also write the result here"),
+    "json": Key("", "also write the result here, and problem 5's depth weights as the grader "
+                 "draws them beside it (.depth_weights.png)"),
     "problem": Key(None, "grade one problem", kind=int, choices=tuple(p.number for p in GRADED)),
     "experiment": Key("", f"problem 5's runs, if not in DIR/{EXPERIMENT['out']}"),
     "seed": Key(None, "the hidden scenarios' seed (default: a fresh one; the JSON records it, to "
@@ -194,7 +194,8 @@ def main(argv):
     if experiment and not experiment.is_dir():
         raise UserError(f"--experiment={args['experiment']} is not a folder; give the --out of the "
                         f"handout's command")
-    result = grade(root, args["problem"], experiment, args["seed"], not args["no_sandbox"])
+    result = grade(root, args["problem"], experiment, args["seed"], not args["no_sandbox"],
+                   figure=json_path and json_path.with_suffix(".depth_weights.png"))
     show(result, verbose=args["problem"] is not None)
     if json_path:
         write_atomically(json_path, json.dumps(result, indent=2) + "\n")

@@ -111,27 +111,14 @@ def causal_attention(model, q, k, v):
     return model.causal_attention(q.clone(), k.clone(), v.clone())
 
 
-def cache_chunks(model, layers, chunks):
-    """A stack of layers writing each chunk into a KVCache and attending over it, as a forward
-    does; what it observes, step by step (the parent compares each with the reference's). Whether
-    update returns views of the cache or copies is not graded: only values leave the child."""
-    B, n_kv, T, D = layers[0][1].shape
-    config = model.ModelConfig(n_layer=len(layers), n_head=layers[0][0].shape[1], n_kv_head=n_kv,
-                               head_dim=D, block_size=T)
-    cache = model.KVCache(config, B, T, dtype=layers[0][1].dtype)
-    seen, start = [], 0
-    for n in chunks:
-        end = start + n
-        for e, (q, k, v) in enumerate(layers):
-            K, V = cache.update(e, k[:, :, start:end].clone(), v[:, :, start:end].clone())
-            seen.append({"chunk": [start, end], "layer": e, "pos": cache.pos,
-                         "K": K.clone(), "V": V.clone(),
-                         "y": model.causal_attention(q[:, :, start:end].clone(), K, V)})
-        cache.advance(n)
-        seen.append({"chunk": [start, end], "advanced": cache.pos})
-        start = end
-    seen.append({"keys": cache.k.clone(), "values": cache.v.clone()})
-    return seen
+def call(model, function, arguments):
+    """A method of KVCache on a cache sent by value (its state): what it returns, and the state it
+    leaves; the parent drives problem 4's cache call by call, so only these functions decode."""
+    cache, state = object.__new__(model.KVCache), arguments["self"]["KVCache"]
+    cache.k, cache.v, cache.pos = state["k"].clone(), state["v"].clone(), state["pos"]
+    result = original(model, function)(cache, **{k: clone(v) for k, v in arguments.items()
+                                                 if k != "self"})
+    return [result, {"k": cache.k, "v": cache.v, "pos": cache.pos}]
 
 
 def cotangent(out):
@@ -178,7 +165,7 @@ def gradients(model, config, state, idx):
 
 OPS = {f.__name__: f for f in (stride, sources, group_mean, softmax_weights, weighted_sum,
                                depth_mix, depth_mix_one, logits, decode, together,
-                               causal_attention, cache_chunks, backward, gradients)}
+                               causal_attention, call, backward, gradients)}
 
 
 # --------------------------------------------------------------- a call, by value, both ways

@@ -1,44 +1,154 @@
 """
-The OS sandbox a graded child runs in, made by bubblewrap (Debian's `bubblewrap`): new user, mount,
-PID, network, IPC and UTS namespaces. Inside, the child sees a read-only view of the Python
-environment and the system's libraries, a fresh tmpfs at /work holding a copy of the student's
-model.py, a /proc of its own PID namespace (never the grader's processes, command line or open
-files), no network, and nothing writable outside its tmpfs; it runs as `nobody` with no
-capabilities, in a session of its own, and every process it starts dies when the sandbox does
-(--die-with-parent, and the PID namespace's init). The grader's tree, the reference model.py, the
-report and other students' copies are not in its file system at all.
+The OS sandbox a graded child runs in, made by bubblewrap (Debian's `bubblewrap`, 0.7 or later):
+new user, mount, PID, network, IPC, UTS and cgroup namespaces. Inside, the child sees a read-only
+view of the system's libraries and of the Python environment (its prefixes, the folders on
+sys.path and those of the libraries this process loaded, wherever they are: /tmp, /work, a copy's
+.venv, a conda prefix, /usr), read-only tmpfs at / /tmp /work and /dev, the student's model.py in
+/work (passed by value: no host path names it), its own /proc, no network; it runs as `nobody` with
+no capabilities, in a session of its own, and dies with the grader. The grader's tree, the
+reference, the report and other students' copies are not in its file system.
 
-What it needs: the `bwrap` command (apt-get install bubblewrap) and user namespaces the user may
-create (as root they always work; as another user, kernel.unprivileged_userns_clone=1 where the
-kernel has that switch, and AppArmor not restricting unprivileged namespaces).
+What bounds it, everywhere: a seccomp filter (no process but threads, no System V IPC or message
+queue, no namespace: one process), hard limits (no file grows, 6 GiB of address space, 128 open
+files) and the read-only file system (no tmpfs or shared memory to fill). Where this process may
+make cgroups (cgroup v1's memory and pids hierarchies, or v2), the whole sandbox is also one cgroup:
+2 GiB of memory (its processes, kernel memory and page cache) and 64 tasks.
 """
+import errno
+import io
 import os
+import platform
 import shutil
+import stat
 import subprocess
 import sys
 import sysconfig
+import tempfile
+import threading
+import time
+import zipfile
+from functools import cache
+from pathlib import Path
 
-FIX = ("install bubblewrap (apt-get install bubblewrap) and allow user namespaces "
+FIX = ("install bubblewrap 0.7 or later (apt-get install bubblewrap) and allow user namespaces "
        "(sysctl kernel.unprivileged_userns_clone=1), or practise unsandboxed with --no_sandbox "
        "(not for credit)")
-MEMORY = 6 << 30  # address space per process: torch maps ~2 GiB at import; a test needs MBs
-WORK = "/work"    # the tmpfs the child starts in
+MEMORY, TASKS = 2 << 30, 64  # the whole sandbox, where a cgroup holds it
+ADDRESS_SPACE, FILES = 6 << 30, 128  # each process: torch maps ~2 GiB at import
+TMPFS = 1 << 20  # every tmpfs's size: read-only once model.py is in /work
+WORK, SOURCE_LIMIT = "/work", 4 << 20  # where the child starts; the largest model.py it runs
+CGROUPS = "/sys/fs/cgroup"
+# (audit arch, clone, the syscalls refused): fork, vfork, shmget, semget, msgget, mq_open,
+# unshare, setns, io_uring_setup; clone3 answers ENOSYS (threads fall back to clone)
+SYSCALLS = {"x86_64": (0xC000003E, 56, (57, 58, 29, 64, 68, 240, 272, 308, 425)),
+            "aarch64": (0xC00000B7, 220, (194, 190, 186, 180, 97, 268, 425))}
 
 
-def python_roots() -> list:
-    """The folders the child's Python reads: the interpreter, its standard library and the
-    site-packages that hold torch (a virtual environment's and its base's)."""
-    paths = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-             *(sysconfig.get_paths()[k] for k in ("purelib", "platlib", "stdlib")),
-             os.path.dirname(os.path.dirname(os.path.realpath(__import__("torch").__file__)))}
-    paths = sorted(os.path.realpath(p) for p in paths if p and os.path.isdir(p))
-    return [p for p in paths if not any(p.startswith(q + os.sep) for q in paths if q != p)]
+def preamble(paths=()) -> str:
+    """The child's first lines, before anything of the student's: hard limits it cannot raise
+    (no file can grow: a write fails with EFBIG), the grader's sys.path folders after its own,
+    and tempfile's folder named (its probe file would fail)."""
+    return f"""import resource, signal, sys, tempfile
+for limit, n in ((resource.RLIMIT_FSIZE, 0), (resource.RLIMIT_CORE, 0),
+                 (resource.RLIMIT_AS, {ADDRESS_SPACE}), (resource.RLIMIT_NOFILE, {FILES})):
+    resource.setrlimit(limit, (n, n))
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+sys.path += {list(paths)!r}
+tempfile.tempdir = "/tmp"
+"""
 
 
-def command(model_py, argv) -> list:
-    """bwrap's command line that runs argv in the sandbox, with model_py copied to /work."""
-    args = ["bwrap", "--unshare-all", "--unshare-user", "--uid", "65534", "--gid", "65534",
+def inside(path, folders) -> bool:
+    return any(path == f or path.startswith(f.rstrip("/") + "/") for f in folders)
+
+
+def environment(hidden) -> tuple:
+    """(folders to bind, folders on sys.path): the interpreter's prefixes and folder, sys.path's
+    folders and those of every library mapped here, less what lies in a hidden folder (the
+    grader's tree) unless a prefix holds it (a .venv inside the tree)."""
+    prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix,
+                                               sys.base_exec_prefix, sysconfig.get_paths()["stdlib"])}
+    maps = (line.split(None, 5)[-1].strip() for line in open("/proc/self/maps"))
+    mapped = {os.path.dirname(p) for p in maps if ".so" in os.path.basename(p) and os.path.isfile(p)}
+    path = [os.path.realpath(p) for p in sys.path if p and os.path.isdir(p)]
+    folders = {os.path.realpath(p) for p in (*path, *mapped, os.path.dirname(sys.executable),
+                                             os.path.dirname(os.path.realpath(sys.executable)))}
+    keep = lambda p: os.path.isdir(p) and (inside(p, prefixes) or not (
+        inside(p, hidden) or any(inside(h, [p]) for h in hidden)))
+    folders = sorted(f for f in prefixes | folders if keep(f))
+    return ([f for f in folders if not inside(f, [g for g in folders if g != f])],
+            [p for p in dict.fromkeys(path) if keep(p)])
+
+
+def seccomp() -> bytes:
+    """The seccomp program (BPF) bwrap loads: no process but threads (fork, vfork and a clone
+    without CLONE_THREAD refused, clone3 ENOSYS), no System V IPC, message queue, namespace or
+    io_uring, no other ABI; b"" where the machine is not one SYSCALLS knows."""
+    if platform.machine() not in SYSCALLS:
+        return b""
+    arch, clone, refused = SYSCALLS[platform.machine()]
+    n, allow, eperm = len(refused), 0x7FFF0000, 0x50000 | errno.EPERM
+    program = [(0x20, 0, 0, 4), (0x15, 1, 0, arch), (0x06, 0, 0, eperm), (0x20, 0, 0, 0),
+               (0x35, n + 6, 0, 0x40000000), (0x15, n + 6, 0, 435), (0x15, n + 1, 0, clone),
+               *((0x15, n + 3 - i, 0, nr) for i, nr in enumerate(refused)), (0x06, 0, 0, allow),
+               (0x20, 0, 0, 16), (0x45, 0, 1, 0x10000), (0x06, 0, 0, allow), (0x06, 0, 0, eperm),
+               (0x06, 0, 0, 0x50000 | errno.ENOSYS)]
+    return b"".join(code.to_bytes(2, "little") + bytes((jt, jf)) + k.to_bytes(4, "little")
+                    for code, jt, jf, k in program)
+
+
+def cgroup() -> list:
+    """The folders of a new cgroup below this process's own, its limits written: cgroup v1's
+    memory and pids, else v2's; [] where this process may not make one."""
+    own = dict(line.split(":", 2)[1:] for line in Path("/proc/self/cgroup").read_text().split())
+    name = f"course-grade-{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}"
+    v1 = [("memory", {"memory.limit_in_bytes": MEMORY, "memory.memsw.limit_in_bytes": MEMORY}),
+          ("pids", {"pids.max": TASKS})]
+    for layout in (v1, [("", {"memory.max": MEMORY, "pids.max": TASKS, "memory.swap.max": 0})]):
+        made = []
+        try:
+            for controller, limits in layout:
+                made.append(Path(CGROUPS, controller, own[controller].strip("/"), name))
+                made[-1].mkdir()
+                for file, value in limits.items():  # swap's where the kernel counts it
+                    if "sw" not in file or (made[-1] / file).exists():
+                        (made[-1] / file).write_text(str(value))
+            return made
+        except (OSError, KeyError):
+            remove(made)
+    return []
+
+
+def remove(folders):
+    """Every process left in the cgroup killed, then its folders removed."""
+    for folder in folders:
+        for _ in range(500):
+            try:
+                for pid in (folder / "cgroup.procs").read_text().split():
+                    os.kill(int(pid), 9)
+                folder.rmdir()
+                break
+            except FileNotFoundError:
+                break
+            except OSError:  # a process not yet gone
+                time.sleep(0.01)
+
+
+def out_of_memory(folders) -> bool:
+    """Whether the kernel killed a process of the cgroup for its memory limit."""
+    for file in (f / name for f in folders for name in ("memory.oom_control", "memory.events")):
+        lines = [line.split() for line in file.read_text().splitlines()] if file.exists() else []
+        if any(words[:1] == ["oom_kill"] and words[1] != "0" for words in lines):
+            return True
+    return False
+
+
+def bwrap(fds, roots, hidden) -> list:
+    """bwrap's options: Python's folders bound, the hidden ones among them covered,
+    model.py and the seccomp program read from fds."""
+    args = ["--unshare-all", "--unshare-user", "--uid", "65534", "--gid", "65534",
             "--die-with-parent", "--new-session", "--cap-drop", "ALL", "--hostname", "grading",
+            "--size", str(TMPFS), "--tmpfs", "/tmp", "--size", str(TMPFS), "--tmpfs", WORK,
             "--ro-bind", "/usr", "/usr"]
     for top in ("/bin", "/lib", "/lib64", "/lib32", "/sbin"):  # merged /usr: links into it
         if os.path.islink(top):
@@ -48,26 +158,119 @@ def command(model_py, argv) -> list:
     for f in ("/etc/ld.so.cache", "/etc/ld.so.conf"):
         if os.path.exists(f):
             args += ["--ro-bind", f, f]
-    for root in python_roots():
-        if not root.startswith("/usr/"):
+    for root in roots:
+        if not inside(root, ["/usr"]):
             args += ["--ro-bind", root, root]
-    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp", "--tmpfs", WORK,
-             "--ro-bind", str(model_py), f"{WORK}/model.py", "--chdir", WORK, "--clearenv",
-             "--setenv", "HOME", WORK, "--setenv", "PATH", "/usr/bin:/bin",
-             "--setenv", "OMP_NUM_THREADS", "1", "--setenv", "LANG", "C.UTF-8"]
-    return args + ["--", *argv]
+    for folder in (h for h in hidden if inside(h, [*roots, "/usr"])):
+        args += ["--size", str(TMPFS), "--tmpfs", folder, "--remount-ro", folder]
+    args += ["--proc", "/proc", "--dev", "/dev", "--perms", "0444", "--file", str(fds[0]),
+             f"{WORK}/model.py", *(["--seccomp", str(fds[1])] if len(fds) > 1 else []),
+             *(a for d in (WORK, "/tmp", "/dev", "/") for a in ("--remount-ro", d)),
+             "--chdir", WORK, "--clearenv", "--setenv", "HOME", WORK, "--setenv", "PATH",
+             "/usr/bin:/bin", "--setenv", "OMP_NUM_THREADS", "1", "--setenv", "LANG", "C.UTF-8",
+             "--setenv", "TORCHINDUCTOR_CACHE_DIR", "/tmp"]  # torch's import makes it: it exists
+    return args
 
 
-def problem(model_py) -> str:
-    """None if the sandbox starts here, else one line saying why and the fix."""
+class Sandboxed:
+    """`python -c code` on model.py's bytes, in the sandbox and its own cgroup where one can be
+    made (bwrap's options come through a descriptor: the sandbox's /proc shows none of them), or
+    unsandboxed (practice) in a temporary folder; fds passed to it. kill() ends it and everything
+    it started."""
+
+    def __init__(self, code, source: bytes, fds=(), hidden=(), sandboxed=True, **popen):
+        roots, paths = environment(hidden)
+        argv = [sys.executable, "-I", "-B", "-c", preamble(paths) + code]
+        self.cgroup, self.tmp, memfds = [], None, []
+        popen = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, **popen,
+                 "stdin": subprocess.DEVNULL, "start_new_session": True}  # its kill reaches all
+        if not sandboxed:
+            self.tmp = tempfile.TemporaryDirectory(prefix="grade", ignore_cleanup_errors=True)
+            Path(self.tmp.name, "model.py").write_bytes(source)
+            self.proc = subprocess.Popen(argv, cwd=self.tmp.name, pass_fds=fds, env={
+                "PATH": os.defpath, "HOME": self.tmp.name, "OMP_NUM_THREADS": "1"}, **popen)
+            return
+        data = [source, *filter(None, [seccomp()])]
+        memfds = [os.memfd_create("data") for _ in range(len(data) + 1)]
+        data.append(b"".join(a.encode() + b"\0" for a in bwrap(memfds[:-1], roots, hidden)))
+        for fd, b in zip(memfds, data):
+            os.write(fd, b)
+            os.lseek(fd, 0, 0)
+        enter = ('n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1/cgroup.procs" || exit 125; '
+                 'shift; n=$((n - 1)); done; exec "$@"')
+        self.cgroup = cgroup()
+        try:  # the PID namespace's end kills what it started
+            self.proc = subprocess.Popen(
+                ["/bin/sh", "-c", enter, "sh", str(len(self.cgroup)), *map(str, self.cgroup),
+                 shutil.which("bwrap"), "--args", str(memfds[-1]), "--", *argv],
+                pass_fds=(*fds, *memfds), env={}, **popen)
+        except BaseException:
+            remove(self.cgroup)
+            raise
+        finally:
+            for fd in memfds:
+                os.close(fd)
+
+    def kill(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, 9)
+        self.proc.wait()
+        remove(self.cgroup)
+        if self.tmp:
+            self.tmp.cleanup()
+
+
+@cache
+def problem(hidden=()) -> str:
+    """None if the sandbox starts here and this interpreter imports torch in it, else one line
+    saying why and the fix (once a process)."""
     if shutil.which("bwrap") is None:
         return f"no sandbox: the bwrap command is missing; {FIX}"
     try:
-        proc = subprocess.run(command(model_py, ["/bin/true"]), capture_output=True, text=True,
-                              timeout=60)
+        box = Sandboxed("import torch", b"", hidden=hidden, stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE)
+        try:
+            _, err = box.proc.communicate(timeout=120)
+        finally:
+            box.kill()
     except (OSError, subprocess.TimeoutExpired) as e:
         return f"no sandbox: bwrap did not start ({type(e).__name__}); {FIX}"
-    if proc.returncode != 0:
-        why = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
-        return f"no sandbox: bwrap cannot start here ({why}); {FIX}"
-    return None
+    if box.proc.returncode == 0:
+        return None
+    why = (err.decode(errors="replace").strip().splitlines() or [f"exit {box.proc.returncode}"])
+    if why[-1].startswith("bwrap:"):
+        return f"no sandbox: bwrap cannot start here ({why[-1]}); {FIX}"
+    return (f"no sandbox: {sys.executable} does not start in the sandbox with torch ({why[-1]}); "
+            f"run the grader with the Python environment that has torch")
+
+
+def read_inside(folder, relative, limit) -> bytes:
+    """The bytes of folder/relative, no part of the path followed if it is a link (OSError ELOOP
+    or ENOTDIR), the file's size checked before it is read (EFBIG): what the copy holds, bounded."""
+    parts = Path(relative).parts
+    if ".." in parts:
+        raise OSError(errno.EACCES, "a path out of the folder")
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        for i, part in enumerate(parts):
+            flags = os.O_NONBLOCK if i == len(parts) - 1 else os.O_DIRECTORY  # a FIFO never blocks
+            fd, old = os.open(part, os.O_RDONLY | os.O_NOFOLLOW | flags, dir_fd=fd), fd
+            os.close(old)
+        size = os.fstat(fd)
+        if not stat.S_ISREG(size.st_mode) or size.st_size > limit:
+            raise OSError(errno.EFBIG, f"not a file of at most {limit} bytes")
+        data = bytearray(size.st_size)
+        return bytes(data[:os.readv(fd, [data])])
+    finally:
+        os.close(fd)
+
+
+def untrusted(data: bytes, limit):
+    """torch.save's bytes read as data (weights_only), once no entry is compressed and all of them
+    hold at most limit bytes: a small file never becomes a large one here."""
+    entries = zipfile.ZipFile(io.BytesIO(data)).infolist()
+    if any(e.compress_type != zipfile.ZIP_STORED for e in entries) \
+            or sum(e.file_size for e in entries) > limit:
+        raise ValueError("compressed or larger than its limit")
+    import torch
+    return torch.load(io.BytesIO(data), weights_only=True)

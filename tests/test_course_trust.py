@@ -28,7 +28,7 @@ import model
 import train
 from checkpoint import build_model, read_checkpoint
 from configurator import UserError, run_main
-from course import experiment, fixtures
+from course import child, experiment, fixtures, sandbox
 from lab import ablate
 from course import grade as grade_py
 from course.make import replace_bodies, stubs
@@ -51,6 +51,17 @@ def attack_copy(where, prefix="", suffix="", bodies=None):
     where.mkdir(parents=True)
     (where / "model.py").write_text(textwrap.dedent(prefix) + source + textwrap.dedent(suffix))
     return where
+
+
+def reasons(result):
+    return [t["why"] for e in result["problems"] if e["graded"] for t in e["tests"] if t["why"]]
+
+
+def sandbox_cgroup() -> bool:
+    """Whether this process may make the sandbox's cgroup (cgroup v1's or v2's)."""
+    made = sandbox.cgroup()
+    sandbox.remove(made)
+    return bool(made)
 
 
 def hashes(tree):
@@ -129,10 +140,11 @@ LOOKUP_TABLE = """\
     """
 
 # What is not the functions' result: a string that says "passed", a dict, a tensor subclass, a
-# float; and prints that are not UTF-8, which cost nothing (problem 3 keeps its points).
+# float, an error of a million characters; and prints that are not UTF-8, which cost nothing (problem 3 keeps its points).
 GARBAGE = {"group_mean": 'return "passed"',
            "softmax_weights": 'return {"alpha": 1, "passed": True}',
            "causal_attention": "return torch.nn.Parameter(q.float())",
+           "KVCache.update": 'raise RuntimeError("a reason of a million characters " * 30_000)',
            "ModelConfig.stride": "return float(self.depth_stride or 1) + 0.5"}
 NOISE = """\
     import sys
@@ -236,18 +248,22 @@ def escape(instructor, pth):
 # calls far larger than the test (the sources of layer 6e8, hours for the reference) inside one
 # (problem 3's weighted_sum, the reference's after them); and the harness in the child patched,
 # with no KV cache: decoding is the full forward, and so is the whole model "together".
-ORACLE = """
-    import sys as _sys
+ASK = """
+    import struct as _struct, sys as _sys
     _main = _sys.modules["__main__"]
 
-    def _ask(function, **arguments):
+    def _pipes():
         frame = _sys._getframe()
         while frame is not None and "outbox" not in frame.f_locals:  # serve's pipes
             frame = frame.f_back
-        _main.send(frame.f_locals["outbox"], {"call": function,
-                                              "arguments": _main.freeze(arguments)})
-        return _main.receive(frame.f_locals["inbox"])
+        return frame.f_locals["outbox"], frame.f_locals["inbox"]
 
+    def _ask(function, **arguments):
+        outbox, inbox = _pipes()
+        _main.send(outbox, {"call": function, "arguments": _main.freeze(arguments)})
+        return _main.receive(inbox)
+    """
+ORACLE = ASK + """
     def _answer(function, **arguments):
         reply = _ask(function, **arguments)
         if "result" not in reply:
@@ -267,9 +283,84 @@ ORACLE = """
 HOLD = {"weighted_sum": """
     for _ in range(5):
         _ask("model.py:ModelConfig.sources", self=ModelConfig(n_layer=600_000_000), e=600_000_000)
+    leaked = _ask("model.py:ModelConfig.sources", self=ModelConfig(n_layer=7, depth_stride=3), e=5)
+    if "result" in leaked:  # a rule's sources, for a report to carry to the next grading
+        raise RuntimeError(f"leaked {leaked['result']}")
     w = alpha.to(xs[0].dtype).unsqueeze(-1)
     return sum(w[:, :, c] * x for c, x in enumerate(xs))""",
         "KVCache.update": "raise NotImplementedError('no cache')"}
+
+
+# The kernel's resources, tried at import, each said in the exit's text: processes (four children
+# of 1 GiB, a program), 3 GiB of System V shared memory, a message queue, a user namespace, symbolic
+# links on every tmpfs (no byte written), a file; and the host's paths (PATHS) in what the
+# sandbox's /proc shows of its command lines, mounts, environment and cgroup.
+KERNEL = """
+    import ctypes as _ctypes, errno as _errno, os as _os, subprocess as _subprocess, time as _time
+    _libc, _seen = _ctypes.CDLL(None, use_errno=True), []
+
+    def _call(result):
+        if result == -1:
+            raise OSError(_ctypes.get_errno(), "refused")
+        return result
+
+    def _children():
+        for _ in range(4):
+            if _os.fork() == 0:
+                bytearray(1 << 30)
+                _time.sleep(60)
+                _os._exit(0)
+
+    def _shared():
+        _libc.shmat.restype = _ctypes.c_void_p
+        _ctypes.memset(_libc.shmat(_call(_libc.shmget(0, 3 << 30, 0o1600)), None, 0), 1, 3 << 30)
+
+    def _links():
+        for folder in ("/tmp", "/work", "/dev/shm", "/"):
+            for i in range(1000):
+                _os.symlink("x" * 200, f"{folder}/link{i}")
+
+    for _name, _attempt in (("fork", _children), ("spawn", lambda: _subprocess.run(["true"])),
+                            ("shm", _shared), ("msg", lambda: _call(_libc.msgget(0, 0o1600))),
+                            ("userns", lambda: _call(_libc.unshare(0x10000000))),
+                            ("links", _links), ("write", lambda: open("/tmp/f", "wb").write(b"x"))):
+        try:
+            _attempt()
+            _seen.append(_name + ":done")
+        except OSError as e:
+            _seen.append(f"{_name}:{_errno.errorcode.get(e.errno, e.errno)}")
+    _shown = "".join(open(f, errors="replace").read() for f in (
+        "/proc/1/cmdline", "/proc/self/mountinfo", "/proc/self/environ", "/proc/self/cgroup"))
+    raise SystemExit(" ".join(_seen) + f" paths:{sum(p in _shown for p in PATHS)}")
+    """
+MEMORY = """
+    import torch as _torch
+    _held = _torch.ones(3 << 28)  # 3 GiB, in the one process
+    """
+# Tests limited to 3 s: a message said a byte at a time, for ever; calls outside problem 3, each
+# answered at once, for ever; a message of 255 MiB.
+CHATTY = {"group_mean": """
+    import time
+    outbox, _ = _pipes()
+    outbox.write(_struct.pack("<Q", 1 << 16))
+    while True:
+        outbox.write(b"x")
+        outbox.flush()
+        time.sleep(0.001)""",
+          "softmax_weights": """
+    while qbar.dtype != torch.bfloat16:
+        _ask("model.py:group_mean", q=qbar, n_kv_head=1)
+    outbox, _ = _pipes()
+    outbox.write(_struct.pack("<Q", 255 << 20) + bytes(255 << 20))"""}
+# No KV cache; and with it, the harness's calls of KVCache's methods answered as if the cache held
+# the chunk alone: a decoding of its own, in the child.
+NO_CACHE = {"KVCache.update": "raise NotImplementedError('no cache')",
+            "KVCache.advance": "raise NotImplementedError('no cache')"}
+OWN_DECODE = ASK + """
+    _main.OPS["call"] = lambda model, function, arguments: [
+        (arguments["k"], arguments["v"]) if function.endswith("update") else None,
+        arguments["self"]["KVCache"]]
+    """
 
 
 # ----------------------------------------------------------------------------- the gradings
@@ -304,7 +395,13 @@ def graded(tmp_path_factory):
               "blank": attack_copy(where / "blank"),
               "rewriter": attack_copy(where / "rewriter", REWRITER),
               "oracle": attack_copy(where / "oracle", suffix=ORACLE, bodies=HOLD),
-              "garbage": attack_copy(where / "garbage", NOISE, bodies=GARBAGE)}
+              "garbage": attack_copy(where / "garbage", NOISE, bodies=GARBAGE),
+              "chatty": attack_copy(where / "chatty", suffix=ASK, bodies=CHATTY),
+              "memory": attack_copy(where / "memory", MEMORY),
+              "no cache": attack_copy(where / "no_cache", bodies=NO_CACHE),
+              "own decode": attack_copy(where / "own_decode", suffix=OWN_DECODE, bodies=NO_CACHE)}
+    paths = [str(where), str(tree), str(ROOT), tempfile.gettempdir() + "/grade"]
+    copies["kernel"] = attack_copy(where / "kernel", suffix=KERNEL.replace("PATHS", repr(paths)))
     out = {"before": hashes(tree)}
 
     def escape_then_blank():
@@ -326,8 +423,16 @@ def graded(tmp_path_factory):
         out["oracle"] = grade_py.grade(copies["oracle"])
         out["held"] = time.monotonic() - start
 
-    jobs = [escape_then_blank, rewriter, oracle,
+    def chatty():
+        start = time.monotonic()
+        out["chatty"] = grade_py.grade(copies["chatty"], only=2, timeout=3)
+        out["chatty time"] = time.monotonic() - start
+
+    jobs = [escape_then_blank, rewriter, oracle, chatty,
             lambda: out.update(garbage=grade_py.grade(copies["garbage"])),
+            *(lambda name=name, only=only: out.update({name: grade_py.grade(copies[name], only)})
+              for name, only in (("kernel", 1), ("memory", 1), ("no cache", 4),
+                                 ("own decode", 4))),
             lambda: out.update(forged=grade_py.grade(forged, only=1)),
             lambda: out.update(practice=grade_py.grade(lookup, only=2, sandboxed=False,
                                                        grader=where)),
@@ -451,6 +556,52 @@ def test_a_patched_harness_does_not_decode(graded):
     assert result["together"] is False
 
 
+def test_decoding_is_graded_through_the_students_cache(graded):
+    """The parent drives problem 4's cache call by call (each call on the state it sends): with no
+    KV cache, causal_attention's 8 points; with the harness's calls answered by a decoding of its
+    own in the child, the same 8."""
+    assert earned(graded["no cache"]) == earned(graded["own decode"]) == {4: 8}, graded["no cache"]
+
+
+def test_no_stand_in_answers_for_a_rule_of_another_config(graded):
+    """During problem 3, a call for the sources of a config other than the op's (a rule a report
+    could carry to the next grading) is not answered: weighted_sum goes on and passes."""
+    assert "the_weighted_sum_of_the_candidates" not in failing(graded["oracle"])[3]
+    assert not any("leaked" in why for why in reasons(graded["oracle"]))
+
+
+def test_the_kernels_resources_are_the_sandboxs_own(graded):
+    """No process but its threads (four children of 1 GiB, a program), no System V shared memory
+    (3 GiB) or message queue, no namespace, no link or file on any tmpfs: each refused at once, in
+    one grading; and nothing the sandbox's /proc shows names a host path of the grading."""
+    (why,) = set(reasons(graded["kernel"]))
+    said = dict(item.split(":") for item in why.split("sys.exit('")[1].split("')")[0].split())
+    assert said == {"fork": "EPERM", "spawn": "EPERM", "shm": "EPERM", "msg": "EPERM",
+                    "userns": "EPERM", "links": "EROFS", "write": "EROFS", "paths": "0"}, why
+
+
+@pytest.mark.skipif(not sandbox_cgroup(), reason="no cgroup this user may make here")
+def test_the_whole_sandbox_has_one_memory_budget(graded):
+    """3 GiB in the one process, within its address space but past the sandbox's cgroup: the
+    kernel ends it, and the report says why."""
+    assert set(reasons(graded["memory"])) == {
+        f"model.py could not be imported: the test used more than the sandbox's "
+        f"{sandbox.MEMORY >> 30} GiB of memory"}, graded["memory"]
+
+
+def test_a_tests_time_limit_holds_however_much_the_child_says(graded):
+    """A message a byte at a time ends at the test's limit (3 s); calls answered at once, at the
+    cap on one op's calls; a message of 255 MiB is refused at its length, unread; a reason of a
+    million characters is cut to a line."""
+    result, whys = graded["chatty"], reasons(graded["chatty"])
+    assert earned(result) == {2: 0} and graded["chatty time"] < 60, graded["chatty time"]
+    assert whys[0].startswith("the test ran past 3 s") and whys[1] == "the op made more than " \
+        f"{child.CALLS} calls", whys
+    assert whys[2].startswith(f"the child sent a message of {255 << 20} bytes, more than the "
+                              f"test's"), whys
+    assert max(len(why) for why in reasons(graded["garbage"])) <= 400
+
+
 # ----------------------------------------------------------------------------- refusals
 
 def test_damaged_or_foreign_fixtures_are_named_in_one_line(tmp_path):
@@ -474,36 +625,42 @@ def test_grading_without_the_sandbox_is_refused_in_one_line(tmp_path, capsys, mo
     """No bwrap on the PATH, or a bwrap that cannot make its namespaces: one line naming the fix,
     before any grading."""
     monkeypatch.setenv("PATH", str(tmp_path))
-    assert run_main(grade_py.main, ["--problem=1"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "the bwrap command is missing" in err and "apt-get install bubblewrap" in err \
-        and "--no_sandbox" in err and "\n" not in err, err
-    (tmp_path / "bwrap").write_text("#!/bin/sh\necho 'bwrap: No permissions to create new "
-                                    "namespace' >&2\nexit 1\n")
-    (tmp_path / "bwrap").chmod(0o755)
-    assert run_main(grade_py.main, ["--problem=1"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "No permissions to create new namespace" in err and "user namespaces" in err \
-        and "\n" not in err, err
+    sandbox.problem.cache_clear()  # once a process, as a grader starts
+    try:
+        assert run_main(grade_py.main, ["--problem=1"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "the bwrap command is missing" in err and "apt-get install bubblewrap" in err \
+            and "--no_sandbox" in err and "\n" not in err, err
+        (tmp_path / "bwrap").write_text("#!/bin/sh\necho 'bwrap: No permissions to create new "
+                                        "namespace' >&2\nexit 1\n")
+        (tmp_path / "bwrap").chmod(0o755)
+        sandbox.problem.cache_clear()
+        assert run_main(grade_py.main, ["--problem=1"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert "No permissions to create new namespace" in err and "user namespaces" in err \
+            and "\n" not in err, err
+    finally:
+        sandbox.problem.cache_clear()
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("setpriv"),
                     reason="becomes the unprivileged user `nobody` with setpriv, as root")
-def test_the_sandbox_starts_for_an_unprivileged_user(monkeypatch):
-    """The same namespaces for `nobody` (root's own Python left out: nobody cannot read it): it
-    sees the copied model.py at /work and only its own processes."""
-    from course import sandbox
-    monkeypatch.setattr(sandbox, "python_roots", lambda: [])
-    folder = Path(tempfile.mkdtemp(prefix="sandbox"))
+def test_the_sandbox_starts_for_an_unprivileged_user():
+    """The same namespaces and options for `nobody` (root's own Python left out: nobody cannot
+    read it): it sees model.py at /work and only its own processes."""
+    fds = [os.memfd_create(name) for name in ("model", "args")]
+    os.write(fds[0], b"x = 1\n")
+    os.write(fds[1], b"".join(a.encode() + b"\0" for a in sandbox.bwrap(fds[:1], [], ())))
+    for fd in fds:
+        os.lseek(fd, 0, 0)
     try:
-        folder.chmod(0o755)
-        (folder / "model.py").write_text("x = 1\n")
         proc = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-                               *sandbox.command(folder / "model.py", [
-                                   "/bin/sh", "-c", "id -u; cat model.py; ls /proc"])],
+                               "bwrap", "--args", str(fds[1]), "--", "/bin/sh", "-c",
+                               "id -u; cat model.py; ls /proc"], pass_fds=fds,
                               capture_output=True, text=True, timeout=60)
     finally:
-        shutil.rmtree(folder)
+        for fd in fds:
+            os.close(fd)
     out = proc.stdout.split()
     assert proc.returncode == 0 and out[:4] == ["65534", "x", "=", "1"], proc.stderr
     assert len([p for p in out[4:] if p.isdigit()]) <= 3, out  # bwrap's init, sh, ls
