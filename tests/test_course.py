@@ -284,7 +284,7 @@ def test_a_fresh_copy_grades_zero_and_still_runs(copy, graded):
         entry = next(e for e in result["problems"] if e["problem"] == p.number)
         assert all(f"Problem {p.number}: write " in t["why"] for t in entry["tests"]), entry
     assert f"no {copy / EXPERIMENT['out'] / 'results.json'}: run `python lab/ablate.py" \
-        in reasons(result)[-4]
+        in reasons(result)[-1]
     proc = graded["help"]
     assert proc.returncode == 0 and "--depth_mode" in proc.stdout and "--seeds" in proc.stdout, \
         proc.stderr
