@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import sysconfig
 import tempfile
 import textwrap
@@ -34,7 +35,7 @@ from lab import ablate
 from course import grade as grade_py
 from course.make import replace_bodies, stubs
 from course.problems import EXPERIMENT, FIXTURES, GRADED, MARKER
-from helpers import ROOT, copy_repository, earned, failing, grade_cli, grading_here
+from helpers import ENV, ROOT, copy_repository, earned, failing, grade_cli, grading_here
 from helpers import train as train_here
 from outputs import save_checkpoint
 
@@ -602,6 +603,74 @@ def test_a_tests_time_limit_holds_however_much_the_child_says(graded):
     assert whys[2].startswith(f"the child sent a message of {255 << 20} bytes, more than the "
                               f"test's"), whys
     assert max(len(why) for why in reasons(graded["garbage"])) <= 400
+
+
+# ----------------------------------------------------------------------------- where Python lives
+
+# The reference (with its hidden tests) and a blank copy, graded on problem 1 by an interpreter of
+# the place under test: their scores and the blank's reasons, as JSON.
+WHEREVER = """\
+import json, sys
+sys.path.insert(0, {root!r})
+from pathlib import Path
+from course import grade
+ref, blank = (grade.grade(Path(p), only=1, seed=0) for p in ({root!r}, {blank!r}))
+print(json.dumps([ref["score"], blank["score"], [t["why"] for t in blank["problems"][0]["tests"]]]))
+"""
+
+
+def linked(source, target):
+    """target: a hard link of source (a file of its own there), or a copy across file systems."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
+def places(tmp_path):
+    """{place: its python}: the grader tree's own .venv (the handout's setup; this tree is under
+    /work here), a venv of the system's Python under /usr (where it is this Python's version; else
+    of this one) in /tmp, its packages added by a .pth, and a conda-like prefix in /tmp: the
+    interpreter and libpython files of its own, the standard library and packages linked in."""
+    made = {".venv of the grader's tree": ROOT / f".grade-venv-{os.getpid()}.tmp",
+            "a venv of /usr's Python in /tmp": tmp_path / "venv"}
+    system = Path(f"/usr/bin/python3.{sys.version_info.minor}")
+    for (place, folder), base in zip(made.items(), (sys.executable, system if system.is_file()
+                                                     else sys.executable)):
+        subprocess.run([str(base), "-m", "venv", "--without-pip", "--system-site-packages",
+                        str(folder)], check=True)
+        (Path(subprocess.run([f"{folder}/bin/python", "-c", "import sysconfig; print(sysconfig."
+                              "get_paths()['purelib'])"], capture_output=True, text=True,
+                             check=True).stdout.strip()) / "packages.pth").write_text(
+            sysconfig.get_paths()["purelib"] + "\n")
+    prefix, real = tmp_path / "conda", Path(sys.base_prefix)
+    (prefix / "bin").mkdir(parents=True)
+    (prefix / "lib").mkdir()
+    linked(os.path.realpath(sys.executable), prefix / "bin" / "python")
+    for entry in (real / "lib").iterdir():
+        (linked(entry, prefix / "lib" / entry.name) if entry.name.startswith("libpython")
+         else (prefix / "lib" / entry.name).symlink_to(entry))
+    return {**{place: folder / "bin" / "python" for place, folder in made.items()},
+            "a conda prefix in /tmp": prefix / "bin" / "python"}
+
+
+def test_it_grades_wherever_python_lives(tmp_path):
+    """With the interpreter and packages in each place, the start check passes (the interpreter
+    imports torch in the sandbox) and the reference earns problem 1 in full with its hidden tests,
+    a blank copy 0, each test naming the function to write."""
+    blank = attack_copy(tmp_path / "blank")
+    pythons = places(tmp_path)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            runs = dict(zip(pythons, pool.map(lambda python: subprocess.run(
+                [str(python), "-c", WHEREVER.format(root=str(ROOT), blank=str(blank))],
+                env=ENV, capture_output=True, text=True, timeout=300), pythons.values())))
+    finally:
+        shutil.rmtree(ROOT / f".grade-venv-{os.getpid()}.tmp", ignore_errors=True)
+    for place, proc in runs.items():
+        assert proc.returncode == 0, (place, proc.stderr[-2000:])
+        ref, zero, whys = json.loads(proc.stdout.splitlines()[-1])
+        assert (ref, zero) == (10, 0) and all("Problem 1: write" in w for w in whys), (place, whys)
 
 
 # ----------------------------------------------------------------------------- refusals
