@@ -693,8 +693,9 @@ def test_damaged_or_foreign_fixtures_are_named_in_one_line(tmp_path):
 
 
 def test_grading_without_the_sandbox_is_refused_in_one_line(tmp_path, capsys, monkeypatch):
-    """No bwrap on the PATH, or a bwrap that cannot make its namespaces: one line naming the fix,
-    before any grading."""
+    """No bwrap on the PATH, a bwrap that cannot make its namespaces, or an interpreter that does
+    not import torch in the sandbox (the start check runs it): one line naming the cause, before
+    any grading."""
     monkeypatch.setenv("PATH", str(tmp_path))
     sandbox.problem.cache_clear()  # once a process, as a grader starts
     try:
@@ -710,6 +711,11 @@ def test_grading_without_the_sandbox_is_refused_in_one_line(tmp_path, capsys, mo
         err = capsys.readouterr().err.strip()
         assert "No permissions to create new namespace" in err and "user namespaces" in err \
             and "\n" not in err, err
+        monkeypatch.undo()  # the real bwrap, the packages' folder hidden (an empty tmpfs over it)
+        sandbox.problem.cache_clear()
+        why = sandbox.problem((os.path.realpath(sysconfig.get_paths()["purelib"]),))
+        assert "does not start in the sandbox with torch (ModuleNotFoundError: No module named " \
+               "'torch')" in why and "\n" not in why, why
     finally:
         sandbox.problem.cache_clear()
 
