@@ -1,14 +1,10 @@
 """
-How the trusted parent judges what a student's functions returned (course/ops.py ran them in the
-child): each test's comparison with the reference's output, as one line saying what differs or
-None. A result that is not what the function should return (another type, a NaN, an exception the
-child reported) fails its test; it is never trusted for more than its values.
-
-The tolerances: float64 scenarios compare to 1e-10, so a different order of operations passes and a
-different formula does not. bf16 ones compare with the float64 value of the same inputs, within
-what rounding to bf16 can change: for the depth weights, scores rounded to bf16 in any order (a
-float32 softmax over them is right; the dtype must be float32), for a weighted sum of bf16 records,
-each product and partial sum rounded (the dtype must be the records').
+How the trusted parent judges what a student's functions returned: each test's comparison with the
+reference's output, as one line saying what differs (never the reference's output) or None. A
+result of another type, a NaN or an error fails its test. float64 scenarios compare to 1e-10 (a
+different order of operations passes, a different formula does not); bf16 ones with the float64
+value of the same inputs, within what bf16 rounding can change: depth weights from scores rounded
+in any order (a float32 softmax), a weighted sum with each product and partial sum rounded.
 """
 import math
 

@@ -1,14 +1,11 @@
 """
-The graded tests' scenarios: the inputs each test hands a student's functions (course/ops.py runs
-them), drawn from a seed.
-
-A student copy's grader has the practice set, scenarios(seed 0, hidden=False), with the reference's
-outputs and the calls problem 3's functions made to those of problems 1, 2 and 4, recorded by
-course/make.py from the living model.py (`record`). The instructor's grader draws a fresh seed at
-every grading and adds the hidden scenarios the copy never sees (batch > 1, T = C, bf16, scores that
-overflow an unshifted softmax, a mode with its own default stride, looped models, source rules of
-their own), every input drawn from the seed, and computes the expected outputs from its own model.py
-then and there: an answer looked up in the practice fixtures, or in an earlier report, matches none.
+The graded tests' scenarios: the inputs each test hands a student's functions, drawn from a seed.
+A student copy's grader has the practice set (seed 0, no hidden scenarios) with the reference's
+outputs and the calls problem 3's functions made to the others', recorded by course/make.py
+(`record`). The instructor's draws a fresh seed at every grading, adds hidden scenarios (batch > 1,
+T = C, bf16, scores that overflow an unshifted softmax, a mode with its own stride, looped models,
+source rules of their own) and computes the expected outputs from its own model.py: an answer
+looked up in the practice fixtures, or in an earlier report, matches none.
 """
 import torch
 

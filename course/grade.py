@@ -6,19 +6,13 @@ course/README.md).
     python course/grade.py ../student --json=grade.json   # an instructor grades a student's copy
     python course/grade.py --problem=3           # one problem, with every failing test's reason
 
-What it protects against: the graded code runs in an OS sandbox made by bubblewrap
-(course/sandbox.py says what it sees: a copy of the student's model.py and a read-only Python,
-never the grader's tree, processes or files). Inputs go in and outputs come back by value over two
-pipes; this process alone holds the expected outputs, answers a stub's call only while the op
-that installed it runs and within the test's sizes, judges the values and writes the report.
-What the harness in the sandbox could claim about itself (a view, a code path) is not enforced:
-only values are graded. Problem 5's runs are read as data, their checkpoints re-evaluated here.
-
-What it needs: the bwrap command (apt-get install bubblewrap) and user namespaces; where the
-sandbox cannot start, grading is refused in one line naming the fix. --no_sandbox grades
-unsandboxed for practice, never for credit (the report says "sandbox": false). The instructor's
-grader (a tree that is not a student copy) draws a fresh seed each time and adds hidden scenarios
-to the practice ones, computing the expected outputs from its own model.py.
+The graded code runs in an OS sandbox made by bubblewrap (course/sandbox.py: model.py and a
+read-only Python, never the grader's tree, processes or files, bounded as a whole); values go in
+and out by value over two pipes, and this process alone holds the expected outputs, judges them
+and writes the report. Problem 5's checkpoints are re-evaluated here. It needs the bwrap command
+(apt-get install bubblewrap) and user namespaces, and refuses in one line where its interpreter
+does not import torch in the sandbox; --no_sandbox is practice, never credit. The instructor's
+grader (a tree that is not a student copy) draws a fresh seed each time and adds hidden scenarios.
 """
 import sys
 from pathlib import Path
@@ -87,8 +81,9 @@ def grade(root: Path, only=None, experiment=None, seed=None, sandboxed=True, gra
     from course import sandbox
     from course.child import Child
     torch.set_num_threads(1)  # tiny tensors: one thread is 20x faster than a pool
-    hidden = tuple(dict.fromkeys(os.path.realpath(f) for f in (grader, root, HERE)))
-    if sandboxed and (why := sandbox.problem(hidden)):
+    trees = tuple(dict.fromkeys(os.path.realpath(f) for f in (grader, HERE)))
+    hidden = tuple(dict.fromkeys((*trees, os.path.realpath(root))))
+    if sandboxed and (why := sandbox.problem(trees)):  # once a grader, whichever copy it grades
         raise UserError(why)  # before the reference's work: nothing graded
     seed = random.SystemRandom().randrange(2 ** 31) if seed is None else seed
     # the grader's own files, the core it loaded from its tree too: a grading during which one

@@ -1,22 +1,14 @@
 """
-What a graded test asks of a model.py, and the process that asks it of a student's.
+What a graded test asks of a model.py, and the process that asks it of a student's (`serve`).
 
-Each op takes a model module and plain inputs (tensors, lists, dicts of numbers) and returns plain
-outputs. course/grade.py runs the ops twice: in a sandboxed child process (course/sandbox.py) on
-the student's model.py (`serve` below), and in the trusted parent on the reference model.py for
-the expected outputs (or reads them from the practice fixtures in a student copy). The child
-imports only torch and the student's model.py; it never sees the expected outputs, the report or
-a grader file. It talks to the parent over two pipes, in torch.save's format; the parent reads
-the child's answers with torch.load(weights_only=True), so a child can send data, never code.
-
-While problem 3 is graded, the child's functions of problems 1, 2 and 4 are stubs that ask the
-parent: it answers a call of a function the running op stubs, no larger than the op's inputs, with
-the reference computed from the call's own inputs (a student copy answers from its record, else
-with the student's own function), and in a backward pass the reference's gradient. A stub sends a
-KV cache or a config by value and applies the state the parent sends back, so the caller sees views
-of its own cache. Anything this code computes in the child is the child's to change: the parent
-trusts only the values it returns, judged against its own.
-This file imports only torch: the child runs it from its source, without the grader's tree.
+Each op takes a model module and plain inputs and returns plain outputs; course/grade.py runs it in
+the sandboxed child on the student's model.py and, for the expected outputs, on the reference in
+the trusted parent. They talk over two pipes in torch.save's format; the parent reads the child's
+with weights_only, so a child sends data, never code. While problem 3 is graded, the functions of
+problems 1, 2 and 4 are stubs that ask the parent (the reference's answer and, backward, its
+gradient; a KV cache or config sent by value, its state applied back, so the caller sees views of
+its own cache). All of this runs in the child and is the child's to change: the parent trusts only
+the values it gets. This file imports only torch: the child runs it from its source.
 """
 import dataclasses
 import inspect
@@ -47,33 +39,15 @@ def clone(x):
     return [clone(i) for i in x] if isinstance(x, (list, tuple)) else x
 
 
-def stride(model, rule):
-    return model.ModelConfig(**rule).stride
-
 
 def sources(model, rule):
     config = model.ModelConfig(**rule)
     return [list(config.sources(e)) for e in range(config.n_eff_layer)]
 
 
-def group_mean(model, q, n_kv):
-    return model.group_mean(q.clone(), n_kv)
 
 
-def softmax_weights(model, qbar, keys):
-    return model.softmax_weights(qbar.clone(), clone(keys))
 
-
-def weighted_sum(model, alpha, xs):
-    return model.weighted_sum(alpha.clone(), clone(xs))
-
-
-def depth_mix(model, mode, args):
-    return list(model.depth_mix(*clone(args), model.DEPTH_MODES[mode]))
-
-
-def depth_mix_one(model, mode, args):
-    return list(model.depth_mix_one(*clone(args), model.DEPTH_MODES[mode]))
 
 
 def build(model, config, state, dtype):
@@ -106,9 +80,6 @@ def together(model, config, state, idx, held):
     """The full forward and a cached decoding of one model, nothing replaced."""
     return [logits(model, config, state, idx), *decode(model, config, state, idx, held)]
 
-
-def causal_attention(model, q, k, v):
-    return model.causal_attention(q.clone(), k.clone(), v.clone())
 
 
 def call(model, function, arguments):
@@ -163,9 +134,16 @@ def gradients(model, config, state, idx):
         return through(gpt(idx)[0], list(gpt.parameters()))
 
 
-OPS = {f.__name__: f for f in (stride, sources, group_mean, softmax_weights, weighted_sum,
-                               depth_mix, depth_mix_one, logits, decode, together,
-                               causal_attention, call, backward, gradients)}
+OPS = {"stride": lambda model, rule: model.ModelConfig(**rule).stride, "sources": sources,
+       "group_mean": lambda model, q, n_kv: model.group_mean(q.clone(), n_kv),
+       "softmax_weights": lambda model, qbar, keys: model.softmax_weights(qbar.clone(), clone(keys)),
+       "weighted_sum": lambda model, alpha, xs: model.weighted_sum(alpha.clone(), clone(xs)),
+       **{f: lambda model, mode, args, f=f: list(getattr(model, f)(*clone(args),
+                                                                  model.DEPTH_MODES[mode]))
+          for f in ("depth_mix", "depth_mix_one")},
+       "causal_attention": lambda model, q, k, v: model.causal_attention(q.clone(), k.clone(),
+                                                                        v.clone()),
+       **{f.__name__: f for f in (logits, decode, together, call, backward, gradients)}}
 
 
 # --------------------------------------------------------------- a call, by value, both ways

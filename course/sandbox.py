@@ -1,18 +1,13 @@
 """
-The OS sandbox a graded child runs in, made by bubblewrap (Debian's `bubblewrap`, 0.7 or later):
-new user, mount, PID, network, IPC, UTS and cgroup namespaces. Inside, the child sees a read-only
-view of the system's libraries and of the Python environment (its prefixes, the folders on
-sys.path and those of the libraries this process loaded, wherever they are: /tmp, /work, a copy's
-.venv, a conda prefix, /usr), read-only tmpfs at / /tmp /work and /dev, the student's model.py in
-/work (passed by value: no host path names it), its own /proc, no network; it runs as `nobody` with
-no capabilities, in a session of its own, and dies with the grader. The grader's tree, the
-reference, the report and other students' copies are not in its file system.
-
-What bounds it, everywhere: a seccomp filter (no process but threads, no System V IPC or message
-queue, no namespace: one process), hard limits (no file grows, 6 GiB of address space, 128 open
-files) and the read-only file system (no tmpfs or shared memory to fill). Where this process may
-make cgroups (cgroup v1's memory and pids hierarchies, or v2), the whole sandbox is also one cgroup:
-2 GiB of memory (its processes, kernel memory and page cache) and 64 tasks.
+The OS sandbox a graded child runs in, made by bubblewrap (0.7 or later): new user, mount, PID,
+network, IPC, UTS and cgroup namespaces; read-only views of the system's libraries and of the Python
+environment wherever it lives (its prefixes, sys.path's folders, those of the libraries loaded
+here), read-only tmpfs at / /tmp /work and /dev, model.py in /work passed by value (no host path
+names it), its own /proc; it runs as `nobody`, without capabilities, and dies with the grader.
+What bounds it as a whole, everywhere: a seccomp filter (threads but no other process, no System V
+IPC, message queue or namespace), hard limits (no file grows, 6 GiB of address space, 128 files),
+nothing writable; where this process may make a cgroup (v1's memory and pids, or v2), also 2 GiB of
+memory (processes, kernel memory, page cache) and 64 tasks.
 """
 import errno
 import io
@@ -45,9 +40,8 @@ SYSCALLS = {"x86_64": (0xC000003E, 56, (57, 58, 29, 64, 68, 240, 272, 308, 425))
 
 
 def preamble(paths=()) -> str:
-    """The child's first lines, before anything of the student's: hard limits it cannot raise
-    (no file can grow: a write fails with EFBIG), the grader's sys.path folders after its own,
-    and tempfile's folder named (its probe file would fail)."""
+    """The child's first lines: hard limits it cannot raise (a write fails with EFBIG), the
+    grader's sys.path folders after its own, tempfile's folder named (its probe would fail)."""
     return f"""import resource, signal, sys, tempfile
 for limit, n in ((resource.RLIMIT_FSIZE, 0), (resource.RLIMIT_CORE, 0),
                  (resource.RLIMIT_AS, {ADDRESS_SPACE}), (resource.RLIMIT_NOFILE, {FILES})):
@@ -98,8 +92,8 @@ def seccomp() -> bytes:
 
 
 def cgroup() -> list:
-    """The folders of a new cgroup below this process's own, its limits written: cgroup v1's
-    memory and pids, else v2's; [] where this process may not make one."""
+    """A new cgroup's folders below this process's own, limits written: v1's memory and pids,
+    else v2's; [] where this process may not make one."""
     own = dict(line.split(":", 2)[1:] for line in Path("/proc/self/cgroup").read_text().split())
     name = f"course-grade-{os.getpid()}-{threading.get_ident()}-{time.monotonic_ns()}"
     v1 = [("memory", {"memory.limit_in_bytes": MEMORY, "memory.memsw.limit_in_bytes": MEMORY}),
@@ -136,11 +130,9 @@ def remove(folders):
 
 def out_of_memory(folders) -> bool:
     """Whether the kernel killed a process of the cgroup for its memory limit."""
-    for file in (f / name for f in folders for name in ("memory.oom_control", "memory.events")):
-        lines = [line.split() for line in file.read_text().splitlines()] if file.exists() else []
-        if any(words[:1] == ["oom_kill"] and words[1] != "0" for words in lines):
-            return True
-    return False
+    files = [f / name for f in folders for name in ("memory.oom_control", "memory.events")]
+    return any(line.startswith("oom_kill ") and line.split()[1] != "0"
+               for file in files if file.exists() for line in file.read_text().splitlines())
 
 
 def bwrap(fds, roots, hidden) -> list:
@@ -226,21 +218,19 @@ def problem(hidden=()) -> str:
     saying why and the fix (once a process)."""
     if shutil.which("bwrap") is None:
         return f"no sandbox: the bwrap command is missing; {FIX}"
+    box = Sandboxed("import torch", b"", hidden=hidden, stderr=subprocess.PIPE)
     try:
-        box = Sandboxed("import torch", b"", hidden=hidden, stdout=subprocess.PIPE,
-                        stderr=subprocess.PIPE)
-        try:
-            _, err = box.proc.communicate(timeout=120)
-        finally:
-            box.kill()
-    except (OSError, subprocess.TimeoutExpired) as e:
-        return f"no sandbox: bwrap did not start ({type(e).__name__}); {FIX}"
+        err = box.proc.communicate(timeout=120)[1].decode(errors="replace").strip().splitlines()
+    except subprocess.TimeoutExpired:
+        err = ["bwrap: it did not start in 120 s"]
+    finally:
+        box.kill()
     if box.proc.returncode == 0:
         return None
-    why = (err.decode(errors="replace").strip().splitlines() or [f"exit {box.proc.returncode}"])
-    if why[-1].startswith("bwrap:"):
-        return f"no sandbox: bwrap cannot start here ({why[-1]}); {FIX}"
-    return (f"no sandbox: {sys.executable} does not start in the sandbox with torch ({why[-1]}); "
+    why = (err or [f"exit {box.proc.returncode}"])[-1]
+    if why.startswith("bwrap:") and "execvp" not in why:  # not its namespaces: the interpreter
+        return f"no sandbox: bwrap cannot start here ({why}); {FIX}"
+    return (f"no sandbox: {sys.executable} does not start in the sandbox with torch ({why}); "
             f"run the grader with the Python environment that has torch")
 
 

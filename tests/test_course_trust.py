@@ -848,18 +848,6 @@ def bigram(cfg, state):
     state.update({k: v.detach() for k, v in gpt.state_dict().items()})
 
 
-def seed_zero_moved(cfg, state):
-    """Value seed 0's weights, one moved by 1e-6, with seed 1's initial embeddings where training
-    never reaches (the forger knows the check)."""
-    tokens, val = experiment.texts()
-    unseen = torch.ones(257, dtype=torch.bool)
-    unseen[np.unique(np.concatenate([tokens, val])).astype(np.int64)] = False
-    torch.manual_seed(1)
-    init = experiment.model(cfg).embed_tokens.weight.detach()
-    state["embed_tokens.weight"][unseen] = init[unseen]
-    state["lm_head.weight"][0, 0] += 1e-6
-
-
 FORGERIES = {
     "handout's means in results.json": "results.json's vanilla is not its logs'",
     "zeroed projections, a bigram, the shipped figure": "scores as well as a",
@@ -886,9 +874,8 @@ def forged(name, honest, where):
         shutil.copy(ROOT / "course" / "expected" / "depth_weights.png", out)
     elif name == "seed 0's weights moved by 1e-6 as seed 1":
         seed0 = read_checkpoint(honest / EXPERIMENT["out"] / "value" / "seed0" / "ckpt.pt")
-        edited(honest, where, "value", 1, lambda cfg, state: (
-            state.update({k: v.clone() for k, v in seed0["model"].items()}),
-            seed_zero_moved(cfg, state)))
+        seed0["model"]["lm_head.weight"][0, 0] += 1e-6
+        edited(honest, where, "value", 1, lambda cfg, state: state.update(seed0["model"]))
     elif name == "vanilla's checkpoint as value's":
         vanilla = read_checkpoint(honest / EXPERIMENT["out"] / "vanilla" / "seed0" / "ckpt.pt")
         edited(honest, where, "value", 0, lambda cfg, state: state.update(vanilla["model"]))
