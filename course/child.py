@@ -1,12 +1,10 @@
 """
-The graded child process, seen from the trusted parent (course/grade.py): start it in the sandbox
-(course/sandbox.py) on the student's model.py, hand it each scenario of a test, answer the calls
-its stubs make while the op that installed them runs (problem 3's calls to the functions of
-problems 1, 2 and 4, within the op's sizes and on its own config), and judge each result
-(course/checks.py). The parent bounds what it reads: a test's time however much the child writes,
-each message by the op's sizes (read in linear time, then checked to be data no larger than the
-op), the calls of one op. A test that runs past its limit, or during which the child dies, fails;
-the child starts again for the next test, so a crash or an endless loop costs that test alone.
+The graded child process, seen from the trusted parent: start it in the sandbox on the student's
+model.py, hand it each scenario of a test, answer the calls its stubs make while the op that
+installed them runs (within the op's sizes, for its own config only), and judge each result. A
+test's time holds however much or little the child writes; each message is bounded by the op's
+sizes and read in one pass; an op makes at most CALLS calls. A test that runs past its limit, or
+during which the child dies, fails; the child starts again for the next test.
 """
 import os
 import select
@@ -74,6 +72,7 @@ class Child:
             os.close(down_r)
             os.close(up_w)
         self.down, self.up = down_w, up_r
+        os.set_blocking(down_w, False)
         try:
             first = self.receive(time.monotonic() + IMPORT_TIMEOUT_S, 1 << 16, 0)
         except Gone as e:
@@ -92,12 +91,14 @@ class Child:
             self.box = None
 
     def send(self, message, deadline):
-        data = ops.packed(message)
-        while data:
+        data = memoryview(ops.packed(message))
+        while data:  # a non-blocking pipe: a child that stops reading costs its test's time alone
             if not select.select([], [self.down], [], max(0.0, deadline - time.monotonic()))[1]:
                 raise Gone(f"the test ran past {self.timeout:g} s")
             try:
                 data = data[os.write(self.down, data):]
+            except BlockingIOError:
+                continue
             except OSError:
                 raise Gone(self.death()) from None
 

@@ -50,14 +50,11 @@ def drawn_rules(g) -> list:
     grouped and looped models, explicit strides, recent windows."""
     def pick(*xs):
         return xs[int(torch.randint(len(xs), (), generator=g))]
-    rules = []
-    for mode, explicit in [(ops.OWN_STRIDE_MODE, 0), (ops.OWN_STRIDE_MODE, 0), ("kv", 0),
-                           ("value", 0), ("value", 1), ("kv", 1)]:
-        rule = dict(n_layer=pick(*range(4, 13)), n_loops=pick(1, 1, 2, 3), depth_mode=mode,
-                    depth_recent_window=pick(0, 0, 1, 2, 3))
-        if explicit:
-            rule["depth_stride"] = pick(*range(1, rule["n_layer"] * rule["n_loops"] + 2))
-        rules.append(rule)
+    rules = [dict(n_layer=pick(*range(4, 13)), n_loops=pick(1, 1, 2, 3), depth_mode=mode,
+                  depth_recent_window=pick(0, 0, 1, 2, 3))
+             for mode in (ops.OWN_STRIDE_MODE, ops.OWN_STRIDE_MODE, "kv", "value", "value", "kv")]
+    for rule in rules[4:]:  # explicit strides
+        rule["depth_stride"] = pick(*range(1, rule["n_layer"] * rule["n_loops"] + 2))
     return rules
 
 

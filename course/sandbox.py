@@ -58,8 +58,7 @@ def inside(path, folders) -> bool:
 
 def environment(hidden) -> tuple:
     """(folders to bind, folders on sys.path): the interpreter's prefixes and folder, sys.path's
-    folders and those of every library mapped here, less what lies in a hidden folder (the
-    grader's tree) unless a prefix holds it (a .venv inside the tree)."""
+    and those of the libraries mapped here, less a hidden folder's unless a prefix (a .venv)."""
     prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix,
                                                sys.base_exec_prefix, sysconfig.get_paths()["stdlib"])}
     maps = (line.split(None, 5)[-1].strip() for line in open("/proc/self/maps"))
@@ -75,9 +74,9 @@ def environment(hidden) -> tuple:
 
 
 def seccomp() -> bytes:
-    """The seccomp program (BPF) bwrap loads: no process but threads (fork, vfork and a clone
-    without CLONE_THREAD refused, clone3 ENOSYS), no System V IPC, message queue, namespace or
-    io_uring, no other ABI; b"" where the machine is not one SYSCALLS knows."""
+    """The seccomp program bwrap loads: fork, vfork, a clone without CLONE_THREAD, System V IPC,
+    message queues, namespaces, io_uring and other ABIs refused (clone3: ENOSYS, so threads fall
+    back to clone); b"" on a machine SYSCALLS does not know."""
     if platform.machine() not in SYSCALLS:
         return b""
     arch, clone, refused = SYSCALLS[platform.machine()]
@@ -165,10 +164,9 @@ def bwrap(fds, roots, hidden) -> list:
 
 
 class Sandboxed:
-    """`python -c code` on model.py's bytes, in the sandbox and its own cgroup where one can be
-    made (bwrap's options come through a descriptor: the sandbox's /proc shows none of them), or
-    unsandboxed (practice) in a temporary folder; fds passed to it. kill() ends it and everything
-    it started."""
+    """`python -c code` on model.py's bytes, in the sandbox (its options through a descriptor:
+    its /proc shows none) and its own cgroup where one can be made, or unsandboxed (practice) in
+    a temporary folder. kill() ends it and everything it started."""
 
     def __init__(self, code, source: bytes, fds=(), hidden=(), sandboxed=True, **popen):
         roots, paths = environment(hidden)
@@ -235,8 +233,8 @@ def problem(hidden=()) -> str:
 
 
 def read_inside(folder, relative, limit) -> bytes:
-    """The bytes of folder/relative, no part of the path followed if it is a link (OSError ELOOP
-    or ENOTDIR), the file's size checked before it is read (EFBIG): what the copy holds, bounded."""
+    """The bytes of folder/relative, no part of it followed if a link (ELOOP, ENOTDIR), its size
+    checked before it is read (EFBIG)."""
     parts = Path(relative).parts
     if ".." in parts:
         raise OSError(errno.EACCES, "a path out of the folder")
