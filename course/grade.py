@@ -9,7 +9,8 @@ course/README.md).
 The graded code runs in an OS sandbox made by bubblewrap (course/sandbox.py: model.py and a
 read-only Python, never the grader's tree, processes or files, bounded as a whole); values go in
 and out by value over two pipes, and this process alone holds the expected outputs, judges them
-and writes the report. Problem 5's checkpoints are re-evaluated here. It needs the bwrap command
+(values only: whether update returns views is not enforced) and writes the report. Problem 5's
+checkpoints are re-evaluated here. It needs the bwrap command
 (apt-get install bubblewrap) and user namespaces, and refuses in one line where its interpreter
 does not import torch in the sandbox; --no_sandbox is practice, never credit. The instructor's
 grader (a tree that is not a student copy) draws a fresh seed each time and adds hidden scenarios.
