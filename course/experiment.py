@@ -274,17 +274,11 @@ def grade(base: Path, within: str, path=None) -> dict:
     figure is drawn)."""
     runs = Runs(base, within)
     for check in CHECKS.values():
-        if why := verdict(check, runs, path):
-            return dict.fromkeys(CHECKS, why)
+        try:
+            check(runs, path)
+        except Fail as e:
+            return dict.fromkeys(CHECKS, str(e))
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, OSError) as e:
+            return dict.fromkeys(CHECKS, f"the runs' records are not what the handout's command "
+                                         f"writes ({type(e).__name__}: {e}): {HINT}")
     return dict.fromkeys(CHECKS)
-
-
-def verdict(check, runs, path):
-    try:
-        check(runs, path)
-        return None
-    except Fail as e:
-        return str(e)
-    except (KeyError, TypeError, ValueError, IndexError, AttributeError, OSError) as e:
-        return (f"the runs' records are not what the handout's command writes "
-                f"({type(e).__name__}: {e}): {HINT}")

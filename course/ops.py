@@ -365,16 +365,14 @@ def serve(read_fd, write_fd):
 
 def describe(e, import_time=False):
     """An exception as one line, with the student's file and line where it was raised."""
-    where, tb = "", e.__traceback__
+    tb, lines = e.__traceback__, []
     while tb is not None:
-        if tb.tb_frame.f_code.co_filename.endswith("model.py"):
-            where = f" (model.py, line {tb.tb_lineno})"
+        lines += [tb.tb_lineno] if tb.tb_frame.f_code.co_filename.endswith("model.py") else []
         tb = tb.tb_next
     if isinstance(e, SyntaxError):  # its message names the whole path: the line is enough
         return f"SyntaxError: {e.msg} (model.py, line {e.lineno})"
     if isinstance(e, SystemExit):
-        text = f"model.py called sys.exit({e.code!r})" + (" at import" if import_time else "")
-    else:
-        text = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e).strip() else ''}".rstrip(
-            ": ") + where
-    return text[:300]
+        return f"model.py called sys.exit({e.code!r})"[:300] + " at import" * import_time
+    first = str(e).splitlines()[0] if str(e).strip() else ""
+    where = f" (model.py, line {lines[-1]})" if lines else ""
+    return (f"{type(e).__name__}: {first}".rstrip(": ") + where)[:300]
