@@ -1,10 +1,11 @@
 """What an instructor can trust of the course's grader (course/grade.py): graded code that exits
 at import with a forged report, patches the grader, rewrites its tree, looks answers up in the
 copy's fixtures, returns what is not a tensor, reads the reference, outlives its test, persists in
-the grader's bytecode or site-packages, writes the report, asks the parent for answers or patches
-its own harness scores nothing by it, one case per kind; problem 5 re-evaluates the runs'
-checkpoints, so runs written without training score 0, and honest ones pass; damaged fixtures and
-a missing sandbox are refused in one line."""
+the grader's bytecode or site-packages, writes the report, asks the parent for answers, patches
+its own harness or decodes without a cache, or spends the kernel's resources (processes, System V
+memory, links on a tmpfs, memory, time, messages, calls) scores nothing by it, one case per kind;
+the grader grades wherever Python lives; problem 5 scores six real trainings of a cheap recipe
+full and each forgery of them 0; damaged fixtures and a missing sandbox are refused in one line."""
 import compileall
 import contextlib
 import io
@@ -143,7 +144,8 @@ LOOKUP_TABLE = """\
     """
 
 # What is not the functions' result: a string that says "passed", a dict, a tensor subclass, a
-# float, an error of a million characters; and prints that are not UTF-8, which cost nothing (problem 3 keeps its points).
+# float, an error of a million characters; and prints that are not UTF-8, which cost nothing
+# (problem 3 keeps its points).
 GARBAGE = {"group_mean": 'return "passed"',
            "softmax_weights": 'return {"alpha": 1, "passed": True}',
            "causal_attention": "return torch.nn.Parameter(q.float())",
