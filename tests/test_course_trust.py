@@ -579,10 +579,27 @@ def test_the_kernels_resources_are_the_sandboxs_own(graded):
     """No process but its threads (four children of 1 GiB, a program), no System V shared memory
     (3 GiB) or message queue, no namespace, no link or file on any tmpfs: each refused at once, in
     one grading; and nothing the sandbox's /proc shows names a host path of the grading."""
-    (why,) = set(reasons(graded["kernel"]))
-    said = dict(item.split(":") for item in why.split("sys.exit('")[1].split("')")[0].split())
-    assert said == {"fork": "EPERM", "spawn": "EPERM", "shm": "EPERM", "msg": "EPERM",
-                    "userns": "EPERM", "links": "EROFS", "write": "EROFS", "paths": "0"}, why
+    assert kernel_said(graded["kernel"]) == REFUSED
+
+
+REFUSED = {"fork": "EPERM", "spawn": "EPERM", "shm": "EPERM", "msg": "EPERM", "userns": "EPERM",
+           "links": "EROFS", "write": "EROFS", "paths": "0"}
+
+
+def kernel_said(result) -> dict:
+    """What KERNEL's exit says of each resource it tried."""
+    (why,) = set(reasons(result))
+    return dict(item.split(":") for item in why.split("sys.exit('")[1].split("')")[0].split())
+
+
+def test_without_a_cgroup_the_sandbox_is_still_bounded(tmp_path, monkeypatch):
+    """Where no cgroup can be made (forced off here, as on a machine without a writable
+    hierarchy), the same resources are refused: seccomp and read-only tmpfs do not need one."""
+    monkeypatch.setattr(sandbox, "CGROUPS", str(tmp_path / "no cgroups"))
+    assert sandbox.cgroup() == []
+    copy = attack_copy(tmp_path / "kernel", suffix=KERNEL.replace("PATHS", repr([str(tmp_path)])))
+    with grading_here():
+        assert kernel_said(grade_py.grade(copy, only=1)) == REFUSED
 
 
 @pytest.mark.skipif(not sandbox_cgroup(), reason="no cgroup this user may make here")
