@@ -1,14 +1,10 @@
 """
-What a graded test asks of a model.py, and the process that asks it of a student's (`serve`).
-
-Each op takes a model module and plain inputs and returns plain outputs; course/grade.py runs it in
-the sandboxed child on the student's model.py and, for the expected outputs, on the reference in
-the trusted parent. They talk over two pipes in torch.save's format; the parent reads the child's
-with weights_only, so a child sends data, never code. While problem 3 is graded, the functions of
-problems 1, 2 and 4 are stubs that ask the parent (the reference's answer and, backward, its
-gradient; a KV cache or config sent by value, its state applied back, so the caller sees views of
-its own cache). All of this runs in the child and is the child's to change: the parent trusts only
-the values it gets. This file imports only torch: the child runs it from its source.
+What a graded test asks of a model.py, and the process that asks it of a student's (`serve`): the
+same ops run on the reference in the trusted parent for the expected outputs. Messages travel in
+torch.save's format and the parent reads them as data. While problem 3 is graded, the functions of
+problems 1, 2 and 4 are stubs that ask the parent. All of this runs in the child and is the child's
+to change: the parent trusts only the values it gets. It imports only torch: the child runs it
+from its source.
 """
 import dataclasses
 import inspect
@@ -39,15 +35,9 @@ def clone(x):
     return [clone(i) for i in x] if isinstance(x, (list, tuple)) else x
 
 
-
 def sources(model, rule):
     config = model.ModelConfig(**rule)
     return [list(config.sources(e)) for e in range(config.n_eff_layer)]
-
-
-
-
-
 
 
 def build(model, config, state, dtype):
@@ -81,7 +71,6 @@ def together(model, config, state, idx, held):
     return [logits(model, config, state, idx), *decode(model, config, state, idx, held)]
 
 
-
 def call(model, function, arguments):
     """A method of KVCache on a cache sent by value (its state): what it returns, and the state it
     leaves; the parent drives problem 4's cache call by call, so only these functions decode."""
@@ -105,10 +94,16 @@ def tensors(x) -> list:
     return [t for i in items for t in tensors(i)]
 
 
-def through(outputs, inputs) -> list:
-    """d <outputs, cotangent> / d input for each input (zeros where it does not reach)."""
+def leaves(x) -> list:
+    """x's tensors, each floating one a fresh copy that records its gradient."""
+    return [t.detach().clone().requires_grad_() if t.is_floating_point() else t for t in tensors(x)]
+
+
+def through(outputs, inputs, weight=cotangent) -> list:
+    """d <outputs, weight> / d input for each floating input (zeros where it does not reach)."""
+    inputs = [i for i in inputs if i.requires_grad]
     outs = [o for o in tensors(outputs) if o.requires_grad]
-    grads = torch.autograd.grad(sum((o * cotangent(o)).sum() for o in outs), inputs,
+    grads = torch.autograd.grad(sum((o * weight(o)).sum() for o in outs), inputs,
                                 allow_unused=True) if outs else [None] * len(inputs)
     return [torch.zeros_like(i) if g is None else g for i, g in zip(inputs, grads)]
 
@@ -116,15 +111,9 @@ def through(outputs, inputs) -> list:
 def backward(model, op, args):
     """Training's backward through an op's functions: the gradient of <its outputs, cotangent>
     with respect to each of its floating inputs, in order."""
-    leaves = []
-
-    def leaf(x):
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
-            leaves.append(x.detach().clone().requires_grad_())
-            return leaves[-1]
-        return [leaf(i) for i in x] if isinstance(x, (list, tuple)) else x
+    inputs = leaves(args)
     with torch.enable_grad():
-        return through(OPS[op](model, *leaf(list(args))), leaves)
+        return through(OPS[op](model, *rebuilt(list(args), iter(inputs))), inputs)
 
 
 def gradients(model, config, state, idx):
@@ -192,27 +181,20 @@ def answer(model, function, arguments, fn=None, cotangent=None) -> dict:
     cache's own says where it lies) and the state a KV cache is left in; given the cotangent of
     its result, the gradient of <result, cotangent> for each tensor argument instead (a stub's
     backward)."""
+    fn, args, cache = fn or original(model, function), {}, None
     if cotangent is not None:
-        inputs = [t.detach().clone().requires_grad_() if t.is_floating_point() else t
-                  for t in tensors(arguments)]
-        it = iter(inputs)
+        inputs = leaves(arguments)
         with torch.enable_grad():
-            out = (fn or original(model, function))(**rebuilt(arguments, it))
-            floating = [i for i in inputs if i.requires_grad]
-            grads = torch.autograd.grad((out * cotangent).sum(), floating, allow_unused=True)
-        return {"grads": [torch.zeros_like(i) if g is None else g for i, g in zip(floating, grads)]}
-    fn, objects = fn or original(model, function), {}
-    args = {}
+            out = fn(**rebuilt(arguments, iter(inputs)))
+            return {"grads": through(out, inputs, lambda _: cotangent)}
     for name, value in arguments.items():
         if isinstance(value, dict) and "KVCache" in value:
-            cache = objects[name] = object.__new__(model.KVCache)
-            cache.k, cache.v, cache.pos = (value["KVCache"][key] for key in ("k", "v", "pos"))
-            value = cache
+            state, cache = value["KVCache"], object.__new__(model.KVCache)
+            cache.k, cache.v, cache.pos, value = state["k"], state["v"], state["pos"], cache
         elif isinstance(value, dict) and "ModelConfig" in value:
             value = model.ModelConfig(**value["ModelConfig"])
         args[name] = value
     result = fn(**args)
-    cache = next(iter(objects.values()), None)
     return {"result": where(result, cache),
             "state": None if cache is None else {"k": cache.k, "v": cache.v, "pos": cache.pos}}
 
@@ -221,7 +203,7 @@ def rebuilt(x, it):
     """The arguments with each tensor replaced, in order, by the next of `it`."""
     if isinstance(x, torch.Tensor):
         return next(it)
-    if isinstance(x, list):
+    if isinstance(x, (list, tuple)):
         return [rebuilt(i, it) for i in x]
     if isinstance(x, dict):
         return {k: rebuilt(v, it) for k, v in x.items()}
