@@ -1,10 +1,8 @@
 """
-How the trusted parent judges what a student's functions returned: each test's comparison with the
-reference's output, as one line saying what differs (never the reference's output) or None. A
-result of another type, a NaN or an error fails its test. float64 scenarios compare to 1e-10 (a
-different order of operations passes, a different formula does not); bf16 ones with the float64
-value of the same inputs, within what bf16 rounding can change: depth weights from scores rounded
-in any order (a float32 softmax), a weighted sum with each product and partial sum rounded.
+How the trusted parent judges a student's results: one line saying what differs (never the
+reference's output), or None. float64 scenarios compare to 1e-10 (another order of operations
+passes, another formula does not); bf16 ones with the float64 value within what bf16 rounding
+can change.
 """
 import math
 

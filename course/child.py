@@ -1,9 +1,7 @@
 """
 The graded child process, seen from the trusted parent: start it in the sandbox on the student's
-model.py, hand it each scenario of a test, answer the calls its stubs make while the op that
-installed them runs (within the op's sizes, for its own config only), and judge each result. A
-test's time holds however much or little the child writes; each message is bounded by the op's
-sizes and read in one pass; an op makes at most CALLS calls. A test that runs past its limit, or
+model.py, hand it each scenario of a test, answer its stubs' calls within the op's own sizes and
+config, and judge each result. A test that runs past its limit however much the child writes, or
 during which the child dies, fails; the child starts again for the next test.
 """
 import os
@@ -56,13 +54,11 @@ class Child:
     def __init__(self, source, ref, model, timeout, sandboxed=True, hidden=()):
         self.source, self.ref, self.model, self.timeout = source, ref, model, timeout
         self.sandboxed, self.hidden = sandboxed, hidden
-        self.box, self.import_error = None, None
+        # a str source: why the grader would not read model.py
+        self.box, self.import_error = None, source if isinstance(source, str) else None
 
     # ---------------------------------------------------------------- the process and its pipes
     def start(self):
-        if isinstance(self.source, str):  # why the grader would not read model.py
-            self.import_error = self.source
-            return
         down_r, down_w = os.pipe()
         up_r, up_w = os.pipe()
         try:
@@ -203,10 +199,3 @@ class Child:
             self.close()
             return str(e)
         return None
-
-    def problem(self, p):
-        stubs = fixtures.stubbed(p.number)
-        return {name: self.run(name, stubs) for name, _ in p.tests}
-
-    def together(self) -> bool:
-        return self.run("together", []) is None

@@ -1,11 +1,8 @@
 """
 The graded tests' scenarios: the inputs each test hands a student's functions, drawn from a seed.
-A student copy's grader has the practice set (seed 0, no hidden scenarios) with the reference's
-outputs and the calls problem 3's functions made to the others', recorded by course/make.py
-(`record`). The instructor's draws a fresh seed at every grading, adds hidden scenarios (batch > 1,
-T = C, bf16, scores that overflow an unshifted softmax, a mode with its own stride, looped models,
-source rules of their own) and computes the expected outputs from its own model.py: an answer
-looked up in the practice fixtures, or in an earlier report, matches none.
+A student copy grades the practice set (seed 0) against outputs and problem 3's calls recorded by
+course/make.py; the instructor's grader draws a fresh seed each time, adds hidden scenarios and
+computes the outputs from its own model.py, so no answer from the fixtures or a report matches.
 """
 import torch
 

@@ -6,14 +6,11 @@ course/README.md).
     python course/grade.py ../student --json=grade.json   # an instructor grades a student's copy
     python course/grade.py --problem=3           # one problem, with every failing test's reason
 
-The graded code runs in an OS sandbox made by bubblewrap (course/sandbox.py: model.py and a
-read-only Python, never the grader's tree, processes or files, bounded as a whole); values go in
-and out by value over two pipes, and this process alone holds the expected outputs, judges them
-(values only: whether update returns views is not enforced) and writes the report. Problem 5's
-checkpoints are re-evaluated here. It needs the bwrap command
-(apt-get install bubblewrap) and user namespaces, and refuses in one line where its interpreter
-does not import torch in the sandbox; --no_sandbox is practice, never credit. The instructor's
-grader (a tree that is not a student copy) draws a fresh seed each time and adds hidden scenarios.
+The graded code runs in a bubblewrap sandbox (course/sandbox.py) and sends values back over pipes;
+this process alone holds the expected outputs, judges values only (whether update returns views is
+not enforced) and writes the report. It needs bwrap (apt-get install bubblewrap), user namespaces
+and an interpreter that imports torch in the sandbox, else it refuses in one line; --no_sandbox is
+practice, never credit. The instructor's grader draws a fresh --seed and adds hidden scenarios.
 """
 import sys
 from pathlib import Path
@@ -81,6 +78,7 @@ def grade(root: Path, only=None, experiment=None, seed=None, sandboxed=True, gra
     from course import experiment as runs
     from course import sandbox
     from course.child import Child
+    from course.fixtures import stubbed
     torch.set_num_threads(1)  # tiny tensors: one thread is 20x faster than a pool
     trees = tuple(dict.fromkeys(os.path.realpath(f) for f in (grader, HERE)))
     hidden = tuple(dict.fromkeys((*trees, os.path.realpath(root))))
@@ -100,6 +98,7 @@ def grade(root: Path, only=None, experiment=None, seed=None, sandboxed=True, gra
         source = sandbox.read_inside(root, "model.py", sandbox.SOURCE_LIMIT)
     except OSError as e:  # a link, a folder, a FIFO, too large: what the tests say
         source = f"model.py is not a file of at most {sandbox.SOURCE_LIMIT} bytes ({e.strerror})"
+    runs_at = (Path(experiment), "") if experiment else (root, EXPERIMENT["out"])
     entries, child = [], Child(source, ref, answering, timeout, sandboxed, hidden)
     try:
         for p in problems:
@@ -107,25 +106,23 @@ def grade(root: Path, only=None, experiment=None, seed=None, sandboxed=True, gra
                 entries.append({"problem": p.number, "title": p.title, "points": p.points,
                                 "graded": False})
                 continue
-            entries.append(entry(p, child.problem(p) if p.functions else runs.grade(
-                Path(experiment or root), "" if experiment else EXPERIMENT["out"], figure)))
+            results = runs.grade(*runs_at, figure) if not p.functions else {
+                t: child.run(t, stubbed(p.number)) for t, _ in p.tests}
+            entries.append(entry(p, results))
         code = [e for e in entries if e.get("graded") and e["problem"] != 5]
-        together = None
-        if only is None:
-            together = (len(code) == 4 and all(e["earned"] == e["points"] for e in code)
-                        and child.together())
+        together = None if only is not None else (  # once problems 1-4 pass; no points
+            len(code) == 4 and all(e["earned"] == e["points"] for e in code)
+            and child.run("together", []) is None)
     finally:
         child.close()
     tampered = [f for f, h in digest(files).items() if before[f] != h]
-    if tampered:
-        for e in entries:
-            if e["graded"]:
-                e.update(earned=0, tests=[{**t, "earned": 0} for t in e["tests"]])
     graded = [e for e in entries if e["graded"]]
+    if tampered:
+        for e in graded:
+            e.update(earned=0, tests=[{**t, "earned": 0} for t in e["tests"]])
     return {"written_by": mark("grade.py"), "root": str(root), "seed": seed,
             "hidden_tests": not practice, "sandbox": sandboxed, "problems": entries,
-            "together": together,
-            "tampered": tampered, "score": sum(e["earned"] for e in graded),
+            "together": together, "tampered": tampered, "score": sum(e["earned"] for e in graded),
             "out_of": sum(e["points"] for e in graded)}
 
 

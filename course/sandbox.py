@@ -1,13 +1,8 @@
 """
-The OS sandbox a graded child runs in, made by bubblewrap (0.7 or later): new user, mount, PID,
-network, IPC, UTS and cgroup namespaces; read-only views of the system's libraries and of the Python
-environment wherever it lives (its prefixes, sys.path's folders, those of the libraries loaded
-here), read-only tmpfs at / /tmp /work and /dev, model.py in /work passed by value (no host path
-names it), its own /proc; it runs as `nobody`, without capabilities, and dies with the grader.
-What bounds it as a whole, everywhere: a seccomp filter (threads but no other process, no System V
-IPC, message queue or namespace), hard limits (no file grows, 6 GiB of address space, 128 files),
-nothing writable; where this process may make a cgroup (v1's memory and pids, or v2), also 2 GiB of
-memory (processes, kernel memory, page cache) and 64 tasks.
+The OS sandbox a graded child runs in, made by bubblewrap (0.7 or later): every namespace new, a
+read-only view of the system's libraries and of the Python environment wherever it lives, model.py
+passed by value, no host path in it. Bounded as a whole everywhere by a seccomp filter, hard limits
+and small read-only tmpfs; where a cgroup can be made, also by one memory budget and a task count.
 """
 import errno
 import io
@@ -74,9 +69,8 @@ def environment(hidden) -> tuple:
 
 
 def seccomp() -> bytes:
-    """The seccomp program bwrap loads: fork, vfork, a clone without CLONE_THREAD, System V IPC,
-    message queues, namespaces, io_uring and other ABIs refused (clone3: ENOSYS, so threads fall
-    back to clone); b"" on a machine SYSCALLS does not know."""
+    """The seccomp program bwrap loads: SYSCALLS's, a clone without CLONE_THREAD and other ABIs
+    refused; b"" on a machine SYSCALLS does not know."""
     if platform.machine() not in SYSCALLS:
         return b""
     arch, clone, refused = SYSCALLS[platform.machine()]
@@ -164,9 +158,8 @@ def bwrap(fds, roots, hidden) -> list:
 
 
 class Sandboxed:
-    """`python -c code` on model.py's bytes, in the sandbox (its options through a descriptor:
-    its /proc shows none) and its own cgroup where one can be made, or unsandboxed (practice) in
-    a temporary folder. kill() ends it and everything it started."""
+    """`python -c code` on model.py's bytes, in the sandbox (its options through a descriptor: its
+    /proc shows none), or unsandboxed (practice). kill() ends it and everything it started."""
 
     def __init__(self, code, source: bytes, fds=(), hidden=(), sandboxed=True, **popen):
         roots, paths = environment(hidden)
