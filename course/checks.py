@@ -12,6 +12,10 @@ from course import fixtures
 
 BF16_UNIT = 2.0 ** -8  # bf16's unit roundoff: 8 bits of significand
 DECODED = ("cached decoding", "the keys the cache holds", "the values the cache holds")
+PARTS = {"depth_mix_mixes_what_each_mode_says": ("the key", "the value", "alpha"),
+         "one_new_token_in_one_attention_call": ("the key", "the value"),
+         "together": ("the full forward", *DECODED),
+         "each_layer_stores_its_mixed_record_and_decoding_reads_it": DECODED}
 
 
 def close(got, want, what, tol=1e-10):
@@ -23,6 +27,14 @@ def close(got, want, what, tol=1e-10):
     if not gap <= tol * max(1.0, want.double().abs().max().item() if want.numel() else 1.0):
         return f"{what} differs from the reference by {gap:.3g}"
     return None
+
+
+def rounded(got, exact, bound, why):
+    """got within bound of the float64 exact value, element by element."""
+    if got.shape != exact.shape:
+        return f"{why}: shape {tuple(got.shape)}, expected {tuple(exact.shape)}"
+    off = (got.double() - exact).abs()
+    return None if (off <= bound).all() else f"{why} (off by {off.max().item():.3g})"
 
 
 def first(*reasons):
@@ -44,12 +56,8 @@ def softmax_bf16(got, args, what):
     spread = torch.stack([(q * k).abs().sum(-1) for k in ks], 2) / math.sqrt(D) * D * BF16_UNIT
     alpha = scores.softmax(2)
     bound = alpha * torch.expm1(spread + spread.amax(2, keepdim=True)) + 1e-6
-    if got.shape != alpha.shape:
-        return f"{what}: alpha has shape {tuple(got.shape)}, expected {tuple(alpha.shape)}"
-    if not ((got.double() - alpha).abs() <= bound).all():
-        return f"{what}: alpha is not a float32 softmax of <qbar, K_c> / sqrt(D) over the " \
-               f"candidates (off by {(got.double() - alpha).abs().max().item():.3g})"
-    return None
+    return rounded(got, alpha, bound, f"{what}: alpha is not a float32 softmax of <qbar, K_c> / "
+                                      f"sqrt(D) over the candidates")
 
 
 def weighted_bf16(got, args, what):
@@ -59,11 +67,8 @@ def weighted_bf16(got, args, what):
                f"{xs[0].dtype}: return it in the records' dtype"
     terms = [alpha[:, :, c].double().unsqueeze(-1) * x.double() for c, x in enumerate(xs)]
     exact, size = sum(terms), sum(t.abs() for t in terms)
-    if got.shape != exact.shape:
-        return f"{what}: shape {tuple(got.shape)}, expected {tuple(exact.shape)}"
-    if not ((got.double() - exact).abs() <= 2 * (len(xs) + 1) * BF16_UNIT * size + 1e-6).all():
-        return f"{what} differs from sum_c alpha_c X_c by more than bf16 rounding"
-    return None
+    return rounded(got, exact, 2 * (len(xs) + 1) * BF16_UNIT * size + 1e-6,
+                   f"{what} differs from sum_c alpha_c X_c by more than bf16 rounding")
 
 
 def logits_bf16(got, want, what):
@@ -72,10 +77,6 @@ def logits_bf16(got, want, what):
     if not isinstance(got, torch.Tensor) or got.dtype != torch.bfloat16:
         return f"{what}: the logits are {getattr(got, 'dtype', type(got).__name__)}, not bf16"
     return close(got, want, what, tol=0.1)
-
-
-def listed(got, want, what):
-    return None if got == want else f"{what}: {got} is not the rule's"
 
 
 def empty_sources(got, want, what):
@@ -87,11 +88,6 @@ def empty_sources(got, want, what):
     if all(w == [] for w in want) and any(got):
         return f"{what}: a mode without a depth step has sources {got}"
     return None
-
-
-def candidates(got, want, what):
-    count = fixtures.candidates(got)
-    return None if count == want else f"{what}: {count} candidates, expected {want}"
 
 
 def parts(got, want, what, names):
@@ -115,43 +111,30 @@ def cached(got, want, what):
                                                                      "the values update returns")))
 
 
-def gradients(got, want, what):
-    """Training's backward through the functions: each input's (or parameter's) gradient."""
-    if not isinstance(got, list) or len(got) != len(want):
-        return f"{what}: the backward pass did not give a gradient for every input"
-    return first(*(close(g, w, f"{what}: the gradient of input {i}") for i, (g, w)
-                   in enumerate(zip(got, want))))
-
-
 def judge(test, got, want, args, what, op=None):
     """One scenario of a test: None, or why it fails."""
-    if op in ("backward", "gradients"):
-        return gradients(got, want, what)
+    if op in ("backward", "gradients"):  # each input's (or parameter's) gradient
+        return parts(got, want, what, [f"the gradient of input {i}" for i in range(len(want))])
     if test in ("the_default_stride_is_the_modes_or_half_the_effective_depth",
                 "an_explicit_stride_is_kept"):
         return None if got == want else f"{what}: stride {got} is not the rule's"
     if test == "every_layer_has_the_sources_of_the_rule":
         return next((f"{what}: S({e}) = {g} is not the rule's" for e, (g, w)
                      in enumerate(zip(got, want)) if g != w), None) if isinstance(got, list) \
-            and len(got) == len(want) else listed(got, want, what)
+            and len(got) == len(want) else f"{what}: {got} is not the rule's"
     if test == "layer_zero_and_vanilla_have_no_sources":
         return empty_sources(got, want, what)
     if test == "the_paper_counts_117_candidates_at_48_layers":
-        return candidates(got, want, what)
+        count = fixtures.candidates(got)
+        return None if count == want else f"{what}: {count} candidates, expected {want}"
     if test == "the_softmax_runs_in_float32_for_bf16_activations":
         return softmax_bf16(got, args, what)
     if test == "the_weighted_sum_of_the_candidates" and args[1][0].dtype == torch.bfloat16:
         return weighted_bf16(got, args, what)
     if test == "a_bf16_model_runs_in_bf16":
         return logits_bf16(got, want, what)
-    if test == "depth_mix_mixes_what_each_mode_says":
-        return parts(got, want, what, ("the key", "the value", "alpha"))
-    if test == "one_new_token_in_one_attention_call":
-        return parts(got, want, what, ("the key", "the value"))
-    if test == "together":
-        return parts(got, want, what, ("the full forward", *DECODED))
-    if test == "each_layer_stores_its_mixed_record_and_decoding_reads_it":
-        return parts(got, want, what, DECODED)
+    if test in PARTS:
+        return parts(got, want, what, PARTS[test])
     if op == "call":
         return cached(got, want, what)
     tol = 1e-12 if test == "qbar_is_the_mean_of_each_group_of_query_heads" else 1e-10

@@ -84,15 +84,13 @@ class Runs:
         return evals[-1]["val_loss"] if evals and evals[-1].get("step") == max_iters else None
 
     def checkpoint(self, run, seed) -> dict:
+        """Its ckpt.pt as data (a file of another shape fails where it is used)."""
         data, where = self.bytes(run, f"seed{seed}", "ckpt.pt"), self.where(run, seed)
         try:
-            ckpt = sandbox.untrusted(data, LIMITS["ckpt.pt"])
+            return sandbox.untrusted(data, LIMITS["ckpt.pt"])
         except Exception as e:
             raise Fail(f"{where}/ckpt.pt is not a checkpoint ({type(e).__name__}): {HINT}") \
                 from None
-        need(isinstance(ckpt, dict) and isinstance(ckpt.get("model"), dict),
-             f"{where}/ckpt.pt is not a train.py checkpoint: {HINT}")
-        return ckpt
 
     def where(self, run, seed):
         return self.base / self.within / run / f"seed{seed}"
@@ -157,8 +155,7 @@ def mean_loss(gpt, tokens, offsets, T) -> float:
 
 
 def model(cfg, state, **changes):
-    """The GPT of a run's settings (changes: another mode), its weights state; Fail if they are
-    not its."""
+    """The GPT of a run's settings (changes: another mode) holding state, or Fail."""
     gpt = build_model({k: v for k, v in {**cfg, **changes}.items() if k not in train.KEYS})
     try:
         gpt.load_state_dict(state)
@@ -168,13 +165,14 @@ def model(cfg, state, **changes):
     return gpt
 
 
-def score(runs) -> dict:
-    (tokens, val), predicted, scores = texts(), {}, {}
+def reevaluated(runs, _):
+    """Each checkpoint scored here (runs.scores), and refused unless a training of its own run."""
+    (tokens, val), predicted, runs.scores = texts(), {}, {}
     for run, seed in jobs():
         cfg, where, ckpt = {**asked(run, seed), "vocab_size": 257}, runs.where(run, seed), \
             runs.checkpoint(run, seed)
         gpt, T = model(cfg, ckpt["model"]), cfg["block_size"]
-        scores[run, seed] = loss = mean_loss(gpt, val, windows(val, cfg, cfg["eval_seqs"]), T)
+        runs.scores[run, seed] = loss = mean_loss(gpt, val, windows(val, cfg, cfg["eval_seqs"]), T)
         said = runs.final(run, seed)
         need(abs(loss - said) < EVAL_TOLERANCE,  # a NaN or inf fails too
              f"{where}: its checkpoint scores {loss:.4f} on the validation windows, its log says "
@@ -195,7 +193,6 @@ def score(runs) -> dict:
                      f"{where}: its checkpoint scores as well as a {mode} model as it does as its "
                      f"run's {cfg['depth_mode']}: it was not trained as its run; {HINT}")
         not_trained_on_validation(gpt, tokens, loss, T, where)
-    return scores
 
 
 def not_trained_on_validation(gpt, tokens, loss, T, where):
@@ -209,14 +206,9 @@ def not_trained_on_validation(gpt, tokens, loss, T, where):
          f"split; {HINT}")
 
 
-def reevaluated(runs, _):
-    runs.scores = score(runs)
-
-
 def correct(runs, _):
-    """Each mean of the re-evaluated losses within the tolerance of the reference's, and value
-    below vanilla by at least half the reference's gap, seed by seed (EXPERIMENT in
-    course/problems.py says why so)."""
+    """Each mean of the re-evaluated losses within the tolerance of the reference's, and value's
+    paired gain over vanilla at least half the reference's (course/problems.py says why)."""
     losses = {run: [runs.scores[run, s] for s in range(EXPERIMENT["seeds"])]
               for run in EXPERIMENT["runs"]}
     off = [f"{run}: mean final validation loss {np.mean(losses[run]):.4f}, the reference's "
@@ -242,11 +234,9 @@ def figure(runs, path):
         gpt(torch.from_numpy(np.stack([val[s:s + T] for s in windows(val, cfg, 16)]).astype(int)))
     for e, (sources, alpha) in alphas.items():  # alpha: (B, n_kv_head, candidates, T)
         m[e, sources + [e]] = alpha.double().mean(dim=(0, 1, 3)).numpy()
-    need(alphas and np.allclose(np.nansum(m[list(alphas)], 1), 1),
-         f"value seed 0's checkpoint gives no depth weights: {HINT}")
     if path and (plt := ablate.pyplot()):
-        ablate.plot_depth_weights(plt, m, path, "Depth weights, value, seed 0 (drawn by the "
-                                                "grader)")
+        ablate.plot_depth_weights(plt, m, path,
+                                  "Depth weights, value, seed 0 (drawn by the grader)")
 
 
 CHECKS = {"every_run_finished_with_the_handouts_settings": finished,
@@ -257,9 +247,8 @@ CHECKS = {"every_run_finished_with_the_handouts_settings": finished,
 
 
 def grade(base: Path, within: str, path=None) -> dict:
-    """{test: None or why it failed} for the runs in base/within, checked in order: the points are
-    a correct training's or none, so every test says the first check that fails (path: where the
-    figure is drawn)."""
+    """{test: None or why it failed} for the runs in base/within, checked in order: the points are a
+    correct training's or none, so every test says the first failure (path: the figure's)."""
     runs = Runs(base, within)
     for check in CHECKS.values():
         try:
