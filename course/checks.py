@@ -72,8 +72,7 @@ def weighted_bf16(got, args, what):
 
 
 def logits_bf16(got, want, what):
-    """A bf16 forward: bf16 logits near the reference's (its rounding, not its formula: the float64
-    scenarios check that)."""
+    """bf16 logits near the reference's: the float64 scenarios check the formula."""
     if not isinstance(got, torch.Tensor) or got.dtype != torch.bfloat16:
         return f"{what}: the logits are {getattr(got, 'dtype', type(got).__name__)}, not bf16"
     return close(got, want, what, tol=0.1)

@@ -59,8 +59,7 @@ class Child:
 
     # ---------------------------------------------------------------- the process and its pipes
     def start(self):
-        down_r, down_w = os.pipe()
-        up_r, up_w = os.pipe()
+        (down_r, down_w), (up_r, up_w) = os.pipe(), os.pipe()
         try:
             self.box = sandbox.Sandboxed(OPS_SOURCE + f"\nserve({down_r}, {up_w})\n", self.source,
                                          (down_r, up_w), self.hidden, self.sandboxed)
@@ -170,12 +169,9 @@ class Child:
                 return ops.answer(self.model, function, arguments, cotangent=cotangent)
             except Exception:  # a call the reference refuses: the student's own function says
                 return {"own": True}
-        if cotangent is not None:  # a gradient the record does not hold
-            return {"own": True}
-        for recorded, reply in self.ref["calls"].get(function, []):
-            if fixtures.same(arguments, recorded):
-                return reply
-        return {"own": True}
+        records = self.ref["calls"].get(function, []) if cotangent is None else []  # no gradients
+        return next((reply for recorded, reply in records if fixtures.same(arguments, recorded)),
+                    {"own": True})
 
     def run(self, test, stubs):
         """None if every scenario of the test passes, else why the first one failed."""

@@ -84,10 +84,9 @@ class Runs:
         return evals[-1]["val_loss"] if evals and evals[-1].get("step") == max_iters else None
 
     def checkpoint(self, run, seed) -> dict:
-        """Its ckpt.pt as data (a file of another shape fails where it is used)."""
         data, where = self.bytes(run, f"seed{seed}", "ckpt.pt"), self.where(run, seed)
         try:
-            return sandbox.untrusted(data, LIMITS["ckpt.pt"])
+            return sandbox.untrusted(data, LIMITS["ckpt.pt"])  # another shape fails where used
         except Exception as e:
             raise Fail(f"{where}/ckpt.pt is not a checkpoint ({type(e).__name__}): {HINT}") \
                 from None
@@ -135,8 +134,8 @@ def texts() -> tuple:
         # in this process: one tokenizer process (num_proc=1) forks nothing
         folder = prepare_data.prepare(prepare_data.shakespeare, "shakespeare", "shakespeare",
                                       "bytes", tmp, num_proc=1)
-        meta = load_meta(folder)
-        return tuple(np.array(read_tokens(folder, split, meta)) for split in ("train", "val"))
+        return tuple(np.array(read_tokens(folder, split, load_meta(folder)))
+                     for split in ("train", "val"))
 
 
 def windows(val, cfg, n):
@@ -183,9 +182,9 @@ def reevaluated(runs, _):
             for other in range(seed):  # KL(other || this) a token: two trainings' is 0.15
                 kl = float((predicted[run, other].exp() * (predicted[run, other] - p)).sum(-1)
                            .mean())
-                need(kl > SEEDS_APART, f"{where}: it predicts what seed {other}'s checkpoint does "
-                                       f"(KL {kl:.3f} nats a token, two trainings' 0.15): each seed "
-                                       f"is a training of its own; {HINT}")
+                need(kl > SEEDS_APART, f"{where}: it predicts what seed {other}'s checkpoint "
+                     f"does (KL {kl:.3f} nats a token, two trainings' 0.15): each seed is a "
+                     f"training of its own; {HINT}")
             for mode in {asked(r, seed)["depth_mode"] for r in EXPERIMENT["runs"]} - {
                     cfg["depth_mode"]}:  # a model without blocks (a bigram) scores alike in all
                 other = model(cfg, ckpt["model"], depth_mode=mode).eval()(x, y)[1].item()

@@ -80,24 +80,20 @@ def scenarios(model, seed=0, hidden=False) -> dict:
         ("group_mean", (q, n_kv), f"n_head={q.shape[1]}, n_kv_head={n_kv}")
         for q, n_kv in heads] + [
         ("backward", ("group_mean", (q, 2)), "backward (training), n_kv_head=2")]
-    wide, bf16 = [], []
-    cases = [(1, 5, 2.0), (3, 5, 2.0)] + [(4, 4, 2.0), (3, 5, 40.0)] * hidden  # T = C; overflow
-    for C, T, scale in cases:
-        qbar, keys = randn(2, 2, T, 3, scale=scale), [randn(2, 2, T, 3, scale=scale)
-                                                      for _ in range(C)]
-        wide.append(("softmax_weights", (qbar, keys), f"{C} candidates, T={T}, scale {scale}"))
-    for C, T, scale in [(4, 5, 2.0)] + [(3, 3, 12.0)] * hidden:  # bf16 scores past exp's range
-        qbar, keys = (randn(2, 2, T, 3, scale=scale, dtype=torch.bfloat16),
-                      [randn(2, 2, T, 3, scale=scale, dtype=torch.bfloat16) for _ in range(C)])
-        bf16.append(("softmax_weights", (qbar, keys), f"bf16, {C} candidates, scale {scale}"))
+    def weights(C, T, scale, what, dtype=torch.float64):
+        x = [randn(2, 2, T, 3, scale=scale, dtype=dtype) for _ in range(C + 1)]  # qbar, C keys
+        return "softmax_weights", (x[0], x[1:]), f"{what}{C} candidates, T={T}, scale {scale}"
+    wide = [weights(C, T, scale, "") for C, T, scale in  # T = C; scores that overflow
+            [(1, 5, 2.0), (3, 5, 2.0)] + [(4, 4, 2.0), (3, 5, 40.0)] * hidden]
+    bf16 = [weights(C, T, scale, "bf16, ", torch.bfloat16)  # bf16 scores past exp's range
+            for C, T, scale in [(4, 5, 2.0)] + [(3, 3, 12.0)] * hidden]
     s["the_weights_are_a_softmax_over_the_candidates"] = wide + [
         ("backward", ("softmax_weights", wide[1][1]), "backward (training), 3 candidates")]
     s["the_softmax_runs_in_float32_for_bf16_activations"] = bf16
 
     sums = []
     for C, dtype in [(1, torch.float64), (3, torch.float64)] + [(3, torch.bfloat16)] * hidden:
-        alpha = randn(2, 2, C, 5).softmax(2).float() if dtype == torch.bfloat16 else \
-            randn(2, 2, C, 5).softmax(2)
+        alpha = randn(2, 2, C, 5).softmax(2).to(torch.float32 if dtype == torch.bfloat16 else None)
         sums.append(("weighted_sum", (alpha, [randn(2, 2, 5, 3, dtype=dtype) for _ in range(C)]),
                      f"{C} candidates, {str(dtype).split('.')[1]}"))
     s["the_weighted_sum_of_the_candidates"] = sums
@@ -194,9 +190,7 @@ def candidates(sources) -> int:
 def stubbed(number) -> list:
     """The functions that answer from the reference while problem `number` is graded: the other
     problems', where this problem's functions call them (problem 3 calls those of 1, 2 and 4)."""
-    if number != 3:
-        return []
-    return [f for p in PROBLEMS if p.number != number for f in p.functions]
+    return [f for p in PROBLEMS if p.number != number for f in p.functions] if number == 3 else []
 
 
 def record(model) -> dict:

@@ -12,6 +12,7 @@ import io
 import os
 import struct
 import sys
+import traceback
 
 import torch
 
@@ -125,7 +126,7 @@ def gradients(model, config, state, idx):
 
 OPS = {"stride": lambda model, rule: model.ModelConfig(**rule).stride, "sources": sources,
        "group_mean": lambda model, q, n_kv: model.group_mean(q.clone(), n_kv),
-       "softmax_weights": lambda model, qbar, keys: model.softmax_weights(qbar.clone(), clone(keys)),
+       "softmax_weights": lambda model, q, keys: model.softmax_weights(q.clone(), clone(keys)),
        "weighted_sum": lambda model, alpha, xs: model.weighted_sum(alpha.clone(), clone(xs)),
        **{f: lambda model, mode, args, f=f: list(getattr(model, f)(*clone(args),
                                                                   model.DEPTH_MODES[mode]))
@@ -177,10 +178,9 @@ def bound(fn, args, kwargs) -> dict:
 
 
 def answer(model, function, arguments, fn=None, cotangent=None) -> dict:
-    """The reference's answer to a call sent by value: its result (a tensor that is a view of the
-    cache's own says where it lies) and the state a KV cache is left in; given the cotangent of
-    its result, the gradient of <result, cotangent> for each tensor argument instead (a stub's
-    backward)."""
+    """The reference's answer to a call sent by value: its result (a view of the cache's own says
+    where it lies) and the state a KV cache is left in; given a cotangent, the gradient of <result,
+    cotangent> for each floating argument instead (a stub's backward)."""
     fn, args, cache = fn or original(model, function), {}, None
     if cotangent is not None:
         inputs = leaves(arguments)
@@ -239,9 +239,8 @@ def applied(reply, args):
 
 
 def replace(model, functions, wrap):
-    """Each named function replaced by wrap(function, original): module globals, class attributes
-    and properties, and the DEPTH_MODES rows that hold the function (a row's weights). Returns the
-    undo list (restore)."""
+    """Each named function replaced by wrap(function, original) wherever it is held (module, class,
+    property, a DEPTH_MODES row's weights); the undo list for restore()."""
     undo = []
     for function in functions:
         owner, name = owner_and_name(model, function)
@@ -276,8 +275,7 @@ def send(f, message):
 
 
 def receive(f):
-    """The parent's next message (the parent reads the child's itself, as data only), or
-    EOFError."""
+    """The parent's next message, or EOFError (the parent reads the child's as data only)."""
     head = f.read(8)
     body = f.read(struct.unpack("<Q", head)[0]) if len(head) == 8 else b""
     if not body:
@@ -347,10 +345,8 @@ def serve(read_fd, write_fd):
 
 def describe(e, import_time=False):
     """An exception as one line, with the student's file and line where it was raised."""
-    tb, lines = e.__traceback__, []
-    while tb is not None:
-        lines += [tb.tb_lineno] if tb.tb_frame.f_code.co_filename.endswith("model.py") else []
-        tb = tb.tb_next
+    lines = [n for frame, n in traceback.walk_tb(e.__traceback__)
+             if frame.f_code.co_filename.endswith("model.py")]
     if isinstance(e, SyntaxError):  # its message names the whole path: the line is enough
         return f"SyntaxError: {e.msg} (model.py, line {e.lineno})"
     if isinstance(e, SystemExit):

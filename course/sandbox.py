@@ -55,9 +55,9 @@ def environment(hidden) -> tuple:
     """(folders to bind, folders on sys.path): the interpreter's prefixes and folder, sys.path's
     and those of the libraries mapped here, less a hidden folder's unless a prefix (a .venv)."""
     prefixes = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix,
-                                               sys.base_exec_prefix, sysconfig.get_paths()["stdlib"])}
+                sys.base_exec_prefix, sysconfig.get_paths()["stdlib"])}
     maps = (line.split(None, 5)[-1].strip() for line in open("/proc/self/maps"))
-    mapped = {os.path.dirname(p) for p in maps if ".so" in os.path.basename(p) and os.path.isfile(p)}
+    mapped = {os.path.dirname(p) for p in maps if ".so" in os.path.basename(p)}  # kept if a folder
     path = [os.path.realpath(p) for p in sys.path if p and os.path.isdir(p)]
     folders = {os.path.realpath(p) for p in (*path, *mapped, os.path.dirname(sys.executable),
                                              os.path.dirname(os.path.realpath(sys.executable)))}
@@ -140,9 +140,7 @@ def bwrap(fds, roots, hidden) -> list:
             args += ["--symlink", os.readlink(top), top]
         elif os.path.isdir(top):
             args += ["--ro-bind", top, top]
-    for f in ("/etc/ld.so.cache", "/etc/ld.so.conf"):
-        if os.path.exists(f):
-            args += ["--ro-bind", f, f]
+    args += [a for f in ("/etc/ld.so.cache", "/etc/ld.so.conf") for a in ("--ro-bind-try", f, f)]
     for root in roots:
         if not inside(root, ["/usr"]):
             args += ["--ro-bind", root, root]
