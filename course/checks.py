@@ -96,8 +96,7 @@ def parts(got, want, what, names):
 
 
 def cached(got, want, what):
-    """A call of KVCache's on a state the parent sent: the cache's state after it (position, keys,
-    values), then what it returned."""
+    """A KVCache call on a state the parent sent: the state it leaves, then what it returned."""
     if not isinstance(got, list) or len(got) != 2 or not isinstance(got[1], dict):
         return f"{what}: the call did not return a result and the cache's state"
     (result, state), (wanted, after) = got, want

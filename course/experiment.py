@@ -127,8 +127,7 @@ def logged(runs, _):
 
 @cache
 def texts() -> tuple:
-    """The embedded Shakespeare's (train, val) tokens, prepared afresh here (a second), never read
-    from the copy."""
+    """The embedded Shakespeare's (train, val) tokens, prepared here (a second), not the copy's."""
     with tempfile.TemporaryDirectory(prefix="grade-data") as tmp, \
             contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
         # in this process: one tokenizer process (num_proc=1) forks nothing

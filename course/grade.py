@@ -48,9 +48,8 @@ def load_fixtures(grader: Path):
 
 
 def reference(seed, names=None):
-    """The instructor's: practice and hidden scenarios drawn from seed (of the tests in names, or
-    all), with the outputs of this tree's model.py, and the model that answers the calls of
-    problem 3."""
+    """The instructor's scenarios drawn from seed (the tests in names, or all) with this tree's
+    model.py's outputs, and that model (it answers problem 3's calls)."""
     import model
     from course import fixtures, ops
     ops.prepare(model)
@@ -135,8 +134,7 @@ def entry(p, results) -> dict:
 
 
 def show(result, verbose):
-    """One line per problem, then each failing test's points and reason (the first three reasons
-    unless verbose)."""
+    """One line per problem, then each failing test's points and reason (three unless verbose)."""
     for e in result["problems"]:
         head = f"problem {e['problem']}  {e['title']:<36}"
         if not e["graded"]:
