@@ -10,11 +10,14 @@ costs, clear errors."""
 import itertools
 import math
 import re
+import subprocess
+import sys
 import textwrap
 from dataclasses import asdict, replace
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 import model as model_py
@@ -70,9 +73,63 @@ def exemptions(request):
 
 
 def build(variant, dtype=torch.float64):
-    """The variant as a tiny model whose every parameter is off its init (conftest.tiny_variant)."""
+    """The variant as a tiny model whose every parameter is off its init (conftest.tiny_variant),
+    checked as it is made (held_by_the_model)."""
     keys = VARIANTS.get(variant) or SHAPES[variant]
-    return tiny_variant(dtype=dtype, vocab_size=257, **keys).eval()
+    return held_by_the_model(tiny_variant(dtype=dtype, vocab_size=257, **keys).eval(), variant)
+
+
+def fresh(variant, **overrides):
+    """The variant as it initialises itself at seed 0 (float32), checked as it is made."""
+    torch.manual_seed(0)
+    keys = {**VARIANTS[variant], **overrides}
+    return held_by_the_model(build_model(asdict(tiny_config(vocab_size=257, **keys))).eval(),
+                             variant)
+
+
+def held_by_the_model(model, variant):
+    """The model, once what would fail later under another name is named: modules or tensors in a
+    plain list, dict or attribute (parameters(), state_dict() and .to() never see them: a dtype
+    crash first), and a row's weights that refuse qbar and keys of n_kv_head heads."""
+    for name, module in model.named_modules():
+        for attr, value in vars(module).items():
+            held = (value.values() if isinstance(value, dict) else
+                    value if isinstance(value, (list, tuple)) else [value])
+            assert attr.startswith("_") or not any(isinstance(v, (nn.Module, torch.Tensor))
+                                                   for v in held), (
+                f"{variant}: {name or 'the model'}.{attr} holds modules or tensors in a plain "
+                f"{type(value).__name__}, which parameters(), state_dict() and .to() never see "
+                f"(neither trained, saved nor cast): nn.ModuleList, nn.Parameter, register_buffer")
+    c = model.config
+    try:
+        row_weights(model, c.n_kv_head)
+    except Exception as err:
+        try:
+            only_mha = c.n_head != c.n_kv_head and bool(row_weights(model, c.n_head))
+        except Exception:
+            only_mha = False
+        raise AssertionError(
+            f"{variant}: a row's weights raise {type(err).__name__} ({err}) on qbar and keys of "
+            f"(B, n_kv_head = {c.n_kv_head}, T, D)" + (
+                f", not with n_head = {c.n_head} heads: a shape of n_head where qbar has one head "
+                f"per KV group, valid only when n_head == n_kv_head" if only_mha else "")) from err
+    return model
+
+
+def row_weights(model, heads, dtype=None):
+    """{e: layer e's depth weights from random qbar and keys (2, heads, T, D)}, T above every C,
+    at each layer with sources whose attention runs Attention.forward (a model of its own, LIMe's
+    or Keyless's: its reference and the bf16 run check it)."""
+    g, out, T = torch.Generator().manual_seed(0), {}, model.config.n_eff_layer + 1
+    for e, src in enumerate(model.depth_sources):
+        at = model.layers[e % model.config.n_layer].self_attn
+        if not src or not hasattr(at, "mode") or type(at).forward is not model_py.Attention.forward:
+            continue
+        qbar, *keys = (torch.randn(2, heads, T, at.head_dim, generator=g).to(
+            dtype or model.lm_head.weight.dtype) for _ in range(len(src) + 2))
+        out[e] = at.mode.weights(qbar, keys, *(() if at.depth_params is None else
+                                                (at.depth_params, e)))
+    return out
 
 
 def reference_of(variant):
@@ -92,7 +149,8 @@ def test_contract_has_a_naive_reference(variant):
 def test_contract_matches_its_naive_reference(variant):
     """Logits and every gradient, float64, at T = C first (the most candidates of a layer: weights
     laid out (B, n_kv_head, T, C) keep the shape of candidates before positions there, and only
-    the values tell) and at another length."""
+    the values tell; the failure names that layout only where it is what differs) and at another
+    length."""
     model, ref = build(variant), reference_of(variant)
     if ref is None:
         pytest.fail(f"{variant} has no naive reference (test_contract_has_a_naive_reference)")
@@ -101,8 +159,11 @@ def test_contract_matches_its_naive_reference(variant):
         try:
             assert_matches_reference(model, ref, idx_shape=(2, C))
         except AssertionError as e:
-            raise AssertionError(f"{variant} at T = C = {C}: {e}; depth weights laid out "
-                                 f"(B, n_kv_head, T, C), not candidates before positions?") from e
+            layout = any(a.shape[2] != len(model.depth_sources[e]) + 1 for e, a in
+                         row_weights(model, model.config.n_kv_head).items())
+            raise AssertionError(f"{variant} at T = C = {C}: {e}" + (
+                "; its depth weights are laid out (B, n_kv_head, T, C), not candidates before "
+                "positions" if layout else "")) from e
     assert_matches_reference(model, ref, idx_shape=(2, 6))
 
 
@@ -248,6 +309,81 @@ def test_contract_round_trips_through_a_checkpoint_and_an_export(variant, tmp_pa
         assert diff < 1e-5, f"transformers' Qwen3 differs from ours by {diff:.3e}"
 
 
+RELOADED = {}  # variant -> (its logits, its checkpoint's and its export's in a fresh process)
+BUILT_IN = set(VARIANTS)  # reloaded together, in one process; a fork's variant in one of its own
+FORKED = {}  # a fork's code, by the module it goes in ("model", "baselines"): what a fresh
+# process runs before it loads (the fork's files, as the fixtures below register them)
+RELOAD = """
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, {root!r})
+import baselines
+import model
+from checkpoint import load_model
+from lab.hf import from_pretrained
+
+for module, code in {forked!r}.items():
+    exec(code, dict(vars(model if module == "model" else baselines)))
+torch.set_num_threads({threads})
+runs, logits = Path(sys.argv[1]), {{}}
+for run in sys.argv[2:]:
+    idx = torch.load(runs / run / "idx.pt")
+    with torch.no_grad():
+        logits[run] = [m(idx)[0] for m in (load_model(runs / run).model,
+                                           from_pretrained(runs / run / "hf").eval())]
+torch.save(logits, runs / "logits.pt")
+"""
+
+
+def reload_in_a_fresh_process(variants, folder):
+    """{variant: (its logits, [its checkpoint's, its export's])}: each trained two steps by
+    train.py's optimizer, saved as train.py saves and exported (lab/export.py) here, then all
+    reloaded by one new interpreter with an empty environment."""
+    from lab.export import save_pretrained
+    want = {}
+    for i, variant in enumerate(variants):
+        model, idx = build(variant, torch.float32), torch.randint(0, 257, (2, 9))
+        optimizer = train.make_optimizer(model, DEFAULTS, "cpu")
+        for _ in range(2):
+            model(idx, idx)[1].backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        with torch.no_grad():
+            want[variant] = model(idx)[0]
+        (folder / str(i)).mkdir()
+        torch.save(idx, folder / str(i) / "idx.pt")
+        save_checkpoint({"model": model.state_dict(), "model_config": asdict(model.config),
+                         **tokenizer_record("bytes"), "step": 2}, folder / str(i) / "ckpt.pt")
+        save_pretrained(model, folder / str(i) / "hf", None)
+    code = RELOAD.format(root=str(ROOT), forked=FORKED, threads=torch.get_num_threads())
+    proc = subprocess.run([sys.executable, "-c", code, str(folder), *map(str, range(len(variants)))],
+                          env={}, cwd=folder, capture_output=True, text=True)
+    assert proc.returncode == 0, f"the fresh process failed:\n{proc.stderr[-3000:]}"
+    got = torch.load(folder / "logits.pt")
+    return {variant: (want[variant], got[str(i)]) for i, variant in enumerate(variants)}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_contract_is_the_same_model_in_a_fresh_process(variant, tmp_path):
+    """Trained two steps, saved as train.py saves it and exported (lab/export.py), it loads in a
+    new interpreter with an empty environment to the same logits, bit for bit, from either: a
+    setting read from anything but the config (an environment variable, a global set at run
+    time) rebuilds otherwise. One process reloads every variant of the repository."""
+    if variant not in BUILT_IN:
+        RELOADED.update(reload_in_a_fresh_process([variant], tmp_path))
+    elif variant not in RELOADED:
+        RELOADED.update(reload_in_a_fresh_process(sorted(BUILT_IN - RELOADED.keys()), tmp_path))
+    want, got = RELOADED.pop(variant) if variant not in BUILT_IN else RELOADED[variant]
+    for name, logits in zip(("checkpoint", "export"), got):
+        diff = (logits - want).abs().max().item()
+        assert diff == 0, (f"{variant}: its {name}, reloaded in a fresh process with an empty "
+                           f"environment, gives logits {diff:.3e} off: a setting read from "
+                           f"outside the config (os.environ, a global set at run time)?")
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_contract_compiles_in_one_graph(variant):
     """torch.compile(fullgraph=True) traces a training forward without a graph break, to eager's
@@ -264,74 +400,185 @@ def test_contract_compiles_in_one_graph(variant):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_contract_a_learned_row_starts_as_its_base(variant):
-    """A learned row (DepthMode.params) declares its base (starts_as), and a freshly built model,
-    its parameters as the row initialises them, equals the base with the same backbone exactly:
-    logits and depth weights. The reference cannot tell (tiny_variant moves every parameter off
-    its init, and a scale missing from the code is missing from its reference too)."""
-    keys = VARIANTS[variant]
-    row = DEPTH_MODES[keys["depth_mode"]]
-    torch.manual_seed(0)
-    model = build_model(asdict(tiny_config(vocab_size=257, **keys))).eval()
+    """A learned row (DepthMode.params) declares its base (starts_as) and is paired with it by the
+    seed: built at one seed, its backbone is its base's tensor for tensor and the generator is
+    left where the base leaves it (Attention.__init__ builds a row's parameters on a fork of it),
+    and two builds are equal in every tensor (a generator of the row's own, seeded by the time,
+    is neither reproducible from --seed nor the same on every rank). Fresh, it equals its base
+    exactly: logits and depth weights. The reference cannot tell (tiny_variant moves every
+    parameter off its init, and a scale missing from the code is missing from its reference)."""
+    row = DEPTH_MODES[VARIANTS[variant]["depth_mode"]]
+    model, generator = fresh(variant), torch.get_rng_state()
     if not added_parameters(model) or row.params is None:
         return  # no learned row
-    assert row.starts_as in DEPTH_MODES and row.starts_as != keys["depth_mode"], (
+    assert row.starts_as in DEPTH_MODES and row.starts_as != VARIANTS[variant]["depth_mode"], (
         f"{variant}: a learned row declares its base, another row it equals at init: "
         f"DepthMode(starts_as=...), got {row.starts_as!r}")
-    base = build_model(asdict(tiny_config(vocab_size=257, **{**keys, "depth_mode": row.starts_as})))
-    missing = base.eval().load_state_dict(model.state_dict(), strict=False).missing_keys
-    assert not missing and base.depth_sources == model.depth_sources, missing
+    state, again = model.state_dict(), fresh(variant).state_dict()
+    differ = [n for n, t in state.items() if not torch.equal(t, again[n])]
+    assert not differ, (f"{variant}: two builds at one seed differ in {differ[:3]}: the row draws "
+                        f"its init from a generator of its own (seeded by the time?), which "
+                        f"--seed does not reproduce and each rank draws differently; draw from "
+                        f"torch's (Attention.__init__ forks it for the row)")
+    base = fresh(variant, depth_mode=row.starts_as)
+    unpaired = [n for n, t in base.state_dict().items()
+                if n not in state or not torch.equal(t, state[n])]
+    assert not unpaired and torch.equal(generator, torch.get_rng_state()), (
+        f"{variant} is not paired with its base {row.starts_as} by the seed: "
+        f"{unpaired[:3] or 'the generator after the build'} differ: building the row drew from "
+        f"the generator that draws the backbone (Attention.__init__ builds DepthMode.params on a "
+        f"fork of it; parameters made or drawn elsewhere are not)")
     idx = torch.randint(0, 257, (2, 7))
     with torch.no_grad(), capture(model) as ours, capture(base) as theirs:
         diff = (model(idx)[0] - base(idx)[0]).abs().max().item()
     weights = [e for e in ours if not torch.equal(ours[e][1], theirs[e][1])]
+    dtypes = ({a.dtype for _, a in ours.values()}, {a.dtype for _, a in theirs.values()})
     assert diff == 0 and not weights and ours.keys() == theirs.keys(), (
         f"{variant} does not start as its base {row.starts_as}: logits differ by {diff:.3e}, depth "
-        f"weights at layers {weights}: its parameters' init (zeros where the base has none; a "
-        f"layer re-drawn by GPT._init_weights), or a term missing from both the code and its "
-        f"reference (a 1 / sqrt(D))?")
+        f"weights at layers {weights}: " + (
+            f"its depth weights are {dtypes[0]}, its base's {dtypes[1]}: compute them in "
+            f"fp32_or_wider's dtype" if dtypes[0] != dtypes[1] else
+            "its parameters' init (zeros where the base has none; a layer re-drawn by "
+            "GPT._init_weights), or a term missing from both the code and its reference "
+            "(a 1 / sqrt(D))?"))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_contract_runs_looped(variant):
-    """Its source rule, unlooped and looped 2 and 3 times, gives the sources the reference restates
-    in effective layers (reference_sources), and the looped model matches its naive reference: a
-    rule counted in blocks (e % n_layer) is right unlooped only."""
+def test_contract_a_learned_row_learns(variant):
+    """Every parameter the variant adds to attention (a learned row's depth_params, LIMe's routers)
+    is trainable (a buffer, or requires_grad=False, never trains; a learned row adds one), the
+    loss's gradient reaches them from their init, and a few Adam steps of them alone (the backbone
+    frozen) move every one of them and the depth weights (the logits, where the variant records
+    none): a row that cannot leave its base by gradient fails here, by name. A row's weights stay
+    finite with its parameters at zero."""
+    row = DEPTH_MODES[VARIANTS[variant]["depth_mode"]]
+    model = fresh(variant)
+    rows = [m.depth_params for m in model.modules()
+            if isinstance(getattr(m, "depth_params", None), nn.Module)]
+    buffers = [n for r in rows for n, b in r.named_buffers() if b.is_floating_point()]
+    added = [n for n in added_parameters(model) if ".self_attn." in n]
+    frozen = [n for n in added if not model.get_parameter(n).requires_grad]
+    names = [n for n in added if n not in frozen]
+    assert not buffers and not frozen and (names or not (rows or row.starts_as)), (
+        f"{variant}: the learned row adds no trainable parameter, " + (
+            f"its {buffers[:2]} are buffers: register them as nn.Parameter" if buffers else
+            f"{frozen[:2]} have requires_grad=False" if frozen else "none at all") +
+        "; nothing the optimizer sees can move it from its base")
+    if not names:
+        return
+    params = [model.get_parameter(n) for n in names]
+    idx = torch.randint(0, 257, (2, 8))
+    model(idx, idx)[1].backward()
+    assert any(p.grad is not None and p.grad.abs().max() > 0 for p in params), (
+        f"{variant}: no gradient reaches {names[:3]} from the loss at initialisation, so training "
+        f"never moves them from their base: every layer of the row zeroed, or its input detached?")
+    for p in model.parameters():
+        p.requires_grad_(any(p is q for q in params))
+    before = [p.detach().clone() for p in params]
+    with torch.no_grad(), capture(model) as start:
+        logits = model(idx)[0]
+    optimizer = torch.optim.Adam(params, lr=1e-2)  # no decay: a parameter moves by its gradient
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(idx, idx)[1].backward()
+        optimizer.step()
+    still = [n for n, p, b in zip(names, params, before) if torch.equal(p, b)]
+    with torch.no_grad(), capture(model) as end:
+        moved = not torch.equal(logits, model(idx)[0])
+    moved = any(not torch.equal(start[e][1], end[e][1]) for e in start) if start else moved
+    assert not still and moved, (f"{variant}: 3 Adam steps of its own parameters left "
+                                 f"{still[:3] or 'its depth weights'} where they started")
+    with torch.no_grad(), capture(model) as alphas:
+        for p in (p for r in rows for p in r.parameters()):
+            p.zero_()
+        finite = torch.isfinite(model(idx)[0]).all()
+    assert finite and all(torch.isfinite(a).all() for _, a in alphas.values()), (
+        f"{variant}: with its parameters at zero the depth weights are not finite: a temperature "
+        f"that nothing keeps positive? (exp of a parameter, as docs/forking.md's tempered)")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_contract_meets_every_source_rule(variant):
+    """Its source rule, unlooped and looped 2 and 3 times, is the one the reference restates in
+    effective layers (reference_sources), and the looped model matches its naive reference: a
+    rule counted in blocks (e % n_layer) is right unlooped only. A row (not only value) runs so at
+    every source case of SOURCE_CASES too, looped twice (whose first n_layer effective layers are
+    the unlooped model's): a row that finds its candidates' layers itself (range(0, e, stride))
+    rather than from config.sources(e) departs from its reference there."""
     keys = VARIANTS[variant]
     if keys.get("residual") is not None or not DEPTH_MODES[keys["depth_mode"]].mixes:
         return  # one pass over the layers (a baseline), or no sources
-    for loops in (1, 2, 3):
-        model = tiny_variant(dtype=torch.float64, vocab_size=257, **{**keys, "n_loops": loops})
-        c = model.config
-        want = [reference.reference_sources(c, e) for e in range(c.n_eff_layer)]
-        assert model.depth_sources == want, (
-            f"{variant} with n_loops={loops}: sources {model.depth_sources}, the rule in effective "
-            f"layers gives {want}: counted in blocks (e % n_layer), not effective layers?")
-        if loops > 1:
-            assert_matches_reference(model.eval(), REFERENCES[variant], idx_shape=(1, 4))
+    cases = {"its own sources": ({}, (2, 3))}
+    if variant == keys["depth_mode"]:  # a row's own variant
+        cases.update({f"SOURCE_CASES[{name!r}]": (case, (2,)) for name, case in SOURCE_CASES.items()})
+    for case, (extra, checked) in cases.items():
+        for loops in (1, 2, 3):
+            model = tiny_variant(dtype=torch.float64, vocab_size=257,
+                                 **{**keys, **extra, "n_loops": loops})
+            c = model.config
+            want = [reference.reference_sources(c, e) for e in range(c.n_eff_layer)]
+            assert model.depth_sources == want, (
+                f"{variant} with n_loops={loops}: sources {model.depth_sources}, the rule in "
+                f"effective layers gives {want}: counted in blocks (e % n_layer), not effective "
+                f"layers?")
+            if loops not in checked:
+                continue
+            try:
+                assert_matches_reference(model.eval(), REFERENCES[variant], idx_shape=(1, 4))
+            except Exception as err:
+                raise AssertionError(
+                    f"{variant} at {case}, n_loops={loops}: {type(err).__name__}: {err}" + (
+                        "; does the row find its candidates' layers itself (range(0, e, "
+                        "stride)) rather than from config.sources(e)?" if extra else "")) from err
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_contract_weighs_a_candidate_by_the_layer_it_reads(variant):
+    """Dropping the first source of a layer with two or more leaves the other candidates' weights
+    in the same proportions: a candidate's weight follows the layer it reads (a learned row's
+    per-layer parameter looked up by config.sources(e) + [e]), never its slot, whose layer changes
+    from one depth to the next. (Rows whose weights are meant to read the whole set, a
+    temperature of the number of candidates say, are exempt by name: EXEMPT.)"""
+    model = build(variant)
+    idx = torch.randint(0, 257, (2, 6))
+    with torch.no_grad(), capture(model) as alphas:
+        model(idx)
+    several = [e for e, (src, _) in alphas.items() if len(src) >= 2]
+    if not several:
+        return  # no layer with two sources, or no depth weights of a row (LIMe)
+    e, rule = several[-1], ModelConfig.sources
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ModelConfig, "sources", lambda c, j: rule(c, j)[1:] if j == e else rule(c, j))
+        fewer = build(variant)
+        fewer.load_state_dict(model.state_dict())
+        with torch.no_grad(), capture(fewer) as rest:
+            fewer(idx)
+    a, b = alphas[e][1][:, :, 1:], rest[e][1]
+    diff = (b * a.sum(2, keepdim=True) - a * b.sum(2, keepdim=True)).abs().max().item()
+    assert diff < 1e-9, (
+        f"{variant}: without source {alphas[e][0][0]} of layer {e}, the other candidates' weights "
+        f"change proportions ({diff:.3e}): a per-layer parameter looked up by the candidate's slot, "
+        f"not the layer it reads (config.sources(e) + [e])? A rule meant to read the whole set "
+        f"takes an EXEMPT entry")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_contract_depth_weights_are_candidates_first_in_float32(variant):
     """Every layer's depth weights, from bf16 inputs (what CUDA's autocast gives them), are
-    (B, n_kv_head, C, T), candidates before positions, in float32 or wider (bf16 weights sum to
-    1 +- 3e-3; the paper's are float32); under bf16 autocast the logits are finite."""
+    (B, n_kv_head, C, T), candidates before positions, in float32, no narrower (bf16 weights sum
+    to 1 +- 3e-3; the paper's are float32) and no wider (float64 costs twice and departs from its
+    base at init); under bf16 autocast the logits are finite."""
     model = build(variant, torch.float32)
-    B, T = 2, 5
-    for e, src in enumerate(model.depth_sources):
-        at = model.layers[e % model.config.n_layer].self_attn
-        if not src or not hasattr(at, "mode") or type(at).forward is not model_py.Attention.forward:
-            continue  # a model of its own (LIMe, Keyless): its reference and bf16 run below
-        qbar, *keys = (torch.randn(B, at.n_kv_head, T, at.head_dim, dtype=torch.bfloat16)
-                       for _ in range(len(src) + 2))
-        rule = () if at.depth_params is None else (at.depth_params, e)
-        alpha = at.mode.weights(qbar, keys, *rule)
-        want = (B, at.n_kv_head, len(keys), T)
+    for e, alpha in row_weights(model, model.config.n_kv_head, torch.bfloat16).items():
+        want = (2, model.config.n_kv_head, len(model.depth_sources[e]) + 1,
+                model.config.n_eff_layer + 1)
         assert alpha.shape == want, (f"{variant}: layer {e}'s depth weights are "
                                      f"{tuple(alpha.shape)}, want (B, n_kv_head, C, T) = {want}: "
                                      f"candidates before positions")
-        assert alpha.dtype.itemsize >= 4, (f"{variant}: layer {e}'s depth weights in "
-                                           f"{alpha.dtype}; compute them in float32 "
-                                           f"(fp32_or_wider)")
+        assert alpha.dtype == torch.float32, (
+            f"{variant}: layer {e}'s depth weights in {alpha.dtype}; compute them in float32 "
+            f"(fp32_or_wider)" + (", no wider: float64 costs twice the bytes and departs from "
+                                  "its base at init" if alpha.dtype.itemsize > 4 else ""))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), capture(model) as alphas:
         logits = model(torch.randint(0, 257, (2, 6)))[0]
     narrow = {e: a.dtype for e, (_, a) in alphas.items() if a.dtype.itemsize < 4}
@@ -369,8 +616,11 @@ CLAUSES = [test_contract_has_a_naive_reference, test_contract_matches_its_naive_
            test_contract_registers_trains_and_saves_every_added_parameter,
            test_contract_kv_cache_is_vanillas,
            test_contract_round_trips_through_a_checkpoint_and_an_export,
+           test_contract_is_the_same_model_in_a_fresh_process,
            test_contract_compiles_in_one_graph, test_contract_a_learned_row_starts_as_its_base,
-           test_contract_runs_looped, test_contract_depth_weights_are_candidates_first_in_float32,
+           test_contract_a_learned_row_learns, test_contract_meets_every_source_rule,
+           test_contract_weighs_a_candidate_by_the_layer_it_reads,
+           test_contract_depth_weights_are_candidates_first_in_float32,
            test_contract_declares_its_optimizer_groups]
 
 
@@ -610,7 +860,7 @@ def biased_weights(qbar, keys, params, e):  # a learned bonus per candidate on t
     return (model_py.fp32_or_wider(scores) / math.sqrt(qbar.shape[-1]) + bias).softmax(2)
 
 
-def biased_ref(qbar, cand_k, params, e):
+def biased_ref(qbar, cand_k, params, layers):
     return list(torch.softmax(torch.stack([(qbar * kk).sum() / math.sqrt(len(qbar)) + b for kk, b
                                            in zip(cand_k, params.bias)]), 0))
 
@@ -637,7 +887,7 @@ def test_the_contract_names_a_scale_missing_from_the_code_and_its_reference(plan
         scores = torch.stack([torch.linalg.vecdot(qbar, kc) for kc in keys], 2)
         return (model_py.fp32_or_wider(scores) / params.log_tau.exp()).softmax(2)
 
-    def ref(qbar, cand_k, params, e):
+    def ref(qbar, cand_k, params, layers):
         return list(torch.softmax(torch.stack([(qbar * kk).sum() / params.log_tau.exp()
                                                for kk in cand_k]), 0))
 
@@ -656,7 +906,7 @@ def test_the_contract_names_a_rule_counted_in_blocks(monkeypatch):
     monkeypatch.setattr(model_py.ModelConfig, "sources", sources)
     test_contract_matches_its_naive_reference("value+every-layer")
     with pytest.raises(AssertionError, match="n_loops=2.*counted in blocks"):
-        test_contract_runs_looped("value+every-layer")
+        test_contract_meets_every_source_rule("value+every-layer")
 
 
 def test_the_contract_names_weight_decay_on_a_bias(plant):
@@ -726,13 +976,13 @@ def test_a_rule_of_the_layer_and_the_depth_needs_no_module(plant):
         return (w / w.sum()).to(model_py.fp32_or_wider(qbar).dtype).view(1, 1, -1, 1).expand(
             B, n_kv, len(keys), T)
 
-    def ref(qbar, cand_k, config, e):
-        w = [e / config.n_eff_layer] * (len(cand_k) - 1) + [1.0]
+    def ref(qbar, cand_k, config, layers):
+        w = [layers[-1] / config.n_eff_layer] * (len(cand_k) - 1) + [1.0]
         return [x / sum(w) for x in w]
 
     planted = plant(weights, dict(params=lambda config, layer: config), ref)
     assert not added_parameters(build(planted))
-    for clause in (test_contract_matches_its_naive_reference, test_contract_runs_looped,
+    for clause in (test_contract_matches_its_naive_reference, test_contract_meets_every_source_rule,
                    test_contract_cached_decoding_equals_the_full_forward,
                    test_contract_depth_weights_are_candidates_first_in_float32):
         clause(planted)
