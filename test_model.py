@@ -7,6 +7,7 @@ no edit here (docs/forking.md); its examples run through the whole contract belo
 bugs a fork plants fail the clause that names them. Then what only the paper's rows have: the
 decode kernel, the attention calls, generation, the source rule's worked counts, the paper's
 costs, clear errors."""
+import contextlib
 import itertools
 import math
 import re
@@ -14,16 +15,18 @@ import subprocess
 import sys
 import textwrap
 from dataclasses import asdict, replace
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import baselines
 import model as model_py
 import reference
 import train
-from baselines import build_model
+from baselines import DEPTH_MODELS, build_model
 from bench_cache import depth_cost
 from checkpoint import load_model
 from conftest import added_parameters, tiny_config, tiny_model, tiny_variant
@@ -326,7 +329,7 @@ from checkpoint import load_model
 from lab.hf import from_pretrained
 
 for module, code in {forked!r}.items():
-    exec(code, dict(vars(model if module == "model" else baselines)))
+    exec(code, vars(model if module == "model" else baselines))
 torch.set_num_threads({threads})
 runs, logits = Path(sys.argv[1]), {{}}
 for run in sys.argv[2:]:
@@ -423,11 +426,12 @@ def test_contract_a_learned_row_starts_as_its_base(variant):
     base = fresh(variant, depth_mode=row.starts_as)
     unpaired = [n for n, t in base.state_dict().items()
                 if n not in state or not torch.equal(t, state[n])]
-    assert not unpaired and torch.equal(generator, torch.get_rng_state()), (
-        f"{variant} is not paired with its base {row.starts_as} by the seed: "
-        f"{unpaired[:3] or 'the generator after the build'} differ: building the row drew from "
-        f"the generator that draws the backbone (Attention.__init__ builds DepthMode.params on a "
-        f"fork of it; parameters made or drawn elsewhere are not)")
+    after = torch.get_rng_state()
+    assert not unpaired, (
+        f"{variant} is not paired with its base {row.starts_as} by the seed: {unpaired[:3]} "
+        f"differ: building the row drew from the generator that draws the backbone "
+        f"(Attention.__init__ builds DepthMode.params on a fork of it; parameters made or drawn "
+        f"elsewhere are not)")
     idx = torch.randint(0, 257, (2, 7))
     with torch.no_grad(), capture(model) as ours, capture(base) as theirs:
         diff = (model(idx)[0] - base(idx)[0]).abs().max().item()
@@ -441,6 +445,10 @@ def test_contract_a_learned_row_starts_as_its_base(variant):
             "its parameters' init (zeros where the base has none; a layer re-drawn by "
             "GPT._init_weights), or a term missing from both the code and its reference "
             "(a 1 / sqrt(D))?"))
+    assert torch.equal(generator, after), (
+        f"{variant}: building it leaves the generator elsewhere than its base does: the row "
+        f"draws from it outside DepthMode.params (after the backbone?), so what draws next is "
+        f"not paired")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -640,51 +648,71 @@ def code_blocks(text, fence):
 
 
 def example(heading):
-    """docs/forking.md's section `## <heading>`: its model.py block and its tests/reference.py
-    block."""
+    """docs/forking.md's section `## <heading>`: {file: the body of its block for that file} for
+    model.py, baselines.py and tests/reference.py."""
     doc = (ROOT / "docs" / "forking.md").read_text()
     text = doc[doc.index(f"\n## {heading}"):]
     text = text[:text.find("\n## ", 1) % (len(text) + 1)]
-    (model_part,), (reference_part,) = (code_blocks(text, "model.py"),
-                                        code_blocks(text, "tests/reference.py"))
-    return model_part, reference_part
+    return {name: blocks[0] for name in ("model.py", "baselines.py", "tests/reference.py")
+            if (blocks := code_blocks(text, name))}
 
 
-def export_fork(monkeypatch, fork):
-    """Exports write `fork` as their model.py: the fork's file, as a fork exports it."""
+def export_fork(monkeypatch, **forks):
+    """Exports write the fork's files ({module name: its text}) in place of ours, their imports of
+    one another made relative as lab/export.py makes ours."""
     from lab import export
     write = export.write_remote_code
-    monkeypatch.setattr(export, "write_remote_code",
-                        lambda folder: (write(folder), (folder / "model.py").write_text(fork)))
+
+    def write_fork(folder):
+        write(folder)
+        for name, text in forks.items():
+            (folder / f"{name}.py").write_text(re.sub(r"^( *)from (model|baselines) import ",
+                                                      r"\1from .\2 import ", text, flags=re.M))
+    monkeypatch.setattr(export, "write_remote_code", write_fork)
 
 
-def row_example(heading, monkeypatch):
-    """A new row as a fork writes it: the row in model.py right after DEPTH_MODES (and in the
-    exported model.py), its reference in tests/reference.py. Yields the name it adds to the
-    table."""
-    model_part, reference_part = example(heading)
-    before = set(DEPTH_MODES)
-    exec(model_part, dict(vars(model_py)))
-    exec(reference_part, dict(vars(reference)))
-    (name,) = set(DEPTH_MODES) - before
-    source = (ROOT / "model.py").read_text()
-    table_end = source.index("\n}\n", source.index("DEPTH_MODES = {")) + 3
-    export_fork(monkeypatch, source[:table_end] + "\n" + model_part + source[table_end:])
+TABLES = (DEPTH_MODES, DEPTH_MODELS, REFERENCE_MODES, MODEL_REFERENCES, SOURCE_CASES)
+
+
+def fork(monkeypatch, blocks) -> str:
+    """A fork's blocks ({file: code}, as example gives them) registered as a fork writes them: the
+    model.py block right after DEPTH_MODES, the baselines.py block after DEPTH_MODELS (so in an
+    export and a fresh process too), the reference in tests/reference.py; what they add to the
+    tables is undone at the test's end. The variant of the row it adds (its name)."""
+    before = [set(table) for table in TABLES]
+    for name, module, end_of in (("model", model_py, "DEPTH_MODES = {"),
+                                 ("baselines", baselines, "DEPTH_MODELS = ")):
+        if code := blocks.get(f"{name}.py"):
+            space = vars(module)
+            ours = dict(space)
+            exec(code, space)  # in the module itself, as in the fork's file (torch.compile reads it)
+            for key in [k for k in space if k not in ours or space[k] is not ours[k]]:
+                monkeypatch.setattr(module, key, space.pop(key), raising=False)  # undone at the end
+                space.update({key: ours[key]} if key in ours else {})
+            source = Path(module.__file__).read_text()
+            end = source.index("\n}\n" if name == "model" else "\n", source.index(end_of))
+            end += 3 if name == "model" else 1
+            export_fork(monkeypatch, **{name: source[:end] + "\n" + code + source[end:]})
+            monkeypatch.setitem(FORKED, name, code)
+    exec(blocks["tests/reference.py"], dict(vars(reference)))
+    for table, keys in zip(TABLES, before):
+        for key in set(table) - keys:  # undone by monkeypatch
+            monkeypatch.setitem(table, key, table.pop(key))
+    (name,) = set(DEPTH_MODES) - before[0]
     monkeypatch.setitem(VARIANTS, name, dict(depth_mode=name))
-    monkeypatch.setitem(REFERENCES, name, reference_forward)
-    yield name
-    DEPTH_MODES.pop(name)
-    REFERENCE_MODES.pop(name)
+    monkeypatch.setitem(REFERENCES, name, MODEL_REFERENCES.get(name, reference_forward))
+    return name
+
+
+TOP1, TEMPERED, GATED, HIDDEN = ("The example: hard top-1 over depth",
+                                 "A learned rule: a temperature per layer",
+                                 "What a row sees: a rule of the token's own features",
+                                 "A rule of the hidden state")
 
 
 @pytest.fixture
 def forking_example(monkeypatch):
-    yield from row_example("The example: hard top-1 over depth", monkeypatch)
-
-
-@pytest.fixture
-def learned_example(monkeypatch):
-    yield from row_example("A learned rule: a temperature per layer", monkeypatch)
+    return fork(monkeypatch, example(TOP1))
 
 
 @pytest.fixture
@@ -692,51 +720,52 @@ def source_example(monkeypatch):
     """A new source rule as a fork writes it: ModelConfig.sources replaced in model.py (and in the
     exported model.py), reference_sources in tests/reference.py with the keys that select the
     rule in SOURCE_CASES. The contract's name for it."""
-    model_part, reference_part = example("A source rule")
-    method = model_part.split("\n", 1)[1]  # under the fence line, indented as in the class
+    blocks = example("A source rule")
+    method = blocks["model.py"].split("\n", 1)[1]  # under the fence line, indented as in the class
     space = dict(vars(model_py))
     exec(textwrap.dedent(method), space)
     monkeypatch.setattr(model_py.ModelConfig, "sources", space["sources"])
+    monkeypatch.setitem(FORKED, "model", textwrap.dedent(method) + "ModelConfig.sources = sources\n")
     before, space = set(SOURCE_CASES), dict(vars(reference))
-    exec(reference_part, space)
+    exec(blocks["tests/reference.py"], space)
     monkeypatch.setattr(reference, "reference_sources", space["reference_sources"])
     (rule,) = set(SOURCE_CASES) - before
+    monkeypatch.setitem(SOURCE_CASES, rule, SOURCE_CASES.pop(rule))
     source = (ROOT / "model.py").read_text()
     start = source.index("    def sources(self, e: int)")
-    export_fork(monkeypatch, source[:start] + method.rstrip() + source[source.index("\n\n\n",
-                                                                                   start):])
+    export_fork(monkeypatch, model=source[:start] + method.rstrip() +
+                source[source.index("\n\n\n", start):])
     name = f"value+{rule}"
     monkeypatch.setitem(VARIANTS, name, dict(depth_mode="value", **SOURCE_CASES[rule]))
     monkeypatch.setitem(REFERENCES, name, reference_forward)
-    yield name
-    SOURCE_CASES.pop(rule)
+    return name
+
+
+def call(clause, variant, tmp_path, monkeypatch):
+    """A clause of the contract on the variant, given what it takes of tmp_path and monkeypatch."""
+    kwargs = {"tmp_path": tmp_path / clause.__name__, "monkeypatch": monkeypatch}
+    kwargs["tmp_path"].mkdir()
+    clause(variant, **{k: v for k, v in kwargs.items()
+                       if k in clause.__code__.co_varnames[:clause.__code__.co_argcount]})
 
 
 def run_every_clause(variant, tmp_path, monkeypatch):
     for clause in CLAUSES:
-        kwargs = {"tmp_path": tmp_path / clause.__name__, "monkeypatch": monkeypatch}
-        kwargs["tmp_path"].mkdir()
-        clause(variant, **{k: v for k, v in kwargs.items()
-                           if k in clause.__code__.co_varnames[:clause.__code__.co_argcount]})
+        call(clause, variant, tmp_path, monkeypatch)
 
 
 def test_the_forking_example_passes_the_whole_contract(forking_example, tmp_path, monkeypatch):
     run_every_clause(forking_example, tmp_path, monkeypatch)
 
 
-def test_the_learned_example_passes_the_whole_contract(learned_example, tmp_path, monkeypatch):
+def test_the_learned_example_passes_the_whole_contract(tmp_path, monkeypatch):
     """And it is what the page says: `value` at init, its parameter in the model and its
     optimizer groups (no weight decay: one number per block), its weights read out as any row's,
     its parameters counted by depth_cost."""
-    run_every_clause(learned_example, tmp_path, monkeypatch)
-    model = tiny_variant(depth_mode=learned_example)
+    name = fork(monkeypatch, example(TEMPERED))
+    run_every_clause(name, tmp_path, monkeypatch)
+    model = tiny_variant(depth_mode=name)
     idx = torch.randint(0, 50, (2, 7))
-    fresh = []
-    for mode in (learned_example, "value"):
-        torch.manual_seed(0)
-        fresh.append(model_py.GPT(replace(model.config, depth_mode=mode)))
-    with torch.no_grad():
-        assert torch.equal(fresh[0](idx)[0], fresh[1](idx)[0]), "the row does not start as value"
     names = added_parameters(model)
     assert names and all(".self_attn.depth_params." in n for n in names), names
     groups = train.make_optimizer(model, DEFAULTS, "cpu").param_groups
@@ -747,6 +776,55 @@ def test_the_learned_example_passes_the_whole_contract(learned_example, tmp_path
     assert sorted(alphas) == [e for e, src in enumerate(model.depth_sources) if src]
     assert depth_cost(model.config)["extra_params"] == sum(
         model.get_parameter(n).numel() for n in names)
+
+
+def test_the_gated_example_passes_the_whole_contract_trains_and_is_paired(tmp_path, monkeypatch):
+    """The row of the token's own features, as the page writes it: every clause, and at train.py's
+    default seed it starts from value's very weights (a comparison of the two is paired), then
+    train.py's optimizer moves its gate off zero and its logits off value's."""
+    name = fork(monkeypatch, example(GATED))
+    run_every_clause(name, tmp_path, monkeypatch)
+    seed, idx = DEFAULTS["seed"], torch.randint(0, 50, (2, 9))
+    models = []
+    for mode in (name, "value"):
+        torch.manual_seed(seed)
+        models.append(build_model(asdict(tiny_config(depth_mode=mode))))
+    gated, value = models
+    assert all(torch.equal(t, gated.state_dict()[n]) for n, t in value.state_dict().items())
+    optimizer = train.make_optimizer(gated, DEFAULTS, "cpu")
+    for _ in range(3):
+        gated(idx, idx)[1].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    gates = [gated.get_parameter(n) for n in added_parameters(gated)]
+    assert gates and all(g.abs().max() > 0 for g in gates)
+
+
+def test_the_hidden_state_example_passes_the_whole_contract(tmp_path, monkeypatch):
+    """The seam of a rule of the hidden state, as the page writes it: its own model class, every
+    clause, and its weights move with the layer's input where qbar and the keys do not."""
+    name = fork(monkeypatch, example(HIDDEN))
+    run_every_clause(name, tmp_path, monkeypatch)
+    model = build(name)
+    assert type(model) is DEPTH_MODELS[name] and type(model) is not model_py.GPT
+    at, g = model.layers[1].self_attn, torch.Generator().manual_seed(0)
+    qbar, k0, k1 = (torch.randn(1, 2, 3, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    h = torch.randn(2, 1, 3, model.config.n_embd, generator=g, dtype=torch.float64)
+    a, b = (at.mode.weights(qbar, [k0, k1], at.depth_params, 1, x) for x in h)
+    assert (a - b).abs().max() > 1e-3
+
+
+def test_a_rows_features_are_the_ones_rope_keeps():
+    """What the guide says a row sees: qbar after RoPE, turned with the position, so a Linear of
+    one token's qbar differs from position to position, and the norm of each rotated pair (the
+    gated example's features) does not."""
+    qbar = torch.randn(2, 2, 1, 8, dtype=torch.float64).expand(2, 2, 6, 8)  # one token, 6 places
+    cos, sin = rope_tables(tiny_config(), 0, 6, "cpu", torch.float64)
+    rotated = apply_rope(qbar, cos, sin)
+    pairs = rotated.unflatten(-1, (2, -1)).norm(dim=-2)                       # (B, n_kv, T, D/2)
+    linear = rotated @ torch.randn(8, 3, dtype=torch.float64)
+    assert (pairs - pairs[:, :, :1]).abs().max() < 1e-12
+    assert (linear - linear[:, :, :1]).abs().max() > 1e-2
 
 
 # a fork's sharing by hand, the wrong way: one Parameter in every block's own module
@@ -776,7 +854,7 @@ def test_the_contract_names_a_parameter_shared_between_modules(plant, tmp_path, 
     it."""
     planted = plant(model_py.softmax_weights, ref=biased_ref)  # the row itself: below
     exec(SHARED_PARAMETER, dict(vars(model_py)))
-    export_fork(monkeypatch, (ROOT / "model.py").read_text() + SHARED_PARAMETER)
+    export_fork(monkeypatch, model=(ROOT / "model.py").read_text() + SHARED_PARAMETER)
     with pytest.raises(AssertionError, match="transformers: the tensors planted shares.*module"):
         test_contract_round_trips_through_a_checkpoint_and_an_export(planted, tmp_path, monkeypatch)
 
@@ -834,16 +912,18 @@ def shifted_weights(qbar, keys, params, e):
 
 def test_a_rows_init_is_its_own_and_the_contract_names_a_layer_re_drawn(plant, monkeypatch):
     """GPT._init_weights re-draws every Linear but a row's: the MLP's zeroed layer stays zero and
-    the row starts as value. Re-drawn (as GPT.__init__ did: self.apply(self._init_weights)), it
-    does not, and the clause names it."""
+    the row starts as value. Re-drawn (as GPT.__init__ once re-drew every Linear), it does not,
+    and the clause names it."""
     planted = plant(shifted_weights, dict(params=ZeroInitMLP, starts_as="value"))
     test_contract_a_learned_row_starts_as_its_base(planted)
     init = model_py.GPT.__init__
 
-    def redraw_every_linear(self, config):
+    def redraw_the_rows(self, config):
         init(self, config)
-        self.apply(self._init_weights)
-    monkeypatch.setattr(model_py.GPT, "__init__", redraw_every_linear)
+        for attention in self.modules():
+            if isinstance(getattr(attention, "depth_params", None), nn.Module):
+                attention.depth_params.apply(self._init_weights)
+    monkeypatch.setattr(model_py.GPT, "__init__", redraw_the_rows)
     with pytest.raises(AssertionError, match="does not start as its base value.*re-drawn"):
         test_contract_a_learned_row_starts_as_its_base(planted)
 
@@ -962,6 +1042,91 @@ def test_the_contract_names_a_rule_that_mixes_the_batch(plant):
 
     with pytest.raises(AssertionError, match="mixes the batch"):
         test_contract_keeps_the_sequences_of_a_batch_apart(plant(weights))
+
+
+# A forker's mistakes in a copy of the guide's rows, each of which passed the contract or failed it
+# under another name (a crash, the init or the layout blamed): the edits that plant it in the row
+# (and in its reference, where the forker got both wrong alike), what else it needs, and the
+# clauses that now name it.
+ZEROED, BONUS = "nn.init.zeros_(self.bonus.weight)", "gate.bonus(pairs)"
+LINEAR = "self.bonus = nn.Linear(config.head_dim // 2, config.n_eff_layer, bias=False)"
+MISTAKES = {
+    "a buffer, not a Parameter": dict(
+        row=[(ZEROED, 'del self.bonus.weight; self.bonus.register_buffer("weight", torch.zeros('
+                      'config.n_eff_layer, config.head_dim // 2))')],
+        named={test_contract_a_learned_row_learns: "are buffers: register them as nn.Parameter"}),
+    "both layers of a two-layer gate zeroed": dict(
+        row=[(ZEROED, ZEROED + "\n        self.hidden = nn.Linear(config.head_dim // 2, "
+                               "config.head_dim // 2)\n        nn.init.zeros_(self.hidden.weight),"
+                               " nn.init.zeros_(self.hidden.bias)"),
+             (BONUS, "gate.bonus(gate.hidden(pairs).relu())")],
+        reference=[("gate.bonus.weight @ pairs",
+                    "gate.bonus.weight @ (gate.hidden.weight @ pairs + gate.hidden.bias).relu()")],
+        named={test_contract_a_learned_row_learns: "no gradient reaches .* at initialisation"}),
+    "its Linear drawn from the backbone's generator (model.py before the fork)": dict(
+        setup=lambda patch: patch.setattr(torch.random, "fork_rng",
+                                          lambda *a, **k: contextlib.nullcontext()),
+        named={test_contract_a_learned_row_starts_as_its_base: "not paired with its base value"}),
+    "a generator of its own, seeded by the time": dict(
+        row=[(ZEROED, "nn.init.normal_(self.bonus.weight, generator=torch.Generator()"
+                      ".manual_seed(__import__('time').time_ns()))")],
+        named={test_contract_a_learned_row_starts_as_its_base: "two builds at one seed differ"}),
+    "a setting read from the environment": dict(
+        setup=lambda patch: patch.setenv("GATE_SCALE", "3"),
+        row=[("+ bonus).softmax(2)",
+              "+ bonus * float(__import__('os').environ.get('GATE_SCALE', '1'))).softmax(2)")],
+        named={test_contract_is_the_same_model_in_a_fresh_process: "fresh process.*os.environ"}),
+    "the bonus looked up by slot, in the code and its reference alike": dict(
+        row=[("gate.layers[e]", "list(range(len(keys)))")],
+        reference=[("zip(cand_k, layers)", "zip(cand_k, range(len(cand_k)))")],
+        named={test_contract_weighs_a_candidate_by_the_layer_it_reads: "by the candidate's slot"}),
+    "its sources recomputed as range(0, e, stride)": dict(
+        row=[("config.sources(e) + [e]", "list(range(0, e, config.stride)) + [e]")],
+        named={test_contract_meets_every_source_rule: r"window.*range\(0, e, stride\)"}),
+    "a temperature that nothing keeps positive": dict(
+        example=TEMPERED, row=[("torch.zeros(())", "torch.ones(())"),
+                               ("params.log_tau.exp()", "params.log_tau")],
+        reference=[("params.log_tau.exp()", "params.log_tau")],
+        named={test_contract_a_learned_row_learns: "not finite: a temperature that nothing"}),
+    "modules in a Python list": dict(
+        row=[(LINEAR, LINEAR.replace("= nn.Linear", "= [nn.Linear") + "]"),
+             ("self.bonus.weight", "self.bonus[0].weight"), (BONUS, "gate.bonus[0](pairs)")],
+        reference=[("gate.bonus.weight", "gate.bonus[0].weight")],
+        named={test_contract_matches_its_naive_reference: "bonus holds modules or tensors in a "
+                                                          "plain list"}),
+    "a shape of n_head, valid only as many KV heads": dict(
+        row=[(ZEROED, ZEROED + "\n        self.gain = nn.Parameter(torch.ones(config.n_head, 1, "
+                               "1))"), ("+ bonus)", "+ bonus * gate.gain)")],
+        named={test_contract_matches_its_naive_reference: "a shape of n_head where qbar has one "
+                                                          "head per KV group"}),
+    "float64 weights, for safety": dict(
+        row=[(".softmax(2)", ".double().softmax(2)")],
+        named={test_contract_depth_weights_are_candidates_first_in_float32: "in torch.float64; "
+               "compute them in float32 .*no wider",
+               test_contract_a_learned_row_starts_as_its_base: "depth weights are {torch.float64}"}),
+    "a detached input": dict(
+        row=[("fp32_or_wider(qbar).unflatten", "fp32_or_wider(qbar.detach()).unflatten")],
+        named={test_contract_matches_its_naive_reference: r"(?s)^(?!.*laid out).*logits agree.*"
+                                                          r"detach"}),
+}
+
+
+@pytest.mark.parametrize("mistake", MISTAKES)
+def test_the_contract_names_a_forkers_mistake(mistake, tmp_path, monkeypatch):
+    """The mistake planted in a copy of the guide's row (the gated example, unless it is another
+    row's): each clause that names it fails, with its name."""
+    plant = MISTAKES[mistake]
+    plant.get("setup", lambda patch: None)(monkeypatch)
+    blocks = example(plant.get("example", GATED))
+    for file, edits in (("model.py", plant.get("row", ())),
+                        ("tests/reference.py", plant.get("reference", ()))):
+        for old, new in edits:
+            assert old in blocks[file], f"the guide's row no longer has {old!r}"
+            blocks[file] = blocks[file].replace(old, new)
+    variant = fork(monkeypatch, blocks)
+    for clause, words in plant["named"].items():
+        with pytest.raises(AssertionError, match=words):
+            call(clause, variant, tmp_path, monkeypatch)
 
 
 # ----------------------------------------------------------------------------- a seam
