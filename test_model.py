@@ -313,7 +313,7 @@ def test_contract_round_trips_through_a_checkpoint_and_an_export(variant, tmp_pa
 
 
 RELOADED = {}  # variant -> (its logits, its checkpoint's and its export's in a fresh process)
-BUILT_IN = set(VARIANTS)  # reloaded together, in one process; a fork's variant in one of its own
+BUILT_IN = set(VARIANTS)  # reloaded together, by one process (a fork's: None until reloaded)
 FORKED = {}  # a fork's code, by the module it goes in ("model", "baselines"): what a fresh
 # process runs before it loads (the fork's files, as the fixtures below register them)
 RELOAD = """
@@ -375,11 +375,13 @@ def test_contract_is_the_same_model_in_a_fresh_process(variant, tmp_path):
     new interpreter with an empty environment to the same logits, bit for bit, from either: a
     setting read from anything but the config (an environment variable, a global set at run
     time) rebuilds otherwise. One process reloads every variant of the repository."""
-    if variant not in BUILT_IN:
-        RELOADED.update(reload_in_a_fresh_process([variant], tmp_path))
-    elif variant not in RELOADED:
+    if variant in BUILT_IN and variant not in RELOADED:
         RELOADED.update(reload_in_a_fresh_process(sorted(BUILT_IN - RELOADED.keys()), tmp_path))
-    want, got = RELOADED.pop(variant) if variant not in BUILT_IN else RELOADED[variant]
+    elif variant in RELOADED and RELOADED[variant] is None:  # a fork's (fork): one process for
+        RELOADED.update(reload_in_a_fresh_process(  # every fork registered beside it
+            [v for v, r in RELOADED.items() if r is None], tmp_path))
+    want, got = (RELOADED[variant] if variant in RELOADED else  # else made in the test alone
+                 reload_in_a_fresh_process([variant], tmp_path)[variant])
     for name, logits in zip(("checkpoint", "export"), got):
         diff = (logits - want).abs().max().item()
         assert diff == 0, (f"{variant}: its {name}, reloaded in a fresh process with an empty "
@@ -677,23 +679,22 @@ TABLES = (DEPTH_MODES, DEPTH_MODELS, REFERENCE_MODES, MODEL_REFERENCES, SOURCE_C
 def fork(monkeypatch, blocks) -> str:
     """A fork's blocks ({file: code}, as example gives them) registered as a fork writes them: the
     model.py block right after DEPTH_MODES, the baselines.py block after DEPTH_MODELS (so in an
-    export and a fresh process too), the reference in tests/reference.py; what they add to the
-    tables is undone at the test's end. The variant of the row it adds (its name)."""
+    export and a fresh process too: FORKED), the reference in tests/reference.py; what they add
+    is undone at the test's end. The variant of the row it adds (its name)."""
     before = [set(table) for table in TABLES]
-    for name, module, end_of in (("model", model_py, "DEPTH_MODES = {"),
-                                 ("baselines", baselines, "DEPTH_MODELS = ")):
-        if code := blocks.get(f"{name}.py"):
+    for file, module, table, end in (("model", model_py, "DEPTH_MODES = {", "\n}\n"),
+                                     ("baselines", baselines, "DEPTH_MODELS = ", "\n")):
+        if code := blocks.get(f"{file}.py"):
             space = vars(module)
             ours = dict(space)
             exec(code, space)  # in the module itself, as in the fork's file (torch.compile reads it)
             for key in [k for k in space if k not in ours or space[k] is not ours[k]]:
                 monkeypatch.setattr(module, key, space.pop(key), raising=False)  # undone at the end
                 space.update({key: ours[key]} if key in ours else {})
+            monkeypatch.setitem(FORKED, file, FORKED.get(file, "") + code)
             source = Path(module.__file__).read_text()
-            end = source.index("\n}\n" if name == "model" else "\n", source.index(end_of))
-            end += 3 if name == "model" else 1
-            export_fork(monkeypatch, **{name: source[:end] + "\n" + code + source[end:]})
-            monkeypatch.setitem(FORKED, name, code)
+            at = source.index(end, source.index(table)) + len(end)
+            export_fork(monkeypatch, **{file: source[:at] + "\n" + FORKED[file] + source[at:]})
     exec(blocks["tests/reference.py"], dict(vars(reference)))
     for table, keys in zip(TABLES, before):
         for key in set(table) - keys:  # undone by monkeypatch
@@ -701,6 +702,7 @@ def fork(monkeypatch, blocks) -> str:
     (name,) = set(DEPTH_MODES) - before[0]
     monkeypatch.setitem(VARIANTS, name, dict(depth_mode=name))
     monkeypatch.setitem(REFERENCES, name, MODEL_REFERENCES.get(name, reference_forward))
+    monkeypatch.setitem(RELOADED, name, None)  # reloaded with the forks registered beside it
     return name
 
 
@@ -738,6 +740,7 @@ def source_example(monkeypatch):
     name = f"value+{rule}"
     monkeypatch.setitem(VARIANTS, name, dict(depth_mode="value", **SOURCE_CASES[rule]))
     monkeypatch.setitem(REFERENCES, name, reference_forward)
+    monkeypatch.setitem(RELOADED, name, None)
     return name
 
 
@@ -754,59 +757,43 @@ def run_every_clause(variant, tmp_path, monkeypatch):
         call(clause, variant, tmp_path, monkeypatch)
 
 
-def test_the_forking_example_passes_the_whole_contract(forking_example, tmp_path, monkeypatch):
-    run_every_clause(forking_example, tmp_path, monkeypatch)
-
-
-def test_the_learned_example_passes_the_whole_contract(tmp_path, monkeypatch):
-    """And it is what the page says: `value` at init, its parameter in the model and its
-    optimizer groups (no weight decay: one number per block), its weights read out as any row's,
-    its parameters counted by depth_cost."""
-    name = fork(monkeypatch, example(TEMPERED))
-    run_every_clause(name, tmp_path, monkeypatch)
-    model = tiny_variant(depth_mode=name)
-    idx = torch.randint(0, 50, (2, 7))
+def test_the_guides_rows_pass_the_whole_contract(tmp_path, monkeypatch):
+    """docs/forking.md's rows, registered together as a fork writes them (one fresh process
+    reloads them all): top-1, the temperature, the gate of the token's own features and the gate of
+    the hidden state, each through every clause; then what the page says of each."""
+    names = [fork(monkeypatch, example(heading)) for heading in (TOP1, TEMPERED, GATED, HIDDEN)]
+    for name in names:
+        (tmp_path / name).mkdir()
+        run_every_clause(name, tmp_path / name, monkeypatch)
+    _, tempered, gated, hidden = names
+    # the temperature: its parameter in the model and in the no-decay group (one number per
+    # block), its weights read out as any row's, its parameters counted by depth_cost
+    model = tiny_variant(depth_mode=tempered)
     names = added_parameters(model)
     assert names and all(".self_attn.depth_params." in n for n in names), names
     groups = train.make_optimizer(model, DEFAULTS, "cpu").param_groups
-    no_decay = {id(p) for p in groups[1]["params"]}
-    assert all(id(model.get_parameter(n)) in no_decay for n in names)
+    assert {id(model.get_parameter(n)) for n in names} <= {id(p) for p in groups[1]["params"]}
     with capture(model) as alphas:
-        model(idx)
+        model(torch.randint(0, 50, (2, 7)))
     assert sorted(alphas) == [e for e, src in enumerate(model.depth_sources) if src]
     assert depth_cost(model.config)["extra_params"] == sum(
         model.get_parameter(n).numel() for n in names)
-
-
-def test_the_gated_example_passes_the_whole_contract_trains_and_is_paired(tmp_path, monkeypatch):
-    """The row of the token's own features, as the page writes it: every clause, and at train.py's
-    default seed it starts from value's very weights (a comparison of the two is paired), then
-    train.py's optimizer moves its gate off zero and its logits off value's."""
-    name = fork(monkeypatch, example(GATED))
-    run_every_clause(name, tmp_path, monkeypatch)
-    seed, idx = DEFAULTS["seed"], torch.randint(0, 50, (2, 9))
+    # the gate: at train.py's default seed it starts from value's very weights (a comparison of
+    # the two is paired), then train.py's optimizer moves it off zero
     models = []
-    for mode in (name, "value"):
-        torch.manual_seed(seed)
+    for mode in (gated, "value"):
+        torch.manual_seed(DEFAULTS["seed"])
         models.append(build_model(asdict(tiny_config(depth_mode=mode))))
-    gated, value = models
-    assert all(torch.equal(t, gated.state_dict()[n]) for n, t in value.state_dict().items())
-    optimizer = train.make_optimizer(gated, DEFAULTS, "cpu")
+    assert all(torch.equal(t, models[0].state_dict()[n]) for n, t in models[1].state_dict().items())
+    optimizer, idx = train.make_optimizer(models[0], DEFAULTS, "cpu"), torch.randint(0, 50, (2, 9))
     for _ in range(3):
-        gated(idx, idx)[1].backward()
+        models[0](idx, idx)[1].backward()
         optimizer.step()
         optimizer.zero_grad()
-    gates = [gated.get_parameter(n) for n in added_parameters(gated)]
-    assert gates and all(g.abs().max() > 0 for g in gates)
-
-
-def test_the_hidden_state_example_passes_the_whole_contract(tmp_path, monkeypatch):
-    """The seam of a rule of the hidden state, as the page writes it: its own model class, every
-    clause, and its weights move with the layer's input where qbar and the keys do not."""
-    name = fork(monkeypatch, example(HIDDEN))
-    run_every_clause(name, tmp_path, monkeypatch)
-    model = build(name)
-    assert type(model) is DEPTH_MODELS[name] and type(model) is not model_py.GPT
+    assert all(models[0].get_parameter(n).abs().max() > 0 for n in added_parameters(models[0]))
+    # the hidden state's gate: its own model class, and weights that move with the layer's input
+    model = build(hidden)
+    assert type(model) is DEPTH_MODELS[hidden] and type(model) is not model_py.GPT
     at, g = model.layers[1].self_attn, torch.Generator().manual_seed(0)
     qbar, k0, k1 = (torch.randn(1, 2, 3, 8, generator=g, dtype=torch.float64) for _ in range(3))
     h = torch.randn(2, 1, 3, model.config.n_embd, generator=g, dtype=torch.float64)
