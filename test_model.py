@@ -518,11 +518,11 @@ def test_contract_meets_every_source_rule(variant):
     keys = VARIANTS[variant]
     if keys.get("residual") is not None or not DEPTH_MODES[keys["depth_mode"]].mixes:
         return  # one pass over the layers (a baseline), or no sources
-    cases = {"its own sources": ({}, (2, 3))}
-    if variant == keys["depth_mode"]:  # a row's own variant
-        cases.update({f"SOURCE_CASES[{name!r}]": (case, (2,)) for name, case in SOURCE_CASES.items()})
-    for case, (extra, checked) in cases.items():
-        for loops in (1, 2, 3):
+    cases = [("its own sources", {}, (1, 2, 3))]
+    if variant == keys["depth_mode"]:  # a row's own variant; value+<rule> counts the rule's sources
+        cases += [(f"SOURCE_CASES[{name!r}]", case, (2,)) for name, case in SOURCE_CASES.items()]
+    for case, extra, each in cases:
+        for loops in each:
             model = tiny_variant(dtype=torch.float64, vocab_size=257,
                                  **{**keys, **extra, "n_loops": loops})
             c = model.config
@@ -531,7 +531,7 @@ def test_contract_meets_every_source_rule(variant):
                 f"{variant} with n_loops={loops}: sources {model.depth_sources}, the rule in "
                 f"effective layers gives {want}: counted in blocks (e % n_layer), not effective "
                 f"layers?")
-            if loops not in checked:
+            if loops == 1:
                 continue
             try:
                 assert_matches_reference(model.eval(), REFERENCES[variant], idx_shape=(1, 4))
@@ -689,8 +689,9 @@ def fork(monkeypatch, blocks) -> str:
             ours = dict(space)
             exec(code, space)  # in the module itself, as in the fork's file (torch.compile reads it)
             for key in [k for k in space if k not in ours or space[k] is not ours[k]]:
-                monkeypatch.setattr(module, key, space.pop(key), raising=False)  # undone at the end
+                forked = space.pop(key)
                 space.update({key: ours[key]} if key in ours else {})
+                monkeypatch.setattr(module, key, forked, raising=False)  # undone at the end
             monkeypatch.setitem(FORKED, file, FORKED.get(file, "") + code)
             source = Path(module.__file__).read_text()
             at = source.index(end, source.index(table)) + len(end)
@@ -760,12 +761,13 @@ def run_every_clause(variant, tmp_path, monkeypatch):
 def test_the_guides_rows_pass_the_whole_contract(tmp_path, monkeypatch):
     """docs/forking.md's rows, registered together as a fork writes them (one fresh process
     reloads them all): top-1, the temperature, the gate of the token's own features and the gate of
-    the hidden state, each through every clause; then what the page says of each."""
-    names = [fork(monkeypatch, example(heading)) for heading in (TOP1, TEMPERED, GATED, HIDDEN)]
-    for name in names:
-        (tmp_path / name).mkdir()
-        run_every_clause(name, tmp_path / name, monkeypatch)
-    _, tempered, gated, hidden = names
+    the hidden state, each through every clause (so the gates start paired with value at one seed
+    and learn); then what the page says of the temperature and of the hidden state's gate."""
+    rows = [fork(monkeypatch, example(heading)) for heading in (TOP1, TEMPERED, GATED, HIDDEN)]
+    for row in rows:
+        (tmp_path / row).mkdir()
+        run_every_clause(row, tmp_path / row, monkeypatch)
+    _, tempered, _, hidden = rows
     # the temperature: its parameter in the model and in the no-decay group (one number per
     # block), its weights read out as any row's, its parameters counted by depth_cost
     model = tiny_variant(depth_mode=tempered)
@@ -778,19 +780,6 @@ def test_the_guides_rows_pass_the_whole_contract(tmp_path, monkeypatch):
     assert sorted(alphas) == [e for e, src in enumerate(model.depth_sources) if src]
     assert depth_cost(model.config)["extra_params"] == sum(
         model.get_parameter(n).numel() for n in names)
-    # the gate: at train.py's default seed it starts from value's very weights (a comparison of
-    # the two is paired), then train.py's optimizer moves it off zero
-    models = []
-    for mode in (gated, "value"):
-        torch.manual_seed(DEFAULTS["seed"])
-        models.append(build_model(asdict(tiny_config(depth_mode=mode))))
-    assert all(torch.equal(t, models[0].state_dict()[n]) for n, t in models[1].state_dict().items())
-    optimizer, idx = train.make_optimizer(models[0], DEFAULTS, "cpu"), torch.randint(0, 50, (2, 9))
-    for _ in range(3):
-        models[0](idx, idx)[1].backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    assert all(models[0].get_parameter(n).abs().max() > 0 for n in added_parameters(models[0]))
     # the hidden state's gate: its own model class, and weights that move with the layer's input
     model = build(hidden)
     assert type(model) is DEPTH_MODELS[hidden] and type(model) is not model_py.GPT
