@@ -270,7 +270,7 @@ def causal_attention(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     if T == S:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    from torch.nn.attention.bias import causal_lower_right  # imports torch._dynamo: 1 s, here
+    from torch.nn.attention.bias import causal_lower_right  # here: it imports torch._dynamo, 1 s
     mask = causal_lower_right(T, S)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
