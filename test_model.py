@@ -888,10 +888,12 @@ def shifted_weights(qbar, keys, params, e):
 
 def test_a_rows_init_is_its_own_and_the_contract_names_a_layer_re_drawn(plant, monkeypatch):
     """GPT._init_weights re-draws every Linear but a row's: the MLP's zeroed layer stays zero and
-    the row starts as value. Re-drawn (as GPT.__init__ once re-drew every Linear), it does not,
-    and the clause names it."""
+    the row starts as value, and learns (its first layer's gradient comes once the last moves).
+    Re-drawn (as GPT.__init__ once re-drew every Linear), it does not start so, and the clause
+    names it."""
     planted = plant(shifted_weights, dict(params=ZeroInitMLP, starts_as="value"))
     test_contract_a_learned_row_starts_as_its_base(planted)
+    test_contract_a_learned_row_learns(planted)
     init = model_py.GPT.__init__
 
     def redraw_the_rows(self, config):
