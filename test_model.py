@@ -14,7 +14,7 @@ import re
 import subprocess
 import sys
 import textwrap
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
