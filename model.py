@@ -17,7 +17,6 @@ from typing import Callable, Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 
 class ConfigError(ValueError):
@@ -256,8 +255,7 @@ def apply_rope(x, cos, sin):
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
         return F.rms_norm(fp32_or_wider(x), (x.shape[-1],), eps=self.eps).type_as(x) * self.weight
@@ -272,6 +270,7 @@ def causal_attention(q, k, v):
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     if T == S:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    from torch.nn.attention.bias import causal_lower_right  # here: it imports torch._dynamo, 1 s
     mask = causal_lower_right(T, S)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
@@ -293,9 +292,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(c.n_head * c.head_dim, c.n_embd, bias=False)
         self.q_norm = RMSNorm(c.head_dim, c.norm_eps) if c.qk_norm else nn.Identity()
         self.k_norm = RMSNorm(c.head_dim, c.norm_eps) if c.qk_norm else nn.Identity()
-        # a learned row's (DepthMode.params), none where the block never has sources (layer 0)
+        # a learned row's (DepthMode.params), none where the block never has sources (layer 0),
+        # drawn on a fork of the generator: a seed gives the backbone its base's weights (paired)
         mixing = any(c.sources(e) for e in range(layer, c.n_eff_layer, c.n_layer))
-        self.depth_params = self.mode.params(c, layer) if self.mode.params and mixing else None
+        dev = torch.get_default_device()  # CPU's generator, or a torch.device context's (cuda)
+        with torch.random.fork_rng([dev] * (dev.type != "cpu"), device_type=dev.type):
+            self.depth_params = self.mode.params(c, layer) if self.mode.params and mixing else None
 
     def forward(self, x, cos, sin, src_k, src_v, cache, e):
         """x: (B, T, n_embd) at effective layer e; src_k, src_v: its sources' records. Returns

@@ -7,20 +7,26 @@ no edit here (docs/forking.md); its examples run through the whole contract belo
 bugs a fork plants fail the clause that names them. Then what only the paper's rows have: the
 decode kernel, the attention calls, generation, the source rule's worked counts, the paper's
 costs, clear errors."""
+import contextlib
 import itertools
 import math
 import re
+import subprocess
+import sys
 import textwrap
-from dataclasses import asdict, replace
+from dataclasses import asdict
+from pathlib import Path
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
+import baselines
 import model as model_py
 import reference
 import train
-from baselines import build_model
+from baselines import DEPTH_MODELS, build_model
 from bench_cache import depth_cost
 from checkpoint import load_model
 from conftest import added_parameters, tiny_config, tiny_model, tiny_variant
@@ -70,9 +76,63 @@ def exemptions(request):
 
 
 def build(variant, dtype=torch.float64):
-    """The variant as a tiny model whose every parameter is off its init (conftest.tiny_variant)."""
+    """The variant as a tiny model whose every parameter is off its init (conftest.tiny_variant),
+    checked as it is made (held_by_the_model)."""
     keys = VARIANTS.get(variant) or SHAPES[variant]
-    return tiny_variant(dtype=dtype, vocab_size=257, **keys).eval()
+    return held_by_the_model(tiny_variant(dtype=dtype, vocab_size=257, **keys).eval(), variant)
+
+
+def fresh(variant, **overrides):
+    """The variant as it initialises itself at seed 0 (float32), checked as it is made."""
+    torch.manual_seed(0)
+    keys = {**VARIANTS[variant], **overrides}
+    return held_by_the_model(build_model(asdict(tiny_config(vocab_size=257, **keys))).eval(),
+                             variant)
+
+
+def held_by_the_model(model, variant):
+    """The model, once what would fail later under another name is named: modules or tensors in a
+    plain list, dict or attribute (parameters(), state_dict() and .to() never see them: a dtype
+    crash first), and a row's weights that refuse qbar and keys of n_kv_head heads."""
+    for name, module in model.named_modules():
+        for attr, value in vars(module).items():
+            held = (value.values() if isinstance(value, dict) else
+                    value if isinstance(value, (list, tuple)) else [value])
+            assert attr.startswith("_") or not any(isinstance(v, (nn.Module, torch.Tensor))
+                                                   for v in held), (
+                f"{variant}: {name or 'the model'}.{attr} holds modules or tensors in a plain "
+                f"{type(value).__name__}, which parameters(), state_dict() and .to() never see "
+                f"(neither trained, saved nor cast): nn.ModuleList, nn.Parameter, register_buffer")
+    c = model.config
+    try:
+        row_weights(model, c.n_kv_head)
+    except Exception as err:
+        try:
+            only_mha = c.n_head != c.n_kv_head and bool(row_weights(model, c.n_head))
+        except Exception:
+            only_mha = False
+        raise AssertionError(
+            f"{variant}: a row's weights raise {type(err).__name__} ({err}) on qbar and keys of "
+            f"(B, n_kv_head = {c.n_kv_head}, T, D)" + (
+                f", not with n_head = {c.n_head} heads: a shape of n_head where qbar has one head "
+                f"per KV group, valid only when n_head == n_kv_head" if only_mha else "")) from err
+    return model
+
+
+def row_weights(model, heads, dtype=None):
+    """{e: layer e's depth weights from random qbar and keys (2, heads, T, D)}, T above every C,
+    at each layer with sources whose attention runs Attention.forward (a model of its own, LIMe's
+    or Keyless's: its reference and the bf16 run check it)."""
+    g, out, T = torch.Generator().manual_seed(0), {}, model.config.n_eff_layer + 1
+    for e, src in enumerate(model.depth_sources):
+        at = model.layers[e % model.config.n_layer].self_attn
+        if not src or not hasattr(at, "mode") or type(at).forward is not model_py.Attention.forward:
+            continue
+        qbar, *keys = (torch.randn(2, heads, T, at.head_dim, generator=g).to(
+            dtype or model.lm_head.weight.dtype) for _ in range(len(src) + 2))
+        out[e] = at.mode.weights(qbar, keys, *(() if at.depth_params is None else
+                                                (at.depth_params, e)))
+    return out
 
 
 def reference_of(variant):
@@ -92,7 +152,8 @@ def test_contract_has_a_naive_reference(variant):
 def test_contract_matches_its_naive_reference(variant):
     """Logits and every gradient, float64, at T = C first (the most candidates of a layer: weights
     laid out (B, n_kv_head, T, C) keep the shape of candidates before positions there, and only
-    the values tell) and at another length."""
+    the values tell; the failure names that layout only where it is what differs) and at another
+    length."""
     model, ref = build(variant), reference_of(variant)
     if ref is None:
         pytest.fail(f"{variant} has no naive reference (test_contract_has_a_naive_reference)")
@@ -101,8 +162,11 @@ def test_contract_matches_its_naive_reference(variant):
         try:
             assert_matches_reference(model, ref, idx_shape=(2, C))
         except AssertionError as e:
-            raise AssertionError(f"{variant} at T = C = {C}: {e}; depth weights laid out "
-                                 f"(B, n_kv_head, T, C), not candidates before positions?") from e
+            layout = any(a.shape[2] != len(model.depth_sources[e]) + 1 for e, a in
+                         row_weights(model, model.config.n_kv_head).items())
+            raise AssertionError(f"{variant} at T = C = {C}: {e}" + (
+                "; its depth weights are laid out (B, n_kv_head, T, C), not candidates before "
+                "positions" if layout else "")) from e
     assert_matches_reference(model, ref, idx_shape=(2, 6))
 
 
@@ -248,6 +312,83 @@ def test_contract_round_trips_through_a_checkpoint_and_an_export(variant, tmp_pa
         assert diff < 1e-5, f"transformers' Qwen3 differs from ours by {diff:.3e}"
 
 
+RELOADED = {}  # variant -> (its logits, its checkpoint's and its export's in a fresh process)
+BUILT_IN = set(VARIANTS)  # reloaded together, by one process (a fork's: None until reloaded)
+FORKED = {}  # a fork's code, by the module it goes in ("model", "baselines"): what a fresh
+# process runs before it loads (the fork's files, as the fixtures below register them)
+RELOAD = """
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, {root!r})
+import baselines
+import model
+from checkpoint import load_model
+from lab.hf import from_pretrained
+
+for module, code in {forked!r}.items():
+    exec(code, vars(model if module == "model" else baselines))
+torch.set_num_threads({threads})
+runs, logits = Path(sys.argv[1]), {{}}
+for run in sys.argv[2:]:
+    idx = torch.load(runs / run / "idx.pt")
+    with torch.no_grad():
+        logits[run] = [m(idx)[0] for m in (load_model(runs / run).model,
+                                           from_pretrained(runs / run / "hf").eval())]
+torch.save(logits, runs / "logits.pt")
+"""
+
+
+def reload_in_a_fresh_process(variants, folder):
+    """{variant: (its logits, [its checkpoint's, its export's])}: each trained two steps by
+    train.py's optimizer, saved as train.py saves and exported (lab/export.py) here, then all
+    reloaded by one new interpreter with an empty environment."""
+    from lab.export import save_pretrained
+    want = {}
+    for i, variant in enumerate(variants):
+        model, idx = build(variant, torch.float32), torch.randint(0, 257, (2, 9))
+        optimizer = train.make_optimizer(model, DEFAULTS, "cpu")
+        for _ in range(2):
+            model(idx, idx)[1].backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        with torch.no_grad():
+            want[variant] = model(idx)[0]
+        (folder / str(i)).mkdir()
+        torch.save(idx, folder / str(i) / "idx.pt")
+        save_checkpoint({"model": model.state_dict(), "model_config": asdict(model.config),
+                         **tokenizer_record("bytes"), "step": 2}, folder / str(i) / "ckpt.pt")
+        save_pretrained(model, folder / str(i) / "hf", None)
+    code = RELOAD.format(root=str(ROOT), forked=FORKED, threads=torch.get_num_threads())
+    proc = subprocess.run([sys.executable, "-c", code, str(folder), *map(str, range(len(variants)))],
+                          env={}, cwd=folder, capture_output=True, text=True)
+    assert proc.returncode == 0, f"the fresh process failed:\n{proc.stderr[-3000:]}"
+    got = torch.load(folder / "logits.pt")
+    return {variant: (want[variant], got[str(i)]) for i, variant in enumerate(variants)}
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_contract_is_the_same_model_in_a_fresh_process(variant, tmp_path):
+    """Trained two steps, saved as train.py saves it and exported (lab/export.py), it loads in a
+    new interpreter with an empty environment to the same logits, bit for bit, from either: a
+    setting read from anything but the config (an environment variable, a global set at run
+    time) rebuilds otherwise. One process reloads every variant of the repository."""
+    if variant in BUILT_IN and variant not in RELOADED:
+        RELOADED.update(reload_in_a_fresh_process(sorted(BUILT_IN - RELOADED.keys()), tmp_path))
+    elif variant in RELOADED and RELOADED[variant] is None:  # a fork's (fork): one process for
+        RELOADED.update(reload_in_a_fresh_process(  # every fork registered beside it
+            [v for v, r in RELOADED.items() if r is None], tmp_path))
+    want, got = (RELOADED[variant] if variant in RELOADED else  # else made in the test alone
+                 reload_in_a_fresh_process([variant], tmp_path)[variant])
+    for name, logits in zip(("checkpoint", "export"), got):
+        diff = (logits - want).abs().max().item()
+        assert diff == 0, (f"{variant}: its {name}, reloaded in a fresh process with an empty "
+                           f"environment, gives logits {diff:.3e} off: a setting read from "
+                           f"outside the config (os.environ, a global set at run time)?")
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_contract_compiles_in_one_graph(variant):
     """torch.compile(fullgraph=True) traces a training forward without a graph break, to eager's
@@ -264,74 +405,191 @@ def test_contract_compiles_in_one_graph(variant):
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_contract_a_learned_row_starts_as_its_base(variant):
-    """A learned row (DepthMode.params) declares its base (starts_as), and a freshly built model,
-    its parameters as the row initialises them, equals the base with the same backbone exactly:
-    logits and depth weights. The reference cannot tell (tiny_variant moves every parameter off
-    its init, and a scale missing from the code is missing from its reference too)."""
-    keys = VARIANTS[variant]
-    row = DEPTH_MODES[keys["depth_mode"]]
-    torch.manual_seed(0)
-    model = build_model(asdict(tiny_config(vocab_size=257, **keys))).eval()
+    """A learned row (DepthMode.params) declares its base (starts_as) and is paired with it by the
+    seed: built at one seed, its backbone is its base's tensor for tensor and the generator is
+    left where the base leaves it (Attention.__init__ builds a row's parameters on a fork of it),
+    and two builds are equal in every tensor (a generator of the row's own, seeded by the time,
+    is neither reproducible from --seed nor the same on every rank). Fresh, it equals its base
+    exactly: logits and depth weights. The reference cannot tell (tiny_variant moves every
+    parameter off its init, and a scale missing from the code is missing from its reference)."""
+    row = DEPTH_MODES[VARIANTS[variant]["depth_mode"]]
+    model, generator = fresh(variant), torch.get_rng_state()
     if not added_parameters(model) or row.params is None:
         return  # no learned row
-    assert row.starts_as in DEPTH_MODES and row.starts_as != keys["depth_mode"], (
+    assert row.starts_as in DEPTH_MODES and row.starts_as != VARIANTS[variant]["depth_mode"], (
         f"{variant}: a learned row declares its base, another row it equals at init: "
         f"DepthMode(starts_as=...), got {row.starts_as!r}")
-    base = build_model(asdict(tiny_config(vocab_size=257, **{**keys, "depth_mode": row.starts_as})))
-    missing = base.eval().load_state_dict(model.state_dict(), strict=False).missing_keys
-    assert not missing and base.depth_sources == model.depth_sources, missing
+    state, again = model.state_dict(), fresh(variant).state_dict()
+    differ = [n for n, t in state.items() if not torch.equal(t, again[n])]
+    assert not differ, (f"{variant}: two builds at one seed differ in {differ[:3]}: the row draws "
+                        f"its init from a generator of its own (seeded by the time?), which "
+                        f"--seed does not reproduce and each rank draws differently; draw from "
+                        f"torch's (Attention.__init__ forks it for the row)")
+    base = fresh(variant, depth_mode=row.starts_as)
+    unpaired = [n for n, t in base.state_dict().items()
+                if n not in state or not torch.equal(t, state[n])]
+    after = torch.get_rng_state()
+    assert not unpaired, (
+        f"{variant} is not paired with its base {row.starts_as} by the seed: {unpaired[:3]} "
+        f"differ: building the row drew from the generator that draws the backbone "
+        f"(Attention.__init__ builds DepthMode.params on a fork of it; parameters made or drawn "
+        f"elsewhere are not)")
     idx = torch.randint(0, 257, (2, 7))
     with torch.no_grad(), capture(model) as ours, capture(base) as theirs:
         diff = (model(idx)[0] - base(idx)[0]).abs().max().item()
     weights = [e for e in ours if not torch.equal(ours[e][1], theirs[e][1])]
+    dtypes = ({a.dtype for _, a in ours.values()}, {a.dtype for _, a in theirs.values()})
     assert diff == 0 and not weights and ours.keys() == theirs.keys(), (
         f"{variant} does not start as its base {row.starts_as}: logits differ by {diff:.3e}, depth "
-        f"weights at layers {weights}: its parameters' init (zeros where the base has none; a "
-        f"layer re-drawn by GPT._init_weights), or a term missing from both the code and its "
-        f"reference (a 1 / sqrt(D))?")
+        f"weights at layers {weights}: " + (
+            f"its depth weights are {dtypes[0]}, its base's {dtypes[1]}: compute them in "
+            f"fp32_or_wider's dtype" if dtypes[0] != dtypes[1] else
+            "its parameters' init (zeros where the base has none; a layer re-drawn by "
+            "GPT._init_weights), or a term missing from both the code and its reference "
+            "(a 1 / sqrt(D))?"))
+    assert torch.equal(generator, after), (
+        f"{variant}: building it leaves the generator elsewhere than its base does: the row "
+        f"draws from it outside DepthMode.params (after the backbone?), so what draws next is "
+        f"not paired")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-def test_contract_runs_looped(variant):
-    """Its source rule, unlooped and looped 2 and 3 times, gives the sources the reference restates
-    in effective layers (reference_sources), and the looped model matches its naive reference: a
-    rule counted in blocks (e % n_layer) is right unlooped only."""
+def test_contract_a_learned_row_learns(variant):
+    """Every parameter the variant adds to attention (a learned row's depth_params, LIMe's routers)
+    is trainable (a buffer, or requires_grad=False, never trains; a learned row adds one), the
+    loss's gradient reaches them from their init, and a few Adam steps of them alone (the backbone
+    frozen) move every one of them and the depth weights (the logits, where the variant records
+    none): a row that cannot leave its base by gradient fails here, by name. A row's weights stay
+    finite with its parameters at zero."""
+    row = DEPTH_MODES[VARIANTS[variant]["depth_mode"]]
+    model = fresh(variant)
+    rows = [m.depth_params for m in model.modules()
+            if isinstance(getattr(m, "depth_params", None), nn.Module)]
+    buffers = [n for r in rows for n, b in r.named_buffers() if b.is_floating_point()]
+    added = [n for n in added_parameters(model) if ".self_attn." in n]
+    frozen = [n for n in added if not model.get_parameter(n).requires_grad]
+    names = [n for n in added if n not in frozen]
+    assert not buffers and not frozen and (names or not (rows or row.starts_as)), (
+        f"{variant}: the learned row adds no trainable parameter, " + (
+            f"its {buffers[:2]} are buffers: register them as nn.Parameter" if buffers else
+            f"{frozen[:2]} have requires_grad=False" if frozen else "none at all") +
+        "; nothing the optimizer sees can move it from its base")
+    if not names:
+        return
+    params = [model.get_parameter(n) for n in names]
+    idx = torch.randint(0, 257, (2, 8))
+    model(idx, idx)[1].backward()
+    assert any(p.grad is not None and p.grad.abs().max() > 0 for p in params), (
+        f"{variant}: no gradient reaches {names[:3]} from the loss at initialisation, so training "
+        f"never moves them from their base: every layer of the row zeroed, or its input detached?")
+    for p in model.parameters():
+        p.requires_grad_(any(p is q for q in params))
+    before = [p.detach().clone() for p in params]
+    with torch.no_grad(), capture(model) as start:
+        logits = model(idx)[0]
+    optimizer = torch.optim.Adam(params, lr=1e-2)  # no decay: a parameter moves by its gradient
+    for _ in range(3):
+        optimizer.zero_grad()
+        model(idx, idx)[1].backward()
+        optimizer.step()
+    still = [n for n, p, b in zip(names, params, before) if torch.equal(p, b)]
+    with torch.no_grad(), capture(model) as end:
+        moved = not torch.equal(logits, model(idx)[0])
+    moved = any(not torch.equal(start[e][1], end[e][1]) for e in start) if start else moved
+    assert not still and moved, (f"{variant}: 3 Adam steps of its own parameters left "
+                                 f"{still[:3] or 'its depth weights'} where they started")
+    with torch.no_grad(), capture(model) as alphas:
+        for p in (p for r in rows for p in r.parameters()):
+            p.zero_()
+        finite = torch.isfinite(model(idx)[0]).all()
+    assert finite and all(torch.isfinite(a).all() for _, a in alphas.values()), (
+        f"{variant}: with its parameters at zero the depth weights are not finite: a temperature "
+        f"that nothing keeps positive? (exp of a parameter, as docs/forking.md's tempered)")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_contract_meets_every_source_rule(variant):
+    """Its source rule, unlooped and looped 2 and 3 times, is the one the reference restates in
+    effective layers (reference_sources), and the looped model matches its naive reference: a
+    rule counted in blocks (e % n_layer) is right unlooped only. A row (not only value) runs so at
+    every source case of SOURCE_CASES too, looped twice (whose first n_layer effective layers are
+    the unlooped model's): a row that finds its candidates' layers itself (range(0, e, stride))
+    rather than from config.sources(e) departs from its reference there."""
     keys = VARIANTS[variant]
     if keys.get("residual") is not None or not DEPTH_MODES[keys["depth_mode"]].mixes:
         return  # one pass over the layers (a baseline), or no sources
-    for loops in (1, 2, 3):
-        model = tiny_variant(dtype=torch.float64, vocab_size=257, **{**keys, "n_loops": loops})
-        c = model.config
-        want = [reference.reference_sources(c, e) for e in range(c.n_eff_layer)]
-        assert model.depth_sources == want, (
-            f"{variant} with n_loops={loops}: sources {model.depth_sources}, the rule in effective "
-            f"layers gives {want}: counted in blocks (e % n_layer), not effective layers?")
-        if loops > 1:
-            assert_matches_reference(model.eval(), REFERENCES[variant], idx_shape=(1, 4))
+    cases = [("its own sources", {}, (1, 2, 3))]
+    if variant == keys["depth_mode"]:  # a row's own variant; value+<rule> counts the rule's sources
+        cases += [(f"SOURCE_CASES[{name!r}]", case, (2,)) for name, case in SOURCE_CASES.items()
+                  if {**keys, **case} not in VARIANTS.values()]  # else a variant of its own
+    for case, extra, each in cases:
+        for loops in each:
+            model = tiny_variant(dtype=torch.float64, vocab_size=257,
+                                 **{**keys, **extra, "n_loops": loops})
+            c = model.config
+            want = [reference.reference_sources(c, e) for e in range(c.n_eff_layer)]
+            assert model.depth_sources == want, (
+                f"{variant} with n_loops={loops}: sources {model.depth_sources}, the rule in "
+                f"effective layers gives {want}: counted in blocks (e % n_layer), not effective "
+                f"layers?")
+            if loops == 1:
+                continue
+            try:
+                assert_matches_reference(model.eval(), REFERENCES[variant], idx_shape=(1, 4))
+            except Exception as err:
+                raise AssertionError(
+                    f"{variant} at {case}, n_loops={loops}: {type(err).__name__}: {err}" + (
+                        "; does the row find its candidates' layers itself (range(0, e, "
+                        "stride)) rather than from config.sources(e)?" if extra else "")) from err
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_contract_weighs_a_candidate_by_the_layer_it_reads(variant):
+    """Dropping the first source of a layer with two or more leaves the other candidates' weights
+    in the same proportions: a candidate's weight follows the layer it reads (a learned row's
+    per-layer parameter looked up by config.sources(e) + [e]), never its slot, whose layer changes
+    from one depth to the next. (Rows whose weights are meant to read the whole set, a
+    temperature of the number of candidates say, are exempt by name: EXEMPT.)"""
+    model = build(variant)
+    idx = torch.randint(0, 257, (2, 6))
+    with torch.no_grad(), capture(model) as alphas:
+        model(idx)
+    several = [e for e, (src, _) in alphas.items() if len(src) >= 2]
+    if not several:
+        return  # no layer with two sources, or no depth weights of a row (LIMe)
+    e, rule = several[-1], ModelConfig.sources
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ModelConfig, "sources", lambda c, j: rule(c, j)[1:] if j == e else rule(c, j))
+        fewer = build(variant)
+        fewer.load_state_dict(model.state_dict())
+        with torch.no_grad(), capture(fewer) as rest:
+            fewer(idx)
+    a, b = alphas[e][1][:, :, 1:], rest[e][1]
+    diff = (b * a.sum(2, keepdim=True) - a * b.sum(2, keepdim=True)).abs().max().item()
+    assert diff < 1e-9, (
+        f"{variant}: without source {alphas[e][0][0]} of layer {e}, the other candidates' weights "
+        f"change proportions ({diff:.3e}): a per-layer parameter looked up by the candidate's slot, "
+        f"not the layer it reads (config.sources(e) + [e])? A rule meant to read the whole set "
+        f"takes an EXEMPT entry")
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_contract_depth_weights_are_candidates_first_in_float32(variant):
     """Every layer's depth weights, from bf16 inputs (what CUDA's autocast gives them), are
-    (B, n_kv_head, C, T), candidates before positions, in float32 or wider (bf16 weights sum to
-    1 +- 3e-3; the paper's are float32); under bf16 autocast the logits are finite."""
+    (B, n_kv_head, C, T), candidates before positions, in float32, no narrower (bf16 weights sum
+    to 1 +- 3e-3; the paper's are float32) and no wider (float64 costs twice and departs from its
+    base at init); under bf16 autocast the logits are finite."""
     model = build(variant, torch.float32)
-    B, T = 2, 5
-    for e, src in enumerate(model.depth_sources):
-        at = model.layers[e % model.config.n_layer].self_attn
-        if not src or not hasattr(at, "mode") or type(at).forward is not model_py.Attention.forward:
-            continue  # a model of its own (LIMe, Keyless): its reference and bf16 run below
-        qbar, *keys = (torch.randn(B, at.n_kv_head, T, at.head_dim, dtype=torch.bfloat16)
-                       for _ in range(len(src) + 2))
-        rule = () if at.depth_params is None else (at.depth_params, e)
-        alpha = at.mode.weights(qbar, keys, *rule)
-        want = (B, at.n_kv_head, len(keys), T)
+    for e, alpha in row_weights(model, model.config.n_kv_head, torch.bfloat16).items():
+        want = (2, model.config.n_kv_head, len(model.depth_sources[e]) + 1,
+                model.config.n_eff_layer + 1)
         assert alpha.shape == want, (f"{variant}: layer {e}'s depth weights are "
                                      f"{tuple(alpha.shape)}, want (B, n_kv_head, C, T) = {want}: "
                                      f"candidates before positions")
-        assert alpha.dtype.itemsize >= 4, (f"{variant}: layer {e}'s depth weights in "
-                                           f"{alpha.dtype}; compute them in float32 "
-                                           f"(fp32_or_wider)")
+        assert alpha.dtype == torch.float32, (
+            f"{variant}: layer {e}'s depth weights in {alpha.dtype}; compute them in float32 "
+            f"(fp32_or_wider)" + (", no wider: float64 costs twice the bytes and departs from "
+                                  "its base at init" if alpha.dtype.itemsize > 4 else ""))
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), capture(model) as alphas:
         logits = model(torch.randint(0, 257, (2, 6)))[0]
     narrow = {e: a.dtype for e, (_, a) in alphas.items() if a.dtype.itemsize < 4}
@@ -369,8 +627,11 @@ CLAUSES = [test_contract_has_a_naive_reference, test_contract_matches_its_naive_
            test_contract_registers_trains_and_saves_every_added_parameter,
            test_contract_kv_cache_is_vanillas,
            test_contract_round_trips_through_a_checkpoint_and_an_export,
+           test_contract_is_the_same_model_in_a_fresh_process,
            test_contract_compiles_in_one_graph, test_contract_a_learned_row_starts_as_its_base,
-           test_contract_runs_looped, test_contract_depth_weights_are_candidates_first_in_float32,
+           test_contract_a_learned_row_learns, test_contract_meets_every_source_rule,
+           test_contract_weighs_a_candidate_by_the_layer_it_reads,
+           test_contract_depth_weights_are_candidates_first_in_float32,
            test_contract_declares_its_optimizer_groups]
 
 
@@ -390,51 +651,72 @@ def code_blocks(text, fence):
 
 
 def example(heading):
-    """docs/forking.md's section `## <heading>`: its model.py block and its tests/reference.py
-    block."""
+    """docs/forking.md's section `## <heading>`: {file: the body of its block for that file} for
+    model.py, baselines.py and tests/reference.py."""
     doc = (ROOT / "docs" / "forking.md").read_text()
     text = doc[doc.index(f"\n## {heading}"):]
     text = text[:text.find("\n## ", 1) % (len(text) + 1)]
-    (model_part,), (reference_part,) = (code_blocks(text, "model.py"),
-                                        code_blocks(text, "tests/reference.py"))
-    return model_part, reference_part
+    return {name: blocks[0] for name in ("model.py", "baselines.py", "tests/reference.py")
+            if (blocks := code_blocks(text, name))}
 
 
-def export_fork(monkeypatch, fork):
-    """Exports write `fork` as their model.py: the fork's file, as a fork exports it."""
+def export_fork(monkeypatch, **forks):
+    """Exports write the fork's files ({module name: its text}) in place of ours, their imports of
+    one another made relative as lab/export.py makes ours."""
     from lab import export
     write = export.write_remote_code
-    monkeypatch.setattr(export, "write_remote_code",
-                        lambda folder: (write(folder), (folder / "model.py").write_text(fork)))
+
+    def write_fork(folder):
+        write(folder)
+        for name, text in forks.items():
+            (folder / f"{name}.py").write_text(re.sub(r"^( *)from (model|baselines) import ",
+                                                      r"\1from .\2 import ", text, flags=re.M))
+    monkeypatch.setattr(export, "write_remote_code", write_fork)
 
 
-def row_example(heading, monkeypatch):
-    """A new row as a fork writes it: the row in model.py right after DEPTH_MODES (and in the
-    exported model.py), its reference in tests/reference.py. Yields the name it adds to the
-    table."""
-    model_part, reference_part = example(heading)
-    before = set(DEPTH_MODES)
-    exec(model_part, dict(vars(model_py)))
-    exec(reference_part, dict(vars(reference)))
-    (name,) = set(DEPTH_MODES) - before
-    source = (ROOT / "model.py").read_text()
-    table_end = source.index("\n}\n", source.index("DEPTH_MODES = {")) + 3
-    export_fork(monkeypatch, source[:table_end] + "\n" + model_part + source[table_end:])
+TABLES = (DEPTH_MODES, DEPTH_MODELS, REFERENCE_MODES, MODEL_REFERENCES, SOURCE_CASES)
+
+
+def fork(monkeypatch, blocks) -> str:
+    """A fork's blocks ({file: code}, as example gives them) registered as a fork writes them: the
+    model.py block right after DEPTH_MODES, the baselines.py block after DEPTH_MODELS (so in an
+    export and a fresh process too: FORKED), the reference in tests/reference.py; what they add
+    is undone at the test's end. The variant of the row it adds (its name)."""
+    before = [set(table) for table in TABLES]
+    for file, module, table, end in (("model", model_py, "DEPTH_MODES = {", "\n}\n"),
+                                     ("baselines", baselines, "DEPTH_MODELS = ", "\n")):
+        if code := blocks.get(f"{file}.py"):
+            space = vars(module)
+            ours = dict(space)
+            exec(code, space)  # in the module itself, as in the fork's file (torch.compile reads it)
+            for key in [k for k in space if k not in ours or space[k] is not ours[k]]:
+                forked = space.pop(key)
+                space.update({key: ours[key]} if key in ours else {})
+                monkeypatch.setattr(module, key, forked, raising=False)  # undone at the end
+            monkeypatch.setitem(FORKED, file, FORKED.get(file, "") + code)
+            source = Path(module.__file__).read_text()
+            at = source.index(end, source.index(table)) + len(end)
+            export_fork(monkeypatch, **{file: source[:at] + "\n" + FORKED[file] + source[at:]})
+    exec(blocks["tests/reference.py"], dict(vars(reference)))
+    for table, keys in zip(TABLES, before):
+        for key in set(table) - keys:  # undone by monkeypatch
+            monkeypatch.setitem(table, key, table.pop(key))
+    (name,) = set(DEPTH_MODES) - before[0]
     monkeypatch.setitem(VARIANTS, name, dict(depth_mode=name))
-    monkeypatch.setitem(REFERENCES, name, reference_forward)
-    yield name
-    DEPTH_MODES.pop(name)
-    REFERENCE_MODES.pop(name)
+    monkeypatch.setitem(REFERENCES, name, MODEL_REFERENCES.get(name, reference_forward))
+    monkeypatch.setitem(RELOADED, name, None)  # reloaded with the forks registered beside it
+    return name
+
+
+TOP1, TEMPERED, GATED, HIDDEN = ("The example: hard top-1 over depth",
+                                 "A learned rule: a temperature per layer",
+                                 "What a row sees: a rule of the token's own features",
+                                 "A rule of the hidden state")
 
 
 @pytest.fixture
 def forking_example(monkeypatch):
-    yield from row_example("The example: hard top-1 over depth", monkeypatch)
-
-
-@pytest.fixture
-def learned_example(monkeypatch):
-    yield from row_example("A learned rule: a temperature per layer", monkeypatch)
+    return fork(monkeypatch, example(TOP1))
 
 
 @pytest.fixture
@@ -442,61 +724,84 @@ def source_example(monkeypatch):
     """A new source rule as a fork writes it: ModelConfig.sources replaced in model.py (and in the
     exported model.py), reference_sources in tests/reference.py with the keys that select the
     rule in SOURCE_CASES. The contract's name for it."""
-    model_part, reference_part = example("A source rule")
-    method = model_part.split("\n", 1)[1]  # under the fence line, indented as in the class
+    blocks = example("A source rule")
+    method = blocks["model.py"].split("\n", 1)[1]  # under the fence line, indented as in the class
     space = dict(vars(model_py))
     exec(textwrap.dedent(method), space)
     monkeypatch.setattr(model_py.ModelConfig, "sources", space["sources"])
+    monkeypatch.setitem(FORKED, "model", textwrap.dedent(method) + "ModelConfig.sources = sources\n")
     before, space = set(SOURCE_CASES), dict(vars(reference))
-    exec(reference_part, space)
+    exec(blocks["tests/reference.py"], space)
     monkeypatch.setattr(reference, "reference_sources", space["reference_sources"])
     (rule,) = set(SOURCE_CASES) - before
+    monkeypatch.setitem(SOURCE_CASES, rule, SOURCE_CASES.pop(rule))
     source = (ROOT / "model.py").read_text()
     start = source.index("    def sources(self, e: int)")
-    export_fork(monkeypatch, source[:start] + method.rstrip() + source[source.index("\n\n\n",
-                                                                                   start):])
+    export_fork(monkeypatch, model=source[:start] + method.rstrip() +
+                source[source.index("\n\n\n", start):])
     name = f"value+{rule}"
     monkeypatch.setitem(VARIANTS, name, dict(depth_mode="value", **SOURCE_CASES[rule]))
     monkeypatch.setitem(REFERENCES, name, reference_forward)
-    yield name
-    SOURCE_CASES.pop(rule)
+    monkeypatch.setitem(RELOADED, name, None)
+    return name
+
+
+def call(clause, variant, tmp_path, monkeypatch):
+    """A clause of the contract on the variant, given what it takes of tmp_path and monkeypatch."""
+    kwargs = {"tmp_path": tmp_path / clause.__name__, "monkeypatch": monkeypatch}
+    kwargs["tmp_path"].mkdir()
+    clause(variant, **{k: v for k, v in kwargs.items()
+                       if k in clause.__code__.co_varnames[:clause.__code__.co_argcount]})
 
 
 def run_every_clause(variant, tmp_path, monkeypatch):
     for clause in CLAUSES:
-        kwargs = {"tmp_path": tmp_path / clause.__name__, "monkeypatch": monkeypatch}
-        kwargs["tmp_path"].mkdir()
-        clause(variant, **{k: v for k, v in kwargs.items()
-                           if k in clause.__code__.co_varnames[:clause.__code__.co_argcount]})
+        call(clause, variant, tmp_path, monkeypatch)
 
 
-def test_the_forking_example_passes_the_whole_contract(forking_example, tmp_path, monkeypatch):
-    run_every_clause(forking_example, tmp_path, monkeypatch)
-
-
-def test_the_learned_example_passes_the_whole_contract(learned_example, tmp_path, monkeypatch):
-    """And it is what the page says: `value` at init, its parameter in the model and its
-    optimizer groups (no weight decay: one number per block), its weights read out as any row's,
-    its parameters counted by depth_cost."""
-    run_every_clause(learned_example, tmp_path, monkeypatch)
-    model = tiny_variant(depth_mode=learned_example)
-    idx = torch.randint(0, 50, (2, 7))
-    fresh = []
-    for mode in (learned_example, "value"):
-        torch.manual_seed(0)
-        fresh.append(model_py.GPT(replace(model.config, depth_mode=mode)))
-    with torch.no_grad():
-        assert torch.equal(fresh[0](idx)[0], fresh[1](idx)[0]), "the row does not start as value"
+def test_the_guides_rows_pass_the_whole_contract(tmp_path, monkeypatch):
+    """docs/forking.md's rows, registered together as a fork writes them (one fresh process
+    reloads them all): top-1, the temperature, the gate of the token's own features and the gate of
+    the hidden state, each through every clause (so the gates start paired with value at one seed
+    and learn); then what the page says of the temperature and of the hidden state's gate."""
+    rows = [fork(monkeypatch, example(heading)) for heading in (TOP1, TEMPERED, GATED, HIDDEN)]
+    for row in rows:
+        (tmp_path / row).mkdir()
+        run_every_clause(row, tmp_path / row, monkeypatch)
+    _, tempered, _, hidden = rows
+    # the temperature: its parameter in the model and in the no-decay group (one number per
+    # block), its weights read out as any row's, its parameters counted by depth_cost
+    model = tiny_variant(depth_mode=tempered)
     names = added_parameters(model)
     assert names and all(".self_attn.depth_params." in n for n in names), names
     groups = train.make_optimizer(model, DEFAULTS, "cpu").param_groups
-    no_decay = {id(p) for p in groups[1]["params"]}
-    assert all(id(model.get_parameter(n)) in no_decay for n in names)
+    assert {id(model.get_parameter(n)) for n in names} <= {id(p) for p in groups[1]["params"]}
     with capture(model) as alphas:
-        model(idx)
+        model(torch.randint(0, 50, (2, 7)))
     assert sorted(alphas) == [e for e, src in enumerate(model.depth_sources) if src]
     assert depth_cost(model.config)["extra_params"] == sum(
         model.get_parameter(n).numel() for n in names)
+    # the hidden state's gate: its own model class, and weights that move with the layer's input
+    model = build(hidden)
+    assert type(model) is DEPTH_MODELS[hidden] and type(model) is not model_py.GPT
+    at, g = model.layers[1].self_attn, torch.Generator().manual_seed(0)
+    qbar, k0, k1 = (torch.randn(1, 2, 3, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    h = torch.randn(2, 1, 3, model.config.n_embd, generator=g, dtype=torch.float64)
+    a, b = (at.mode.weights(qbar, [k0, k1], at.depth_params, 1, x) for x in h)
+    assert (a - b).abs().max() > 1e-3
+
+
+def test_a_rows_features_are_the_ones_rope_keeps():
+    """What the guide says a row sees: qbar after RoPE, turned with the position, so a Linear of
+    one token's qbar differs from position to position, and the norm of each rotated pair (the
+    gated example's features) does not."""
+    qbar = torch.randn(2, 2, 1, 8, dtype=torch.float64).expand(2, 2, 6, 8)  # one token, 6 places
+    cos, sin = rope_tables(tiny_config(), 0, 6, "cpu", torch.float64)
+    rotated = apply_rope(qbar, cos, sin)
+    pairs = rotated.unflatten(-1, (2, -1)).norm(dim=-2)                       # (B, n_kv, T, D/2)
+    linear = rotated @ torch.randn(8, 3, dtype=torch.float64)
+    assert (pairs - pairs[:, :, :1]).abs().max() < 1e-12
+    assert (linear - linear[:, :, :1]).abs().max() > 1e-2
 
 
 # a fork's sharing by hand, the wrong way: one Parameter in every block's own module
@@ -526,7 +831,7 @@ def test_the_contract_names_a_parameter_shared_between_modules(plant, tmp_path, 
     it."""
     planted = plant(model_py.softmax_weights, ref=biased_ref)  # the row itself: below
     exec(SHARED_PARAMETER, dict(vars(model_py)))
-    export_fork(monkeypatch, (ROOT / "model.py").read_text() + SHARED_PARAMETER)
+    export_fork(monkeypatch, model=(ROOT / "model.py").read_text() + SHARED_PARAMETER)
     with pytest.raises(AssertionError, match="transformers: the tensors planted shares.*module"):
         test_contract_round_trips_through_a_checkpoint_and_an_export(planted, tmp_path, monkeypatch)
 
@@ -584,16 +889,20 @@ def shifted_weights(qbar, keys, params, e):
 
 def test_a_rows_init_is_its_own_and_the_contract_names_a_layer_re_drawn(plant, monkeypatch):
     """GPT._init_weights re-draws every Linear but a row's: the MLP's zeroed layer stays zero and
-    the row starts as value. Re-drawn (as GPT.__init__ did: self.apply(self._init_weights)), it
-    does not, and the clause names it."""
+    the row starts as value, and learns (its first layer's gradient comes once the last moves).
+    Re-drawn (as GPT.__init__ once re-drew every Linear), it does not start so, and the clause
+    names it."""
     planted = plant(shifted_weights, dict(params=ZeroInitMLP, starts_as="value"))
     test_contract_a_learned_row_starts_as_its_base(planted)
+    test_contract_a_learned_row_learns(planted)
     init = model_py.GPT.__init__
 
-    def redraw_every_linear(self, config):
+    def redraw_the_rows(self, config):
         init(self, config)
-        self.apply(self._init_weights)
-    monkeypatch.setattr(model_py.GPT, "__init__", redraw_every_linear)
+        for attention in self.modules():
+            if isinstance(getattr(attention, "depth_params", None), nn.Module):
+                attention.depth_params.apply(self._init_weights)
+    monkeypatch.setattr(model_py.GPT, "__init__", redraw_the_rows)
     with pytest.raises(AssertionError, match="does not start as its base value.*re-drawn"):
         test_contract_a_learned_row_starts_as_its_base(planted)
 
@@ -610,7 +919,7 @@ def biased_weights(qbar, keys, params, e):  # a learned bonus per candidate on t
     return (model_py.fp32_or_wider(scores) / math.sqrt(qbar.shape[-1]) + bias).softmax(2)
 
 
-def biased_ref(qbar, cand_k, params, e):
+def biased_ref(qbar, cand_k, params, layers):
     return list(torch.softmax(torch.stack([(qbar * kk).sum() / math.sqrt(len(qbar)) + b for kk, b
                                            in zip(cand_k, params.bias)]), 0))
 
@@ -637,7 +946,7 @@ def test_the_contract_names_a_scale_missing_from_the_code_and_its_reference(plan
         scores = torch.stack([torch.linalg.vecdot(qbar, kc) for kc in keys], 2)
         return (model_py.fp32_or_wider(scores) / params.log_tau.exp()).softmax(2)
 
-    def ref(qbar, cand_k, params, e):
+    def ref(qbar, cand_k, params, layers):
         return list(torch.softmax(torch.stack([(qbar * kk).sum() / params.log_tau.exp()
                                                for kk in cand_k]), 0))
 
@@ -656,7 +965,7 @@ def test_the_contract_names_a_rule_counted_in_blocks(monkeypatch):
     monkeypatch.setattr(model_py.ModelConfig, "sources", sources)
     test_contract_matches_its_naive_reference("value+every-layer")
     with pytest.raises(AssertionError, match="n_loops=2.*counted in blocks"):
-        test_contract_runs_looped("value+every-layer")
+        test_contract_meets_every_source_rule("value+every-layer")
 
 
 def test_the_contract_names_weight_decay_on_a_bias(plant):
@@ -714,6 +1023,91 @@ def test_the_contract_names_a_rule_that_mixes_the_batch(plant):
         test_contract_keeps_the_sequences_of_a_batch_apart(plant(weights))
 
 
+# A forker's mistakes in a copy of the guide's rows, each of which passed the contract or failed it
+# under another name (a crash, the init or the layout blamed): the edits that plant it in the row
+# (and in its reference, where the forker got both wrong alike), what else it needs, and the
+# clauses that now name it.
+ZEROED, BONUS = "nn.init.zeros_(self.bonus.weight)", "gate.bonus(pairs)"
+LINEAR = "self.bonus = nn.Linear(config.head_dim // 2, config.n_eff_layer, bias=False)"
+MISTAKES = {
+    "a buffer, not a Parameter": dict(
+        row=[(ZEROED, 'del self.bonus.weight; self.bonus.register_buffer("weight", torch.zeros('
+                      'config.n_eff_layer, config.head_dim // 2))')],
+        named={test_contract_a_learned_row_learns: "are buffers: register them as nn.Parameter"}),
+    "both layers of a two-layer gate zeroed": dict(
+        row=[(ZEROED, ZEROED + "\n        self.hidden = nn.Linear(config.head_dim // 2, "
+                               "config.head_dim // 2)\n        nn.init.zeros_(self.hidden.weight),"
+                               " nn.init.zeros_(self.hidden.bias)"),
+             (BONUS, "gate.bonus(gate.hidden(pairs).relu())")],
+        reference=[("gate.bonus.weight @ pairs",
+                    "gate.bonus.weight @ (gate.hidden.weight @ pairs + gate.hidden.bias).relu()")],
+        named={test_contract_a_learned_row_learns: "no gradient reaches .* at initialisation"}),
+    "its Linear drawn from the backbone's generator (model.py before the fork)": dict(
+        setup=lambda patch: patch.setattr(torch.random, "fork_rng",
+                                          lambda *a, **k: contextlib.nullcontext()),
+        named={test_contract_a_learned_row_starts_as_its_base: "not paired with its base value"}),
+    "a generator of its own, seeded by the time": dict(
+        row=[(ZEROED, "nn.init.normal_(self.bonus.weight, generator=torch.Generator()"
+                      ".manual_seed(__import__('time').time_ns()))")],
+        named={test_contract_a_learned_row_starts_as_its_base: "two builds at one seed differ"}),
+    "a setting read from the environment": dict(
+        setup=lambda patch: patch.setenv("GATE_SCALE", "3"),
+        row=[("+ bonus).softmax(2)",
+              "+ bonus * float(__import__('os').environ.get('GATE_SCALE', '1'))).softmax(2)")],
+        named={test_contract_is_the_same_model_in_a_fresh_process: "fresh process.*os.environ"}),
+    "the bonus looked up by slot, in the code and its reference alike": dict(
+        row=[("gate.layers[e]", "list(range(len(keys)))")],
+        reference=[("zip(cand_k, layers)", "zip(cand_k, range(len(cand_k)))")],
+        named={test_contract_weighs_a_candidate_by_the_layer_it_reads: "by the candidate's slot"}),
+    "its sources recomputed as range(0, e, stride)": dict(
+        row=[("config.sources(e) + [e]", "list(range(0, e, config.stride)) + [e]")],
+        named={test_contract_meets_every_source_rule: r"window.*range\(0, e, stride\)"}),
+    "a temperature that nothing keeps positive": dict(
+        example=TEMPERED, row=[("torch.zeros(())", "torch.ones(())"),
+                               ("params.log_tau.exp()", "params.log_tau")],
+        reference=[("params.log_tau.exp()", "params.log_tau")],
+        named={test_contract_a_learned_row_learns: "not finite: a temperature that nothing"}),
+    "modules in a Python list": dict(
+        row=[(LINEAR, LINEAR.replace("= nn.Linear", "= [nn.Linear") + "]"),
+             ("self.bonus.weight", "self.bonus[0].weight"), (BONUS, "gate.bonus[0](pairs)")],
+        reference=[("gate.bonus.weight", "gate.bonus[0].weight")],
+        named={test_contract_matches_its_naive_reference: "bonus holds modules or tensors in a "
+                                                          "plain list"}),
+    "a shape of n_head, valid only as many KV heads": dict(
+        row=[(ZEROED, ZEROED + "\n        self.gain = nn.Parameter(torch.ones(config.n_head, 1, "
+                               "1))"), ("+ bonus)", "+ bonus * gate.gain)")],
+        named={test_contract_matches_its_naive_reference: "a shape of n_head where qbar has one "
+                                                          "head per KV group"}),
+    "float64 weights, for safety": dict(
+        row=[(".softmax(2)", ".double().softmax(2)")],
+        named={test_contract_depth_weights_are_candidates_first_in_float32: "in torch.float64; "
+               "compute them in float32 .*no wider",
+               test_contract_a_learned_row_starts_as_its_base: "depth weights are {torch.float64}"}),
+    "a detached input": dict(
+        row=[("fp32_or_wider(qbar).unflatten", "fp32_or_wider(qbar.detach()).unflatten")],
+        named={test_contract_matches_its_naive_reference: r"(?s)^(?!.*laid out).*logits agree.*"
+                                                          r"detach"}),
+}
+
+
+@pytest.mark.parametrize("mistake", MISTAKES)
+def test_the_contract_names_a_forkers_mistake(mistake, tmp_path, monkeypatch):
+    """The mistake planted in a copy of the guide's row (the gated example, unless it is another
+    row's): each clause that names it fails, with its name."""
+    plant = MISTAKES[mistake]
+    plant.get("setup", lambda patch: None)(monkeypatch)
+    blocks = example(plant.get("example", GATED))
+    for file, edits in (("model.py", plant.get("row", ())),
+                        ("tests/reference.py", plant.get("reference", ()))):
+        for old, new in edits:
+            assert old in blocks[file], f"the guide's row no longer has {old!r}"
+            blocks[file] = blocks[file].replace(old, new)
+    variant = fork(monkeypatch, blocks)
+    for clause, words in plant["named"].items():
+        with pytest.raises(AssertionError, match=words):
+            call(clause, variant, tmp_path, monkeypatch)
+
+
 # ----------------------------------------------------------------------------- a seam
 
 def test_a_rule_of_the_layer_and_the_depth_needs_no_module(plant):
@@ -726,13 +1120,13 @@ def test_a_rule_of_the_layer_and_the_depth_needs_no_module(plant):
         return (w / w.sum()).to(model_py.fp32_or_wider(qbar).dtype).view(1, 1, -1, 1).expand(
             B, n_kv, len(keys), T)
 
-    def ref(qbar, cand_k, config, e):
-        w = [e / config.n_eff_layer] * (len(cand_k) - 1) + [1.0]
+    def ref(qbar, cand_k, config, layers):
+        w = [layers[-1] / config.n_eff_layer] * (len(cand_k) - 1) + [1.0]
         return [x / sum(w) for x in w]
 
     planted = plant(weights, dict(params=lambda config, layer: config), ref)
     assert not added_parameters(build(planted))
-    for clause in (test_contract_matches_its_naive_reference, test_contract_runs_looped,
+    for clause in (test_contract_matches_its_naive_reference, test_contract_meets_every_source_rule,
                    test_contract_cached_decoding_equals_the_full_forward,
                    test_contract_depth_weights_are_candidates_first_in_float32):
         clause(planted)

@@ -30,7 +30,7 @@ def uniform_ref(qbar, cand_k):  # Uniform Mix (Table 5)
     return [1.0 / len(cand_k)] * len(cand_k)
 
 
-def value_residual_ref(qbar, cand_k, params, e):  # ResFormer: lambda_2 per source, lambda_1 own
+def value_residual_ref(qbar, cand_k, params, layers):  # ResFormer: lambda_2 each source, lambda_1 own
     return [params.lambdas[0]] * (len(cand_k) - 1) + [params.lambdas[1]]
 
 
@@ -44,7 +44,9 @@ ROW_SOURCES = {"lime": lambda c, e: list(range(e)),  # LIMe: every earlier layer
                "resformer": lambda c, e: [0] if e else [],
                "resformer_learned": lambda c, e: [0] if e else []}
 # A learned row's (DepthMode.params) weights also read its parameters: the reference is called
-# (qbar, cand_k, the block's depth_params, effective layer e), as the row's weights are.
+# (qbar, cand_k, the block's depth_params, layers), layers being what the candidates read, restated
+# here (reference_sources), the sources then the layer e itself: a per-layer parameter is looked up
+# by the layer a candidate reads, never by its slot (docs/forking.md).
 
 # The variants whose model is not GPT's layers with a row's weights (LIMe, Keyless Attention, the
 # baselines): name -> a naive reference (model, idx) -> logits, below.
@@ -115,11 +117,13 @@ def ref_mlp(blk, c, x):
     return (F.silu(h @ mlp.gate_proj.weight.T) * (h @ mlp.up_proj.weight.T)) @ mlp.down_proj.weight.T
 
 
-def reference_forward(model: GPT, idx, k_norm_after_rope=None, weights=None):
+def reference_forward(model: GPT, idx, k_norm_after_rope=None, weights=None, hidden=False):
     """Logits from loops over rows, layers, positions and heads, from the paper's section 2 and the
     Qwen3 block alone. It shares only the parameter tensors with the model (so gradients can be
     compared). k_norm_after_rope: the order of k_norm and RoPE (default: the model's config).
-    weights: a dict that receives each depth weight vector, {(layer, row, position, KV head): alpha}."""
+    weights: a dict that receives each depth weight vector, {(layer, row, position, KV head): alpha}.
+    hidden: a rule of the hidden state's (docs/forking.md): a learned row's reference also gets the
+    block's input at the position, after input_layernorm (n_embd,)."""
     c = model.config
     after = c.k_norm_after_rope if k_norm_after_rope is None else k_norm_after_rope
     spec, L, g = REFERENCE_MODES[c.depth_mode], c.n_eff_layer, c.n_head // c.n_kv_head
@@ -132,7 +136,8 @@ def reference_forward(model: GPT, idx, k_norm_after_rope=None, weights=None):
             blk = model.layers[e % c.n_layer]
             q, k, v = ref_positioned(blk.self_attn, c, *ref_projections(blk, c, x), after)
             src = reference_sources(c, e) if spec else []
-            params = (blk.self_attn.depth_params, e) if learned else ()
+            params = (blk.self_attn.depth_params, src + [e]) if learned else ()
+            h = rms(x, blk.input_layernorm.weight, c.norm_eps)                      # (T, n_embd)
             K, V = k, v
             if src:
                 rule, mixes = spec
@@ -142,7 +147,7 @@ def reference_forward(model: GPT, idx, k_norm_after_rope=None, weights=None):
                         cand_k = [stored[s][0][t][j] for s in src] + [k[t][j]]
                         cand_v = [stored[s][1][t][j] for s in src] + [v[t][j]]
                         qbar = sum(q[t][j * g + i] for i in range(g)) / g  # heads of KV head j
-                        alpha = rule(qbar, cand_k, *params)
+                        alpha = rule(qbar, cand_k, *params, *[h[t]] * hidden)
                         # a row may weigh K and V apart: a pair (K's weights, V's)
                         alpha_k, alpha = alpha if isinstance(alpha, tuple) else (alpha, alpha)
                         if weights is not None:
@@ -174,7 +179,9 @@ def assert_matches_reference(model, reference, idx_shape=(2, 7)):
     assert diff < 1e-10, f"logits differ from the reference by {diff:.3e}"
     for n, g in grads.items():
         gdiff = (g - model.get_parameter(n).grad).abs().max().item()
-        assert gdiff < 1e-10, f"grad of {n} differs from the reference by {gdiff:.3e}"
+        assert gdiff < 1e-10, (f"grad of {n} differs from the reference by {gdiff:.3e}, where the "
+                               f"logits agree: the code cuts a path the reference differentiates "
+                               f"(an input .detach()ed, or computed under torch.no_grad)?")
 
 
 # ----------------------------------------------------------------------------- the variants' own models
