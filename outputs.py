@@ -6,17 +6,19 @@ reads. A file is written whole or not at all (a temporary, then a rename), and a
 error naming the path and the space it needs (DiskFull).
 """
 import errno
+import io
 import json
 import math
 import os
 import re
 import shutil
+import stat
 from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 
-from checkpoint import checksums
+from checkpoint import checkpoint_path, checksums, read_checkpoint
 from configurator import CheckpointError, ConfigError, UserError
 
 MANIFEST = ".written_by.json"
@@ -45,6 +47,8 @@ def room_for(path, need, more=False):
     except Exception as e:
         cause = e
         while cause is not None:
+            if isinstance(cause, KeyboardInterrupt):  # torch.save's writer wraps a Ctrl-C
+                raise cause from None
             rust = re.search(r"\(os error (\d+)\)", str(cause))
             if getattr(cause, "errno", None) in NO_ROOM or rust and int(rust[1]) in NO_ROOM:
                 raise DiskFull(path, need(), more) from None
@@ -86,15 +90,12 @@ def save_checkpoint(obj, path):
     path, tmp = Path(path), Path(path).with_name(f"{Path(path).name}.tmp{os.getpid()}")
     obj = {**obj, "checksums": checksums(obj)}
 
-    class Count:  # what torch.save writes, counted without a file: the space it needs
+    class Count(io.RawIOBase):  # what torch.save writes, counted without a file: the room needed
         n = 0
 
         def write(self, data):
             self.n += len(data)
             return len(data)
-
-        def flush(self):  # torch.save flushes the file it is given
-            pass
     try:
         with room_for(path, lambda: torch.save(obj, count := Count()) or count.n), \
                 open(tmp, "wb") as f:
@@ -123,16 +124,16 @@ def not_in_a_checkpoint(path, flag):
 
 
 def manifest(folder) -> dict:
-    """The folder's manifest, {} for none or one not of this form (a plain file of plain names:
-    a forged one reaches nothing outside the folder)."""
+    """The folder's manifest, {} for none or one not of this form (a plain file of relative paths
+    down the folder: a forged one reaches nothing outside it)."""
     f = Path(folder) / MANIFEST
     try:
         data = {} if f.is_symlink() else json.loads(f.read_text())
     except (OSError, ValueError):
         return {}
     files = data.get("files") if isinstance(data, dict) else None
-    plain = isinstance(files, list) and all(
-        isinstance(n, str) and n not in ("", ".", "..") and not {"/", "\\"} & set(n) for n in files)
+    plain = isinstance(files, list) and all(isinstance(n, str) and "\\" not in n and not {
+        "", ".", ".."} & set(n.split("/")) for n in files)
     return data if plain and isinstance(data.get("written_by"), str) else {}
 
 
@@ -141,13 +142,16 @@ def listing(names, most=4) -> str:
 
 
 class Folder:
-    """A folder claim() let script write; names: its manifest's files, its own with their killed
-    writes (NAME.tmp<pid>, NAME.old<pid>); foreign: every other name in it."""
+    """A folder claim() let script write; names: its manifest's files and folders, its own with
+    their killed writes (NAME.tmp<pid>, NAME.old<pid>); foreign: every other file, at any depth."""
 
     def __init__(self, path: Path, script, flag, names):
         self.path, self.script, self.flag, self.names = path, script, flag, sorted(set(names))
-        entries = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
-        self.foreign = [n for n in entries if not self.owns(n)]
+        self.foreign = self.unlisted(path) if path.is_dir() else []
+
+    def unlisted(self, folder, rel="") -> list:
+        return [f for p in sorted(folder.iterdir()) if not self.owns(n := rel + p.name) for f in (
+            self.unlisted(p, n + "/") if p.is_dir() and not p.is_symlink() else [n])]
 
     def owns(self, name) -> bool:
         stem, _, rest = name.lstrip(".").rpartition(".")
@@ -168,8 +172,8 @@ class Folder:
                               f"folder you can write to") from None
 
     def clear(self, keep=()):
-        """--overwrite in place: delete the files the manifest lists, but keep; the user's stay."""
-        for p in (self.path / n for n in self.names if n not in keep):
+        """--overwrite in place: delete its top-level names (never through a link), but keep."""
+        for p in (self.path / n for n in self.names if n not in keep and "/" not in n):
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
         if self.foreign:
             print(f"--overwrite kept {listing(self.foreign)} in {self.path}: {self.script} did "
@@ -182,7 +186,7 @@ class Folder:
 
 
 def seal(tmp, script):  # the manifest of a folder written whole at tmp, before its rename
-    Folder(Path(tmp), script, "", [p.name for p in Path(tmp).iterdir()]).record()
+    Folder(Path(tmp), script, "", Folder(Path(tmp), script, "", []).foreign).record()
 
 
 def claim(path, script, flag, names=(), sources=(), legacy=lambda folder: []) -> Folder:
@@ -276,10 +280,12 @@ def clean_stale(dest, hidden=False, inside=False, restorable=lambda old: True):
 
 def run_folder(out_dir, resuming, init_from=""):
     """out_dir as a folder train.py may write, checked before any work: new, empty or an earlier
-    run's (one from before manifests has a lock or a checkpoint), never the --init_from it reads."""
+    run's (one from before manifests: by what its checkpoint holds), never the --init_from read."""
     def earlier_run(folder):
-        held = [n for n in RUN_FILES if (folder / n).exists()]
-        return held if {"train.lock", "ckpt.pt", "ckpt.dcp"} & set(held) else []
+        try:  # (a file's name proves nothing: a nanoGPT out_dir holds a ckpt.pt too)
+            return read_checkpoint(checkpoint_path(folder), ("model_config",)) and list(RUN_FILES)
+        except CheckpointError:
+            return []
     return claim(out_dir, "train.py", "--out_dir", RUN_FILES, legacy=earlier_run,
                  sources=[] if resuming else [("--init_from", init_from)])
 
@@ -290,31 +296,33 @@ def lock_run_folder(out_dir, resuming, overwrite, init_from=""):
     checkpoint needs overwrite, which deletes only train.py's files. Returns the open lock."""
     import fcntl  # POSIX, as train.py
     folder = run_folder(out_dir, resuming, init_from)
+    out, path = folder.path, folder.path / "train.lock"
+    held = [n for n in ("ckpt.pt", "ckpt.dcp", "ckpt.dcp.old") if (out / n).exists()]
+    if held and not resuming and not overwrite:  # before any write: a refusal writes nothing
+        raise CheckpointError(f"{out} already holds a checkpoint; continue it with --resume=True, "
+                              f"or start over with --overwrite=True (which deletes the files "
+                              f"train.py wrote there)")
     folder.record()
-    out = folder.path
-    try:
-        lock = open(out / "train.lock", "a+")
+    try:  # never written, nor opened through a link: a link, symbolic or hard, is refused
+        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+        lock, st = open(fd), os.fstat(fd)
+        if st.st_nlink != 1 or not stat.S_ISREG(st.st_mode):
+            raise OSError(errno.ELOOP, "")
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        lock.seek(0)
-        raise CheckpointError(f"another train.py ({lock.read().strip() or 'pid unknown'}) is "
-                              f"writing to {out}; wait for it or pick another --out_dir") from None
+        raise CheckpointError(f"another train.py is writing to {out}; wait for it or pick another "
+                              f"--out_dir") from None
     except OSError as e:
-        raise CheckpointError(f"cannot write to --out_dir={out} ({e.strerror}); pick a writable "
-                              f"folder") from e
-    lock.truncate(0)
-    print(f"pid {os.getpid()}", file=lock, flush=True)
+        raise CheckpointError(f"{path} is a link or not a plain file; remove it" if e.errno ==
+                              errno.ELOOP else f"cannot lock {path} ({e.strerror}); pick a "
+                              f"writable --out_dir") from None
     for torn in out.glob("ckpt.pt.tmp*"):  # a write cut short by a kill; no other writer
         torn.unlink()
     shutil.rmtree(out / "ckpt.dcp.tmp", ignore_errors=True)
     if (out / "ckpt.dcp.old").is_dir() and not (out / "ckpt.dcp").exists():
         (out / "ckpt.dcp.old").rename(out / "ckpt.dcp")  # a sharded save killed between renames
     shutil.rmtree(out / "ckpt.dcp.old", ignore_errors=True)
-    if (held := [n for n in ("ckpt.pt", "ckpt.dcp") if (out / n).exists()]) and not resuming:
-        if not overwrite:
-            raise CheckpointError(f"{out} already holds a checkpoint; continue it with "
-                                  f"--resume=True, or start over with --overwrite=True (which "
-                                  f"deletes the files train.py wrote there)")
-        print(f"warning: --overwrite=True: deleting {', '.join(held)} and the log of {out}")
+    if held and not resuming:
+        print(f"warning: --overwrite=True: deleting {held[0]} and the log of {out}")
         folder.clear(keep=["train.lock", MANIFEST])
     return lock
