@@ -220,8 +220,7 @@ def check(cfg: dict, keys: dict):
             raise ConfigError(f"--{name}={value!r} names no file or folder; give one, e.g. "
                               f"--{name}={key.default or 'PATH'}")
         if key.path and max(len(os.fsencode(part)) for part in value.split(os.sep)) > 255:
-            raise ConfigError(f"--{name}: a name in it is over 255 bytes, too long for a file "
-                              f"system")
+            raise ConfigError(f"--{name}: a name in it is over 255 bytes, too long for a file")
         if key.choices and value not in key.choices:
             raise not_a_choice(f"--{name}", value, key.choices)
         if key.check and not (math.isfinite(value) and RULES[key.check](value)):

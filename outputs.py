@@ -6,13 +6,11 @@ reads. A file is written whole or not at all (a temporary, then a rename), and a
 error naming the path and the space it needs (DiskFull).
 """
 import errno
-import io
 import json
 import math
 import os
 import re
 import shutil
-import stat
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -46,14 +44,12 @@ def room_for(path, need, more=False):
         yield
     except Exception as e:
         cause = e
-        while cause is not None:
-            if isinstance(cause, KeyboardInterrupt):  # torch.save's writer wraps a Ctrl-C
-                raise cause from None
+        while cause is not None and not isinstance(cause, KeyboardInterrupt):
             rust = re.search(r"\(os error (\d+)\)", str(cause))
             if getattr(cause, "errno", None) in NO_ROOM or rust and int(rust[1]) in NO_ROOM:
                 raise DiskFull(path, need(), more) from None
             cause = cause.__cause__ or cause.__context__
-        raise
+        raise cause or e  # a Ctrl-C that torch.save's writer wrapped goes on as itself
 
 
 def write_atomically(path, data):
@@ -90,8 +86,8 @@ def save_checkpoint(obj, path):
     path, tmp = Path(path), Path(path).with_name(f"{Path(path).name}.tmp{os.getpid()}")
     obj = {**obj, "checksums": checksums(obj)}
 
-    class Count(io.RawIOBase):  # what torch.save writes, counted without a file: the room needed
-        n = 0
+    class Count:  # what torch.save writes, counted without a file: the space it needs
+        n, flush = 0, lambda self: None  # (torch.save flushes the file it is given)
 
         def write(self, data):
             self.n += len(data)
@@ -164,12 +160,9 @@ class Folder:
             self.path.mkdir(parents=True, exist_ok=True)
             write_atomically(self.path / MANIFEST, json.dumps(
                 {"written_by": mark(self.script), "files": self.names}, indent=1) + "\n")
-        except (FileExistsError, NotADirectoryError):
-            raise ConfigError(f"cannot write {self.flag}={self.path}: part of its path is a file; "
-                              f"pick another path") from None
-        except OSError as e:  # a read-only folder (a full disk is DiskFull)
-            raise ConfigError(f"cannot write {self.flag}={self.path} ({e.strerror or e}); pick a "
-                              f"folder you can write to") from None
+        except OSError as e:  # a file on its path, a read-only folder (a full disk is DiskFull)
+            raise ConfigError(f"cannot write {self.flag}={self.path} ({e.strerror or e}): part of "
+                              f"its path is a file or not writable; pick another path") from None
 
     def clear(self, keep=()):
         """--overwrite in place: delete its top-level names (never through a link), but keep."""
@@ -281,8 +274,8 @@ def clean_stale(dest, hidden=False, inside=False, restorable=lambda old: True):
 def run_folder(out_dir, resuming, init_from=""):
     """out_dir as a folder train.py may write, checked before any work: new, empty or an earlier
     run's (one from before manifests: by what its checkpoint holds), never the --init_from read."""
-    def earlier_run(folder):
-        try:  # (a file's name proves nothing: a nanoGPT out_dir holds a ckpt.pt too)
+    def earlier_run(folder):  # (a file's name proves nothing: a nanoGPT out_dir has a ckpt.pt)
+        try:
             return read_checkpoint(checkpoint_path(folder), ("model_config",)) and list(RUN_FILES)
         except CheckpointError:
             return []
@@ -300,22 +293,17 @@ def lock_run_folder(out_dir, resuming, overwrite, init_from=""):
     held = [n for n in ("ckpt.pt", "ckpt.dcp", "ckpt.dcp.old") if (out / n).exists()]
     if held and not resuming and not overwrite:  # before any write: a refusal writes nothing
         raise CheckpointError(f"{out} already holds a checkpoint; continue it with --resume=True, "
-                              f"or start over with --overwrite=True (which deletes the files "
-                              f"train.py wrote there)")
+                              f"or start over with --overwrite=True (deleting train.py's files)")
     folder.record()
     try:  # never written, nor opened through a link: a link, symbolic or hard, is refused
-        fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
-        lock, st = open(fd), os.fstat(fd)
-        if st.st_nlink != 1 or not stat.S_ISREG(st.st_mode):
+        lock = open(os.open(path, os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644))
+        if os.fstat(lock.fileno()).st_nlink != 1 or not path.is_file():  # (O_NOFOLLOW: no link)
             raise OSError(errno.ELOOP, "")
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise CheckpointError(f"another train.py is writing to {out}; wait for it or pick another "
-                              f"--out_dir") from None
-    except OSError as e:
-        raise CheckpointError(f"{path} is a link or not a plain file; remove it" if e.errno ==
-                              errno.ELOOP else f"cannot lock {path} ({e.strerror}); pick a "
-                              f"writable --out_dir") from None
+    except OSError as e:  # EAGAIN: another run holds it; ELOOP: a link (O_NOFOLLOW's, or ours)
+        why = {errno.EAGAIN: "another train.py is writing there; wait for it",
+               errno.ELOOP: "a link or not a plain file; remove it"}.get(e.errno, e.strerror)
+        raise CheckpointError(f"cannot lock {path}: {why}, or pick another --out_dir") from None
     for torn in out.glob("ckpt.pt.tmp*"):  # a write cut short by a kill; no other writer
         torn.unlink()
     shutil.rmtree(out / "ckpt.dcp.tmp", ignore_errors=True)
