@@ -221,14 +221,14 @@ def open_data(cfg, master):
             raise DataError(f"no prepared data at {data_dir}: {hint}run `python prepare_data.py "
                             f"SOURCE --name {data_dir.name} --out_dir {data_dir.parent}` first")
         if master:  # the README's first command, in a process of its own (its tokenizer pool
-            handler = signal.getsignal(signal.SIGINT)  # never forks this one) that says Ctrl-C
-            if handler != signal.SIG_IGN:  # itself: a handler here, unlike SIG_IGN, is not
-                signal.signal(signal.SIGINT, lambda signum, frame: None)  # inherited
+            heard, handler = [], signal.getsignal(signal.SIGINT)  # never forks this one) that
+            if handler != signal.SIG_IGN:  # says Ctrl-C itself: a handler, unlike SIG_IGN, is
+                signal.signal(signal.SIGINT, lambda signum, frame: heard.append(1))  # not inherited
             code = subprocess.run([sys.executable, Path(__file__).with_name("prepare_data.py"),
                                    "shakespeare", f"--out_dir={cfg['data_root']}"]).returncode
             signal.signal(signal.SIGINT, handler)
-            if code:
-                sys.exit(code)
+            if code or heard:  # its own line said, or a Ctrl-C before its first line (unheard)
+                raise SystemExit(code) if code not in (0, -signal.SIGINT) else KeyboardInterrupt
         if dist.is_initialized():
             dist.barrier()
     meta = load_meta(data_dir)

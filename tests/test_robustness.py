@@ -814,12 +814,12 @@ def pending(pid, signum) -> bool:
                if line.startswith(("SigPnd:", "ShdPnd:")))
 
 
-def imports_a_package(pid) -> bool:
-    """Whether pid runs one of our scripts and has mapped a compiled file from outside the
-    standard library (torch, numpy: seconds of a script's imports in real life)."""
+def imports_a_package(pid, script="") -> bool:
+    """Whether pid runs one of our scripts (ending in script) and has mapped a compiled file from
+    outside the standard library (torch, numpy: seconds of a script's imports in real life)."""
     try:
-        started = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[1].startswith(
-            str(ROOT).encode())  # exec'd: not a fork that still holds the suite's libraries
+        path = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[1]  # exec'd, not a fork
+        started = path.startswith(str(ROOT).encode()) and path.endswith(script.encode())
         maps = Path(f"/proc/{pid}/maps").read_text()
     except (OSError, IndexError):
         return False
@@ -881,7 +881,7 @@ def test_ctrl_c_while_train_prepares_the_demo_data_is_one_line_and_130(tmp_path)
     def child_importing(pid):
         kids = Path(f"/proc/{pid}/task/{pid}/children")
         found = [int(k) for k in kids.read_text().split()] if kids.exists() else []
-        return next((k for k in found if imports_a_package(k)), None)
+        return next((k for k in found if imports_a_package(k, "prepare_data.py")), None)
     code, lines = ctrl_c_in_a_terminal([ROOT / "train.py", "--max_iters=1", "--eval_interval=0",
                                         "--sample_tokens=0"], tmp_path, child_importing)
     assert code == 130 and lines[-1] == "interrupted" and lines.count("interrupted") == 1, lines
