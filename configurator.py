@@ -75,7 +75,6 @@ def run_main(main, argv=None) -> int:
     ours = signal.getsignal(signal.SIGINT) is _stop
     if ours:  # inside main Ctrl-C is a KeyboardInterrupt, which its own handlers may take
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    model = sys.modules.get("model")
     try:
         main(sys.argv[1:] if argv is None else argv)
         sys.stdout.flush()  # here, where a closed pipe is caught, not in the interpreter's exit
@@ -90,7 +89,7 @@ def run_main(main, argv=None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141  # 128 + SIGPIPE
     except Exception as e:
-        model = model or sys.modules.get("model")
+        model = sys.modules.get("model")
         if not isinstance(e, (UserError, model.ConfigError if model else UserError)):
             raise
         say(f"error: {e}")
@@ -220,6 +219,8 @@ def check(cfg: dict, keys: dict):
         if key.path and (not value.strip() or value == "None"):
             raise ConfigError(f"--{name}={value!r} names no file or folder; give one, e.g. "
                               f"--{name}={key.default or 'PATH'}")
+        if key.path and max(len(os.fsencode(part)) for part in value.split(os.sep)) > 255:
+            raise ConfigError(f"--{name}: a name in it is over 255 bytes, too long for a file")
         if key.choices and value not in key.choices:
             raise not_a_choice(f"--{name}", value, key.choices)
         if key.check and not (math.isfinite(value) and RULES[key.check](value)):

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from checkpoint import checksums
+from checkpoint import checkpoint_path, checksums, read_checkpoint
 from configurator import CheckpointError, ConfigError, UserError
 
 MANIFEST = ".written_by.json"
@@ -44,12 +44,12 @@ def room_for(path, need, more=False):
         yield
     except Exception as e:
         cause = e
-        while cause is not None:
+        while cause is not None and not isinstance(cause, KeyboardInterrupt):
             rust = re.search(r"\(os error (\d+)\)", str(cause))
             if getattr(cause, "errno", None) in NO_ROOM or rust and int(rust[1]) in NO_ROOM:
                 raise DiskFull(path, need(), more) from None
             cause = cause.__cause__ or cause.__context__
-        raise
+        raise cause or e  # a Ctrl-C that torch.save's writer wrapped goes on as itself
 
 
 def write_atomically(path, data):
@@ -87,14 +87,11 @@ def save_checkpoint(obj, path):
     obj = {**obj, "checksums": checksums(obj)}
 
     class Count:  # what torch.save writes, counted without a file: the space it needs
-        n = 0
+        n, flush = 0, lambda self: None  # (torch.save flushes the file it is given)
 
         def write(self, data):
             self.n += len(data)
             return len(data)
-
-        def flush(self):  # torch.save flushes the file it is given
-            pass
     try:
         with room_for(path, lambda: torch.save(obj, count := Count()) or count.n), \
                 open(tmp, "wb") as f:
@@ -123,16 +120,16 @@ def not_in_a_checkpoint(path, flag):
 
 
 def manifest(folder) -> dict:
-    """The folder's manifest, {} for none or one not of this form (a plain file of plain names:
-    a forged one reaches nothing outside the folder)."""
+    """The folder's manifest, {} for none or one not of this form (a plain file of relative paths
+    down the folder: a forged one reaches nothing outside it)."""
     f = Path(folder) / MANIFEST
     try:
         data = {} if f.is_symlink() else json.loads(f.read_text())
     except (OSError, ValueError):
         return {}
     files = data.get("files") if isinstance(data, dict) else None
-    plain = isinstance(files, list) and all(
-        isinstance(n, str) and n not in ("", ".", "..") and not {"/", "\\"} & set(n) for n in files)
+    plain = isinstance(files, list) and all(isinstance(n, str) and "\\" not in n and not {
+        "", ".", ".."} & set(n.split("/")) for n in files)
     return data if plain and isinstance(data.get("written_by"), str) else {}
 
 
@@ -141,13 +138,16 @@ def listing(names, most=4) -> str:
 
 
 class Folder:
-    """A folder claim() let script write; names: its manifest's files, its own with their killed
-    writes (NAME.tmp<pid>, NAME.old<pid>); foreign: every other name in it."""
+    """A folder claim() let script write; names: its manifest's files and folders, its own with
+    their killed writes (NAME.tmp<pid>, NAME.old<pid>); foreign: every other file, at any depth."""
 
     def __init__(self, path: Path, script, flag, names):
         self.path, self.script, self.flag, self.names = path, script, flag, sorted(set(names))
-        entries = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
-        self.foreign = [n for n in entries if not self.owns(n)]
+        self.foreign = self.unlisted(path) if path.is_dir() else []
+
+    def unlisted(self, folder, rel="") -> list:
+        return [f for p in sorted(folder.iterdir()) if not self.owns(n := rel + p.name) for f in (
+            self.unlisted(p, n + "/") if p.is_dir() and not p.is_symlink() else [n])]
 
     def owns(self, name) -> bool:
         stem, _, rest = name.lstrip(".").rpartition(".")
@@ -160,16 +160,13 @@ class Folder:
             self.path.mkdir(parents=True, exist_ok=True)
             write_atomically(self.path / MANIFEST, json.dumps(
                 {"written_by": mark(self.script), "files": self.names}, indent=1) + "\n")
-        except (FileExistsError, NotADirectoryError):
-            raise ConfigError(f"cannot write {self.flag}={self.path}: part of its path is a file; "
-                              f"pick another path") from None
-        except OSError as e:  # a read-only folder (a full disk is DiskFull)
-            raise ConfigError(f"cannot write {self.flag}={self.path} ({e.strerror or e}); pick a "
-                              f"folder you can write to") from None
+        except OSError as e:  # a file on its path, a read-only folder (a full disk is DiskFull)
+            raise ConfigError(f"cannot write {self.flag}={self.path} ({e.strerror or e}): part of "
+                              f"its path is a file or not writable; pick another path") from None
 
     def clear(self, keep=()):
-        """--overwrite in place: delete the files the manifest lists, but keep; the user's stay."""
-        for p in (self.path / n for n in self.names if n not in keep):
+        """--overwrite in place: delete its top-level names (never through a link), but keep."""
+        for p in (self.path / n for n in self.names if n not in keep and "/" not in n):
             shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink(missing_ok=True)
         if self.foreign:
             print(f"--overwrite kept {listing(self.foreign)} in {self.path}: {self.script} did "
@@ -182,7 +179,7 @@ class Folder:
 
 
 def seal(tmp, script):  # the manifest of a folder written whole at tmp, before its rename
-    Folder(Path(tmp), script, "", [p.name for p in Path(tmp).iterdir()]).record()
+    Folder(Path(tmp), script, "", Folder(Path(tmp), script, "", []).foreign).record()
 
 
 def claim(path, script, flag, names=(), sources=(), legacy=lambda folder: []) -> Folder:
@@ -276,10 +273,12 @@ def clean_stale(dest, hidden=False, inside=False, restorable=lambda old: True):
 
 def run_folder(out_dir, resuming, init_from=""):
     """out_dir as a folder train.py may write, checked before any work: new, empty or an earlier
-    run's (one from before manifests has a lock or a checkpoint), never the --init_from it reads."""
-    def earlier_run(folder):
-        held = [n for n in RUN_FILES if (folder / n).exists()]
-        return held if {"train.lock", "ckpt.pt", "ckpt.dcp"} & set(held) else []
+    run's (one from before manifests: by what its checkpoint holds), never the --init_from read."""
+    def earlier_run(folder):  # (a file's name proves nothing: a nanoGPT out_dir has a ckpt.pt)
+        try:
+            return read_checkpoint(checkpoint_path(folder), ("model_config",)) and list(RUN_FILES)
+        except CheckpointError:
+            return []
     return claim(out_dir, "train.py", "--out_dir", RUN_FILES, legacy=earlier_run,
                  sources=[] if resuming else [("--init_from", init_from)])
 
@@ -290,31 +289,28 @@ def lock_run_folder(out_dir, resuming, overwrite, init_from=""):
     checkpoint needs overwrite, which deletes only train.py's files. Returns the open lock."""
     import fcntl  # POSIX, as train.py
     folder = run_folder(out_dir, resuming, init_from)
+    out, path = folder.path, folder.path / "train.lock"
+    held = [n for n in ("ckpt.pt", "ckpt.dcp", "ckpt.dcp.old") if (out / n).exists()]
+    if held and not resuming and not overwrite:  # before any write: a refusal writes nothing
+        raise CheckpointError(f"{out} already holds a checkpoint; continue it with --resume=True, "
+                              f"or start over with --overwrite=True (deleting train.py's files)")
     folder.record()
-    out = folder.path
-    try:
-        lock = open(out / "train.lock", "a+")
+    try:  # never written, nor opened through a link: a link, symbolic or hard, is refused
+        lock = open(os.open(path, os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644))
+        if os.fstat(lock.fileno()).st_nlink != 1 or not path.is_file():  # (O_NOFOLLOW: no link)
+            raise OSError(errno.ELOOP, "")
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        lock.seek(0)
-        raise CheckpointError(f"another train.py ({lock.read().strip() or 'pid unknown'}) is "
-                              f"writing to {out}; wait for it or pick another --out_dir") from None
-    except OSError as e:
-        raise CheckpointError(f"cannot write to --out_dir={out} ({e.strerror}); pick a writable "
-                              f"folder") from e
-    lock.truncate(0)
-    print(f"pid {os.getpid()}", file=lock, flush=True)
+    except OSError as e:  # EAGAIN: another run holds it; ELOOP: a link (O_NOFOLLOW's, or ours)
+        why = {errno.EAGAIN: "another train.py is writing there; wait for it",
+               errno.ELOOP: "a link or not a plain file; remove it"}.get(e.errno, e.strerror)
+        raise CheckpointError(f"cannot lock {path}: {why}, or pick another --out_dir") from None
     for torn in out.glob("ckpt.pt.tmp*"):  # a write cut short by a kill; no other writer
         torn.unlink()
     shutil.rmtree(out / "ckpt.dcp.tmp", ignore_errors=True)
     if (out / "ckpt.dcp.old").is_dir() and not (out / "ckpt.dcp").exists():
         (out / "ckpt.dcp.old").rename(out / "ckpt.dcp")  # a sharded save killed between renames
     shutil.rmtree(out / "ckpt.dcp.old", ignore_errors=True)
-    if (held := [n for n in ("ckpt.pt", "ckpt.dcp") if (out / n).exists()]) and not resuming:
-        if not overwrite:
-            raise CheckpointError(f"{out} already holds a checkpoint; continue it with "
-                                  f"--resume=True, or start over with --overwrite=True (which "
-                                  f"deletes the files train.py wrote there)")
-        print(f"warning: --overwrite=True: deleting {', '.join(held)} and the log of {out}")
+    if held and not resuming:
+        print(f"warning: --overwrite=True: deleting {held[0]} and the log of {out}")
         folder.clear(keep=["train.lock", MANIFEST])
     return lock

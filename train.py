@@ -107,7 +107,7 @@ def read_config_file(path, known, _seen=()) -> dict:
     """The assignments of a config file (after its base_config's), each a key of known: configs/
     holds train.py's (bench_cache.py and lab/ablate.py read them too)."""
     path = Path(path).expanduser()
-    if not path.is_file():
+    if not os.path.isfile(path):  # (False for a name too long, where Path's raises)
         near = nearest(path.name, [p.name for p in path.parent.glob("*.py")])
         raise ConfigError(f"config file {path} not found; " + (
             f"did you mean {path.with_name(near)}?" if near else "configs/ holds the shipped ones"))
@@ -115,9 +115,10 @@ def read_config_file(path, known, _seen=()) -> dict:
         raise ConfigError(f"config file {path} includes itself through base_config")
     scope = {}
     try:
-        exec(compile(path.read_bytes().decode("utf-8"), str(path), "exec"), {}, scope)
+        exec(compile((raw := path.read_bytes()).decode("utf-8"), str(path), "exec"), {}, scope)
     except UnicodeDecodeError as e:
-        raise ConfigError(f"config file {path} is not UTF-8 (byte {e.start}); save it so") from None
+        raise ConfigError(f"config file {path}, line {raw.count(10, 0, e.start) + 1}: not UTF-8 "
+                          f"(byte {raw[e.start]:#04x}); save it as UTF-8") from None
     except Exception as e:  # a syntax error or a failing expression: the file's line
         tb = e.__traceback__
         while tb and tb.tb_frame.f_code.co_filename != str(path):
@@ -218,14 +219,16 @@ def open_data(cfg, master):
                                             .glob("*/meta.json")} | {"shakespeare"})
             hint = f"did you mean --dataset={near}? else " if near else ""
             raise DataError(f"no prepared data at {data_dir}: {hint}run `python prepare_data.py "
-                            f"SOURCE --name {cfg['dataset']} --out_dir {cfg['data_root']}` first")
+                            f"SOURCE --name {data_dir.name} --out_dir {data_dir.parent}` first")
         if master:  # the README's first command, in a process of its own (its tokenizer pool
-            handler = signal.signal(signal.SIGINT, signal.SIG_IGN)  # never forks this one; a
+            heard, handler = [], signal.getsignal(signal.SIGINT)  # never forks this one) that
+            if handler != signal.SIG_IGN:  # says Ctrl-C itself: a handler, unlike SIG_IGN, is
+                signal.signal(signal.SIGINT, lambda signum, frame: heard.append(1))  # not inherited
             code = subprocess.run([sys.executable, Path(__file__).with_name("prepare_data.py"),
                                    "shakespeare", f"--out_dir={cfg['data_root']}"]).returncode
-            signal.signal(signal.SIGINT, handler)  # Ctrl-C meanwhile is its one line, its status)
-            if code:
-                sys.exit(code)
+            signal.signal(signal.SIGINT, handler)
+            if code or heard:  # its own line said, or a Ctrl-C before its first line (unheard)
+                raise SystemExit(code) if code not in (0, -signal.SIGINT) else KeyboardInterrupt
         if dist.is_initialized():
             dist.barrier()
     meta = load_meta(data_dir)

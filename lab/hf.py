@@ -112,8 +112,11 @@ def load_tokenizer(name_or_path):
         return HFTokenizer(p)
     folder = snapshot(name_or_path, ("tokenizer*", "config.json", "special_tokens_map.json"))
     cfg = read_json(folder / "config.json", DataError) if (folder / "config.json").is_file() else {}
-    if "tokenizer" in cfg:
-        return cfg["tokenizer"]  # a tiktoken encoding's name: tokenizer.get_tokenizer builds it
+    if "tokenizer" in cfg:  # a tiktoken encoding's name: tokenizer.get_tokenizer builds it
+        if cfg["tokenizer"] not in ("bytes", "gpt2"):  # (tokenizer.TIKTOKEN)
+            raise DataError(f"{folder / 'config.json'} names the tokenizer {cfg['tokenizer']!r}, "
+                            f"not bytes or gpt2; restore the file or export again")
+        return cfg["tokenizer"]
     if not (folder / "tokenizer.json").is_file():
         raise UserError(f"{folder} holds no tokenizer.json; copy the model's tokenizer.json there")
     eos = cfg.get("eos_token_id")

@@ -16,6 +16,7 @@ import json
 import os
 import runpy
 import shutil
+import signal
 import subprocess
 import sys
 import traceback
@@ -55,7 +56,7 @@ FSDP_RUN = [*TINY, "--micro_batch=2", "--batch_tokens=256", "--parallel=fsdp"]
 def cli(script, *args):
     """(exit status, stdout, stderr) of `python script args`, run in this process."""
     argv, code, out, err = sys.argv, 0, io.StringIO(), io.StringIO()
-    sys.argv = [str(ROOT / script), *map(str, args)]
+    sys.argv, sigint = [str(ROOT / script), *map(str, args)], signal.getsignal(signal.SIGINT)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
             runpy.run_path(str(ROOT / script), run_name="__main__")
@@ -64,8 +65,9 @@ def cli(script, *args):
     except BaseException:  # what the interpreter would print as a traceback
         traceback.print_exc(file=err)
         code = 1
-    finally:
+    finally:  # a script's interruptible() leaves the suite's Ctrl-C as it found it
         sys.argv = argv
+        signal.signal(signal.SIGINT, sigint)
         # a failed run's frames hold its out_dir lock; release it like a process exit would
         gc.collect()
     # sys.exit("error: ...") prints the message to stderr and exits with 1
@@ -83,10 +85,9 @@ def assert_one_error_line(code, out, err, fragment):
 
 
 def snapshot(*folders):
-    """{file: sha256} under the folders; train.lock only holds the pid of whoever last took the
-    lock."""
+    """{file: sha256} under the folders, every file (train.lock too: no run writes it)."""
     return {p: hashlib.sha256(p.read_bytes()).hexdigest() for folder in folders
-            for p in sorted(Path(folder).rglob("*")) if p.is_file() and p.name != "train.lock"}
+            for p in sorted(Path(folder).rglob("*")) if p.is_file()}
 
 
 def run(*args, launcher=(sys.executable,), check=True):
@@ -104,12 +105,14 @@ def train(monkeypatch, *args):
     """train.py as a user runs it (as __main__), in this process: a subprocess would spend most of
     its time importing torch. Returns the error line it printed when it exits, None on success."""
     monkeypatch.setattr(sys, "argv", ["train.py", *map(str, args)])
-    err = io.StringIO()
+    err, sigint = io.StringIO(), signal.getsignal(signal.SIGINT)
     try:
         with contextlib.redirect_stderr(err):
             runpy.run_path(str(ROOT / "train.py"), run_name="__main__")
     except SystemExit as e:
         return err.getvalue().strip().splitlines()[-1] if e.code else None
+    finally:  # as cli()
+        signal.signal(signal.SIGINT, sigint)
     return None
 
 def resumed_losses(monkeypatch, args, out_dir, stop):

@@ -12,12 +12,15 @@ import ast
 import fcntl
 import json
 import os
+import pty
 import random
 import resource
+import select
 import shutil
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -33,7 +36,7 @@ from checkpoint import load_model, read_checkpoint
 from configurator import CheckpointError, ConfigError, run_main
 from conftest import tiny_model
 from helpers import ENV, ROOT, TINY_SHORT, TORCHRUN, assert_one_error_line, cli, max_diff
-from helpers import read_log, snapshot, train, word_tokenizer
+from helpers import read_log, run, snapshot, train, word_tokenizer
 from lab.export import save_pretrained
 from outputs import MANIFEST, RUN_FILES, append_line, claim, lock_run_folder, manifest
 
@@ -115,6 +118,30 @@ def other_tokenizer(w, mp):
                f"--tokenizer={words}", f"--out_dir={w['tmp'] / 'data'}", "--num_proc=1")[0] == 0
 
 
+def lock_linked(w, mp, link):
+    """The run's train.lock a link (link: os.symlink or os.link) to a user's file beside it."""
+    (w["tmp"] / "mine.txt").write_text("the user's")
+    (copy_run(w).parent / "train.lock").unlink()
+    link(w["tmp"] / "mine.txt", w["tmp"] / "run" / "train.lock")
+
+
+def nanogpt_out_dir(w, mp):
+    """A nanoGPT out_dir: its own ckpt.pt beside a config.json and a log.jsonl of the user's."""
+    (w["tmp"] / "ng").mkdir()
+    torch.save({"model": {}, "optimizer": {}, "model_args": {}, "iter_num": 5, "config": {}},
+               w["tmp"] / "ng" / "ckpt.pt")
+    (w["tmp"] / "ng" / "config.json").write_text('{"mine": 1}')
+    (w["tmp"] / "ng" / "log.jsonl").write_text("{}\n")
+
+
+def export_naming(tokenizer):
+    def make(w, mp):
+        shutil.copytree(w["export"], w["tmp"] / "hf")
+        cfg = json.loads((w["tmp"] / "hf" / "config.json").read_text())
+        (w["tmp"] / "hf" / "config.json").write_text(json.dumps({**cfg, "tokenizer": tokenizer}))
+    return make
+
+
 def no_tokenizer(w, mp):
     def loaded(*args):
         raise AssertionError("the tokenizer was loaded before the flags were checked")
@@ -151,6 +178,14 @@ CASES = [
          make=lambda w, mp: (copy_run(w), edit_meta(w, lambda m: json.dumps(
              {**m, "max_token_id": 400})))),  # more ids: --vocab_size would change the model
     case("train.py", "--out_dir", *TRAIN, "--out_dir={tmp}/file", make=write("file", b"")),
+    case("train.py", "train.lock", *RESUME, make=lambda w, mp: lock_linked(w, mp, os.symlink)),
+    case("train.py", "train.lock", *TRAIN, "--out_dir={tmp}/run", "--overwrite",
+         make=lambda w, mp: lock_linked(w, mp, os.link)),  # never written through a link
+    case("train.py", "not written by train.py", *TRAIN, "--out_dir={tmp}/ng", "--overwrite",
+         make=nanogpt_out_dir),  # a folder is a run by what its checkpoint holds
+    case("train.py", "255 bytes", *TRAIN, "--out_dir={tmp}/" + "a" * 300),
+    case("train.py", "latin.py, line 2", *TRAIN, "{tmp}/latin.py",
+         make=write("latin.py", b"n_layer = 2\n# caf\xe9\n")),
     case("train.py", "ckpt.dcp", *TRAIN, "--out_dir={tmp}/r/ckpt.dcp.tmp/sub"),
     case("train.py", "bad.py", *TRAIN, "{tmp}/bad.py", make=write("bad.py", b"n_layer = = 3\n")),
     case("train.py", "--beta1", *TRAIN, "--beta1=1.5"),  # every range: tests/test_config.py
@@ -158,6 +193,7 @@ CASES = [
     case("train.py", "--device", *TRAIN, "--device=cuda", skip=torch.cuda.is_available()),
     case("train.py", "--dataset=tiny", *TRAIN, "--dataset=tiy"),  # did you mean
     case("train.py", "prepare_data.py", *TRAIN, "--dataset=absent"),
+    case("train.py", "--name etc --out_dir", *TRAIN, "--dataset=../../etc"),  # one it accepts
     case("train.py", "--vocab_size", *TRAIN, "--vocab_size=100"),
     case("train.py", "--block_size", *TRAIN, "--block_size=20000", "--batch_tokens=20000",
          "--micro_batch=1"),  # longer than the data
@@ -178,6 +214,7 @@ CASES = [
     case("sample.py", "no checkpoint at", "--init_from={tmp}/absent"),
     case("sample.py", "--prompt_file", "--init_from={run}", "--prompt_file={tmp}/nope.txt"),
     case("sample.py", "--device", "--init_from={run}", "--device=foo"),
+    case("sample.py", "config.json", "--init_from={tmp}/hf", make=export_naming(["gpt2"])),
     # prepare_data.py
     case("prepare_data.py", "--tokenizer=bytes", "text", "--input", "{tmp}/a.txt",
          "--out_dir={tmp}/out", make=offline),
@@ -200,11 +237,13 @@ CASES = [
     case("prepare_data.py", "--name", "text", "--input", "{corpus}", "--name=../x",
          "--tokenizer=bytes", "--out_dir={tmp}/out"),
     case("prepare_data.py", "--input", "text", "--out_dir={tmp}/out"),
+    case("prepare_data.py", "255 bytes", "text", "--input", "{corpus}", "--name=" + "a" * 300),
     case("prepare_data.py", "--input", "shakespeare", "--input", "{corpus}",
          "--out_dir={tmp}/out"),
     # lab/export.py and bench_cache.py
     case("lab/export.py", "no checkpoint at", "{tmp}/absent", "{tmp}/hf"),
     case("lab/export.py", "--overwrite", "{run}", "{export}"),
+    case("lab/export.py", "255 bytes", "{run}", "{tmp}/" + "a" * 300 + "/hf"),
     case("bench_cache.py", "foo", "--modes=foo"),
     case("bench_cache.py", "--preset", "--preset=foo"),
     case("bench_cache.py", "--json", "--json={tmp}/dir/", make=write("dir/x", b"")),
@@ -379,22 +418,34 @@ def test_a_full_disk_keeps_the_previous_checkpoint(world, tmp_path, monkeypatch)
     assert read_checkpoint(out / "ckpt.pt")["step"] == 2 and not list(out.glob("ckpt.pt.tmp*"))
 
 
-KILLED_SAVE = """
-import io, os, runpy, sys, torch
+# train.py whose second checkpoint write meets `SECOND`: a kill -9 half-way, or a Ctrl-C typed twice
+DURING_SAVE = """
+import io, os, runpy, signal, sys, torch
 real_save, calls = torch.save, []
-def dying_save(obj, f):  # the second checkpoint dies half-written, as a kill -9 would leave it
+class Typed:  # the file torch.save writes; Ctrl-C twice at its second write, as a user types it
+    def __init__(self, f):
+        self.f, self.n = f, 0
+    def write(self, data):
+        self.n += 1
+        for _ in range(2 * (self.n == 2)):  # (a loop: the handler runs between the two)
+            os.kill(os.getpid(), signal.SIGINT)
+        return self.f.write(data)
+    def flush(self):
+        self.f.flush()
+def second_save(obj, f):
     calls.append(1)
     if len(calls) == 1:
         return real_save(obj, f)
-    buf = io.BytesIO()
-    real_save(obj, buf)
-    f.write(buf.getvalue()[: len(buf.getvalue()) // 2])
-    f.flush()
-    os._exit(9)
-torch.save = dying_save
+    SECOND
+torch.save = second_save
 sys.argv = ["train.py", *sys.argv[1:]]
 runpy.run_path("train.py", run_name="__main__")
 """
+KILLED_SAVE = DURING_SAVE.replace("SECOND", """buf = io.BytesIO()
+    real_save(obj, buf)
+    f.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+    f.flush()
+    os._exit(9)""")
 
 
 def test_a_kill_during_a_checkpoint_write_keeps_the_previous_one(world, tmp_path, monkeypatch):
@@ -415,6 +466,18 @@ def test_a_kill_during_a_checkpoint_write_keeps_the_previous_one(world, tmp_path
     assert not torn[0].exists()
     diff = max_diff(read_log(killed), read_log(tmp_path / "whole"))
     assert diff == 0, f"losses after the kill and resume differ by up to {diff:.3e}"
+
+
+def test_ctrl_c_twice_during_a_save_is_interrupted_and_130_with_the_last_checkpoint_kept(
+        world, tmp_path):
+    """The second Ctrl-C raises inside torch.save's writer, which wraps it in a RuntimeError."""
+    proc = subprocess.run([sys.executable, "-c", DURING_SAVE.replace("SECOND", "real_save(obj, "
+                           "Typed(f))"), *SHORT, f"--data_root={world['data_root']}",
+                           f"--out_dir={tmp_path}"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 130 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.splitlines()[-1].startswith("interrupted; the last checkpoint is intact")
+    assert read_checkpoint(tmp_path / "ckpt.pt")["step"] == 2 and not list(tmp_path.glob("*.tmp*"))
 
 
 # ----------------------------------------------------------------------------- folders
@@ -493,6 +556,17 @@ def test_overwrite_keeps_what_the_writer_did_not_write(world, tmp_path):
     assert load_model(export).model.state_dict().keys() == load_model(run).model.state_dict().keys()
 
 
+def test_a_students_file_in_a_subfolder_of_the_copy_is_named_not_replaced(tmp_path):
+    """course/make.py's manifest lists every file it wrote, at any depth. (Processes: its
+    fixtures add a row to model.DEPTH_MODES.)"""
+    copy = tmp_path / "student"
+    run("course/make.py", copy, "--untracked")
+    (copy / "course" / "my_draft.md").write_text("a student's draft")
+    proc = run("course/make.py", copy, "--overwrite", "--untracked", check=False)
+    assert_one_error_line(proc.returncode, proc.stdout, proc.stderr, "course/my_draft.md")
+    assert (copy / "course" / "my_draft.md").read_text() == "a student's draft"
+
+
 def test_a_run_from_before_manifests_resumes_and_nothing_else_is_adopted(world, tmp_path):
     old = tmp_path / "old"
     shutil.copytree(world["run"], old)
@@ -505,12 +579,19 @@ def test_a_run_from_before_manifests_resumes_and_nothing_else_is_adopted(world, 
 
 
 def test_a_forged_manifest_reaches_nothing_outside_its_folder(tmp_path):
-    """The names a manifest lists are plain names: one listing ../x or /etc is no manifest, nor
-    a link to a well-formed one."""
-    for files in (["../victim"], ["/etc/passwd"], ["a/b"], [".."], "ckpt.pt", [1]):
+    """The names a manifest lists are paths down its folder: one listing ../x or /etc is no
+    manifest, nor a link to a well-formed one; a path through a link deletes nothing."""
+    for files in (["../victim"], ["/etc/passwd"], ["a/../b"], ["a//b"], [".."], "ckpt.pt", [1]):
         (tmp_path / MANIFEST).write_text(json.dumps({"written_by": "train.py, Depth-Attention",
                                                      "files": files}))
         assert manifest(tmp_path) == {}
+    (tmp_path / "victim").mkdir()
+    (tmp_path / "victim" / "ckpt.pt").write_text("the user's")
+    run = claim(tmp_path / "run", "train.py", "--out_dir", ["link/ckpt.pt"])
+    run.record()
+    (tmp_path / "run" / "link").symlink_to(tmp_path / "victim")
+    claim(tmp_path / "run", "train.py", "--out_dir").clear()
+    assert (tmp_path / "victim" / "ckpt.pt").read_text() == "the user's"
     elsewhere = tmp_path.parent / f"{tmp_path.name}.json"
     elsewhere.write_text('{"written_by": "train.py, Depth-Attention", "files": ["ckpt.pt"]}')
     (tmp_path / MANIFEST).unlink()
@@ -726,47 +807,85 @@ SCRIPTS = sorted(rel.as_posix() for p in [*ROOT.glob("*.py"), *ROOT.glob("*/*.py
                  and not rel.parts[0].startswith(".")
                  and 'if __name__ == "__main__":' in p.read_text())
 
-# A sitecustomize for the started script: its first import of a package from outside the standard
-# library and the repository (torch: seconds in real life) says so on stdout and waits there, so
-# the Ctrl-C lands inside the script's imports without a guess at the time.
-PAUSE_AT_FIRST_IMPORT = f"""
-import signal, sys
-from importlib.machinery import PathFinder
-from pathlib import Path
-
-class Pause:
-    def find_spec(self, name, path=None, target=None):
-        top = name.partition(".")[0]
-        ours = Path({str(ROOT)!r}, top).is_dir() or Path({str(ROOT)!r}, top + ".py").is_file()
-        running = hasattr(sys.modules["__main__"], "__file__")  # not site's usercustomize
-        if running and top not in sys.stdlib_module_names and not ours and \\
-                PathFinder.find_spec(name, path):
-            print("importing", name, flush=True)
-            signal.pause()
-
-sys.meta_path.insert(0, Pause())
-"""
+def pending(pid, signum) -> bool:
+    """Whether signum waits to be delivered to pid (its own or its group's pending set)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    return any(int(line.split()[1], 16) >> (signum - 1) & 1 for line in status.splitlines()
+               if line.startswith(("SigPnd:", "ShdPnd:")))
 
 
-def interrupt_at_import(script, tmp_path, rank="0"):
-    (tmp_path / "sitecustomize.py").write_text(PAUSE_AT_FIRST_IMPORT)
-    proc = subprocess.Popen([sys.executable, script], cwd=ROOT, stdin=subprocess.DEVNULL,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**ENV, "PYTHONPATH": str(tmp_path), "RANK": rank})
-    line = proc.stdout.readline()  # blocks until the pause says where it is, or the end
-    assert line.startswith("importing "), f"{script} never imported a package: {proc.communicate()}"
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
-    return proc.returncode, err
+def imports_a_package(pid, script="") -> bool:
+    """Whether pid runs one of our scripts (ending in script) and has mapped a compiled file from
+    outside the standard library (torch, numpy: seconds of a script's imports in real life)."""
+    try:
+        path = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[1]  # exec'd, not a fork
+        started = path.startswith(str(ROOT).encode()) and path.endswith(script.encode())
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except (OSError, IndexError):
+        return False
+    return started and any(f" {sysconfig.get_paths()[p]}/" in maps for p in ("purelib", "platlib"))
+
+
+def ctrl_c_in_a_terminal(argv, cwd, at=lambda pid: pid if imports_a_package(pid) else None,
+                         env=None):
+    """`python argv` started as a shell in a terminal starts it: in a pseudo-terminal, its own
+    session and foreground group, no hook inside it. Once at(pid) names a process (the script or a
+    child) in the state to test, that one is frozen (SIGSTOP, as Ctrl-Z) so the moment stays,
+    Ctrl-C is typed (the tty driver signals the whole foreground group) and, once pending, the
+    process goes on. Returns (exit status, the lines it printed but the echoed ^C)."""
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: only exec
+        os.chdir(cwd)
+        os.execve(sys.executable, [sys.executable, *map(str, argv)], env or os.environ)
+    output, deadline = b"", time.monotonic() + 120  # a hang's bound: the wait ends on the state
+    try:
+        while (target := at(pid)) is None:
+            assert time.monotonic() < deadline and os.waitpid(pid, os.WNOHANG) == (0, 0), \
+                "the process ended before the moment"
+            output += os.read(fd, 1 << 16) if select.select([fd], [], [], 0.005)[0] else b""
+        os.kill(target, signal.SIGSTOP)
+        while "State:\tT" not in Path(f"/proc/{target}/status").read_text():
+            time.sleep(0.001)  # stopped: the Ctrl-C waits (a stopping one may take it first)
+        os.write(fd, b"\x03")
+        while not pending(target, signal.SIGINT):
+            assert time.monotonic() < deadline, "Ctrl-C never reached the process"
+            time.sleep(0.001)
+        os.kill(target, signal.SIGCONT)
+        while select.select([fd], [], [], 120)[0] and (chunk := os.read(fd, 1 << 16)):
+            output += chunk
+    except OSError:  # the terminal closed with the process: its output is all read
+        pass
+    except BaseException:  # a failed wait leaves nothing running
+        os.killpg(pid, signal.SIGKILL)
+        raise
+    finally:
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        os.close(fd)
+    text = output.decode(errors="replace").replace("\r", "").replace("^C", "")
+    return code, [line for line in text.splitlines() if line.strip()]
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_ctrl_c_while_a_script_imports_is_one_line_and_130(script, tmp_path):
-    assert interrupt_at_import(script, tmp_path) == (130, "interrupted\n")
+    """In a terminal, while the script imports: with nothing of the suite's in the process."""
+    assert ctrl_c_in_a_terminal([ROOT / script], tmp_path) == (130, ["interrupted"])
 
 
 def test_ctrl_c_while_importing_is_said_by_rank_0_alone(tmp_path):
-    assert interrupt_at_import("train.py", tmp_path, rank="1") == (130, "")
+    env = {**os.environ, "RANK": "1"}
+    assert ctrl_c_in_a_terminal([ROOT / "train.py"], tmp_path, env=env) == (130, [])
+
+
+def test_ctrl_c_while_train_prepares_the_demo_data_is_one_line_and_130(tmp_path):
+    """python train.py's first run prepares Shakespeare in a child process: Ctrl-C reaches it."""
+    def child_importing(pid):
+        kids = Path(f"/proc/{pid}/task/{pid}/children")
+        found = [int(k) for k in kids.read_text().split()] if kids.exists() else []
+        return next((k for k in found if imports_a_package(k, "prepare_data.py")), None)
+    code, lines = ctrl_c_in_a_terminal([ROOT / "train.py", "--max_iters=1", "--eval_interval=0",
+                                        "--sample_tokens=0"], tmp_path, child_importing)
+    assert code == 130 and lines[-1] == "interrupted" and lines.count("interrupted") == 1, lines
+    assert not (tmp_path / "data" / "shakespeare").exists()
 
 
 def test_every_script_first_imports_the_quiet_ctrl_c():
