@@ -27,6 +27,8 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 # Two ranks share two cores; the same threads in every run.
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+# where this Python finds its packages: a venv's own and (made --system-site-packages) its base's
+PACKAGES = [p for p in sys.path if p.endswith("-packages") and os.path.isdir(p)]
 WORDS = "the a cat dog sat ran on under mat log and then".split()  # conftest.data_root's corpus
 
 # ----------------------------------------------------------------------------- tiny train.py

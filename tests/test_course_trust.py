@@ -36,8 +36,8 @@ from lab import ablate
 from course import grade as grade_py
 from course.make import replace_bodies, stubs
 from course.problems import EXPERIMENT, FIXTURES, GRADED, MARKER
-from helpers import ENV, ROOT, copy_repository, earned, failing, grade_cli, grading_here
-from helpers import train as train_here
+from helpers import ENV, PACKAGES, ROOT, copy_repository, earned, failing, grade_cli
+from helpers import grading_here, train as train_here
 from outputs import save_checkpoint
 
 TESTS = {p.number: {name for name, _ in p.tests} for p in GRADED}
@@ -661,7 +661,7 @@ def places(tmp_path):
         (Path(subprocess.run([f"{folder}/bin/python", "-c", "import sysconfig; print(sysconfig."
                               "get_paths()['purelib'])"], capture_output=True, text=True,
                              check=True).stdout.strip()) / "packages.pth").write_text(
-            "".join(f"{p}\n" for p in sys.path if p.endswith("-packages")))  # a venv's, its base's
+            "".join(f"{p}\n" for p in PACKAGES))
     prefix, real = tmp_path / "conda", Path(sys.base_prefix)
     (prefix / "bin").mkdir(parents=True)
     (prefix / "lib").mkdir()

@@ -20,7 +20,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import sysconfig
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -35,8 +34,8 @@ import prepare_data
 from checkpoint import load_model, read_checkpoint
 from configurator import CheckpointError, ConfigError, run_main
 from conftest import tiny_model
-from helpers import ENV, ROOT, TINY_SHORT, TORCHRUN, assert_one_error_line, cli, max_diff
-from helpers import read_log, run, snapshot, train, word_tokenizer
+from helpers import ENV, PACKAGES, ROOT, TINY_SHORT, TORCHRUN, assert_one_error_line, cli
+from helpers import max_diff, read_log, run, snapshot, train, word_tokenizer
 from lab.export import save_pretrained
 from outputs import MANIFEST, RUN_FILES, append_line, claim, lock_run_folder, manifest
 
@@ -823,7 +822,7 @@ def imports_a_package(pid, script="") -> bool:
         maps = Path(f"/proc/{pid}/maps").read_text()
     except (OSError, IndexError):
         return False
-    return started and any(f" {sysconfig.get_paths()[p]}/" in maps for p in ("purelib", "platlib"))
+    return started and any(f" {os.path.realpath(p)}/" in maps for p in PACKAGES)
 
 
 def ctrl_c_in_a_terminal(argv, cwd, at=lambda pid: pid if imports_a_package(pid) else None,
