@@ -193,8 +193,8 @@ def main(argv):
     lock = lock_run_folder(cfg["out_dir"], ckpt is not None, cfg["overwrite"],
                            cfg["init_from"]) if proc.master else None  # held until the exit
     if proc.master and ckpt is None:  # as nanoGPT: the keys off their defaults
-        print("\n".join(f"{k} = {v!r}" for k, v in cfg.items()
-                        if v != table(cfg.keys() != table().keys())[k].default))
+        keys = table(cfg.keys() != table().keys())  # once: not for every key
+        print("\n".join(f"{k} = {v!r}" for k, v in cfg.items() if v != keys[k].default))
     run = start(cfg, ckpt, init, proc)
     del ckpt, init
     stopped_by = train_loop(run)
@@ -220,10 +220,10 @@ def open_data(cfg, master):
             hint = f"did you mean --dataset={near}? else " if near else ""
             raise DataError(f"no prepared data at {data_dir}: {hint}run `python prepare_data.py "
                             f"SOURCE --name {data_dir.name} --out_dir {data_dir.parent}` first")
-        if master:  # the README's first command, in a process of its own (its tokenizer pool
-            heard, handler = [], signal.getsignal(signal.SIGINT)  # never forks this one) that
-            if handler != signal.SIG_IGN:  # says Ctrl-C itself: a handler, unlike SIG_IGN, is
-                signal.signal(signal.SIGINT, lambda signum, frame: heard.append(1))  # not inherited
+        if master:  # the README's first command, in a child (its pool never forks torch)
+            heard, handler = [], signal.getsignal(signal.SIGINT)  # the child says its Ctrl-C:
+            if handler != signal.SIG_IGN:  # a handler, unlike SIG_IGN, is not inherited
+                signal.signal(signal.SIGINT, lambda signum, frame: heard.append(1))
             code = subprocess.run([sys.executable, Path(__file__).with_name("prepare_data.py"),
                                    "shakespeare", f"--out_dir={cfg['data_root']}"]).returncode
             signal.signal(signal.SIGINT, handler)
