@@ -63,6 +63,10 @@ class Child:
         try:
             self.box = sandbox.Sandboxed(OPS_SOURCE + f"\nserve({down_r}, {up_w})\n", self.source,
                                          (down_r, up_w), self.hidden, self.sandboxed)
+        except BaseException:  # no child: its ends of the pipes too
+            os.close(down_w)
+            os.close(up_r)
+            raise
         finally:
             os.close(down_r)
             os.close(up_w)

@@ -181,12 +181,14 @@ def main(argv):
     if not (root / "model.py").is_file():
         raise UserError(f"{args['dir']} is not a copy of the assignment (no model.py in it)")
     json_path = output_file(args["json"], "--json", "grade.py") if args["json"] else None
+    figure = json_path and output_file(json_path.with_suffix(".depth_weights.png"), "--json",
+                                       "ablate.py")  # the figure beside it, drawn by ablate.save
     experiment = args["experiment"] and Path(args["experiment"]).resolve()
     if experiment and not experiment.is_dir():
         raise UserError(f"--experiment={args['experiment']} is not a folder; give the --out of the "
                         f"handout's command")
     result = grade(root, args["problem"], experiment, args["seed"], not args["no_sandbox"],
-                   figure=json_path and json_path.with_suffix(".depth_weights.png"))
+                   figure=figure)
     show(result, verbose=args["problem"] is not None)
     if json_path:
         write_atomically(json_path, json.dumps(result, indent=2) + "\n")

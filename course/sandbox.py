@@ -51,6 +51,7 @@ def inside(path, folders) -> bool:
     return any(path == f or path.startswith(f.rstrip("/") + "/") for f in folders)
 
 
+@cache  # a child starts again after each failed test
 def environment(hidden) -> tuple:
     """(folders to bind, folders on sys.path): the interpreter's prefixes and folder, sys.path's
     and those of the libraries mapped here, less a hidden folder's unless a prefix (a .venv)."""
@@ -68,6 +69,7 @@ def environment(hidden) -> tuple:
             [p for p in dict.fromkeys(path) if keep(p)])
 
 
+@cache
 def seccomp() -> bytes:
     """The seccomp program bwrap loads: SYSCALLS's, a clone without CLONE_THREAD and other ABIs
     refused; b"" on a machine SYSCALLS does not know."""
@@ -227,7 +229,7 @@ def read_inside(folder, relative, limit) -> bytes:
     """The bytes of folder/relative, no part of it followed if a link (ELOOP, ENOTDIR), its size
     checked before it is read (EFBIG)."""
     parts = Path(relative).parts
-    if ".." in parts:
+    if ".." in parts or Path(relative).is_absolute():  # (dir_fd is ignored for an absolute one)
         raise OSError(errno.EACCES, "a path out of the folder")
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
     try:
