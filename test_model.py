@@ -75,10 +75,10 @@ def exemptions(request):
         pytest.skip(EXEMPT[request.node.originalname, variant])
 
 
-def build(variant, dtype=torch.float64):
+def build(variant, dtype=torch.float64, **overrides):
     """The variant as a tiny model whose every parameter is off its init (conftest.tiny_variant),
     checked as it is made (held_by_the_model)."""
-    keys = VARIANTS.get(variant) or SHAPES[variant]
+    keys = {**(VARIANTS.get(variant) or SHAPES[variant]), **overrides}
     return held_by_the_model(tiny_variant(dtype=dtype, vocab_size=257, **keys).eval(), variant)
 
 
@@ -392,8 +392,9 @@ def test_contract_is_the_same_model_in_a_fresh_process(variant, tmp_path):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_contract_compiles_in_one_graph(variant):
     """torch.compile(fullgraph=True) traces a training forward without a graph break, to eager's
-    loss, at one length and then others (the length turns symbolic; is_causal stays a literal)
-    (the eager backend: the tracing is what is checked, not inductor's kernels)."""
+    loss, and Depth-Attention's own row at a second length too (the length turns symbolic;
+    is_causal stays a literal) (the eager backend: the tracing is what is checked, not inductor's
+    kernels)."""
     model = build(variant, torch.float32)
     torch._dynamo.reset()  # every variant is a new graph of GPT.forward: no recompile limit
     compiled = torch.compile(model, backend="eager", fullgraph=True)
@@ -457,7 +458,8 @@ def test_contract_a_learned_row_starts_as_its_base(variant):
 def test_contract_a_learned_row_learns(variant):
     """Every parameter the variant adds to attention (a learned row's depth_params, LIMe's routers)
     is trainable (a buffer, or requires_grad=False, never trains; a learned row adds one), the
-    loss's gradient reaches them from their init, and a few Adam steps of them alone (the backbone
+    loss's gradient reaches one of them at least from their init (a gate's first layer follows
+    once its zeroed last one moves), and a few Adam steps of them alone (the backbone
     frozen) move every one of them and the depth weights (the logits, where the variant records
     none): a row that cannot leave its base by gradient fails here, by name. A row's weights stay
     finite with its parameters at zero."""
@@ -550,17 +552,22 @@ def test_contract_weighs_a_candidate_by_the_layer_it_reads(variant):
     per-layer parameter looked up by config.sources(e) + [e]), never its slot, whose layer changes
     from one depth to the next. (Rows whose weights are meant to read the whole set, a
     temperature of the number of candidates say, are exempt by name: EXEMPT.)"""
-    model = build(variant)
-    idx = torch.randint(0, 257, (2, 6))
-    with torch.no_grad(), capture(model) as alphas:
-        model(idx)
-    several = [e for e, (src, _) in alphas.items() if len(src) >= 2]
+    def weighed(**sources):  # the model, its depth weights, its layers with two sources or more
+        model = build(variant, **sources)
+        with torch.no_grad(), capture(model) as alphas:
+            model(idx)
+        return model, alphas, [e for e, (src, _) in alphas.items() if len(src) >= 2]
+    idx, sources = torch.randint(0, 257, (2, 6)), {}
+    model, alphas, several = weighed()
+    if alphas and not several:  # one source a layer (ResFormer's rows): every earlier layer's
+        sources = SOURCE_CASES["every-layer"]
+        model, alphas, several = weighed(**sources)
     if not several:
-        return  # no layer with two sources, or no depth weights of a row (LIMe)
+        return  # no depth weights of a row (LIMe, the hidden-state baselines)
     e, rule = several[-1], ModelConfig.sources
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(ModelConfig, "sources", lambda c, j: rule(c, j)[1:] if j == e else rule(c, j))
-        fewer = build(variant)
+        fewer = build(variant, **sources)
         fewer.load_state_dict(model.state_dict())
         with torch.no_grad(), capture(fewer) as rest:
             fewer(idx)

@@ -308,6 +308,10 @@ def earned(result):
     return {e["problem"]: e["earned"] for e in result["problems"] if e["graded"]}
 
 
+def reasons(result):  # every failing test's reason
+    return [t["why"] for e in result["problems"] if e["graded"] for t in e["tests"] if t["why"]]
+
+
 def failing(result):
     """{problem: the names of its failing tests} for the problems with one."""
     return {e["problem"]: {t["test"] for t in e["tests"] if t["why"] is not None}

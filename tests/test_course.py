@@ -21,6 +21,7 @@ from course import make as make_py
 from course.make import LEFT_OUT, WITHHELD_PAGES, replace_bodies, stubs
 from course.problems import EXPERIMENT, EXPERIMENT_COMMAND, GRADED, MARKER, PROBLEMS
 from helpers import ENV, ROOT, copy_repository, earned, failing, grade_cli, grading_here
+from helpers import reasons
 from outputs import mark
 
 CODE = [p for p in GRADED if p.functions]  # problems 1-4
@@ -141,10 +142,6 @@ DIFFERENT = {
 
 def full(*numbers):
     return {p.number: p.points for p in PROBLEMS if p.number in numbers}
-
-
-def reasons(result):
-    return [t["why"] for e in result["problems"] if e["graded"] for t in e["tests"] if t["why"]]
 
 
 def with_bodies(where, bodies, copy=None):

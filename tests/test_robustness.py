@@ -586,11 +586,12 @@ def test_a_forged_manifest_reaches_nothing_outside_its_folder(tmp_path):
         assert manifest(tmp_path) == {}
     (tmp_path / "victim").mkdir()
     (tmp_path / "victim" / "ckpt.pt").write_text("the user's")
-    run = claim(tmp_path / "run", "train.py", "--out_dir", ["link/ckpt.pt"])
-    run.record()
+    folder = claim(tmp_path / "run", "train.py", "--out_dir", ["link", "link/ckpt.pt"])
+    folder.record()
     (tmp_path / "run" / "link").symlink_to(tmp_path / "victim")
     claim(tmp_path / "run", "train.py", "--out_dir").clear()
     assert (tmp_path / "victim" / "ckpt.pt").read_text() == "the user's"
+    assert not (tmp_path / "run" / "link").is_symlink()  # the link itself was the run's
     elsewhere = tmp_path.parent / f"{tmp_path.name}.json"
     elsewhere.write_text('{"written_by": "train.py, Depth-Attention", "files": ["ckpt.pt"]}')
     (tmp_path / MANIFEST).unlink()
