@@ -430,7 +430,10 @@ def test_grade_refuses_bad_arguments_in_one_line_before_grading(tmp_path, capsys
     mine.write_text("mine")
     other = tmp_path / "other.json"
     other.write_text(json.dumps({"score": 3, "from": "another program"}))
+    figure = tmp_path / "g.depth_weights.png"  # the figure a grading draws beside its --json
+    figure.write_bytes(b"\x89PNG a user's figure")
     for args, fragment in [([f"--json={tmp_path}"], "is a folder"),
+                           ([f"--json={tmp_path / 'g.json'}"], "was not written by ablate.py"),
                            ([f"--json={mine}"], "was not written by grade.py"),
                            ([f"--json={other}"], "was not written by grade.py"),
                            ([f"--experiment={mine}"], "is not a folder"),
@@ -442,6 +445,7 @@ def test_grade_refuses_bad_arguments_in_one_line_before_grading(tmp_path, capsys
         code, err = refused(capsys, grade_py.main, *args)
         assert code == 2 and err.startswith("error: ") and fragment in err and "\n" not in err, err
     assert mine.read_text() == "mine" and json.loads(other.read_text())["score"] == 3
+    assert figure.read_bytes() == b"\x89PNG a user's figure" and not (tmp_path / "g.json").exists()
 
 
 def test_grade_help_says_what_it_protects_against(capsys):
